@@ -1,0 +1,14 @@
+// CRC32C (Castagnoli, the iSCSI polynomial) of a byte range, computed with
+// ISA-L's run-time dispatched implementation (SSE4.2/PCLMUL where present).
+// Pure function; thread-safe.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace strata {
+
+// `seed` chains ranges: Crc32c(b, Crc32c(a)) == Crc32c(a ++ b).
+uint32_t Crc32c(const void* data, size_t size_bytes, uint32_t seed = 0);
+
+}  // namespace strata

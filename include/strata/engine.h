@@ -1,0 +1,111 @@
+// Engine: the front door of strata's C++ API.
+//
+//   strata::Options options;                     // or ApplyOptionsFile(...)
+//   STRATA_ASSIGN_OR_RETURN(auto engine, strata::Engine::Create(options));
+//   STRATA_ASSIGN_OR_RETURN(TensorId w, engine->RegisterTensor({"fc.weight", {4096, 4096}}));
+//   ...                                          // every tensor, in model order
+//   STRATA_RETURN_IF_ERROR(engine->Finalize());  // packs chunks, checks capacity
+//   STRATA_ASSIGN_OR_RETURN(TensorAccess p, engine->Access(w, ChunkKind::kParam, Tier::kDevice));
+//   ... use p.data() on the device ...           // p pins the chunk until it dies
+//
+// The engine owns the device backend, the storage backend, the three tier
+// pools and the residency manager. Create() fails early on bad options, a
+// device budget the device cannot give, NVMe directories without enough free
+// space or refusing O_DIRECT. Thread-safety: RegisterTensor and Finalize
+// from one thread before anything else; after Finalize, Access, MoveChunk
+// and stats may be called from any thread.
+#pragma once
+
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "strata/access.h"
+#include "strata/device.h"
+#include "strata/options.h"
+#include "strata/stats.h"
+#include "strata/status.h"
+#include "strata/storage.h"
+#include "strata/tensor.h"
+#include "strata/types.h"
+
+namespace strata {
+
+// Backends to use instead of the ones the options name: how tests inject
+// faults through the seams.
+struct EngineSeams {
+  std::unique_ptr<Device> device;    // null: CreateDevice(options)
+  std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme_dirs (if any)
+};
+
+// One chunk as the API describes it.
+struct ChunkInfo {
+  ChunkId id;
+  ChunkKind kind = ChunkKind::kParam;
+  DType dtype = DType::kFloat32;
+  uint32_t group = 0;         // chunks of one group mirror one param chunk
+  uint64_t size_bytes = 0;    // slot size
+  uint64_t used_bytes = 0;    // up to the end of its last tensor
+  std::vector<TensorId> tensors;             // in layout order
+  std::vector<uint64_t> tensor_offsets_bytes;  // where each of `tensors` starts in this chunk
+};
+
+struct LayoutSummary {
+  uint64_t chunk_size_elems = 0;
+  bool chunk_size_searched = false;
+  double padding_waste_fraction = 0;  // of param chunk capacity
+  uint64_t total_bytes = 0;           // all chunks of all kinds
+  std::array<uint64_t, kNumChunkKinds> chunks_of_kind{};
+  uint64_t num_groups = 0;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> Create(const Options& options, EngineSeams seams = {});
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers a tensor (before Finalize). Names must be unique.
+  Result<TensorId> RegisterTensor(const TensorSpec& spec);
+  // Packs the registered tensors into chunks and sets each chunk's home tier
+  // (host while it has room, then NVMe). OutOfMemory when the model states
+  // exceed the host and NVMe capacity together.
+  Status Finalize();
+  bool finalized() const;
+
+  // Pins `tensor`'s copy of `kind` on `tier` (device or host), moving its
+  // chunk there first. A kind the tensor lacks (grad of a frozen tensor,
+  // master of an fp32 one) is InvalidArgument.
+  Result<TensorAccess> Access(TensorId tensor, ChunkKind kind, Tier tier);
+  Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
+  // Moves a chunk that is not pinned; synchronous or on a transfer worker.
+  Status MoveChunk(ChunkId chunk, Tier tier);
+  std::shared_future<Status> MoveChunkAsync(ChunkId chunk, Tier tier);
+  // Copies a chunk's bytes into host memory at `dst` (ChunkInfo::size_bytes,
+  // 4096-aligned) from wherever the chunk is, without moving it.
+  Status ReadChunk(ChunkId chunk, void* dst);
+  // Sends every unpinned chunk that has a payload back to its home tier.
+  Status OffloadAll();
+
+  Result<Tier> ChunkTier(ChunkId chunk) const;  // InvalidArgument when the chunk is free (no payload yet)
+  Tier ChunkHome(ChunkId chunk) const;
+  // ChunkOf(tensor, kind): the chunk holding that copy, if the tensor has it.
+  std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
+
+  const Options& options() const;
+  const std::vector<TensorSpec>& tensors() const;
+  std::vector<ChunkInfo> chunks() const;
+  LayoutSummary layout() const;
+  MemoryStats stats() const;
+  Device& device();
+  std::string DescribeBackends() const;
+
+ private:
+  struct Impl;
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata

@@ -1,0 +1,183 @@
+#include "memory/chunk_layout.h"
+
+#include <algorithm>
+#include <map>
+#include <set>
+
+#include "memory/tier_pool.h"
+
+namespace strata::memory {
+namespace {
+
+uint64_t AlignElems(uint64_t elems) {
+  return (elems + kTensorAlignmentElems - 1) / kTensorAlignmentElems * kTensorAlignmentElems;
+}
+
+struct PlannedChunk {
+  DType dtype;
+  bool trainable;
+  uint64_t capacity_elems;
+  uint64_t used_elems = 0;
+  std::vector<std::pair<TensorId, uint64_t>> tensors;  // id, offset
+};
+
+// Packs tensors into param chunks of `chunk_elems` (see the header for the rules).
+std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t chunk_elems) {
+  std::vector<PlannedChunk> chunks;
+  std::map<std::pair<DType, bool>, size_t> open_chunk;  // class -> index into chunks
+
+  auto append = [&](size_t index, uint32_t tensor) {
+    PlannedChunk& chunk = chunks[index];
+    uint64_t offset = AlignElems(chunk.used_elems);
+    chunk.tensors.emplace_back(TensorId(tensor), offset);
+    chunk.used_elems = offset + static_cast<uint64_t>(tensors[tensor].num_elements());
+  };
+  auto open_new = [&](std::pair<DType, bool> cls, uint64_t capacity) {
+    chunks.push_back({cls.first, cls.second, capacity});
+    return chunks.size() - 1;
+  };
+
+  size_t begin = 0;
+  while (begin < tensors.size()) {
+    // A run: consecutive tensors of one module.
+    size_t end = begin + 1;
+    while (end < tensors.size() && tensors[end].module == tensors[begin].module) ++end;
+    std::map<std::pair<DType, bool>, std::vector<uint32_t>> by_class;
+    for (size_t i = begin; i < end; ++i) {
+      by_class[{tensors[i].dtype, tensors[i].trainable}].push_back(static_cast<uint32_t>(i));
+    }
+    for (const auto& [cls, members] : by_class) {
+      uint64_t run_elems = 0;
+      for (uint32_t t : members) run_elems = AlignElems(run_elems) + static_cast<uint64_t>(tensors[t].num_elements());
+      auto open = open_chunk.find(cls);
+      bool fits_open = open != open_chunk.end() &&
+                       AlignElems(chunks[open->second].used_elems) + run_elems <= chunks[open->second].capacity_elems;
+      if (fits_open || run_elems <= chunk_elems) {
+        size_t index = fits_open ? open->second : open_new(cls, chunk_elems);
+        open_chunk[cls] = index;
+        for (uint32_t t : members) append(index, t);
+        continue;
+      }
+      for (uint32_t t : members) {  // the module does not fit in one chunk: tensor by tensor
+        uint64_t elems = static_cast<uint64_t>(tensors[t].num_elements());
+        if (elems > chunk_elems) {  // an oversized tensor gets its own chunk; the open one stays open
+          append(open_new(cls, AlignElems(elems)), t);
+          continue;
+        }
+        auto it = open_chunk.find(cls);
+        if (it == open_chunk.end() || AlignElems(chunks[it->second].used_elems) + elems > chunks[it->second].capacity_elems) {
+          open_chunk[cls] = open_new(cls, chunk_elems);
+        }
+        append(open_chunk[cls], t);
+      }
+    }
+    begin = end;
+  }
+  return chunks;
+}
+
+uint64_t CapacityOf(const std::vector<PlannedChunk>& chunks) {
+  uint64_t capacity = 0;
+  for (const PlannedChunk& chunk : chunks) capacity += chunk.capacity_elems;
+  return capacity;
+}
+
+Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
+  std::set<std::string> names;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    if (t.name.empty()) return InvalidArgument("tensor #{}: the name is empty: every tensor needs a unique name", i);
+    if (!names.insert(t.name).second) {
+      return InvalidArgument("tensor '{}': registered twice: names must be unique", t.name);
+    }
+    for (int64_t d : t.shape) {
+      if (d <= 0) {
+        return InvalidArgument("tensor '{}': dimension {} is not allowed: every dimension must be > 0", t.name, d);
+      }
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
+  return kind == ChunkKind::kParam || kind == ChunkKind::kGrad ? param_dtype : DType::kFloat32;
+}
+
+uint64_t ChunkDesc::size_bytes() const {
+  uint64_t bytes = capacity_elems * DTypeSizeBytes(dtype);
+  return (bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes * kSlotAlignmentBytes;
+}
+
+Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
+                                       uint64_t search_min_elems, uint64_t search_max_elems) {
+  STRATA_RETURN_IF_ERROR(ValidateTensors(tensors));
+  if (tensors.empty()) return InvalidArgument("chunk layout: no tensors registered: register at least one tensor");
+
+  ChunkLayout layout;
+  uint64_t tensor_elems = 0;
+  for (const TensorSpec& t : tensors) tensor_elems += static_cast<uint64_t>(t.num_elements());
+
+  uint64_t chosen = AlignElems(chunk_size_elems);
+  layout.report_.searched = chunk_size_elems == 0;
+  if (chunk_size_elems == 0) {
+    if (search_min_elems == 0 || search_min_elems > search_max_elems) {
+      return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
+                             search_min_elems, search_max_elems);
+    }
+    // A chunk larger than everything gains nothing: stop there.
+    uint64_t upper = std::min(search_max_elems, AlignElems(tensor_elems + kTensorAlignmentElems * tensors.size()));
+    // Smaller chunks always waste less at the tail, but every chunk is a
+    // transfer: take the largest chunk whose waste is within
+    // kWasteToleranceFraction of the least waste found.
+    constexpr double kWasteToleranceFraction = 0.01;
+    std::vector<std::pair<uint64_t, double>> candidates;  // size, waste fraction
+    double least_waste = 1.0;
+    for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
+         size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
+      double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
+      candidates.emplace_back(size, waste);
+      least_waste = std::min(least_waste, waste);
+    }
+    for (const auto& [size, waste] : candidates) {
+      if (waste <= least_waste + kWasteToleranceFraction) chosen = size;
+    }
+  }
+  layout.report_.chunk_size_elems = chosen;
+
+  std::vector<PlannedChunk> planned = Pack(tensors, chosen);
+  layout.placements_.resize(tensors.size());
+  for (uint32_t g = 0; g < planned.size(); ++g) {
+    const PlannedChunk& p = planned[g];
+    ChunkGroup group;
+    group.param_dtype = p.dtype;
+    group.trainable = p.trainable;
+    for (const auto& [tensor, offset] : p.tensors) {
+      group.tensors.push_back(tensor);
+      layout.placements_[tensor.value()] = {g, offset, static_cast<uint64_t>(tensors[tensor.value()].num_elements())};
+    }
+    for (int k = 0; k < kNumChunkKinds; ++k) {
+      auto kind = static_cast<ChunkKind>(k);
+      bool exists = kind == ChunkKind::kParam ||
+                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32));
+      if (!exists) continue;
+      ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, ChunkKindDType(kind, p.dtype), g,
+                     p.capacity_elems, p.used_elems};
+      group.chunk_of_kind[k] = desc.id;
+      layout.report_.total_bytes += desc.size_bytes();
+      layout.report_.chunks_of_kind[k]++;
+      layout.chunks_.push_back(desc);
+    }
+    layout.report_.capacity_elems += p.capacity_elems;
+    layout.groups_.push_back(std::move(group));
+  }
+  layout.report_.tensor_elems = tensor_elems;
+  return layout;
+}
+
+std::optional<ChunkId> ChunkLayout::ChunkOf(TensorId tensor, ChunkKind kind) const {
+  return groups_.at(placements_.at(tensor.value()).group).chunk_of_kind[static_cast<int>(kind)];
+}
+
+}  // namespace strata::memory

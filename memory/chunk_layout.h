@@ -1,0 +1,98 @@
+// ChunkLayout: which chunk, and where in it, every registered tensor lives,
+// for every chunk kind.
+//
+// Tensors are packed in registration order into param chunks of one class
+// (dtype, trainable): the tensors of one module go into one chunk where they
+// fit, a module that does not fit starts a new chunk, and a tensor larger
+// than the chunk size gets a chunk of its own. Every param chunk of a
+// trainable class has a group of state chunks that mirror it — the same
+// tensors at the same element offsets — so an optimizer walks one group at a
+// time: grad (param dtype), master (fp32, only when the param dtype is not
+// fp32), exp_avg and exp_avg_sq (fp32). Frozen tensors get param chunks only.
+//
+// The chunk size (in elements) is given, or searched between two bounds for
+// the least padding waste; sizes within one percentage point of the least
+// waste count as equal, and the largest of them wins (fewer transfers).
+//
+// Immutable once built; thread-safe to read.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "strata/status.h"
+#include "strata/tensor.h"
+#include "strata/types.h"
+
+namespace strata::memory {
+
+// Element offsets of tensors inside a chunk are multiples of this, so every
+// tensor starts 64-byte aligned in 2-byte and in 4-byte chunks (a full
+// AVX-512 register, and a multiple of the 16 bytes of a GPU vector load).
+inline constexpr uint64_t kTensorAlignmentElems = 32;
+
+struct TensorPlacement {
+  uint32_t group = 0;           // index of the chunk group (= the param chunk)
+  uint64_t offset_elems = 0;    // start inside every chunk of the group
+  uint64_t num_elems = 0;
+};
+
+struct ChunkDesc {
+  ChunkId id;
+  ChunkKind kind = ChunkKind::kParam;
+  DType dtype = DType::kFloat32;
+  uint32_t group = 0;
+  uint64_t capacity_elems = 0;  // chunk size, or the tensor's size for an oversized tensor
+  uint64_t used_elems = 0;      // end of the last tensor
+  uint64_t size_bytes() const;  // capacity in bytes, rounded up to the 4KiB slot alignment
+};
+
+struct ChunkGroup {
+  DType param_dtype = DType::kFloat32;
+  bool trainable = true;
+  std::vector<TensorId> tensors;  // in layout order
+  // Chunk of each kind in this group; nullopt for kinds the group lacks.
+  std::array<std::optional<ChunkId>, kNumChunkKinds> chunk_of_kind;
+};
+
+struct LayoutReport {
+  uint64_t chunk_size_elems = 0;
+  bool searched = false;
+  uint64_t tensor_elems = 0;    // sum over param chunks of their tensors
+  uint64_t capacity_elems = 0;  // sum over param chunks of their capacity
+  double waste_fraction() const {
+    return capacity_elems == 0 ? 0.0 : 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(capacity_elems);
+  }
+  uint64_t total_bytes = 0;  // all chunks of all kinds, as stored
+  std::array<uint64_t, kNumChunkKinds> chunks_of_kind{};
+};
+
+class ChunkLayout {
+ public:
+  // chunk_size_elems == 0 searches [search_min_elems, search_max_elems].
+  static Result<ChunkLayout> Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
+                                   uint64_t search_min_elems, uint64_t search_max_elems);
+
+  const std::vector<ChunkDesc>& chunks() const { return chunks_; }
+  const std::vector<ChunkGroup>& groups() const { return groups_; }
+  const ChunkDesc& chunk(ChunkId id) const { return chunks_.at(id.value()); }
+  const TensorPlacement& placement(TensorId id) const { return placements_.at(id.value()); }
+  // The chunk holding `tensor`'s copy of `kind`; NotSupported-free: nullopt
+  // when that kind does not exist for the tensor (frozen, or fp32 master).
+  std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
+  const LayoutReport& report() const { return report_; }
+
+ private:
+  std::vector<ChunkDesc> chunks_;
+  std::vector<ChunkGroup> groups_;
+  std::vector<TensorPlacement> placements_;
+  LayoutReport report_;
+};
+
+// Element size of a chunk kind for a group whose params are `param_dtype`.
+DType ChunkKindDType(ChunkKind kind, DType param_dtype);
+
+}  // namespace strata::memory

@@ -1,0 +1,138 @@
+// Residency: where every chunk's bytes are, and moving them.
+//
+// Every chunk has a home tier (where it is first materialized by Move) and a
+// current tier. A chunk is in one of four states:
+//   free      — no payload yet (it reads as zeros when first accessed);
+//   hold      — resident on one tier, not in use;
+//   compute   — pinned by one or more ChunkAccess handles;
+//   in flight — being moved; everyone else waits for it.
+// A chunk's payload lives on exactly one tier at a time: a move copies, then
+// frees the source slot, so a failed move (an I/O error, a full disk) leaves
+// the chunk where it was, intact.
+//
+// When a tier has no room, the least recently used chunk in hold on it is
+// evicted one tier down (device -> host -> NVMe), cascading; when nothing
+// can be evicted the result is OutOfMemory naming the tier, the request,
+// what is in use and the capacity. (A later planner replaces LRU.)
+//
+// Thread-safety: every method may be called from any thread. One mutex
+// guards the chunk table; it is never held while bytes move (copies and I/O
+// run with the chunk marked in flight). Asynchronous moves run on
+// `transfer_workers` threads owned by the manager.
+#pragma once
+
+#include <array>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <thread>
+#include <vector>
+
+#include "memory/chunk_layout.h"
+#include "memory/tier_pool.h"
+#include "strata/access.h"
+#include "strata/device.h"
+#include "strata/stats.h"
+#include "strata/status.h"
+
+namespace strata::memory {
+
+enum class ChunkState : uint8_t { kFree, kHold, kCompute, kInFlight };
+std::string_view ChunkStateName(ChunkState state);
+
+struct ResidencyConfig {
+  Device* device = nullptr;              // required
+  MemoryTierPool* device_pool = nullptr;  // required
+  MemoryTierPool* host_pool = nullptr;    // required
+  NvmeTierPool* nvme_pool = nullptr;      // optional: no NVMe tier when null
+  uint32_t transfer_workers = 2;
+  uint32_t wait_timeout_ms = 60'000;  // any single wait: a copy, an I/O, a chunk in flight
+};
+
+class ResidencyManager final : public AccessOwner {
+ public:
+  // The pools and the device must outlive the manager.
+  ResidencyManager(const ResidencyConfig& config, const std::vector<ChunkDesc>& chunks);
+  ~ResidencyManager();
+  ResidencyManager(const ResidencyManager&) = delete;
+  ResidencyManager& operator=(const ResidencyManager&) = delete;
+
+  // Makes `id` resident on `tier` (device or host) and pins it there.
+  // Accessing a chunk that is pinned on another tier is InvalidArgument.
+  Result<ChunkAccess> Access(ChunkId id, Tier tier);
+
+  // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
+  // there as zeros). Synchronous, and on a transfer worker.
+  Status Move(ChunkId id, Tier tier);
+  std::shared_future<Status> MoveAsync(ChunkId id, Tier tier);
+
+  // Copies a chunk's bytes, wherever they are, into host memory at `dst`
+  // (size_bytes of the chunk; aligned to 4096 for NVMe reads) without moving
+  // it: zeros for a free chunk. For checkpoints and verification.
+  Status ReadChunk(ChunkId id, std::byte* dst);
+
+  // Moves every chunk that is not pinned and not free to its home tier.
+  Status MoveAllHome();
+  void SetHome(ChunkId id, Tier tier);
+  Tier home(ChunkId id) const;
+
+  uint64_t chunk_size_bytes(ChunkId id) const { return chunks_.at(id.value()).size_bytes; }
+  ChunkState state(ChunkId id) const;
+  std::optional<Tier> tier(ChunkId id) const;  // nullopt when free
+  bool has_tier(Tier tier) const;
+  MemoryStats stats() const;
+  void ReleaseAccess(ChunkId id) override;
+  size_t num_chunks() const { return chunks_.size(); }
+
+ private:
+  struct Chunk {
+    uint64_t size_bytes = 0;
+    Tier home = Tier::kHost;
+    std::optional<Tier> tier;  // nullopt: free
+    Extent extent;
+    uint32_t refs = 0;
+    bool in_flight = false;
+    uint64_t last_use = 0;  // LRU clock value of the last access
+  };
+  using Lock = std::unique_lock<std::mutex>;
+
+  TierPool* pool(Tier tier) const;
+  std::optional<Tier> TierBelow(Tier tier) const;
+  Status WaitNotInFlight(Lock& lock, ChunkId id);
+  // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.
+  Status MoveFlagged(Lock& lock, ChunkId id, Tier to);
+  // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
+  Result<Extent> Reserve(Lock& lock, Tier tier, uint64_t size_bytes);
+  // Copies bytes between slots; runs without the lock.
+  Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
+  std::byte* Address(Tier tier, Extent extent) const;
+  Result<Buffer> AcquireStaging();
+  void ReleaseStaging(Buffer buffer);
+  void WorkerLoop();
+
+  ResidencyConfig config_;
+  uint64_t max_chunk_bytes_ = 0;
+
+  mutable std::mutex mu_;         // guards everything below up to the workers
+  std::condition_variable moved_;  // signalled whenever a chunk leaves the in-flight state
+  std::vector<Chunk> chunks_;
+  uint64_t clock_ = 0;
+  MemoryStats stats_;
+
+  std::mutex staging_mu_;  // guards staging_free_ and staging_count_
+  std::condition_variable staging_cv_;
+  std::vector<Buffer> staging_free_;  // pinned bounce buffers for device<->NVMe moves
+  uint32_t staging_count_ = 0;
+
+  std::mutex queue_mu_;  // guards queue_ and stopping_
+  std::condition_variable queue_cv_;
+  std::deque<std::packaged_task<Status()>> queue_;
+  bool stopping_ = false;
+  std::vector<std::thread> workers_;
+};
+
+}  // namespace strata::memory

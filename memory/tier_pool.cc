@@ -1,0 +1,97 @@
+#include "memory/tier_pool.h"
+
+#include <algorithm>
+
+#include "strata/crc32c.h"
+#include "strata/options.h"
+
+namespace strata::memory {
+
+TierPool::TierPool(uint64_t capacity_bytes) : allocator_(capacity_bytes, kSlotAlignmentBytes) {}
+
+std::optional<Extent> TierPool::Allocate(uint64_t size_bytes) {
+  std::lock_guard lock(mu_);
+  std::optional<Extent> extent = allocator_.Allocate(size_bytes);
+  if (extent) peak_bytes_ = std::max(peak_bytes_, allocator_.used_bytes());
+  return extent;
+}
+
+void TierPool::Free(Extent extent) {
+  {
+    std::lock_guard lock(mu_);
+    allocator_.Free(extent);
+  }
+  OnFree(extent);
+}
+
+TierUsage TierPool::usage() const {
+  std::lock_guard lock(mu_);
+  return {allocator_.capacity_bytes(), allocator_.used_bytes(), peak_bytes_};
+}
+
+uint64_t TierPool::largest_free_bytes() const {
+  std::lock_guard lock(mu_);
+  return allocator_.largest_free_bytes();
+}
+
+Status TierPool::OutOfMemoryError(uint64_t size_bytes, std::string_view why) const {
+  TierUsage u = usage();
+  return OutOfMemory("{} tier: cannot hold {} ({} bytes): {} of {} capacity in use, largest free slot {}; {}",
+                     TierName(tier()), FormatSize(size_bytes), size_bytes, FormatSize(u.used_bytes),
+                     FormatSize(u.capacity_bytes), FormatSize(largest_free_bytes()), why);
+}
+
+MemoryTierPool::MemoryTierPool(Tier tier, Buffer arena)
+    : TierPool(arena.size_bytes()), tier_(tier), arena_(std::move(arena)) {}
+
+Result<std::unique_ptr<MemoryTierPool>> MemoryTierPool::CreateDevice(Device& device, uint64_t capacity_bytes) {
+  uint64_t size = capacity_bytes / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  Result<Buffer> arena = device.Allocate(size);
+  if (!arena.ok()) return arena.status().WithContext("device tier: allocating its arena (option device.budget)");
+  return std::unique_ptr<MemoryTierPool>(new MemoryTierPool(Tier::kDevice, std::move(arena).value()));
+}
+
+Result<std::unique_ptr<MemoryTierPool>> MemoryTierPool::CreateHost(Device& device, uint64_t capacity_bytes,
+                                                                   int numa_node) {
+  uint64_t size = capacity_bytes / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  Result<Buffer> arena = device.AllocatePinnedHost(size, numa_node);
+  if (!arena.ok()) return arena.status().WithContext("host tier: allocating its pinned arena (option host.budget)");
+  return std::unique_ptr<MemoryTierPool>(new MemoryTierPool(Tier::kHost, std::move(arena).value()));
+}
+
+NvmeTierPool::NvmeTierPool(Storage& storage) : TierPool(storage.capacity_bytes()), storage_(storage) {}
+
+Status NvmeTierPool::Write(Extent extent, const std::byte* src, uint64_t size_bytes) {
+  STRATA_CHECK(size_bytes <= extent.size_bytes, "write of {} bytes into a slot of {}", size_bytes, extent.size_bytes);
+  uint32_t crc = Crc32c(src, size_bytes);
+  STRATA_RETURN_IF_ERROR(storage_.Write(extent.offset, src, size_bytes));
+  std::lock_guard lock(mu_);
+  crc_by_offset_[extent.offset] = crc;
+  return Status::Ok();
+}
+
+Status NvmeTierPool::Read(Extent extent, std::byte* dst, uint64_t size_bytes) {
+  uint32_t expected = 0;
+  {
+    std::lock_guard lock(mu_);
+    auto it = crc_by_offset_.find(extent.offset);
+    if (it == crc_by_offset_.end()) {
+      return Internal("nvme tier: read of slot at offset {} that was never written", extent.offset);
+    }
+    expected = it->second;
+  }
+  STRATA_RETURN_IF_ERROR(storage_.Read(extent.offset, dst, size_bytes));
+  uint32_t found = Crc32c(dst, size_bytes);
+  if (found != expected) {
+    return Corruption("nvme tier: slot at offset {} ({} bytes, {}): expected CRC32C {:#010x}, found {:#010x}",
+                      extent.offset, size_bytes, storage_.Describe(), expected, found);
+  }
+  return Status::Ok();
+}
+
+void NvmeTierPool::OnFree(Extent extent) {
+  std::lock_guard lock(mu_);
+  crc_by_offset_.erase(extent.offset);
+}
+
+}  // namespace strata::memory

@@ -1,0 +1,269 @@
+#include "strata/engine.h"
+
+#include <optional>
+
+#include "memory/chunk_layout.h"
+#include "memory/residency.h"
+#include "memory/tier_pool.h"
+#include "strata/logging.h"
+
+namespace strata {
+
+struct Engine::Impl {
+  Options options;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Storage> storage;  // null without an NVMe tier
+  std::unique_ptr<memory::MemoryTierPool> device_pool;
+  std::unique_ptr<memory::MemoryTierPool> host_pool;
+  std::unique_ptr<memory::NvmeTierPool> nvme_pool;
+  std::vector<TensorSpec> tensors;
+  std::optional<memory::ChunkLayout> layout;
+  std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
+
+  Status CheckFinalized(std::string_view what) const {
+    if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
+    return Status::Ok();
+  }
+  Status CheckChunk(ChunkId id) const {
+    STRATA_RETURN_IF_ERROR(CheckFinalized("chunk access"));
+    if (id.value() >= layout->chunks().size()) {
+      return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), layout->chunks().size());
+    }
+    return Status::Ok();
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() {
+  if (impl_ == nullptr) return;
+  // Order matters: handles and moves go before the pools they use, pools
+  // before the backends that gave them memory.
+  impl_->residency.reset();
+  impl_->nvme_pool.reset();
+  impl_->host_pool.reset();
+  impl_->device_pool.reset();
+  impl_->storage.reset();
+  impl_->device.reset();
+}
+
+Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSeams seams) {
+  STRATA_RETURN_IF_ERROR(ValidateOptions(options));
+  SetLogLevel(options.log_level);
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+
+  if (seams.device) {
+    impl->device = std::move(seams.device);
+  } else {
+    STRATA_ASSIGN_OR_RETURN(impl->device, CreateDevice(options));
+  }
+  if (seams.storage) {
+    impl->storage = std::move(seams.storage);
+  } else if (!options.nvme_dirs.empty()) {
+    UringStorageOptions storage_options;
+    storage_options.dirs = options.nvme_dirs;
+    storage_options.capacity_bytes = options.nvme_capacity_bytes;
+    storage_options.block_size_bytes = options.nvme_block_size_bytes;
+    storage_options.queue_depth = options.nvme_queue_depth;
+    storage_options.allow_buffered_io = options.nvme_allow_buffered_io;
+    storage_options.io_timeout_ms = options.nvme_io_timeout_ms;
+    STRATA_ASSIGN_OR_RETURN(impl->storage, CreateUringStorage(storage_options));
+  }
+
+  STRATA_ASSIGN_OR_RETURN(impl->device_pool,
+                          memory::MemoryTierPool::CreateDevice(*impl->device, options.device_budget_bytes));
+  // Host chunks go on the NUMA node nearest the device when asked; the
+  // backend maps "nearest" (node 0 on the emulated device).
+  int numa_node = options.host_numa_local ? 0 : -1;
+  STRATA_ASSIGN_OR_RETURN(impl->host_pool,
+                          memory::MemoryTierPool::CreateHost(*impl->device, options.host_budget_bytes, numa_node));
+  if (impl->storage) impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);
+
+  auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  STRATA_LOG_DEBUG("engine created: {}", engine->DescribeBackends());
+  return engine;
+}
+
+Result<TensorId> Engine::RegisterTensor(const TensorSpec& spec) {
+  if (impl_->residency) {
+    return InvalidArgument("tensor '{}': cannot register after Finalize(): register every tensor first", spec.name);
+  }
+  impl_->tensors.push_back(spec);
+  return TensorId(static_cast<uint32_t>(impl_->tensors.size() - 1));
+}
+
+bool Engine::finalized() const { return impl_->residency != nullptr; }
+
+Status Engine::Finalize() {
+  if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
+  const Options& o = impl_->options;
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
+                          memory::ChunkLayout::Build(impl_->tensors, o.chunk_size_elems, o.chunk_search_min_elems,
+                                                     o.chunk_search_max_elems));
+
+  // Homes: host while it has room, then NVMe. The device tier is a cache of
+  // what compute touches, so no chunk calls it home.
+  uint64_t host_left = impl_->host_pool->usage().capacity_bytes;
+  uint64_t nvme_left = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
+  uint64_t largest_chunk = 0;
+  std::vector<Tier> homes;
+  for (const memory::ChunkDesc& chunk : layout.chunks()) {
+    uint64_t size = chunk.size_bytes();
+    largest_chunk = std::max(largest_chunk, size);
+    if (size <= host_left) {
+      homes.push_back(Tier::kHost);
+      host_left -= size;
+    } else if (size <= nvme_left) {
+      homes.push_back(Tier::kNvme);
+      nvme_left -= size;
+    } else {
+      return OutOfMemory(
+          "model states need {} in {} chunks but the host tier holds {} (host.budget) and the NVMe tier {} "
+          "(nvme.capacity{}): raise a budget or add nvme.dirs",
+          FormatSize(layout.report().total_bytes), layout.chunks().size(),
+          FormatSize(impl_->host_pool->usage().capacity_bytes),
+          FormatSize(impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0),
+          impl_->nvme_pool ? "" : ", not configured");
+    }
+  }
+  if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
+    return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
+                       "or lower chunk.size_elems / chunk.search_max_elems",
+                       FormatSize(largest_chunk), FormatSize(impl_->device_pool->usage().capacity_bytes));
+  }
+
+  memory::ResidencyConfig config;
+  config.device = impl_->device.get();
+  config.device_pool = impl_->device_pool.get();
+  config.host_pool = impl_->host_pool.get();
+  config.nvme_pool = impl_->nvme_pool.get();
+  config.transfer_workers = o.transfer_workers;
+  config.wait_timeout_ms = std::max(o.device_copy_timeout_ms, o.nvme_io_timeout_ms);
+  impl_->residency = std::make_unique<memory::ResidencyManager>(config, layout.chunks());
+  for (size_t i = 0; i < homes.size(); ++i) impl_->residency->SetHome(ChunkId(static_cast<uint32_t>(i)), homes[i]);
+  impl_->layout = std::move(layout);
+  const memory::LayoutReport& r = impl_->layout->report();
+  STRATA_LOG_INFO("finalized {} tensors into {} chunks ({} groups, chunk size {} elements{}, padding waste {:.2f}%, {})",
+                  impl_->tensors.size(), impl_->layout->chunks().size(), impl_->layout->groups().size(),
+                  r.chunk_size_elems, r.searched ? " searched" : "", 100 * r.waste_fraction(),
+                  FormatSize(r.total_bytes));
+  return Status::Ok();
+}
+
+Result<TensorAccess> Engine::Access(TensorId tensor, ChunkKind kind, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckFinalized("tensor access"));
+  if (tensor.value() >= impl_->tensors.size()) {
+    return InvalidArgument("tensor {} does not exist: {} tensors are registered", tensor.value(),
+                           impl_->tensors.size());
+  }
+  std::optional<ChunkId> chunk = impl_->layout->ChunkOf(tensor, kind);
+  const TensorSpec& spec = impl_->tensors[tensor.value()];
+  if (!chunk) {
+    return InvalidArgument("tensor '{}' has no {} copy ({})", spec.name, ChunkKindName(kind),
+                           spec.trainable ? "its params are fp32, so params are the master copy" : "it is frozen");
+  }
+  STRATA_ASSIGN_OR_RETURN(ChunkAccess access, impl_->residency->Access(*chunk, tier));
+  const memory::TensorPlacement& place = impl_->layout->placement(tensor);
+  size_t element = DTypeSizeBytes(impl_->layout->chunk(*chunk).dtype);
+  return TensorAccess(std::move(access), place.offset_elems * element, place.num_elems * element,
+                      impl_->layout->chunk(*chunk).dtype);
+}
+
+Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Access(chunk, tier);
+}
+
+Status Engine::MoveChunk(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Move(chunk, tier);
+}
+
+std::shared_future<Status> Engine::MoveChunkAsync(ChunkId chunk, Tier tier) {
+  Status valid = impl_->CheckChunk(chunk);
+  if (!valid.ok()) {
+    std::promise<Status> failed;
+    failed.set_value(valid);
+    return failed.get_future().share();
+  }
+  return impl_->residency->MoveAsync(chunk, tier);
+}
+
+Status Engine::ReadChunk(ChunkId chunk, void* dst) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->ReadChunk(chunk, static_cast<std::byte*>(dst));
+}
+
+Status Engine::OffloadAll() {
+  STRATA_RETURN_IF_ERROR(impl_->CheckFinalized("OffloadAll"));
+  return impl_->residency->MoveAllHome();
+}
+
+Result<Tier> Engine::ChunkTier(ChunkId chunk) const {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  std::optional<Tier> tier = impl_->residency->tier(chunk);
+  if (!tier) return InvalidArgument("chunk {} is free: it has no payload until it is first accessed or moved", chunk.value());
+  return *tier;
+}
+
+Tier Engine::ChunkHome(ChunkId chunk) const {
+  STRATA_CHECK(impl_->CheckChunk(chunk).ok(), "ChunkHome of chunk {} before Finalize or out of range", chunk.value());
+  return impl_->residency->home(chunk);
+}
+
+std::optional<ChunkId> Engine::ChunkOf(TensorId tensor, ChunkKind kind) const {
+  if (!impl_->layout || tensor.value() >= impl_->tensors.size()) return std::nullopt;
+  return impl_->layout->ChunkOf(tensor, kind);
+}
+
+const Options& Engine::options() const { return impl_->options; }
+const std::vector<TensorSpec>& Engine::tensors() const { return impl_->tensors; }
+
+std::vector<ChunkInfo> Engine::chunks() const {
+  std::vector<ChunkInfo> infos;
+  if (!impl_->layout) return infos;
+  for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
+    size_t element = DTypeSizeBytes(c.dtype);
+    ChunkInfo info{c.id, c.kind, c.dtype, c.group, c.size_bytes(), c.used_elems * element,
+                   impl_->layout->groups()[c.group].tensors, {}};
+    for (TensorId tensor : info.tensors) {
+      info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
+    }
+    infos.push_back(std::move(info));
+  }
+  return infos;
+}
+
+LayoutSummary Engine::layout() const {
+  LayoutSummary summary;
+  if (!impl_->layout) return summary;
+  const memory::LayoutReport& r = impl_->layout->report();
+  summary.chunk_size_elems = r.chunk_size_elems;
+  summary.chunk_size_searched = r.searched;
+  summary.padding_waste_fraction = r.waste_fraction();
+  summary.total_bytes = r.total_bytes;
+  summary.chunks_of_kind = r.chunks_of_kind;
+  summary.num_groups = impl_->layout->groups().size();
+  return summary;
+}
+
+MemoryStats Engine::stats() const {
+  if (impl_->residency) return impl_->residency->stats();
+  MemoryStats stats;
+  stats.tier_present = {true, true, impl_->nvme_pool != nullptr};
+  stats.tiers[0] = impl_->device_pool->usage();
+  stats.tiers[1] = impl_->host_pool->usage();
+  if (impl_->nvme_pool) stats.tiers[2] = impl_->nvme_pool->usage();
+  return stats;
+}
+
+Device& Engine::device() { return *impl_->device; }
+
+std::string Engine::DescribeBackends() const {
+  return fmt::format("device: {}; host: {} pinned; nvme: {}", impl_->device->Describe(),
+                     FormatSize(impl_->host_pool->usage().capacity_bytes),
+                     impl_->storage ? impl_->storage->Describe() : "none (option nvme.dirs)");
+}
+
+}  // namespace strata

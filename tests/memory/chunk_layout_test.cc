@@ -1,0 +1,95 @@
+#include "memory/chunk_layout.h"
+
+#include <set>
+
+#include "test_util.h"
+
+namespace strata::memory {
+namespace {
+
+TensorSpec T(std::string name, std::vector<int64_t> shape, std::string module, DType dtype = DType::kFloat32,
+             bool trainable = true) {
+  return {std::move(name), std::move(shape), dtype, trainable, std::move(module)};
+}
+
+TEST(ChunkLayoutTest, TensorsOfOneModuleShareAChunk) {
+  std::vector<TensorSpec> tensors = {T("a.w", {100, 10}, "a"), T("a.b", {100}, "a"), T("b.w", {900}, "b"),
+                                     T("b.b", {90}, "b")};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 1200, 0, 0));
+  // a (1000 + 100 aligned) fills most of a 1200-element chunk; b does not fit and starts the next.
+  EXPECT_EQ(layout.placement(TensorId(0)).group, layout.placement(TensorId(1)).group);
+  EXPECT_EQ(layout.placement(TensorId(2)).group, layout.placement(TensorId(3)).group);
+  EXPECT_NE(layout.placement(TensorId(0)).group, layout.placement(TensorId(2)).group);
+}
+
+TEST(ChunkLayoutTest, OffsetsAreAlignedAndTensorsDoNotOverlap) {
+  std::vector<TensorSpec> tensors;
+  for (int i = 0; i < 20; ++i) tensors.push_back(T("t" + std::to_string(i), {7 * i + 3}, "m"));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 256, 0, 0));
+  std::map<uint32_t, uint64_t> end_of_group;
+  for (uint32_t i = 0; i < tensors.size(); ++i) {
+    const TensorPlacement& p = layout.placement(TensorId(i));
+    EXPECT_EQ(p.offset_elems % kTensorAlignmentElems, 0u);
+    EXPECT_GE(p.offset_elems, end_of_group[p.group]);
+    end_of_group[p.group] = p.offset_elems + p.num_elems;
+    EXPECT_LE(p.offset_elems + p.num_elems, layout.chunk(*layout.ChunkOf(TensorId(i), ChunkKind::kParam)).capacity_elems);
+  }
+}
+
+TEST(ChunkLayoutTest, OversizedTensorGetsItsOwnChunk) {
+  std::vector<TensorSpec> tensors = {T("small", {64}, "m"), T("huge", {5000}, "m"), T("small2", {64}, "m")};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 1024, 0, 0));
+  const ChunkDesc& huge = layout.chunk(*layout.ChunkOf(TensorId(1), ChunkKind::kParam));
+  EXPECT_GE(huge.capacity_elems, 5000u);
+  EXPECT_EQ(layout.groups()[huge.group].tensors.size(), 1u);
+  // The small tensors around it still share the regular chunk.
+  EXPECT_EQ(layout.placement(TensorId(0)).group, layout.placement(TensorId(2)).group);
+}
+
+TEST(ChunkLayoutTest, StateChunksMirrorParamChunkAndFollowPrecision) {
+  std::vector<TensorSpec> tensors = {T("w", {1000}, "m", DType::kBFloat16), T("frozen", {300}, "m", DType::kBFloat16, false),
+                                     T("w32", {200}, "n", DType::kFloat32)};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 2048, 0, 0));
+  // bf16 trainable: all five kinds, fp32 master.
+  for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad, ChunkKind::kMaster, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+    std::optional<ChunkId> id = layout.ChunkOf(TensorId(0), kind);
+    ASSERT_TRUE(id.has_value()) << ChunkKindName(kind);
+    const ChunkDesc& chunk = layout.chunk(*id);
+    EXPECT_EQ(chunk.dtype, ChunkKindDType(kind, DType::kBFloat16));
+    EXPECT_EQ(chunk.capacity_elems, layout.chunk(*layout.ChunkOf(TensorId(0), ChunkKind::kParam)).capacity_elems);
+  }
+  EXPECT_EQ(layout.chunk(*layout.ChunkOf(TensorId(0), ChunkKind::kMaster)).dtype, DType::kFloat32);
+  // Frozen: param only, and never in a trainable tensor's chunk.
+  EXPECT_FALSE(layout.ChunkOf(TensorId(1), ChunkKind::kGrad).has_value());
+  EXPECT_NE(layout.placement(TensorId(1)).group, layout.placement(TensorId(0)).group);
+  // fp32 trainable: no separate master.
+  EXPECT_TRUE(layout.ChunkOf(TensorId(2), ChunkKind::kExpAvg).has_value());
+  EXPECT_FALSE(layout.ChunkOf(TensorId(2), ChunkKind::kMaster).has_value());
+  EXPECT_EQ(layout.report().chunks_of_kind[static_cast<int>(ChunkKind::kParam)], 3u);
+  EXPECT_EQ(layout.report().chunks_of_kind[static_cast<int>(ChunkKind::kMaster)], 1u);
+}
+
+TEST(ChunkLayoutTest, SearchFindsLeastWaste) {
+  // 10 modules of 3000 elements each: a 3008-element chunk (with alignment) wastes almost nothing.
+  std::vector<TensorSpec> tensors;
+  for (int i = 0; i < 10; ++i) tensors.push_back(T("m" + std::to_string(i), {3000}, "m" + std::to_string(i)));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout searched, ChunkLayout::Build(tensors, 0, 1024, 1 << 16));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout fixed, ChunkLayout::Build(tensors, 4096, 0, 0));
+  EXPECT_TRUE(searched.report().searched);
+  EXPECT_LT(searched.report().waste_fraction(), 0.02);
+  EXPECT_LT(searched.report().waste_fraction(), fixed.report().waste_fraction());
+  EXPECT_GT(fixed.report().waste_fraction(), 0.2);
+}
+
+TEST(ChunkLayoutTest, RejectsBadTensors) {
+  EXPECT_EQ(ChunkLayout::Build({}, 1024, 0, 0).status().code(), StatusCode::kInvalidArgument);
+  Status dup = ChunkLayout::Build({T("x", {4}, "m"), T("x", {4}, "m")}, 1024, 0, 0).status();
+  EXPECT_NE(dup.message().find("registered twice"), std::string::npos);
+  Status zero = ChunkLayout::Build({T("x", {4, 0}, "m")}, 1024, 0, 0).status();
+  EXPECT_NE(zero.message().find("dimension 0"), std::string::npos);
+  EXPECT_EQ(ChunkLayout::Build({T("", {4}, "m")}, 1024, 0, 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ChunkLayout::Build({T("x", {4}, "m")}, 0, 100, 10).status().code(), StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata::memory

@@ -1,0 +1,193 @@
+#include "memory/residency.h"
+
+#include <cerrno>
+
+#include "memory/residency_fixture.h"
+
+namespace strata::memory {
+namespace {
+
+using testing::ResidencyStack;
+
+TEST(ResidencyTest, FreeChunkReadsAsZerosAndMovesThroughStates) {
+  ResidencyStack s({});
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
+  EXPECT_FALSE(s.residency->tier(ChunkId(0)).has_value());
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kCompute);
+    for (uint64_t i = 0; i < access.size_bytes(); ++i) ASSERT_EQ(access.data()[i], std::byte{0});
+  }
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kHold);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);
+  EXPECT_EQ(s.residency->stats().materializations, 1u);
+}
+
+TEST(ResidencyTest, MovesBetweenEveryPairOfTiersKeepEveryByte) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 42));
+  const Tier path[] = {Tier::kDevice, Tier::kNvme, Tier::kHost, Tier::kNvme, Tier::kDevice, Tier::kHost, Tier::kDevice};
+  for (Tier tier : path) {
+    ASSERT_OK(s.residency->Move(ChunkId(0), tier));
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), tier);
+  }
+  EXPECT_TRUE(s.Holds(0, 42, Tier::kDevice));  // the emulated device is host-readable
+  EXPECT_TRUE(s.Holds(0, 42, Tier::kHost));
+  MemoryStats stats = s.residency->stats();
+  for (int from = 0; from < kNumTiers; ++from) {
+    for (int to = 0; to < kNumTiers; ++to) {
+      if (from == to) continue;
+      EXPECT_GE(stats.links[from][to].moves, 1u) << from << "->" << to;
+    }
+  }
+}
+
+TEST(ResidencyTest, EvictsLeastRecentlyUsedChunkOneTierDown) {
+  ResidencyStack s({});  // device holds 2 chunks
+  for (uint32_t id : {0u, 1u, 0u}) ASSERT_OK(s.residency->Access(ChunkId(id), Tier::kDevice).status());
+  ASSERT_OK(s.residency->Access(ChunkId(2), Tier::kDevice).status());
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);  // used more recently than 1
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kHost);
+  EXPECT_EQ(s.residency->tier(ChunkId(2)), Tier::kDevice);
+  EXPECT_EQ(s.residency->stats().evictions, 1u);
+}
+
+TEST(ResidencyTest, EvictionCascadesDeviceToHostToNvme) {
+  ResidencyStack s({});  // device 2, host 2
+  for (uint32_t id = 0; id < 6; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(id)));
+  for (uint32_t id = 0; id < 6; ++id) ASSERT_OK(s.residency->Access(ChunkId(id), Tier::kDevice).status());
+  int on[kNumTiers] = {};
+  for (uint32_t id = 0; id < 6; ++id) on[static_cast<int>(*s.residency->tier(ChunkId(id)))]++;
+  EXPECT_EQ(on[0], 2);
+  EXPECT_EQ(on[1], 2);
+  EXPECT_EQ(on[2], 2);
+  for (uint32_t id = 0; id < 6; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(id))) << id;
+}
+
+TEST(ResidencyTest, PinnedChunksAreNeverEvictedAndFullTierIsOutOfMemory) {
+  ResidencyStack s({});
+  ASSERT_OK_AND_ASSIGN(ChunkAccess a, s.residency->Access(ChunkId(0), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess b, s.residency->Access(ChunkId(1), Tier::kDevice));
+  Result<ChunkAccess> c = s.residency->Access(ChunkId(2), Tier::kDevice);
+  ASSERT_FALSE(c.ok());
+  EXPECT_EQ(c.status().code(), StatusCode::kOutOfMemory);
+  for (const char* part : {"device tier", "every chunk on it is in use", "128KiB of 128KiB"}) {
+    EXPECT_NE(c.status().message().find(part), std::string::npos) << c.status().ToString();
+  }
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);
+  b.Release();
+  EXPECT_OK(s.residency->Access(ChunkId(2), Tier::kDevice).status());
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kHost);
+}
+
+TEST(ResidencyTest, FullHostWithoutNvmeIsOutOfMemoryNamingTheOption) {
+  ResidencyStack s({.nvme_chunks = 0});
+  for (uint32_t id = 0; id < 2; ++id) ASSERT_OK(s.Fill(id, 1));  // host holds 2
+  Status status = s.residency->Access(ChunkId(2), Tier::kHost).status();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("nvme.dirs"), std::string::npos) << status.ToString();
+  EXPECT_EQ(s.residency->Move(ChunkId(0), Tier::kNvme).code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(s.Holds(0, 1));
+}
+
+TEST(ResidencyTest, ReadChunkCopiesFromAnyTierWithoutMovingIt) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 77));
+  Buffer copy = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  for (Tier tier : {Tier::kHost, Tier::kDevice, Tier::kNvme}) {
+    ASSERT_OK(s.residency->Move(ChunkId(0), tier));
+    std::memset(copy.data(), 0xFF, copy.size_bytes());
+    ASSERT_OK(s.residency->ReadChunk(ChunkId(0), copy.bytes()));
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), tier);
+    for (uint64_t i = 0; i < copy.size_bytes(); ++i) {
+      ASSERT_EQ(copy.bytes()[i], std::byte(static_cast<uint8_t>(77 + i * 7))) << TierName(tier) << " byte " << i;
+    }
+  }
+  ASSERT_OK(s.residency->ReadChunk(ChunkId(6), copy.bytes()));  // free: zeros
+  EXPECT_EQ(copy.bytes()[10], std::byte{0});
+}
+
+TEST(ResidencyTest, AccessOnAnotherTierWhilePinnedIsInvalid) {
+  ResidencyStack s({});
+  ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(0), Tier::kHost));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess shared, s.residency->Access(ChunkId(0), Tier::kHost));  // same tier: shared
+  Result<ChunkAccess> elsewhere = s.residency->Access(ChunkId(0), Tier::kDevice);
+  EXPECT_EQ(elsewhere.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.residency->Move(ChunkId(0), Tier::kNvme).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.residency->Access(ChunkId(0), Tier::kNvme).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.residency->Access(ChunkId(99), Tier::kHost).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ResidencyTest, FailedNvmeWriteDuringEvictionLosesNothing) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 10));
+  ASSERT_OK(s.Fill(1, 11));  // host is full
+  s.faults->FailWrites(ENOSPC);
+  Status status = s.residency->Access(ChunkId(2), Tier::kHost).status();
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("evicting"), std::string::npos) << status.ToString();
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  EXPECT_TRUE(s.Holds(0, 10));
+  EXPECT_TRUE(s.Holds(1, 11));
+  EXPECT_EQ(s.nvme_pool->usage().used_bytes, 0u);  // the failed slot was returned
+  EXPECT_OK(s.residency->Access(ChunkId(2), Tier::kHost).status());  // the fault has passed
+}
+
+TEST(ResidencyTest, CorruptChunkOnNvmeIsCorruptionAndStaysPut) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(3, 33));
+  s.faults->CorruptWrites(1);
+  ASSERT_OK(s.residency->Move(ChunkId(3), Tier::kNvme));
+  Status status = s.residency->Access(ChunkId(3), Tier::kHost).status();
+  EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
+  EXPECT_NE(status.message().find("chunk 3"), std::string::npos) << status.ToString();
+  EXPECT_EQ(s.residency->tier(ChunkId(3)), Tier::kNvme);
+  EXPECT_EQ(s.residency->state(ChunkId(3)), ChunkState::kHold);
+}
+
+TEST(ResidencyTest, NvmeReadErrorReachesTheCaller) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 1));
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kNvme));
+  s.faults->FailReads(EIO);
+  EXPECT_EQ(s.residency->Access(ChunkId(0), Tier::kDevice).status().code(), StatusCode::kIoError);
+  EXPECT_TRUE(s.Holds(0, 1));
+}
+
+TEST(ResidencyTest, StuckCopyIsTimeoutAndChunkStaysIntact) {
+  // 64 KiB at 0.001 GB/s takes ~65 ms; the manager waits 10 ms.
+  ResidencyStack s({.bandwidth_gbps = 0.001, .timeout_ms = 10});
+  ASSERT_OK(s.Fill(0, 5));
+  Status status = s.residency->Move(ChunkId(0), Tier::kDevice);
+  EXPECT_EQ(status.code(), StatusCode::kTimeout) << status.ToString();
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  EXPECT_TRUE(s.Holds(0, 5));
+  ASSERT_OK(s.device->Synchronize(5'000));  // let the stray copy finish before teardown
+}
+
+TEST(ResidencyTest, AsynchronousMovesCompleteAndKeepBytes) {
+  ResidencyStack s({.num_chunks = 8, .device_chunks = 3, .host_chunks = 3});
+  for (uint32_t id = 0; id < 6; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(100 + id)));
+  std::vector<std::shared_future<Status>> moves;
+  for (uint32_t id = 0; id < 6; ++id) moves.push_back(s.residency->MoveAsync(ChunkId(id), id % 2 ? Tier::kNvme : Tier::kDevice));
+  for (auto& move : moves) EXPECT_OK(move.get());
+  for (uint32_t id = 0; id < 6; ++id) {
+    EXPECT_EQ(s.residency->tier(ChunkId(id)), id % 2 ? Tier::kNvme : Tier::kDevice);
+    EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(100 + id)));
+  }
+}
+
+TEST(ResidencyTest, MoveAllHomeReturnsUnpinnedChunks) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 1));
+  ASSERT_OK(s.Fill(1, 2));
+  s.residency->SetHome(ChunkId(0), Tier::kNvme);
+  ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(1), Tier::kDevice));
+  ASSERT_OK(s.residency->MoveAllHome());
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kNvme);
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kDevice);  // pinned: stays
+  EXPECT_EQ(s.residency->state(ChunkId(5)), ChunkState::kFree);  // free: stays free
+}
+
+}  // namespace
+}  // namespace strata::memory

@@ -1,0 +1,161 @@
+#include "strata/engine.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include "src/selftest.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+Options SmallOptions() {
+  Options options;
+  options.device_backend = DeviceBackendKind::kEmulated;
+  options.device_budget_bytes = 1 << 20;
+  options.host_budget_bytes = 2 << 20;
+  options.chunk_size_elems = 16384;  // 64 KiB fp32 chunks
+  options.log_level = LogLevel::kWarning;
+  return options;
+}
+
+TEST(EngineTest, BadOptionFailsCreate) {
+  Options options = SmallOptions();
+  options.nvme_block_size_bytes = 1000;
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(options);
+  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("nvme.block_size"), std::string::npos);
+}
+
+TEST(EngineTest, DeviceThatCannotGiveTheBudgetFailsCreate) {
+  EmulatedDeviceOptions small;
+  small.capacity_bytes = 256 << 10;
+  EngineSeams seams;
+  seams.device = std::move(CreateEmulatedDevice(small)).value();
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(SmallOptions(), std::move(seams));
+  EXPECT_EQ(engine.status().code(), StatusCode::kOutOfMemory) << engine.status().ToString();
+  EXPECT_NE(engine.status().message().find("device.budget"), std::string::npos);
+}
+
+TEST(EngineTest, MissingNvmeDirFailsCreateNamingIt) {
+  Options options = SmallOptions();
+  options.nvme_dirs = {"/nonexistent/strata-nvme"};
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(options);
+  EXPECT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("/nonexistent/strata-nvme"), std::string::npos)
+      << engine.status().ToString();
+}
+
+TEST(EngineTest, ModelLargerThanHostAndNvmeFailsFinalize) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK(engine->RegisterTensor({"big", {1 << 20}, DType::kFloat32, true, "m"}).status());  // 16 MiB of states
+  Status status = engine->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("host.budget"), std::string::npos) << status.ToString();
+}
+
+TEST(EngineTest, ChunkLargerThanDeviceFailsFinalize) {
+  Options options = SmallOptions();
+  options.host_budget_bytes = 64 << 20;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  ASSERT_OK(engine->RegisterTensor({"big", {1 << 20}, DType::kFloat32, false, "m"}).status());  // one 4 MiB chunk
+  Status status = engine->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("device.budget"), std::string::npos) << status.ToString();
+}
+
+TEST(EngineTest, LifecycleErrorsAreInvalidArgument) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK_AND_ASSIGN(TensorId frozen, engine->RegisterTensor({"frozen", {100}, DType::kFloat32, false, "m"}));
+  EXPECT_EQ(engine->Access(frozen, ChunkKind::kParam, Tier::kHost).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(engine->Finalize());
+  EXPECT_EQ(engine->Finalize().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterTensor({"late", {1}}).status().code(), StatusCode::kInvalidArgument);
+  Status grad = engine->Access(frozen, ChunkKind::kGrad, Tier::kHost).status();
+  EXPECT_NE(grad.message().find("frozen"), std::string::npos) << grad.ToString();
+  EXPECT_EQ(engine->Access(TensorId(7), ChunkKind::kParam, Tier::kHost).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->ChunkTier(ChunkId(0)).status().code(), StatusCode::kInvalidArgument);  // free
+}
+
+TEST(EngineTest, TensorAccessPointsAtTheTensorInsideItsChunk) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK_AND_ASSIGN(TensorId a, engine->RegisterTensor({"a", {10, 10}, DType::kBFloat16, true, "m"}));
+  ASSERT_OK_AND_ASSIGN(TensorId b, engine->RegisterTensor({"b", {50}, DType::kBFloat16, true, "m"}));
+  ASSERT_OK(engine->Finalize());
+  ASSERT_OK_AND_ASSIGN(TensorAccess pa, engine->Access(a, ChunkKind::kParam, Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(TensorAccess pb, engine->Access(b, ChunkKind::kParam, Tier::kDevice));
+  EXPECT_EQ(pa.size_bytes(), 200u);
+  EXPECT_EQ(pa.num_elements(), 100u);
+  EXPECT_EQ(pa.chunk_id(), pb.chunk_id());
+  EXPECT_GE(static_cast<std::byte*>(pb.data()), static_cast<std::byte*>(pa.data()) + 200);
+  ASSERT_OK_AND_ASSIGN(TensorAccess master, engine->Access(a, ChunkKind::kMaster, Tier::kHost));
+  EXPECT_EQ(master.dtype(), DType::kFloat32);
+  EXPECT_EQ(master.size_bytes(), 400u);
+}
+
+class SelftestTest : public ::testing::Test {
+ protected:
+  SelftestConfig SmallModel() {
+    SelftestConfig config;
+    config.layers = 3;
+    config.hidden = 64;
+    config.vocab = 512;
+    config.sequence = 64;
+    return config;
+  }
+  Options SelftestOptions() {
+    Options options;
+    options.device_backend = DeviceBackendKind::kEmulated;
+    options.chunk_search_min_elems = 1 << 10;
+    options.chunk_search_max_elems = 1 << 15;
+    options.nvme_dirs = {dir_.path()};
+    options.log_level = LogLevel::kWarning;
+    return options;
+  }
+  testing::ScratchDir dir_{"selftest"};
+};
+
+TEST_F(SelftestTest, GptStackCyclesThroughAllTiersAndVerifies) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Options options = SelftestOptions();
+    options.compute_dtype = dtype;
+    ASSERT_OK_AND_ASSIGN(SelftestReport report, RunSelftest(SmallModel(), options));
+    EXPECT_EQ(report.mismatches, 0u) << report.first_mismatch;
+    EXPECT_GT(report.copies_checked, report.tensors);
+    for (auto [from, to] : {std::pair{0, 1}, {1, 0}, {1, 2}, {2, 1}}) {
+      EXPECT_GT(report.stats.links[from][to].moves, 0u) << TierName(static_cast<Tier>(from)) << "->"
+                                                        << TierName(static_cast<Tier>(to));
+    }
+    std::string text = FormatSelftestReport(report);
+    EXPECT_NE(text.find("selftest PASSED"), std::string::npos) << text;
+    EXPECT_NE(SelftestReportJson(report).find("\"passed\": true"), std::string::npos);
+  }
+}
+
+TEST_F(SelftestTest, CorruptionOnTheDriveIsReportedNotVerified) {
+  EngineSeams seams;
+  auto faults = std::make_unique<FaultInjectingStorage>(std::move(CreateMemoryStorage(64 << 20)).value());
+  faults->CorruptWrites(1000);
+  seams.storage = std::move(faults);
+  Options options = SelftestOptions();
+  options.nvme_dirs.clear();
+  Result<SelftestReport> report = RunSelftest(SmallModel(), options, std::move(seams));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
+}
+
+TEST_F(SelftestTest, FullDriveIsAnIoErrorNotLostData) {
+  EngineSeams seams;
+  auto faults = std::make_unique<FaultInjectingStorage>(std::move(CreateMemoryStorage(64 << 20)).value());
+  faults->FailWrites(ENOSPC, 1000);
+  seams.storage = std::move(faults);
+  Options options = SelftestOptions();
+  options.nvme_dirs.clear();
+  Result<SelftestReport> report = RunSelftest(SmallModel(), options, std::move(seams));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIoError);
+  EXPECT_NE(report.status().message().find("No space left"), std::string::npos) << report.status().ToString();
+}
+
+}  // namespace
+}  // namespace strata
