@@ -348,7 +348,7 @@ Result<Buffer> ResidencyManager::AcquireStaging() {
   }
   staging_count_++;
   lock.unlock();
-  Result<Buffer> buffer = config_.device->AllocatePinnedHost(max_chunk_bytes_, -1);
+  Result<Buffer> buffer = config_.device->AllocatePinnedHost(max_chunk_bytes_, kNumaNodeNearDevice);
   if (!buffer.ok()) {
     std::lock_guard relock(staging_mu_);
     staging_count_--;

@@ -73,9 +73,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
 
   STRATA_ASSIGN_OR_RETURN(impl->device_pool,
                           memory::MemoryTierPool::CreateDevice(*impl->device, options.device_budget_bytes));
-  // Host chunks go on the NUMA node nearest the device when asked; the
-  // backend maps "nearest" (node 0 on the emulated device).
-  int numa_node = options.host_numa_local ? 0 : -1;
+  // Host chunks go on the NUMA node nearest the device when asked (hwloc
+  // finds the GPU's node; a one-node machine has nothing to choose).
+  int numa_node = options.host_numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
   STRATA_ASSIGN_OR_RETURN(impl->host_pool,
                           memory::MemoryTierPool::CreateHost(*impl->device, options.host_budget_bytes, numa_node));
   if (impl->storage) impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);

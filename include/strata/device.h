@@ -23,6 +23,9 @@
 
 namespace strata {
 
+inline constexpr int kNumaNodeNearDevice = -1;
+inline constexpr int kNumaNodeUnbound = -2;
+
 // Completion of one queued copy.
 class Event {
  public:
@@ -56,7 +59,9 @@ class Device {
   virtual size_t allocated_bytes() const = 0;
 
   // Page-locked host memory, aligned to 4096 bytes (usable for O_DIRECT and
-  // asynchronous copies), on `numa_node` when >= 0.
+  // asynchronous copies), on `numa_node` when >= 0, on the node nearest the
+  // device for kNumaNodeNearDevice (the emulated device has no such node:
+  // unbound), unbound for kNumaNodeUnbound.
   virtual Result<Buffer> AllocatePinnedHost(size_t size_bytes, int numa_node) = 0;
 
   // Queues a copy of `size_bytes` from `src` to `dst` on `stream`

@@ -25,6 +25,7 @@
 #include <string>
 #include <utility>
 
+#include "src/device/capacity_ledger.h"
 #include "src/device/cuda_check.h"
 #include "src/topology.h"
 #include "strata/buffer.h"
@@ -103,40 +104,6 @@ Result<std::shared_ptr<Event>> RecordEvent(int device_index, cudaStream_t stream
   return std::shared_ptr<Event>(std::move(event));
 }
 
-// Bytes handed out against the capacity, shared by the device and its
-// Buffers.
-class CapacityLedger {
- public:
-  explicit CapacityLedger(size_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
-
-  // Takes `size_bytes` if they fit; either way reports what was allocated
-  // before, for the caller's error message.
-  bool TryReserve(size_t size_bytes, size_t* allocated_before_bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    *allocated_before_bytes = allocated_bytes_;
-    if (size_bytes > capacity_bytes_ - allocated_bytes_) return false;
-    allocated_bytes_ += size_bytes;
-    return true;
-  }
-
-  void Release(size_t size_bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    STRATA_CHECK(size_bytes <= allocated_bytes_, "releasing {} bytes but only {} are allocated", size_bytes,
-                 allocated_bytes_);
-    allocated_bytes_ -= size_bytes;
-  }
-
-  size_t allocated_bytes() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return allocated_bytes_;
-  }
-  size_t capacity_bytes() const { return capacity_bytes_; }
-
- private:
-  const size_t capacity_bytes_;
-  mutable std::mutex mutex_;  // guards allocated_bytes_
-  size_t allocated_bytes_ = 0;
-};
 
 Status FreeDeviceMemory(int device_index, void* data) {
   STRATA_RETURN_IF_ERROR(SetDevice(device_index));
@@ -226,7 +193,7 @@ class CudaDevice final : public Device {
     if (size_bytes == 0) return InvalidArgument("pinned host (cuda:{}): cannot allocate 0 bytes", index());
     // Unplaced requests go next to the GPU: its DMA engines read and write
     // this memory, and crossing the socket link costs bandwidth.
-    const int node = numa_node >= 0 ? numa_node : parts_.numa_node;
+    const int node = numa_node == kNumaNodeNearDevice ? parts_.numa_node : numa_node;
     STRATA_RETURN_IF_ERROR(SetDevice(index()));
 
     Buffer host = AllocateAlignedHost(size_bytes, kAlignmentBytes, node);

@@ -28,6 +28,7 @@
 #include <thread>
 #include <utility>
 
+#include "src/device/capacity_ledger.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
 #include "strata/logging.h"
@@ -80,40 +81,6 @@ class EmulatedEvent final : public Event {
   Status status_;
 };
 
-// Bytes handed out against the capacity. Shared by the device and its
-// Buffers (see the lifetime note at the top of the file).
-class CapacityLedger {
- public:
-  explicit CapacityLedger(size_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
-
-  // Takes `size_bytes` if they fit; either way reports what was allocated
-  // before, for the caller's error message.
-  bool TryReserve(size_t size_bytes, size_t* allocated_before_bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    *allocated_before_bytes = allocated_bytes_;
-    if (size_bytes > capacity_bytes_ - allocated_bytes_) return false;
-    allocated_bytes_ += size_bytes;
-    return true;
-  }
-
-  void Release(size_t size_bytes) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    STRATA_CHECK(size_bytes <= allocated_bytes_, "releasing {} bytes but only {} are allocated", size_bytes,
-                 allocated_bytes_);
-    allocated_bytes_ -= size_bytes;
-  }
-
-  size_t allocated_bytes() const {
-    std::lock_guard<std::mutex> lock(mutex_);
-    return allocated_bytes_;
-  }
-  size_t capacity_bytes() const { return capacity_bytes_; }
-
- private:
-  const size_t capacity_bytes_;
-  mutable std::mutex mutex_;  // guards allocated_bytes_
-  size_t allocated_bytes_ = 0;
-};
 
 // One copy stream: a worker thread running queued copies in FIFO order, each
 // completing its event. A copy of 0 bytes is a marker (Synchronize).
