@@ -39,9 +39,11 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
 
   size_t begin = 0;
   while (begin < tensors.size()) {
-    // A run: consecutive tensors of one module.
+    // A run: consecutive tensors of one module (a tensor with no module is a run of its own).
     size_t end = begin + 1;
-    while (end < tensors.size() && tensors[end].module == tensors[begin].module) ++end;
+    while (end < tensors.size() && !tensors[begin].module.empty() && tensors[end].module == tensors[begin].module) {
+      ++end;
+    }
     std::map<std::pair<DType, bool>, std::vector<uint32_t>> by_class;
     for (size_t i = begin; i < end; ++i) {
       by_class[{tensors[i].dtype, tensors[i].trainable}].push_back(static_cast<uint32_t>(i));

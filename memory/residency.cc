@@ -11,6 +11,10 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// The most steps one move waits on in a row (room, a bounce buffer, a copy,
+// an I/O): a chunk in flight is given that many step timeouts to land.
+constexpr uint32_t kMoveSteps = 4;
+
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
@@ -51,9 +55,15 @@ ResidencyManager::~ResidencyManager() {
   }
   queue_cv_.notify_all();
   for (std::thread& worker : workers_) worker.join();
+  // A copy that timed out may still be running into a slot or bounce buffer
+  // freed below: let the device finish first.
+  Status drained = config_.device->Synchronize(config_.wait_timeout_ms);
+  if (!drained.ok()) STRATA_LOG_ERROR("residency teardown: the device did not drain: {}", drained.ToString());
   std::lock_guard lock(mu_);
-  for (Chunk& chunk : chunks_) {
-    if (chunk.refs > 0) STRATA_LOG_WARNING("residency: destroyed while a chunk is still accessed ({} refs)", chunk.refs);
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    Chunk& chunk = chunks_[i];
+    STRATA_CHECK(chunk.refs == 0, "chunk {} is still accessed ({} handles) while its engine is destroyed: release "
+                 "every ChunkAccess/TensorAccess first", i, chunk.refs);
     if (chunk.tier) pool(*chunk.tier)->Free(chunk.extent);
     chunk.tier.reset();
   }
@@ -129,12 +139,9 @@ MemoryStats ResidencyManager::stats() const {
 
 Status ResidencyManager::WaitNotInFlight(Lock& lock, ChunkId id) {
   Chunk& chunk = chunks_[id.value()];
-  bool settled = moved_.wait_for(lock, std::chrono::milliseconds(config_.wait_timeout_ms),
-                                 [&] { return !chunk.in_flight; });
-  if (!settled) {
-    return Timeout("chunk {}: still in flight after {} ms (a stuck copy or drive?)", id.value(),
-                   config_.wait_timeout_ms);
-  }
+  const uint64_t timeout_ms = uint64_t{kMoveSteps} * config_.wait_timeout_ms;
+  bool settled = moved_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return !chunk.in_flight; });
+  if (!settled) return Timeout("chunk {}: still in flight after {} ms (a stuck copy or drive?)", id.value(), timeout_ms);
   return Status::Ok();
 }
 
@@ -170,7 +177,9 @@ void ResidencyManager::ReleaseAccess(ChunkId id) {
   chunk.refs--;
 }
 
-Status ResidencyManager::Move(ChunkId id, Tier tier) {
+Status ResidencyManager::Move(ChunkId id, Tier tier) { return MoveUnlessPinned(id, tier, /*skip_pinned=*/false); }
+
+Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned) {
   if (id.value() >= chunks_.size()) {
     return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());
   }
@@ -183,11 +192,14 @@ Status ResidencyManager::Move(ChunkId id, Tier tier) {
   Chunk& chunk = chunks_[id.value()];
   if (chunk.tier == tier) return Status::Ok();
   if (chunk.refs > 0) {
+    if (skip_pinned) return Status::Ok();
     return InvalidArgument("chunk {}: in use on the {} tier ({} accesses); release them before moving it", id.value(),
                            TierName(*chunk.tier), chunk.refs);
   }
   chunk.in_flight = true;
-  return MoveFlagged(lock, id, tier);
+  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier));
+  chunk.last_use = ++clock_;  // asked for: as recent as an access (a prefetch must not be evicted first)
+  return Status::Ok();
 }
 
 std::shared_future<Status> ResidencyManager::MoveAsync(ChunkId id, Tier tier) {
@@ -205,6 +217,10 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
   if (id.value() >= chunks_.size()) {
     return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());
   }
+  if (reinterpret_cast<uintptr_t>(dst) % kSlotAlignmentBytes != 0) {
+    return InvalidArgument("ReadChunk of chunk {}: the destination is not {}-byte aligned", id.value(),
+                           kSlotAlignmentBytes);
+  }
   Lock lock(mu_);
   STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
   Chunk& chunk = chunks_[id.value()];
@@ -212,8 +228,10 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
     std::memset(dst, 0, chunk.size_bytes);
     return Status::Ok();
   }
-  // In flight for the duration: nobody moves or frees the slot while we read it.
-  chunk.in_flight = true;
+  // A pinned chunk cannot move; any other is marked in flight for the
+  // duration, so nobody moves or frees its slot while it is read.
+  const bool mark = chunk.refs == 0;
+  if (mark) chunk.in_flight = chunk.copying = true;
   Tier from = *chunk.tier;
   Extent extent = chunk.extent;
   lock.unlock();
@@ -223,22 +241,39 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
   } else if (from == Tier::kHost) {
     std::memcpy(dst, Address(from, extent), chunk.size_bytes);
   } else {
-    Result<std::shared_ptr<Event>> event =
-        config_.device->CopyAsync(CopyStream::kDeviceToHost, dst, Address(from, extent), chunk.size_bytes);
-    status = event.ok() ? (*event)->Wait(config_.wait_timeout_ms) : event.status();
+    // Through a bounce buffer: if the copy times out it may go on writing,
+    // and it must not write into the caller's memory then.
+    Result<Buffer> staging = AcquireStaging();
+    status = staging.status();
+    if (staging.ok()) {
+      Result<std::shared_ptr<Event>> event =
+          config_.device->CopyAsync(CopyStream::kDeviceToHost, staging->data(), Address(from, extent), chunk.size_bytes);
+      status = event.ok() ? (*event)->Wait(config_.wait_timeout_ms) : event.status();
+      if (status.ok()) std::memcpy(dst, staging->data(), chunk.size_bytes);
+      ReleaseStaging(std::move(staging).value(), status);
+    }
   }
   lock.lock();
-  chunk.in_flight = false;
+  if (mark) chunk.in_flight = chunk.copying = false;
   moved_.notify_all();
   return status.WithContext(fmt::format("reading chunk {} on {}", id.value(), TierName(from)));
 }
 
 Status ResidencyManager::MoveAllHome() {
-  for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    ChunkId id(i);
-    ChunkState now = state(id);
-    if (now == ChunkState::kCompute || now == ChunkState::kFree) continue;
-    STRATA_RETURN_IF_ERROR(Move(id, home(id)));
+  // Down first, from the lowest tier up, so each move finds the room the
+  // moves before it made below; then up.
+  struct Pass {
+    Tier from;
+    bool down;
+  };
+  for (Pass pass : {Pass{Tier::kHost, true}, Pass{Tier::kDevice, true}, Pass{Tier::kNvme, false},
+                    Pass{Tier::kHost, false}}) {
+    for (uint32_t i = 0; i < chunks_.size(); ++i) {
+      ChunkId id(i);
+      Tier target = home(id);
+      if (tier(id) != pass.from || target == pass.from || (target > pass.from) != pass.down) continue;
+      STRATA_RETURN_IF_ERROR(MoveUnlessPinned(id, target, /*skip_pinned=*/true));
+    }
   }
   return Status::Ok();
 }
@@ -247,7 +282,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to) {
   Chunk& chunk = chunks_[id.value()];
   STRATA_DCHECK(chunk.in_flight, "MoveFlagged of chunk {} that is not marked in flight", id.value());
   auto finish = [&](Status status) {
-    chunk.in_flight = false;
+    chunk.in_flight = chunk.copying = false;
     moved_.notify_all();
     return status;
   };
@@ -258,6 +293,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to) {
   std::optional<Tier> from = chunk.tier;
   Extent src = chunk.extent;
   uint64_t size = chunk.size_bytes;
+  chunk.copying = true;
   lock.unlock();
   Clock::time_point start = Clock::now();
   Status status = Transfer(from, src, to, *dst, size);
@@ -265,10 +301,11 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to) {
   lock.lock();
 
   if (!status.ok()) {
-    // The chunk keeps its old slot and bytes. After a Timeout the copy may
-    // still be running into the new slot: leave that slot allocated for good
-    // rather than hand it to another chunk while it is being written.
-    if (status.code() == StatusCode::kTimeout) {
+    // The chunk keeps its old slot and bytes. After a device copy into the
+    // new slot timed out, the copy may still be running: leave that slot
+    // allocated for good rather than hand it to another chunk while it is
+    // being written. (NVMe writes come back only once their I/O has ended.)
+    if (status.code() == StatusCode::kTimeout && to != Tier::kNvme) {
       STRATA_LOG_ERROR("chunk {}: move to {} timed out; its {} slot is quarantined", id.value(), TierName(to),
                        FormatSize(dst->size_bytes));
     } else {
@@ -305,22 +342,27 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
       return target->OutOfMemoryError(
           size_bytes, tier == Tier::kHost ? "no NVMe tier to evict to (option nvme.dirs)" : "nothing can be evicted");
     }
-    // The least recently used chunk in hold on this tier.
+    // The least recently used chunk in hold on this tier, preferring chunks
+    // that are not at home here (they were only visiting).
     std::optional<uint32_t> victim;
-    bool any_in_flight = false;
+    bool any_copying = false;
+    auto better = [&](const Chunk& c, const Chunk& than) {
+      bool c_visiting = c.home != tier, than_visiting = than.home != tier;
+      if (c_visiting != than_visiting) return c_visiting;
+      return c.last_use < than.last_use;
+    };
     for (uint32_t i = 0; i < chunks_.size(); ++i) {
       const Chunk& c = chunks_[i];
       if (c.tier != tier) continue;
-      if (c.in_flight) {
-        any_in_flight = true;
-        continue;
-      }
-      if (c.refs > 0) continue;
-      if (!victim || c.last_use < chunks_[*victim].last_use) victim = i;
+      // Only a chunk whose bytes are moving now is sure to settle soon; one
+      // still waiting for room (perhaps for this very eviction) is not.
+      any_copying |= c.copying;
+      if (c.in_flight || c.refs > 0) continue;
+      if (!victim || better(c, chunks_[*victim])) victim = i;
     }
     if (!victim) {
-      if (!any_in_flight) return target->OutOfMemoryError(size_bytes, "every chunk on it is in use");
-      // Another move on this tier may free room: wait for it, within the deadline.
+      if (!any_copying) return target->OutOfMemoryError(size_bytes, "every chunk on it is in use or moving");
+      // A move off this tier may free room: wait for it, within the deadline.
       if (moved_.wait_until(lock, deadline) == std::cv_status::timeout) {
         return Timeout("{} tier: no room for {} bytes after waiting {} ms for moves in flight", TierName(tier),
                        size_bytes, config_.wait_timeout_ms);
@@ -358,10 +400,15 @@ Result<Buffer> ResidencyManager::AcquireStaging() {
   return buffer;
 }
 
-void ResidencyManager::ReleaseStaging(Buffer buffer) {
+void ResidencyManager::ReleaseStaging(Buffer buffer, const Status& status) {
   {
     std::lock_guard lock(staging_mu_);
-    staging_free_.push_back(std::move(buffer));
+    if (status.code() == StatusCode::kTimeout) {
+      staging_quarantined_.push_back(std::move(buffer));
+      staging_count_--;  // a fresh one may take its place
+    } else {
+      staging_free_.push_back(std::move(buffer));
+    }
   }
   staging_cv_.notify_one();
 }
@@ -384,7 +431,7 @@ Status ResidencyManager::Transfer(std::optional<Tier> from, Extent src, Tier to,
     STRATA_ASSIGN_OR_RETURN(Buffer zeros, AcquireStaging());
     std::memset(zeros.data(), 0, size_bytes);
     Status status = nvme->Write(dst, zeros.bytes(), size_bytes);
-    ReleaseStaging(std::move(zeros));
+    ReleaseStaging(std::move(zeros), status);
     return status;
   }
 
@@ -401,14 +448,14 @@ Status ResidencyManager::Transfer(std::optional<Tier> from, Extent src, Tier to,
       STRATA_ASSIGN_OR_RETURN(Buffer staging, AcquireStaging());
       Status status = copy(CopyStream::kDeviceToHost, staging.bytes(), Address(*from, src));
       if (status.ok()) status = nvme->Write(dst, staging.bytes(), size_bytes);
-      ReleaseStaging(std::move(staging));
+      ReleaseStaging(std::move(staging), status);
       return status;
     }
     case static_cast<int>(Tier::kNvme) * kNumTiers + static_cast<int>(Tier::kDevice): {
       STRATA_ASSIGN_OR_RETURN(Buffer staging, AcquireStaging());
       Status status = nvme->Read(src, staging.bytes(), size_bytes);
       if (status.ok()) status = copy(CopyStream::kHostToDevice, Address(to, dst), staging.bytes());
-      ReleaseStaging(std::move(staging));
+      ReleaseStaging(std::move(staging), status);
       return status;
     }
   }

@@ -10,10 +10,16 @@
 // frees the source slot, so a failed move (an I/O error, a full disk) leaves
 // the chunk where it was, intact.
 //
-// When a tier has no room, the least recently used chunk in hold on it is
-// evicted one tier down (device -> host -> NVMe), cascading; when nothing
-// can be evicted the result is OutOfMemory naming the tier, the request,
-// what is in use and the capacity. (A later planner replaces LRU.)
+// When a tier has no room, a chunk in hold on it is evicted one tier down
+// (device -> host -> NVMe), cascading: the least recently used of those not
+// at home there, else the least recently used of all. When nothing can be
+// evicted the result is OutOfMemory naming the tier, the request, what is in
+// use and the capacity. (A later planner replaces LRU.)
+//
+// Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
+// bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
+// in flight waits up to kMoveSteps times that. Handles must not outlive the
+// manager (checked at destruction).
 //
 // Thread-safety: every method may be called from any thread. One mutex
 // guards the chunk table; it is never held while bytes move (copies and I/O
@@ -71,11 +77,13 @@ class ResidencyManager final : public AccessOwner {
   std::shared_future<Status> MoveAsync(ChunkId id, Tier tier);
 
   // Copies a chunk's bytes, wherever they are, into host memory at `dst`
-  // (size_bytes of the chunk; aligned to 4096 for NVMe reads) without moving
-  // it: zeros for a free chunk. For checkpoints and verification.
+  // (chunk_size_bytes, 4096-aligned) without moving it: zeros for a free
+  // chunk. For checkpoints and verification. A pinned chunk is read as it
+  // is; whoever holds it must not be writing it.
   Status ReadChunk(ChunkId id, std::byte* dst);
 
-  // Moves every chunk that is not pinned and not free to its home tier.
+  // Moves every chunk that is not pinned and not free to its home tier:
+  // first the ones going down, so that the ones coming up find room.
   Status MoveAllHome();
   void SetHome(ChunkId id, Tier tier);
   Tier home(ChunkId id) const;
@@ -95,7 +103,8 @@ class ResidencyManager final : public AccessOwner {
     std::optional<Tier> tier;  // nullopt: free
     Extent extent;
     uint32_t refs = 0;
-    bool in_flight = false;
+    bool in_flight = false;  // being moved or read: nobody else touches it
+    bool copying = false;    // in flight and its bytes are moving now (past Reserve)
     uint64_t last_use = 0;  // LRU clock value of the last access
   };
   using Lock = std::unique_lock<std::mutex>;
@@ -103,6 +112,8 @@ class ResidencyManager final : public AccessOwner {
   TierPool* pool(Tier tier) const;
   std::optional<Tier> TierBelow(Tier tier) const;
   Status WaitNotInFlight(Lock& lock, ChunkId id);
+  // Move(), but a chunk pinned meanwhile is skipped rather than an error.
+  Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned);
   // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.
   Status MoveFlagged(Lock& lock, ChunkId id, Tier to);
   // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
@@ -111,7 +122,9 @@ class ResidencyManager final : public AccessOwner {
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;
   Result<Buffer> AcquireStaging();
-  void ReleaseStaging(Buffer buffer);
+  // Returns a bounce buffer to the pool; after a Timeout the late copy may
+  // still write into it, so it is quarantined instead (freed at teardown).
+  void ReleaseStaging(Buffer buffer, const Status& status);
   void WorkerLoop();
 
   ResidencyConfig config_;
@@ -126,6 +139,7 @@ class ResidencyManager final : public AccessOwner {
   std::mutex staging_mu_;  // guards staging_free_ and staging_count_
   std::condition_variable staging_cv_;
   std::vector<Buffer> staging_free_;  // pinned bounce buffers for device<->NVMe moves
+  std::vector<Buffer> staging_quarantined_;  // written by a copy that timed out
   uint32_t staging_count_ = 0;
 
   std::mutex queue_mu_;  // guards queue_ and stopping_

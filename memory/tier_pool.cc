@@ -17,11 +17,9 @@ std::optional<Extent> TierPool::Allocate(uint64_t size_bytes) {
 }
 
 void TierPool::Free(Extent extent) {
-  {
-    std::lock_guard lock(mu_);
-    allocator_.Free(extent);
-  }
-  OnFree(extent);
+  std::lock_guard lock(mu_);
+  allocator_.Free(extent);
+  OnFreeLocked(extent);
 }
 
 TierUsage TierPool::usage() const {
@@ -89,9 +87,6 @@ Status NvmeTierPool::Read(Extent extent, std::byte* dst, uint64_t size_bytes) {
   return Status::Ok();
 }
 
-void NvmeTierPool::OnFree(Extent extent) {
-  std::lock_guard lock(mu_);
-  crc_by_offset_.erase(extent.offset);
-}
+void NvmeTierPool::OnFreeLocked(Extent extent) { crc_by_offset_.erase(extent.offset); }
 
 }  // namespace strata::memory

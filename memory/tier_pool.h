@@ -50,9 +50,10 @@ class TierPool {
 
  protected:
   explicit TierPool(uint64_t capacity_bytes);
-  virtual void OnFree(Extent /*extent*/) {}
+  // Called with mu_ held, as a slot is freed, before anyone can take it again.
+  virtual void OnFreeLocked(Extent /*extent*/) {}
 
-  mutable std::mutex mu_;  // guards allocator_ and peak_bytes_
+  mutable std::mutex mu_;  // guards allocator_, peak_bytes_ and what subclasses say
   ExtentAllocator allocator_;
   uint64_t peak_bytes_ = 0;
 };
@@ -89,7 +90,7 @@ class NvmeTierPool final : public TierPool {
   Storage& storage() { return storage_; }
 
  private:
-  void OnFree(Extent extent) override;
+  void OnFreeLocked(Extent extent) override;
 
   Storage& storage_;
   std::map<uint64_t, uint32_t> crc_by_offset_;  // guarded by mu_

@@ -11,14 +11,15 @@ uint32_t Crc32c(const void* data, size_t size_bytes, uint32_t seed) {
   // ISA-L takes an int length: feed ranges over 2 GiB in pieces.
   constexpr size_t kMaxPieceBytes = size_t{1} << 30;
   auto* bytes = static_cast<unsigned char*>(const_cast<void*>(data));
-  uint32_t crc = seed;
+  // ISA-L's crc32_iscsi neither presets nor inverts: do both here.
+  uint32_t crc = ~seed;
   while (size_bytes > 0) {
     size_t piece = std::min(size_bytes, kMaxPieceBytes);
     crc = crc32_iscsi(bytes, static_cast<int>(piece), crc);
     bytes += piece;
     size_bytes -= piece;
   }
-  return crc;
+  return ~crc;
 }
 
 }  // namespace strata

@@ -207,8 +207,8 @@ Result<Tier> Engine::ChunkTier(ChunkId chunk) const {
   return *tier;
 }
 
-Tier Engine::ChunkHome(ChunkId chunk) const {
-  STRATA_CHECK(impl_->CheckChunk(chunk).ok(), "ChunkHome of chunk {} before Finalize or out of range", chunk.value());
+Result<Tier> Engine::ChunkHome(ChunkId chunk) const {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
   return impl_->residency->home(chunk);
 }
 

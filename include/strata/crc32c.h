@@ -8,7 +8,9 @@
 
 namespace strata {
 
-// `seed` chains ranges: Crc32c(b, Crc32c(a)) == Crc32c(a ++ b).
+// The standard CRC-32C (initial value and final XOR 0xFFFFFFFF, so leading
+// zero bytes change it); `seed` chains ranges: Crc32c(b, Crc32c(a)) ==
+// Crc32c(a ++ b), and Crc32c of nothing is 0.
 uint32_t Crc32c(const void* data, size_t size_bytes, uint32_t seed = 0);
 
 }  // namespace strata

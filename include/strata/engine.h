@@ -90,7 +90,7 @@ class Engine {
   Status OffloadAll();
 
   Result<Tier> ChunkTier(ChunkId chunk) const;  // InvalidArgument when the chunk is free (no payload yet)
-  Tier ChunkHome(ChunkId chunk) const;
+  Result<Tier> ChunkHome(ChunkId chunk) const;
   // ChunkOf(tensor, kind): the chunk holding that copy, if the tensor has it.
   std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
 

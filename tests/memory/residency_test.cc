@@ -1,6 +1,7 @@
 #include "memory/residency.h"
 
 #include <cerrno>
+#include <chrono>
 
 #include "memory/residency_fixture.h"
 
@@ -187,6 +188,97 @@ TEST(ResidencyTest, MoveAllHomeReturnsUnpinnedChunks) {
   EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kNvme);
   EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kDevice);  // pinned: stays
   EXPECT_EQ(s.residency->state(ChunkId(5)), ChunkState::kFree);  // free: stays free
+}
+
+}  // namespace
+}  // namespace strata::memory
+
+namespace strata::memory {
+namespace {
+
+using testing::ResidencyStack;
+
+TEST(ResidencyTest, SwapThatCannotHappenIsOutOfMemoryAtOnceNotATimeout) {
+  // Device and host hold one chunk each: bringing the host chunk up would
+  // need the device chunk to go down into the slot the host chunk still holds.
+  ResidencyStack s({.device_chunks = 1, .host_chunks = 1, .timeout_ms = 5'000});
+  ASSERT_OK(s.residency->Access(ChunkId(0), Tier::kDevice).status());
+  ASSERT_OK(s.Fill(1, 1));
+  auto start = std::chrono::steady_clock::now();
+  Status status = s.residency->Access(ChunkId(1), Tier::kDevice).status();
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory) << status.ToString();
+  EXPECT_LT(seconds, 2.0);
+  EXPECT_TRUE(s.Holds(1, 1));
+}
+
+TEST(ResidencyTest, ChunkMovedOnRequestCountsAsRecentlyUsed) {
+  ResidencyStack s({});  // device holds 2
+  ASSERT_OK(s.Fill(1, 1));                                            // used first, on the host
+  ASSERT_OK(s.residency->Access(ChunkId(0), Tier::kDevice).status());  // used second
+  ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kDevice));            // prefetched last
+  ASSERT_OK(s.residency->Access(ChunkId(2), Tier::kDevice).status());
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kDevice);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+}
+
+TEST(ResidencyTest, EvictionPrefersChunksThatAreNotAtHome) {
+  ResidencyStack s({});  // host holds 2
+  s.residency->SetHome(ChunkId(0), Tier::kHost);
+  s.residency->SetHome(ChunkId(1), Tier::kNvme);
+  ASSERT_OK(s.Fill(0, 1));  // least recently used, but at home on the host
+  ASSERT_OK(s.Fill(1, 2));
+  ASSERT_OK(s.Fill(2, 3));
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kNvme);
+}
+
+TEST(ResidencyTest, MoveAllHomeMovesDownBeforeUp) {
+  ResidencyStack s({});  // host holds 2
+  s.residency->SetHome(ChunkId(2), Tier::kNvme);
+  ASSERT_OK(s.Fill(0, 1));
+  ASSERT_OK(s.Fill(2, 3));
+  ASSERT_OK(s.residency->Access(ChunkId(1), Tier::kDevice).status());  // home: host
+  ASSERT_OK(s.residency->MoveAllHome());
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kHost);
+  EXPECT_EQ(s.residency->tier(ChunkId(2)), Tier::kNvme);
+  EXPECT_EQ(s.residency->stats().evictions, 0u);
+}
+
+TEST(ResidencyTest, BounceBufferOfATimedOutCopyIsNeverReused) {
+  // 64 KiB at 0.001 GB/s: the device->host leg of a device->NVMe move takes
+  // ~65 ms and the manager waits 10 ms.
+  ResidencyStack s({.bandwidth_gbps = 0.001, .timeout_ms = 10});
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess on_device, s.residency->Access(ChunkId(0), Tier::kDevice));
+    std::memset(on_device.data(), 0x5C, on_device.size_bytes());
+  }
+  EXPECT_EQ(s.residency->Move(ChunkId(0), Tier::kNvme).code(), StatusCode::kTimeout);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);
+  EXPECT_EQ(s.nvme_pool->usage().used_bytes, 0u);  // the NVMe slot was never written: returned
+  // A new NVMe chunk is zero-filled through a bounce buffer while the late copy still runs.
+  ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kNvme));
+  ASSERT_OK(s.device->Synchronize(5'000));
+  Buffer copy = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  ASSERT_OK(s.residency->ReadChunk(ChunkId(1), copy.bytes()));
+  for (uint64_t i = 0; i < copy.size_bytes(); ++i) ASSERT_EQ(copy.bytes()[i], std::byte{0}) << i;
+}
+
+TEST(ResidencyTest, ReadChunkRejectsMisalignedDestination) {
+  ResidencyStack s({});
+  Buffer copy = AllocateAlignedHost(s.config.chunk_bytes + 4096, 4096);
+  EXPECT_EQ(s.residency->ReadChunk(ChunkId(0), copy.bytes() + 8).code(), StatusCode::kInvalidArgument);
+}
+
+TEST(ResidencyDeathTest, HandleOutlivingTheManagerAborts) {
+  EXPECT_DEATH(
+      {
+        ResidencyStack s({});
+        Result<ChunkAccess> kept = s.residency->Access(ChunkId(0), Tier::kHost);
+        s.residency.reset();
+      },
+      "still accessed");
 }
 
 }  // namespace

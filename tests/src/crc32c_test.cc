@@ -11,11 +11,15 @@ namespace {
 
 TEST(Crc32cTest, MatchesKnownCheckValue) {
   // The CRC-32C check value of "123456789" (RFC 3720, iSCSI) is 0xE3069283.
-  // ISA-L's crc32_iscsi leaves out the final inversion and takes the initial
-  // value as given: with a seed of 0xFFFFFFFF and the result inverted it is
-  // the standard CRC-32C.
   const std::string text = "123456789";
-  EXPECT_EQ(~Crc32c(text.data(), text.size(), 0xFFFFFFFFu), 0xE3069283u);
+  EXPECT_EQ(Crc32c(text.data(), text.size()), 0xE3069283u);
+  EXPECT_EQ(Crc32c(text.data(), 0), 0u);
+}
+
+TEST(Crc32cTest, LeadingZerosChangeIt) {
+  std::vector<unsigned char> zeros(4096, 0);
+  EXPECT_NE(Crc32c(zeros.data(), 4096), Crc32c(zeros.data(), 2048));
+  EXPECT_NE(Crc32c(zeros.data(), 4096), 0u);
 }
 
 TEST(Crc32cTest, ChainsAcrossRanges) {
