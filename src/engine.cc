@@ -68,6 +68,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
     storage_options.queue_depth = options.nvme_queue_depth;
     storage_options.allow_buffered_io = options.nvme_allow_buffered_io;
     storage_options.io_timeout_ms = options.nvme_io_timeout_ms;
+    storage_options.sqpoll = options.nvme_sqpoll;
     STRATA_ASSIGN_OR_RETURN(impl->storage, CreateUringStorage(storage_options));
   }
 

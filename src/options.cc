@@ -165,6 +165,10 @@ const std::vector<OptionEntry>& Table() {
     t.push_back(BoolEntry("nvme.allow_buffered_io",
                           "use buffered I/O (with a warning) where a filesystem refuses O_DIRECT, instead of failing",
                           &Options::nvme_allow_buffered_io));
+    t.push_back(BoolEntry("nvme.sqpoll",
+                          "a kernel thread polls each io_uring submission queue (IORING_SETUP_SQPOLL); falls back "
+                          "with a warning where refused",
+                          &Options::nvme_sqpoll));
     t.push_back(IntEntry("nvme.io_timeout_ms", "milliseconds one NVMe read or write may take before it is a Timeout",
                          &Options::nvme_io_timeout_ms, 1, 86'400'000));
     t.push_back(IntEntry("chunk.size_elems", "elements per chunk; 0 = search for least padding waste",

@@ -47,6 +47,7 @@ struct Options {
   uint32_t nvme_queue_depth = 32;                  // key nvme.queue_depth
   bool nvme_allow_buffered_io = false;             // key nvme.allow_buffered_io
   uint32_t nvme_io_timeout_ms = 30'000;            // key nvme.io_timeout_ms
+  bool nvme_sqpoll = false;                        // key nvme.sqpoll
 
   // --- chunks ------------------------------------------------------------
   size_t chunk_size_elems = 0;                    // key chunk.size_elems; 0 = search

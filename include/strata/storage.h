@@ -18,12 +18,20 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
 #include "strata/status.h"
 
 namespace strata {
+
+// One piece of a batch: `size_bytes` at `offset`, from or into `buffer`.
+struct IoSegment {
+  uint64_t offset = 0;
+  std::byte* buffer = nullptr;  // only read from by WriteBatch
+  size_t size_bytes = 0;
+};
 
 class Storage {
  public:
@@ -34,9 +42,16 @@ class Storage {
   // Blocks until the whole range is written (or read) or an error occurs.
   virtual Status Write(uint64_t offset, const std::byte* src, size_t size_bytes) = 0;
   virtual Status Read(uint64_t offset, std::byte* dst, size_t size_bytes) = 0;
+  // Many segments in one call, with as many requests in flight as the
+  // backend allows across all of them (random offsets at full queue depth).
+  // Returns the first error; segments may complete in any order. The default
+  // runs them one after another.
+  virtual Status WriteBatch(std::span<const IoSegment> segments);
+  virtual Status ReadBatch(std::span<const IoSegment> segments);
 };
 
 struct UringStorageOptions {
+  bool sqpoll = false;                        // a kernel thread polls the submission queue (IORING_SETUP_SQPOLL)
   std::vector<std::string> dirs;              // one backing file per directory
   size_t capacity_bytes = size_t{1} << 30;    // all directories together
   size_t block_size_bytes = size_t{1} << 20;  // size of one I/O request; also the stripe unit
@@ -59,11 +74,12 @@ class FaultInjectingStorage final : public Storage {
   explicit FaultInjectingStorage(std::unique_ptr<Storage> base);
   ~FaultInjectingStorage() override;
 
-  // The next `count` writes fail with IoError carrying `error_number`
-  // (e.g. EIO, ENOSPC) and leave the stored bytes untouched.
-  void FailWrites(int error_number, int count = 1);
-  // The next `count` reads fail with IoError carrying `error_number`.
-  void FailReads(int error_number, int count = 1);
+  // After `after` more writes succeed, the next `count` writes fail with
+  // IoError carrying `error_number` (e.g. EIO, ENOSPC) and leave the stored
+  // bytes untouched. (after = N-1: the Nth request fails.)
+  void FailWrites(int error_number, int count = 1, int after = 0);
+  // The same for reads.
+  void FailReads(int error_number, int count = 1, int after = 0);
   // The next `count` reads report success but fill only the first half of
   // the destination (a backend that lost a short read).
   void ShortReads(int count = 1);

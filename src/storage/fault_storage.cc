@@ -34,8 +34,10 @@ struct FaultInjectingStorage::State {
   std::mutex mu;  // guards every field below
   int fail_writes_remaining = 0;
   int fail_writes_errno = 0;
+  int fail_writes_after = 0;  // writes that still succeed before the failures start
   int fail_reads_remaining = 0;
   int fail_reads_errno = 0;
+  int fail_reads_after = 0;
   int short_reads_remaining = 0;
   int corrupt_writes_remaining = 0;
   int corrupt_reads_remaining = 0;
@@ -51,16 +53,18 @@ FaultInjectingStorage::FaultInjectingStorage(std::unique_ptr<Storage> base)
 
 FaultInjectingStorage::~FaultInjectingStorage() = default;
 
-void FaultInjectingStorage::FailWrites(int error_number, int count) {
+void FaultInjectingStorage::FailWrites(int error_number, int count, int after) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->fail_writes_errno = error_number;
   state_->fail_writes_remaining = std::max(count, 0);
+  state_->fail_writes_after = std::max(after, 0);
 }
 
-void FaultInjectingStorage::FailReads(int error_number, int count) {
+void FaultInjectingStorage::FailReads(int error_number, int count, int after) {
   std::lock_guard<std::mutex> lock(state_->mu);
   state_->fail_reads_errno = error_number;
   state_->fail_reads_remaining = std::max(count, 0);
+  state_->fail_reads_after = std::max(after, 0);
 }
 
 void FaultInjectingStorage::ShortReads(int count) {
@@ -106,7 +110,9 @@ Status FaultInjectingStorage::Write(uint64_t offset, const std::byte* src, size_
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->writes;
     delay_ms = state_->delay_ms;
-    if (state_->fail_writes_remaining > 0) {
+    if (state_->fail_writes_remaining > 0 && state_->fail_writes_after > 0) {
+      --state_->fail_writes_after;
+    } else if (state_->fail_writes_remaining > 0) {
       --state_->fail_writes_remaining;
       fault = Fault::kFail;
       error_number = state_->fail_writes_errno;
@@ -145,7 +151,9 @@ Status FaultInjectingStorage::Read(uint64_t offset, std::byte* dst, size_t size_
     std::lock_guard<std::mutex> lock(state_->mu);
     ++state_->reads;
     delay_ms = state_->delay_ms;
-    if (state_->fail_reads_remaining > 0) {
+    if (state_->fail_reads_remaining > 0 && state_->fail_reads_after > 0) {
+      --state_->fail_reads_after;
+    } else if (state_->fail_reads_remaining > 0) {
       --state_->fail_reads_remaining;
       fault = Fault::kFail;
       error_number = state_->fail_reads_errno;

@@ -77,6 +77,10 @@ constexpr uint64_t kCancelUserData = ~uint64_t{0} - 1;
 // Pause before retrying a submit refused with EAGAIN/EBUSY while nothing is in
 // flight (nothing to wait on instead).
 constexpr auto kSubmitRetryPause = std::chrono::milliseconds(1);
+// How long an SQPOLL thread spins without work before it sleeps: long enough
+// to span the gaps between a transfer's submits, short enough not to burn a
+// core between chunk moves.
+constexpr unsigned kSqpollIdleMs = 50;
 
 std::string_view Basename(std::string_view file) {
   size_t slash = file.rfind('/');
@@ -174,8 +178,22 @@ class Ring {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
 
-  Status Init(uint32_t queue_depth, const std::vector<int>& fds) {
-    STRATA_URING_CHECK(io_uring_queue_init(queue_depth, &ring_, 0), "a new io_uring", 0);
+  Status Init(uint32_t queue_depth, const std::vector<int>& fds, bool sqpoll) {
+    if (sqpoll) {
+      // A kernel thread polls the submission queue: no system call per
+      // submit, at the cost of a core spinning while I/O flows.
+      io_uring_params params{};
+      params.flags = IORING_SETUP_SQPOLL;
+      params.sq_thread_idle = kSqpollIdleMs;
+      int rc = io_uring_queue_init_params(queue_depth, &ring_, &params);
+      if (rc == 0) {
+        initialized_ = true;
+      } else {
+        STRATA_LOG_WARNING("nvme.sqpoll: io_uring with SQPOLL refused ({}); using interrupt-driven submission",
+                           ErrnoText(-rc));
+      }
+    }
+    if (!initialized_) STRATA_URING_CHECK(io_uring_queue_init(queue_depth, &ring_, 0), "a new io_uring", 0);
     initialized_ = true;
     // Registered files save the kernel a file-table lookup and refcount per
     // request. Optional: old kernels or a tight RLIMIT_NOFILE may refuse.
@@ -229,7 +247,8 @@ class Ring {
 // Hands rings to callers; see the file comment.
 class RingPool {
  public:
-  RingPool(uint32_t queue_depth, std::vector<int> fds) : queue_depth_(queue_depth), fds_(std::move(fds)) {}
+  RingPool(uint32_t queue_depth, std::vector<int> fds, bool sqpoll)
+      : queue_depth_(queue_depth), fds_(std::move(fds)), sqpoll_(sqpoll) {}
 
   // A ring held by one caller; returns it to the pool (or destroys it, if
   // broken) when it dies.
@@ -266,7 +285,7 @@ class RingPool {
       ++created_;  // reserved; the ring is made outside the lock (system calls)
     }
     auto ring = std::make_unique<Ring>();
-    Status status = ring->Init(queue_depth_, fds_);
+    Status status = ring->Init(queue_depth_, fds_, sqpoll_);
     if (!status.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       --created_;
@@ -290,6 +309,7 @@ class RingPool {
 
   const uint32_t queue_depth_;
   const std::vector<int> fds_;
+  const bool sqpoll_;
   std::mutex mu_;  // guards free_ and created_
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> free_;
@@ -308,7 +328,7 @@ __kernel_timespec TimespecUntil(Clock::time_point deadline) {
 class UringStorage final : public Storage {
  public:
   UringStorage(UringStorageOptions options, std::vector<BackingFile> files, std::vector<int> fds)
-      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds)) {}
+      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {}
 
   std::string Describe() const override {
     size_t direct = static_cast<size_t>(
@@ -335,16 +355,19 @@ class UringStorage final : public Storage {
 
   Status Write(uint64_t offset, const std::byte* src, size_t size_bytes) override {
     // The write path only ever passes the buffer to io_uring_prep_write.
-    return Transfer(Op::kWrite, offset, const_cast<std::byte*>(src), size_bytes);
+    IoSegment segment{offset, const_cast<std::byte*>(src), size_bytes};
+    return Transfer(Op::kWrite, {&segment, 1});
   }
   Status Read(uint64_t offset, std::byte* dst, size_t size_bytes) override {
-    return Transfer(Op::kRead, offset, dst, size_bytes);
+    IoSegment segment{offset, dst, size_bytes};
+    return Transfer(Op::kRead, {&segment, 1});
   }
+  Status WriteBatch(std::span<const IoSegment> segments) override { return Transfer(Op::kWrite, segments); }
+  Status ReadBatch(std::span<const IoSegment> segments) override { return Transfer(Op::kRead, segments); }
 
  private:
-  Status Transfer(Op op, uint64_t offset, std::byte* buffer, size_t size_bytes);
-  Status RunOnRing(Ring& ring, Op op, uint64_t offset, std::byte* buffer, size_t size_bytes,
-                   Clock::time_point deadline);
+  Status Transfer(Op op, std::span<const IoSegment> segments);
+  Status RunOnRing(Ring& ring, Op op, std::span<const IoSegment> segments, Clock::time_point deadline);
   void Prepare(Ring& ring, Op op, uint32_t slot);
   // Handles one completion; returns false for a completion that is not a request's (a cancel's).
   bool Complete(Ring& ring, Op op, const io_uring_cqe& cqe, Status& first_error);
@@ -360,12 +383,16 @@ class UringStorage final : public Storage {
   RingPool pool_;                         // declared after files_: rings close before the files do
 };
 
-Status UringStorage::Transfer(Op op, uint64_t offset, std::byte* buffer, size_t size_bytes) {
-  STRATA_RETURN_IF_ERROR(CheckStorageRange(*this, offset, buffer, size_bytes));
-  if (size_bytes == 0) return Status::Ok();
+Status UringStorage::Transfer(Op op, std::span<const IoSegment> segments) {
+  size_t total_bytes = 0;
+  for (const IoSegment& segment : segments) {
+    STRATA_RETURN_IF_ERROR(CheckStorageRange(*this, segment.offset, segment.buffer, segment.size_bytes));
+    total_bytes += segment.size_bytes;
+  }
+  if (total_bytes == 0) return Status::Ok();
   Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
   STRATA_ASSIGN_OR_RETURN(RingPool::Lease lease, pool_.Acquire(deadline, options_.io_timeout_ms));
-  return RunOnRing(*lease, op, offset, buffer, size_bytes, deadline);
+  return RunOnRing(*lease, op, segments, deadline);
 }
 
 void UringStorage::Prepare(Ring& ring, Op op, uint32_t slot) {
@@ -440,13 +467,18 @@ bool UringStorage::Complete(Ring& ring, Op op, const io_uring_cqe& cqe, Status& 
   return true;
 }
 
-Status UringStorage::RunOnRing(Ring& ring, Op op, uint64_t offset, std::byte* buffer, size_t size_bytes,
+Status UringStorage::RunOnRing(Ring& ring, Op op, std::span<const IoSegment> segments,
                                Clock::time_point deadline) {
   io_uring* uring = ring.get();
   ring.ResetSlots();
   const size_t block = options_.block_size_bytes;
   const size_t num_files = files_.size();
-  size_t assigned_bytes = 0;  // bytes of the range handed to requests so far
+  const uint64_t offset = segments.front().offset;  // for messages
+  size_t size_bytes = 0;
+  for (const IoSegment& segment : segments) size_bytes += segment.size_bytes;
+  size_t next_segment = 0;    // the segment being cut into requests
+  size_t assigned_in_segment = 0;  // bytes of it handed to requests so far
+  size_t assigned_bytes = 0;  // bytes of all segments handed to requests so far
   uint32_t prepared = 0;      // SQEs prepared but not yet submitted
   uint32_t in_flight = 0;     // submitted requests whose completion is not reaped yet
   Status first_error;
@@ -459,19 +491,26 @@ Status UringStorage::RunOnRing(Ring& ring, Op op, uint64_t offset, std::byte* bu
       prepared += static_cast<uint32_t>(retry.size());
       retry.clear();
       while (assigned_bytes < size_bytes && ring.HasFreeSlot()) {
+        const IoSegment& segment = segments[next_segment];
+        if (assigned_in_segment == segment.size_bytes) {  // done with it (or it is empty)
+          ++next_segment;
+          assigned_in_segment = 0;
+          continue;
+        }
         // Cut the next piece at the stripe boundary; see the layout in the file comment.
-        uint64_t position = offset + assigned_bytes;
+        uint64_t position = segment.offset + assigned_in_segment;
         uint64_t stripe = position / block;
         uint64_t within_bytes = position % block;
-        size_t length = std::min<size_t>(block - within_bytes, size_bytes - assigned_bytes);
+        size_t length = std::min<size_t>(block - within_bytes, segment.size_bytes - assigned_in_segment);
         uint32_t slot = ring.TakeSlot();
         Request& request = ring.slot(slot);
         request.file_index = static_cast<uint32_t>(stripe % num_files);
         request.file_offset = (stripe / num_files) * block + within_bytes;
-        request.buffer = buffer + assigned_bytes;
+        request.buffer = segment.buffer + assigned_in_segment;
         request.remaining_bytes = length;
         Prepare(ring, op, slot);
         ++prepared;
+        assigned_in_segment += length;
         assigned_bytes += length;
       }
     }
@@ -543,7 +582,7 @@ Status UringStorage::RunOnRing(Ring& ring, Op op, uint64_t offset, std::byte* bu
           example = fmt::format(", one on {} at offset {}", files_[request.file_index].path, request.file_offset);
         }
       }
-      status = Timeout("nvme {} of {} bytes at offset {} did not finish within nvme.io_timeout_ms = {} ms ({} "
+      status = Timeout("nvme {} of {} bytes from offset {} did not finish within nvme.io_timeout_ms = {} ms ({} "
                        "request{} still in flight{})",
                        OpName(op), size_bytes, offset, options_.io_timeout_ms, in_flight, in_flight == 1 ? "" : "s",
                        example);

@@ -243,5 +243,34 @@ TEST(MemoryStorageTest, RejectsZeroCapacityAndBadAlignment) {
   EXPECT_EQ(CreateMemoryStorage(kCapacity, 0).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(FaultStorageNthRequestTest, NthRequestFailsAndEverythingStoredStaysReadable) {
+  auto base = CreateMemoryStorage(64 * 4096);
+  ASSERT_TRUE(base.ok());
+  FaultInjectingStorage storage(std::move(base).value());
+  Buffer buffer = AllocateAlignedHost(4096, 4096);
+  storage.FailWrites(EIO, 1, /*after=*/2);  // the third write fails
+  for (int i = 0; i < 5; ++i) {
+    std::memset(buffer.data(), i + 1, 4096);
+    Status status = storage.Write(static_cast<uint64_t>(i) * 4096, buffer.bytes(), 4096);
+    if (i == 2) {
+      EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+    } else {
+      EXPECT_TRUE(status.ok()) << i << ": " << status.ToString();
+    }
+  }
+  storage.FailReads(EIO, 1, /*after=*/1);  // the second read fails
+  for (int i = 0; i < 5; ++i) {
+    Status status = storage.Read(static_cast<uint64_t>(i) * 4096, buffer.bytes(), 4096);
+    if (i == 1) {
+      EXPECT_EQ(status.code(), StatusCode::kIoError);
+      continue;
+    }
+    ASSERT_TRUE(status.ok()) << status.ToString();
+    EXPECT_EQ(buffer.bytes()[100], std::byte(i == 2 ? 0 : i + 1)) << i;  // the failed write stored nothing
+  }
+  ASSERT_OK(storage.Read(4096, buffer.bytes(), 4096));  // the failed read lost nothing
+  EXPECT_EQ(buffer.bytes()[0], std::byte{2});
+}
+
 }  // namespace
 }  // namespace strata
