@@ -50,6 +50,7 @@ Engine::~Engine() {
 Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSeams seams) {
   STRATA_RETURN_IF_ERROR(ValidateOptions(options));
   SetLogLevel(options.log_level);
+  SetHugePagesEnabled(options.host_huge_pages);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
 

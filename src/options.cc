@@ -144,6 +144,9 @@ const std::vector<OptionEntry>& Table() {
                           &Options::host_budget_bytes));
     t.push_back(BoolEntry("host.numa_local", "place host chunks on the NUMA node nearest the device (hwloc)",
                           &Options::host_numa_local));
+    t.push_back(BoolEntry("host.huge_pages",
+                          "back host buffers of 2MiB or more with transparent huge pages (fewer I/O segments)",
+                          &Options::host_huge_pages));
     t.push_back({{"nvme.dirs", "list", "",
                   "directories for the NVMe tier, one per drive, comma-separated (JSON: a list); empty = no NVMe tier"},
                  [](Options& o, std::string_view text) -> Status {
@@ -166,8 +169,8 @@ const std::vector<OptionEntry>& Table() {
                           "use buffered I/O (with a warning) where a filesystem refuses O_DIRECT, instead of failing",
                           &Options::nvme_allow_buffered_io));
     t.push_back(BoolEntry("nvme.sqpoll",
-                          "a kernel thread polls each io_uring submission queue (IORING_SETUP_SQPOLL); falls back "
-                          "with a warning where refused",
+                          "experimental: a kernel thread polls each io_uring submission queue (IORING_SETUP_SQPOLL); "
+                          "falls back with a warning where refused",
                           &Options::nvme_sqpoll));
     t.push_back(IntEntry("nvme.io_timeout_ms", "milliseconds one NVMe read or write may take before it is a Timeout",
                          &Options::nvme_io_timeout_ms, 1, 86'400'000));

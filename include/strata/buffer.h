@@ -51,7 +51,15 @@ class Buffer {
 
 // Host memory aligned to `alignment_bytes` (a power of two, >= sizeof(void*)),
 // bound to `numa_node` when the machine has more than one node and the node is
-// >= 0. Returns an empty Buffer when the allocation fails.
+// >= 0. Allocations of 2 MiB or more are 2 MiB-aligned and backed by
+// transparent huge pages where the kernel allows (fewer scatter-gather
+// segments per direct I/O request; see src/buffer.cc), unless turned off.
+// Returns an empty Buffer when the allocation fails.
 Buffer AllocateAlignedHost(size_t size_bytes, size_t alignment_bytes, int numa_node = -1);
+
+// Process-wide switch for the huge-page backing above (option
+// host.huge_pages, default on). Thread-safe.
+void SetHugePagesEnabled(bool enabled);
+bool HugePagesEnabled();
 
 }  // namespace strata

@@ -38,6 +38,7 @@ struct Options {
   // --- host tier ---------------------------------------------------------
   size_t host_budget_bytes = size_t{4} << 30;  // key host.budget
   bool host_numa_local = true;                 // key host.numa_local
+  bool host_huge_pages = true;                 // key host.huge_pages
 
   // --- nvme tier ---------------------------------------------------------
   // Directories (one per drive); slots are striped across them. Empty: no NVMe tier.

@@ -2,6 +2,10 @@
 // work) the benchmarks and the planner.
 //
 //   strata selftest [--config FILE] [--set key=value]... [--nvme-dir DIR] [--json FILE]
+//   strata bench io --dir DIR [--dir DIR]... [--file-size 2GiB] [--block-size 1MiB,4MiB]
+//                   [--queue-depth 8,32] [--op read|write|both] [--pattern seq|rand|both]
+//                   [--runs 3] [--compare-fio] [--compare-one-dir] [--sqpoll] [--no-huge-pages]
+//                   [--json FILE]
 //   strata options  [--config FILE] [--set key=value]...
 //   strata version
 //
@@ -15,6 +19,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "benchmarks/io_bench.h"
 #include "src/selftest.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -96,6 +101,62 @@ int RunSelftestCommand(const CommonFlags& flags, strata::SelftestConfig config, 
   return report->mismatches == 0 ? 0 : kExitFailure;
 }
 
+struct BenchIoFlags {
+  std::vector<std::string> dirs;
+  std::string file_size = "2GiB";
+  std::vector<std::string> block_sizes = {"1MiB"};
+  std::vector<uint32_t> queue_depths = {32};
+  std::string op = "both";
+  std::string pattern = "seq";
+  uint32_t runs = 3;
+  bool compare_fio = false;
+  std::string fio_path = "fio";
+  bool compare_one_dir = false;
+  bool sqpoll = false;
+  bool no_huge_pages = false;
+  std::string json_path;
+};
+
+int RunBenchIo(const BenchIoFlags& flags) {
+  strata::bench::IoBenchConfig config;
+  config.dirs = flags.dirs;
+  strata::Result<size_t> file_size = strata::ParseSize(flags.file_size);
+  if (!file_size.ok()) return Fail(strata::InvalidArgument("--file-size: {}", file_size.status().message()));
+  config.file_size_bytes = *file_size;
+  config.block_sizes_bytes.clear();
+  for (const std::string& text : flags.block_sizes) {
+    strata::Result<size_t> block = strata::ParseSize(text);
+    if (!block.ok()) return Fail(strata::InvalidArgument("--block-size: {}", block.status().message()));
+    config.block_sizes_bytes.push_back(*block);
+  }
+  config.queue_depths = flags.queue_depths;
+  using strata::bench::IoOp;
+  using strata::bench::IoPattern;
+  if (flags.op == "read") config.ops = {IoOp::kRead};
+  else if (flags.op == "write") config.ops = {IoOp::kWrite};
+  else if (flags.op == "both") config.ops = {IoOp::kWrite, IoOp::kRead};
+  else return Fail(strata::InvalidArgument("--op '{}': expected read, write or both", flags.op));
+  if (flags.pattern == "seq") config.patterns = {IoPattern::kSequential};
+  else if (flags.pattern == "rand") config.patterns = {IoPattern::kRandom};
+  else if (flags.pattern == "both") config.patterns = {IoPattern::kSequential, IoPattern::kRandom};
+  else return Fail(strata::InvalidArgument("--pattern '{}': expected seq, rand or both", flags.pattern));
+  config.runs = flags.runs;
+  config.compare_fio = flags.compare_fio;
+  config.fio_path = flags.fio_path;
+  config.compare_one_dir = flags.compare_one_dir;
+  config.sqpoll = flags.sqpoll;
+  config.huge_pages = !flags.no_huge_pages;
+  strata::Result<strata::bench::IoBenchReport> report = strata::bench::RunIoBench(config);
+  if (!report.ok()) return Fail(report.status());
+  std::fputs(strata::bench::FormatIoBench(*report).c_str(), stdout);
+  if (!flags.json_path.empty()) {
+    std::ofstream out(flags.json_path);
+    out << strata::bench::IoBenchJson(*report) << "\n";
+    if (!out) return Fail(strata::IoError("--json {}: cannot write it", flags.json_path));
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -125,6 +186,30 @@ int main(int argc, char** argv) {
   selftest_command->add_option("--nvme-dir", nvme_dir, "directory for the NVMe tier ('' for none)")->capture_default_str();
   selftest_command->add_option("--json", json_path, "also write the report as JSON to this file");
 
+  CLI::App* bench_command = app.add_subcommand("bench", "measure strata against a reference in the same run");
+  bench_command->require_subcommand(1);
+  BenchIoFlags bench_io;
+  CLI::App* bench_io_command = bench_command->add_subcommand(
+      "io", "NVMe read/write bandwidth of the io_uring engine, optionally against fio on the same file");
+  bench_io_command->add_option("--dir", bench_io.dirs, "directory of a backing file (repeat: one per drive, striped)")
+      ->required();
+  bench_io_command->add_option("--file-size", bench_io.file_size, "bytes per pass, all dirs together")->capture_default_str();
+  bench_io_command->add_option("--block-size", bench_io.block_sizes, "request size(s), comma-separated: a sweep")
+      ->delimiter(',')->capture_default_str();
+  bench_io_command->add_option("--queue-depth", bench_io.queue_depths, "requests in flight, comma-separated: a sweep")
+      ->delimiter(',')->capture_default_str();
+  bench_io_command->add_option("--op", bench_io.op, "read, write or both")->capture_default_str();
+  bench_io_command->add_option("--pattern", bench_io.pattern, "seq, rand or both")->capture_default_str();
+  bench_io_command->add_option("--runs", bench_io.runs, "passes per row (alternating with fio)")->capture_default_str();
+  bench_io_command->add_flag("--compare-fio", bench_io.compare_fio, "run fio (io_uring, direct=1) on the same file too");
+  bench_io_command->add_option("--fio", bench_io.fio_path, "the fio program")->capture_default_str();
+  bench_io_command->add_flag("--compare-one-dir", bench_io.compare_one_dir,
+                             "with several --dir: also run on the first one alone");
+  bench_io_command->add_flag("--sqpoll", bench_io.sqpoll, "SQPOLL rings (nvme.sqpoll)");
+  bench_io_command->add_flag("--no-huge-pages", bench_io.no_huge_pages,
+                             "I/O buffers on 4KiB pages, as fio's (host.huge_pages=false)");
+  bench_io_command->add_option("--json", bench_io.json_path, "also write the results as JSON to this file");
+
   app.add_subcommand("version", "print the version");
 
   try {
@@ -135,6 +220,7 @@ int main(int argc, char** argv) {
 
   if (options_command->parsed()) return RunOptions(options_flags);
   if (selftest_command->parsed()) return RunSelftestCommand(selftest_flags, selftest, nvme_dir, json_path);
+  if (bench_io_command->parsed()) return RunBenchIo(bench_io);
   std::printf("strata 0.1.0 (CUDA backend: %s)\n",
 #ifdef STRATA_WITH_CUDA
               "built"

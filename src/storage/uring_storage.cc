@@ -188,12 +188,21 @@ class Ring {
       int rc = io_uring_queue_init_params(queue_depth, &ring_, &params);
       if (rc == 0) {
         initialized_ = true;
+        STRATA_LOG_DEBUG("nvme.sqpoll is experimental: on a 2-vCPU VM under CPU contention completions were seen to "
+                         "stall until nvme.io_timeout_ms ended them as Timeout errors");
       } else {
         STRATA_LOG_WARNING("nvme.sqpoll: io_uring with SQPOLL refused ({}); using interrupt-driven submission",
                            ErrnoText(-rc));
       }
     }
-    if (!initialized_) STRATA_URING_CHECK(io_uring_queue_init(queue_depth, &ring_, 0), "a new io_uring", 0);
+    if (!initialized_) {
+      // COOP_TASKRUN: completions are processed when this thread next enters
+      // the kernel (it is about to, to wait) instead of by an interrupt to it;
+      // as fio sets up its rings. Kernels before 5.19 refuse the flag.
+      int rc = io_uring_queue_init(queue_depth, &ring_, IORING_SETUP_COOP_TASKRUN);
+      if (rc == -EINVAL) rc = io_uring_queue_init(queue_depth, &ring_, 0);
+      STRATA_URING_CHECK(rc, "a new io_uring", 0);
+    }
     initialized_ = true;
     // Registered files save the kernel a file-table lookup and refcount per
     // request. Optional: old kernels or a tight RLIMIT_NOFILE may refuse.

@@ -161,18 +161,6 @@ TEST(UringStorageTest, BatchWithAMisalignedSegmentIsInvalidArgumentAndWritesNoth
   EXPECT_EQ(buffer.bytes()[0], std::byte{0});  // the valid first segment was not written either
 }
 
-TEST(UringStorageTest, SqpollRingRoundTripsOrFallsBack) {
-  Dirs dirs(2);
-  dirs.options().sqpoll = true;
-  ASSERT_OK_AND_ASSIGN(auto storage, CreateUringStorage(dirs.options()));
-  std::mt19937_64 rng(testing::TestSeed());
-  Buffer source = RandomBuffer(1 << 20, rng);
-  Buffer target = AllocateAlignedHost(1 << 20, kAlign);
-  ASSERT_OK(storage->Write(0, source.bytes(), 1 << 20));
-  ASSERT_OK(storage->Read(0, target.bytes(), 1 << 20));
-  EXPECT_TRUE(SameBytes(source, target, 1 << 20));
-}
-
 TEST(UringStorageTest, StripesConsecutiveBlocksRoundRobinOverTheFiles) {
   Dirs dirs(3);
   // 10 blocks over 3 files: ceil(10 / 3) = 4 blocks per file.

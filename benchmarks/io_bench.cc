@@ -1,0 +1,337 @@
+#include "benchmarks/io_bench.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <random>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/buffer.h"
+#include "strata/crc32c.h"
+#include "strata/logging.h"
+#include "strata/options.h"
+#include "strata/storage.h"
+
+namespace strata::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+constexpr size_t kAlignmentBytes = 4096;
+// A benchmark pass moves a whole file in one call: allow it a long time.
+constexpr uint32_t kPassTimeoutMs = 600'000;
+constexpr const char* kFileName = "strata.nvme";
+constexpr const char* kOneDirFileName = "strata-one-dir.nvme";
+
+std::string_view OpName(IoOp op) { return op == IoOp::kRead ? "read" : "write"; }
+std::string_view PatternName(IoPattern pattern) { return pattern == IoPattern::kRandom ? "random" : "sequential"; }
+
+// One storage backend over the directories, with the buffers its passes use.
+struct Target {
+  std::unique_ptr<Storage> storage;
+  std::vector<std::string> files;  // backing files, for fio
+  uint64_t bytes = 0;              // what one pass moves: the whole space
+};
+
+Result<Target> OpenTarget(const std::vector<std::string>& dirs, const std::string& file_name, uint64_t file_size,
+                          uint64_t block, uint32_t queue_depth, bool sqpoll) {
+  UringStorageOptions options;
+  options.dirs = dirs;
+  options.file_name = file_name;
+  // Whole blocks in every directory, so that fio and strata cover the same bytes.
+  uint64_t stripe = block * dirs.size();
+  options.capacity_bytes = std::max<uint64_t>(file_size / stripe, 1) * stripe;
+  options.block_size_bytes = block;
+  options.queue_depth = queue_depth;
+  options.io_timeout_ms = kPassTimeoutMs;
+  options.sqpoll = sqpoll;
+  Target target;
+  STRATA_ASSIGN_OR_RETURN(target.storage, CreateUringStorage(options));
+  for (const std::string& dir : dirs) target.files.push_back((std::filesystem::path(dir) / file_name).string());
+  target.bytes = options.capacity_bytes;
+  return target;
+}
+
+// The segments of one pass over the whole space: every block once, in order
+// or shuffled, cycling through queue_depth buffers as fio does (two requests
+// in flight may share one when completions come out of order: the content
+// does not matter to a bandwidth test).
+std::vector<IoSegment> PassSegments(const Target& target, const Buffer& window, uint64_t block, IoPattern pattern,
+                                    std::mt19937_64& rng) {
+  uint64_t blocks = target.bytes / block;
+  std::vector<uint64_t> order(blocks);
+  std::iota(order.begin(), order.end(), 0);
+  if (pattern == IoPattern::kRandom) std::shuffle(order.begin(), order.end(), rng);
+  uint64_t buffers = window.size_bytes() / block;
+  std::vector<IoSegment> segments;
+  segments.reserve(blocks);
+  for (uint64_t i = 0; i < blocks; ++i) segments.push_back({order[i] * block, window.bytes() + (i % buffers) * block, block});
+  return segments;
+}
+
+// Runs one pass; returns its bandwidth in GB/s.
+Result<double> StrataPass(Target& target, const std::vector<IoSegment>& segments, IoOp op) {
+  Clock::time_point start = Clock::now();
+  STRATA_RETURN_IF_ERROR(op == IoOp::kRead ? target.storage->ReadBatch(segments)
+                                           : target.storage->WriteBatch(segments));
+  double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return static_cast<double>(target.bytes) / seconds / 1e9;
+}
+
+std::string ShellQuote(const std::string& text) {
+  std::string quoted = "'";
+  for (char c : text) quoted += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return quoted + "'";
+}
+
+// fio on the same files, block size and queue depth, O_DIRECT through io_uring.
+Result<double> FioPass(const IoBenchConfig& config, const Target& target, IoOp op, IoPattern pattern, uint64_t block,
+                       uint32_t queue_depth) {
+  std::string files;
+  for (const std::string& file : target.files) files += (files.empty() ? "" : ":") + file;
+  std::string rw = std::string(pattern == IoPattern::kRandom ? "rand" : "") + std::string(OpName(op));
+  std::string output = (std::filesystem::temp_directory_path() / fmt::format("strata-fio-{}.json", ::getpid())).string();
+  std::string command = fmt::format(
+      "{} --name=strata-compare --ioengine=io_uring --direct=1 --rw={} --bs={} --iodepth={} --size={} "
+      "--filename={} --numjobs=1 --randrepeat=0 --allow_file_create=0 --output-format=json --output={} 2>&1",
+      ShellQuote(config.fio_path), rw, block, queue_depth, target.bytes, ShellQuote(files), ShellQuote(output));
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return IoError("bench io: cannot start fio ({}): {}", command, std::strerror(errno));
+  std::string messages;
+  char line[512];
+  while (std::fgets(line, sizeof line, pipe) != nullptr) messages += line;
+  int rc = ::pclose(pipe);
+  std::ifstream in(output);
+  std::stringstream json;
+  json << in.rdbuf();
+  std::filesystem::remove(output);
+  if (rc != 0) {
+    return IoError("bench io: fio failed (exit status {}): {}{}", rc, command,
+                   messages.empty() ? "" : "\n" + messages);
+  }
+  return ParseFioBandwidthGbps(json.str(), op);
+}
+
+// CRC32C of `bytes` bytes read into the window, as the NVMe tier checks
+// every slot it reads: its time against the read's.
+CrcCost MeasureCrc(const Buffer& window, uint64_t bytes, double read_gbps) {
+  Clock::time_point start = Clock::now();
+  uint32_t crc = 0;
+  uint64_t done = 0;
+  while (done < bytes) {
+    uint64_t piece = std::min<uint64_t>(window.size_bytes(), bytes - done);
+    crc = Crc32c(window.data(), piece, crc);
+    done += piece;
+  }
+  double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  STRATA_LOG_DEBUG("bench io: crc {:#010x}", crc);  // keeps the loop from being optimized away
+  CrcCost cost;
+  cost.crc_gbps = static_cast<double>(bytes) / seconds / 1e9;
+  cost.read_gbps = read_gbps;
+  cost.fraction_of_read = read_gbps > 0 ? read_gbps / cost.crc_gbps : 0;
+  return cost;
+}
+
+}  // namespace
+
+double Median(std::vector<double> values) {
+  STRATA_CHECK(!values.empty(), "median of nothing");
+  std::sort(values.begin(), values.end());
+  size_t mid = values.size() / 2;
+  return values.size() % 2 == 1 ? values[mid] : (values[mid - 1] + values[mid]) / 2;
+}
+
+Result<double> ParseFioBandwidthGbps(const std::string& fio_json, IoOp op) {
+  // fio may print notes before the JSON object.
+  size_t start = fio_json.find('{');
+  if (start == std::string::npos) return IoError("bench io: fio printed no JSON");
+  nlohmann::json document = nlohmann::json::parse(fio_json.substr(start), nullptr, /*allow_exceptions=*/false);
+  if (document.is_discarded() || !document.contains("jobs") || document["jobs"].empty()) {
+    return IoError("bench io: fio's JSON has no jobs");
+  }
+  const nlohmann::json& job = document["jobs"][0];
+  const char* key = op == IoOp::kRead ? "read" : "write";
+  if (!job.contains(key) || !job[key].contains("bw_bytes")) return IoError("bench io: fio's JSON has no {}.bw_bytes", key);
+  double bytes_per_second = job[key]["bw_bytes"].get<double>();
+  if (bytes_per_second <= 0) return IoError("bench io: fio reports no {} bandwidth", key);
+  return bytes_per_second / 1e9;
+}
+
+Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
+  if (config.dirs.empty()) return InvalidArgument("bench io: no --dir given: name at least one directory");
+  if (config.runs == 0) return InvalidArgument("bench io: --runs 0: at least one run is needed");
+  for (uint64_t block : config.block_sizes_bytes) {
+    if (block == 0 || block % kAlignmentBytes != 0) {
+      return InvalidArgument("bench io: block size {} is not allowed: expected a positive multiple of 4KiB", block);
+    }
+    if (block * config.dirs.size() > config.file_size_bytes) {
+      return InvalidArgument("bench io: --file-size {} is smaller than one block per directory ({} x {})",
+                             FormatSize(config.file_size_bytes), config.dirs.size(), FormatSize(block));
+    }
+  }
+  for (uint32_t depth : config.queue_depths) {
+    if (depth == 0 || depth > 4096) return InvalidArgument("bench io: queue depth {} is not allowed: expected 1..4096", depth);
+  }
+  const bool one_dir = config.compare_one_dir && config.dirs.size() > 1;
+  if (config.compare_one_dir && config.dirs.size() < 2) {
+    return InvalidArgument("bench io: --compare-one-dir needs at least two --dir");
+  }
+
+  IoBenchReport report;
+  report.config = config;
+  SetHugePagesEnabled(config.huge_pages);
+  std::mt19937_64 rng(config.seed);
+  for (uint64_t block : config.block_sizes_bytes) {
+    for (uint32_t depth : config.queue_depths) {
+      STRATA_ASSIGN_OR_RETURN(Target striped, OpenTarget(config.dirs, kFileName, config.file_size_bytes, block, depth,
+                                                         config.sqpoll));
+      std::optional<Target> single;
+      if (one_dir) {
+        STRATA_ASSIGN_OR_RETURN(single, OpenTarget({config.dirs[0]}, kOneDirFileName, striped.bytes, block, depth,
+                                                   config.sqpoll));
+      }
+      if (report.storage.empty()) report.storage = striped.storage->Describe();
+      Buffer window = AllocateAlignedHost(uint64_t{depth} * block, kAlignmentBytes);
+      if (!window) return OutOfMemory("bench io: cannot allocate a {} window", FormatSize(uint64_t{depth} * block));
+      for (uint64_t i = 0; i < window.size_bytes(); i += 8) {
+        uint64_t word = rng();
+        std::memcpy(window.bytes() + i, &word, 8);
+      }
+      // Reads must find written blocks: a preallocated, never-written extent
+      // reads as zeros without touching the drive.
+      for (Target* target : {&striped, single ? &*single : nullptr}) {
+        if (target == nullptr) continue;
+        std::vector<IoSegment> fill = PassSegments(*target, window, block, IoPattern::kSequential, rng);
+        STRATA_RETURN_IF_ERROR(target->storage->WriteBatch(fill).WithContext("bench io: writing the file once"));
+      }
+
+      for (IoOp op : config.ops) {
+        for (IoPattern pattern : config.patterns) {
+          IoBenchRow row{op, pattern, block, depth};
+          for (uint32_t run = 0; run < config.runs; ++run) {
+            std::vector<IoSegment> segments = PassSegments(striped, window, block, pattern, rng);
+            // Alternate who goes first, so that neither always meets a warmer drive.
+            bool fio_first = config.compare_fio && run % 2 == 1;
+            if (fio_first) {
+              STRATA_ASSIGN_OR_RETURN(double fio, FioPass(config, striped, op, pattern, block, depth));
+              row.fio_gbps.push_back(fio);
+            }
+            STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(striped, segments, op));
+            row.strata_gbps.push_back(gbps);
+            if (config.compare_fio && !fio_first) {
+              STRATA_ASSIGN_OR_RETURN(double fio, FioPass(config, striped, op, pattern, block, depth));
+              row.fio_gbps.push_back(fio);
+            }
+            if (single) {
+              std::vector<IoSegment> one = PassSegments(*single, window, block, pattern, rng);
+              STRATA_ASSIGN_OR_RETURN(double gbps_one, StrataPass(*single, one, op));
+              row.one_dir_gbps.push_back(gbps_one);
+            }
+          }
+          row.strata_median_gbps = Median(row.strata_gbps);
+          if (!row.fio_gbps.empty()) {
+            row.fio_median_gbps = Median(row.fio_gbps);
+            std::vector<double> ratios;
+            for (size_t i = 0; i < row.strata_gbps.size(); ++i) ratios.push_back(row.strata_gbps[i] / row.fio_gbps[i]);
+            row.ratio_median = Median(ratios);
+          }
+          if (!row.one_dir_gbps.empty()) {
+            std::vector<double> ratios;
+            for (size_t i = 0; i < row.strata_gbps.size(); ++i) {
+              ratios.push_back(row.strata_gbps[i] / row.one_dir_gbps[i]);
+            }
+            row.one_dir_ratio_median = Median(ratios);
+          }
+          if (op == IoOp::kRead && pattern == IoPattern::kSequential && report.crc.crc_gbps == 0) {
+            report.crc = MeasureCrc(window, striped.bytes, row.strata_median_gbps);
+          }
+          report.rows.push_back(std::move(row));
+        }
+      }
+    }
+  }
+  return report;
+}
+
+std::string FormatIoBench(const IoBenchReport& r) {
+  std::string out = fmt::format("strata bench io: {}; I/O buffers on {} pages\n", r.storage,
+                                r.config.huge_pages ? "huge (host.huge_pages)" : "4KiB");
+  out += fmt::format("file {} per pass, {} run{} per row{}\n\n", FormatSize(r.rows.empty() ? 0 : r.config.file_size_bytes),
+                     r.config.runs, r.config.runs == 1 ? "" : "s",
+                     r.config.compare_fio ? ", alternating with fio (io_uring, direct=1) on the same file" : "");
+  bool fio = r.config.compare_fio;
+  bool one = !r.rows.empty() && !r.rows[0].one_dir_gbps.empty();
+  out += fmt::format("{:<6} {:<10} {:>8} {:>4} {:>12}", "op", "pattern", "block", "qd", "strata GB/s");
+  if (fio) out += fmt::format(" {:>10} {:>12}", "fio GB/s", "strata/fio");
+  if (one) out += fmt::format(" {:>12} {:>14}", "1-dir GB/s", "striped/1-dir");
+  out += "\n";
+  for (const IoBenchRow& row : r.rows) {
+    out += fmt::format("{:<6} {:<10} {:>8} {:>4} {:>12.3f}", OpName(row.op), PatternName(row.pattern),
+                       FormatSize(row.block_size_bytes), row.queue_depth, row.strata_median_gbps);
+    if (fio) out += fmt::format(" {:>10.3f} {:>12.3f}", row.fio_median_gbps, row.ratio_median);
+    if (one) out += fmt::format(" {:>12.3f} {:>14.3f}", Median(row.one_dir_gbps), row.one_dir_ratio_median);
+    out += "\n";
+  }
+  out += "(medians over runs; ratios are medians of the per-run ratios)\n";
+  if (r.crc.crc_gbps > 0) {
+    out += fmt::format("\nCRC32C check of everything read: {:.2f} GB/s on one thread = {:.1f}% of the sequential read "
+                       "time at {:.3f} GB/s\n",
+                       r.crc.crc_gbps, 100 * r.crc.fraction_of_read, r.crc.read_gbps);
+  }
+  return out;
+}
+
+std::string IoBenchJson(const IoBenchReport& r) {
+  nlohmann::json j;
+  const IoBenchConfig& c = r.config;
+  j["config"] = {{"dirs", c.dirs},
+                 {"file_size_bytes", c.file_size_bytes},
+                 {"block_sizes_bytes", c.block_sizes_bytes},
+                 {"queue_depths", c.queue_depths},
+                 {"runs", c.runs},
+                 {"compare_fio", c.compare_fio},
+                 {"compare_one_dir", c.compare_one_dir},
+                 {"sqpoll", c.sqpoll},
+                 {"huge_pages", c.huge_pages},
+                 {"direct_io", true},
+                 {"storage", r.storage}};
+  nlohmann::json rows = nlohmann::json::array();
+  for (const IoBenchRow& row : r.rows) {
+    nlohmann::json item = {{"op", OpName(row.op)},
+                           {"pattern", PatternName(row.pattern)},
+                           {"block_size_bytes", row.block_size_bytes},
+                           {"queue_depth", row.queue_depth},
+                           {"strata_gbps", row.strata_gbps},
+                           {"strata_median_gbps", row.strata_median_gbps}};
+    if (!row.fio_gbps.empty()) {
+      item["fio_gbps"] = row.fio_gbps;
+      item["fio_median_gbps"] = row.fio_median_gbps;
+      item["ratio_strata_over_fio_median"] = row.ratio_median;
+    }
+    if (!row.one_dir_gbps.empty()) {
+      item["one_dir_gbps"] = row.one_dir_gbps;
+      item["ratio_striped_over_one_dir_median"] = row.one_dir_ratio_median;
+    }
+    // The first row of each op stands for a single-configuration run.
+    std::string key = fmt::format("{}_gbps", OpName(row.op));
+    if (!j.contains(key)) {
+      j[key] = row.strata_median_gbps;
+      if (!row.fio_gbps.empty()) j[fmt::format("{}_ratio_vs_fio", OpName(row.op))] = row.ratio_median;
+    }
+    rows.push_back(std::move(item));
+  }
+  j["results"] = rows;
+  if (r.crc.crc_gbps > 0) {
+    j["crc"] = {{"crc_gbps", r.crc.crc_gbps}, {"read_gbps", r.crc.read_gbps}, {"fraction_of_read", r.crc.fraction_of_read}};
+  }
+  return j.dump(2);
+}
+
+}  // namespace strata::bench

@@ -1,0 +1,80 @@
+// `strata bench io`: the NVMe engine's read and write bandwidth, measured
+// against fio (ioengine=io_uring, direct=1) on the same file, block size and
+// queue depth in the same run, alternating the two.
+//
+// For each block size x queue depth the engine's storage backend (the one
+// the NVMe tier uses) moves the whole file once per op and pattern, as one
+// batch that keeps queue_depth requests in flight; fio does the same on the
+// same file. Each pair is repeated `runs` times in alternating order and the
+// median of the per-run ratios strata/fio is reported. Also measured: the
+// cost of checking a CRC32C of everything read (the NVMe tier's integrity
+// check) as a fraction of the read time, and with several directories, the
+// striped engine against one directory alone.
+//
+// Single-threaded driver; not thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/status.h"
+
+namespace strata::bench {
+
+enum class IoOp : uint8_t { kWrite, kRead };
+enum class IoPattern : uint8_t { kSequential, kRandom };
+
+struct IoBenchConfig {
+  std::vector<std::string> dirs;
+  uint64_t file_size_bytes = uint64_t{2} << 30;  // all directories together
+  std::vector<uint64_t> block_sizes_bytes = {uint64_t{1} << 20};
+  std::vector<uint32_t> queue_depths = {32};
+  std::vector<IoOp> ops = {IoOp::kWrite, IoOp::kRead};
+  std::vector<IoPattern> patterns = {IoPattern::kSequential};
+  uint32_t runs = 3;
+  bool compare_fio = false;
+  std::string fio_path = "fio";
+  bool compare_one_dir = false;  // with several dirs: also run on the first one alone
+  bool sqpoll = false;
+  bool huge_pages = true;  // host.huge_pages for the I/O buffers
+  uint64_t seed = 1;
+};
+
+struct IoBenchRow {
+  IoOp op = IoOp::kRead;
+  IoPattern pattern = IoPattern::kSequential;
+  uint64_t block_size_bytes = 0;
+  uint32_t queue_depth = 0;
+  std::vector<double> strata_gbps;   // per run
+  std::vector<double> fio_gbps;      // per run, when compared
+  std::vector<double> one_dir_gbps;  // per run, when compared
+  double strata_median_gbps = 0;
+  double fio_median_gbps = 0;
+  double ratio_median = 0;          // median over runs of strata/fio
+  double one_dir_ratio_median = 0;  // median over runs of striped/one dir
+};
+
+struct CrcCost {
+  double crc_gbps = 0;         // CRC32C over the bytes read, one thread
+  double read_gbps = 0;        // the sequential read it is compared with
+  double fraction_of_read = 0;  // crc time / read time
+};
+
+struct IoBenchReport {
+  IoBenchConfig config;
+  std::string storage;  // the backend's description
+  std::vector<IoBenchRow> rows;
+  CrcCost crc;
+};
+
+Result<IoBenchReport> RunIoBench(const IoBenchConfig& config);
+std::string FormatIoBench(const IoBenchReport& report);
+std::string IoBenchJson(const IoBenchReport& report);
+
+// The median of a non-empty list.
+double Median(std::vector<double> values);
+// fio's bandwidth in GB/s for `op` from its JSON output.
+Result<double> ParseFioBandwidthGbps(const std::string& fio_json, IoOp op);
+
+}  // namespace strata::bench

@@ -1,0 +1,79 @@
+#include "benchmarks/io_bench.h"
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata::bench {
+namespace {
+
+TEST(IoBenchTest, MedianOfOddAndEvenLists) {
+  EXPECT_DOUBLE_EQ(Median({3, 1, 2}), 2);
+  EXPECT_DOUBLE_EQ(Median({4, 1, 3, 2}), 2.5);
+}
+
+TEST(IoBenchTest, ParsesFioJsonAfterNotes) {
+  std::string output = R"(note: both iodepth >= 1 and synchronous I/O engine are selected
+{"fio version": "fio-3.33", "jobs": [{"jobname": "x", "read": {"bw_bytes": 1500000000}, "write": {"bw_bytes": 0}}]})";
+  ASSERT_OK_AND_ASSIGN(double read, ParseFioBandwidthGbps(output, IoOp::kRead));
+  EXPECT_DOUBLE_EQ(read, 1.5);
+  EXPECT_EQ(ParseFioBandwidthGbps(output, IoOp::kWrite).status().code(), StatusCode::kIoError);
+  EXPECT_EQ(ParseFioBandwidthGbps("fio: command not found", IoOp::kRead).status().code(), StatusCode::kIoError);
+}
+
+TEST(IoBenchTest, BadConfigurationsAreInvalidArgument) {
+  IoBenchConfig config;
+  EXPECT_EQ(RunIoBench(config).status().code(), StatusCode::kInvalidArgument);  // no dirs
+  testing::ScratchDir dir("bench");
+  config.dirs = {dir.path()};
+  config.block_sizes_bytes = {5000};
+  EXPECT_EQ(RunIoBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.block_sizes_bytes = {4096};
+  config.queue_depths = {0};
+  EXPECT_EQ(RunIoBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.queue_depths = {4};
+  config.compare_one_dir = true;
+  EXPECT_EQ(RunIoBench(config).status().code(), StatusCode::kInvalidArgument);  // needs two dirs
+}
+
+TEST(IoBenchTest, SweepMeasuresEveryRowAndWritesTheJsonKeys) {
+  testing::ScratchDir a("bench-a"), b("bench-b");
+  IoBenchConfig config;
+  config.dirs = {a.path(), b.path()};
+  config.file_size_bytes = 8 << 20;
+  config.block_sizes_bytes = {64 << 10, 1 << 20};
+  config.queue_depths = {1, 8};
+  config.patterns = {IoPattern::kSequential, IoPattern::kRandom};
+  config.runs = 2;
+  config.compare_one_dir = true;
+  ASSERT_OK_AND_ASSIGN(IoBenchReport report, RunIoBench(config));
+  ASSERT_EQ(report.rows.size(), 2u * 2 * 2 * 2);  // blocks x depths x ops x patterns
+  for (const IoBenchRow& row : report.rows) {
+    ASSERT_EQ(row.strata_gbps.size(), 2u);
+    EXPECT_GT(row.strata_median_gbps, 0);
+    EXPECT_GT(row.one_dir_ratio_median, 0);
+  }
+  EXPECT_GT(report.crc.crc_gbps, 0);
+  nlohmann::json json = nlohmann::json::parse(IoBenchJson(report));
+  EXPECT_GT(json["read_gbps"].get<double>(), 0);
+  EXPECT_GT(json["write_gbps"].get<double>(), 0);
+  EXPECT_EQ(json["config"]["queue_depths"].size(), 2u);
+  EXPECT_NE(FormatIoBench(report).find("striped/1-dir"), std::string::npos);
+}
+
+TEST(IoBenchTest, MissingFioIsAnErrorNamingTheCommand) {
+  testing::ScratchDir dir("bench-fio");
+  IoBenchConfig config;
+  config.dirs = {dir.path()};
+  config.file_size_bytes = 1 << 20;
+  config.block_sizes_bytes = {64 << 10};
+  config.runs = 1;
+  config.compare_fio = true;
+  config.fio_path = "/nonexistent/fio";
+  Result<IoBenchReport> report = RunIoBench(config);
+  ASSERT_FALSE(report.ok());
+  EXPECT_NE(report.status().message().find("/nonexistent/fio"), std::string::npos) << report.status().ToString();
+}
+
+}  // namespace
+}  // namespace strata::bench
