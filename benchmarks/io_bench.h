@@ -56,7 +56,7 @@ struct IoBenchRow {
 };
 
 struct CrcCost {
-  double crc_gbps = 0;         // CRC32C over the bytes read, one thread
+  double crc_gbps = 0;         // the NVMe tier's CRC32C check of the bytes read
   double read_gbps = 0;        // the sequential read it is compared with
   double fraction_of_read = 0;  // crc time / read time
 };

@@ -397,6 +397,9 @@ Result<Buffer> ResidencyManager::AcquireStaging() {
     staging_cv_.notify_one();
     return buffer.status().WithContext("allocating a pinned staging buffer for a device<->nvme move");
   }
+  if (config_.nvme_pool != nullptr) {  // device <-> NVMe moves read and write it
+    STRATA_RETURN_IF_ERROR(config_.nvme_pool->storage().RegisterBuffer(buffer->data(), buffer->size_bytes()));
+  }
   return buffer;
 }
 

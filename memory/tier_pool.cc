@@ -61,32 +61,39 @@ NvmeTierPool::NvmeTierPool(Storage& storage) : TierPool(storage.capacity_bytes()
 
 Status NvmeTierPool::Write(Extent extent, const std::byte* src, uint64_t size_bytes) {
   STRATA_CHECK(size_bytes <= extent.size_bytes, "write of {} bytes into a slot of {}", size_bytes, extent.size_bytes);
-  uint32_t crc = Crc32c(src, size_bytes);
+  std::vector<uint32_t> crcs = Crc32cPieces(src, size_bytes);
   STRATA_RETURN_IF_ERROR(storage_.Write(extent.offset, src, size_bytes));
   std::lock_guard lock(mu_);
-  crc_by_offset_[extent.offset] = crc;
+  crcs_by_offset_[extent.offset] = std::move(crcs);
   return Status::Ok();
 }
 
 Status NvmeTierPool::Read(Extent extent, std::byte* dst, uint64_t size_bytes) {
-  uint32_t expected = 0;
+  std::vector<uint32_t> expected;
   {
     std::lock_guard lock(mu_);
-    auto it = crc_by_offset_.find(extent.offset);
-    if (it == crc_by_offset_.end()) {
+    auto it = crcs_by_offset_.find(extent.offset);
+    if (it == crcs_by_offset_.end()) {
       return Internal("nvme tier: read of slot at offset {} that was never written", extent.offset);
     }
     expected = it->second;
   }
   STRATA_RETURN_IF_ERROR(storage_.Read(extent.offset, dst, size_bytes));
-  uint32_t found = Crc32c(dst, size_bytes);
-  if (found != expected) {
-    return Corruption("nvme tier: slot at offset {} ({} bytes, {}): expected CRC32C {:#010x}, found {:#010x}",
-                      extent.offset, size_bytes, storage_.Describe(), expected, found);
+  std::vector<uint32_t> found = Crc32cPieces(dst, size_bytes);
+  if (found.size() != expected.size()) {
+    return Internal("nvme tier: slot at offset {} read as {} bytes but was written with another size", extent.offset,
+                    size_bytes);
+  }
+  for (size_t i = 0; i < found.size(); ++i) {
+    if (found[i] != expected[i]) {
+      return Corruption("nvme tier: slot at offset {} ({} bytes, {}): the piece at +{} has CRC32C {:#010x}, expected "
+                        "{:#010x}",
+                        extent.offset, size_bytes, storage_.Describe(), i * kCrcPieceBytes, found[i], expected[i]);
+    }
   }
   return Status::Ok();
 }
 
-void NvmeTierPool::OnFreeLocked(Extent extent) { crc_by_offset_.erase(extent.offset); }
+void NvmeTierPool::OnFreeLocked(Extent extent) { crcs_by_offset_.erase(extent.offset); }
 
 }  // namespace strata::memory

@@ -67,6 +67,7 @@ class MemoryTierPool final : public TierPool {
 
   Tier tier() const override { return tier_; }
   std::byte* Address(Extent extent) const { return arena_.bytes() + extent.offset; }
+  const Buffer& arena() const { return arena_; }
 
  private:
   MemoryTierPool(Tier tier, Buffer arena);
@@ -93,7 +94,8 @@ class NvmeTierPool final : public TierPool {
   void OnFreeLocked(Extent extent) override;
 
   Storage& storage_;
-  std::map<uint64_t, uint32_t> crc_by_offset_;  // guarded by mu_
+  // CRC32C of every kCrcPieceBytes piece of each written slot, by slot offset.
+  std::map<uint64_t, std::vector<uint32_t>> crcs_by_offset_;  // guarded by mu_
 };
 
 }  // namespace strata::memory

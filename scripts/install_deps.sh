@@ -10,6 +10,7 @@ packages=(
   liburing-dev libhwloc-dev libtbb-dev libisal-dev
   nlohmann-json3-dev libfmt-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  fio  # the reference of `strata bench io --compare-fio`
 )
 
 missing=()

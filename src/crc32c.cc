@@ -4,6 +4,7 @@
 #include <climits>
 
 #include <isa-l/crc.h>
+#include <tbb/parallel_for.h>
 
 namespace strata {
 
@@ -20,6 +21,17 @@ uint32_t Crc32c(const void* data, size_t size_bytes, uint32_t seed) {
     size_bytes -= piece;
   }
   return ~crc;
+}
+
+std::vector<uint32_t> Crc32cPieces(const void* data, size_t size_bytes, size_t piece_bytes) {
+  const size_t pieces = (size_bytes + piece_bytes - 1) / piece_bytes;
+  std::vector<uint32_t> crcs(pieces);
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  tbb::parallel_for(size_t{0}, pieces, [&](size_t i) {
+    size_t begin = i * piece_bytes;
+    crcs[i] = Crc32c(bytes + begin, std::min(piece_bytes, size_bytes - begin));
+  });
+  return crcs;
 }
 
 }  // namespace strata

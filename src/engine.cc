@@ -80,7 +80,12 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   int numa_node = options.host_numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
   STRATA_ASSIGN_OR_RETURN(impl->host_pool,
                           memory::MemoryTierPool::CreateHost(*impl->device, options.host_budget_bytes, numa_node));
-  if (impl->storage) impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);
+  if (impl->storage) {
+    impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);
+    // Host <-> NVMe moves read and write the host arena: let the kernel keep it mapped.
+    const Buffer& arena = impl->host_pool->arena();
+    STRATA_RETURN_IF_ERROR(impl->storage->RegisterBuffer(arena.data(), arena.size_bytes()));
+  }
 
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
   STRATA_LOG_DEBUG("engine created: {}", engine->DescribeBackends());

@@ -42,6 +42,12 @@ class Storage {
   // Blocks until the whole range is written (or read) or an error occurs.
   virtual Status Write(uint64_t offset, const std::byte* src, size_t size_bytes) = 0;
   virtual Status Read(uint64_t offset, std::byte* dst, size_t size_bytes) = 0;
+  // A hint: I/O from or into [data, data + size_bytes) is frequent (the host
+  // arena, bounce buffers), so the backend may register it with the kernel
+  // (io_uring fixed buffers). Where that is refused (the memlock limit), the
+  // backend logs it once and goes on with plain buffers. The range must stay
+  // allocated for the storage's lifetime. The default does nothing.
+  virtual Status RegisterBuffer(void* /*data*/, size_t /*size_bytes*/) { return Status::Ok(); }
   // Many segments in one call, with as many requests in flight as the
   // backend allows across all of them (random offsets at full queue depth).
   // Returns the first error; segments may complete in any order. The default

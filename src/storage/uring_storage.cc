@@ -217,6 +217,26 @@ class Ring {
 
   io_uring* get() { return &ring_; }
   bool fixed_files() const { return fixed_files_; }
+
+  // Registers `iovecs` as this ring's fixed buffers (replacing any earlier
+  // set); returns 0 or a negative errno. See Note [Registered buffers].
+  int RegisterBuffers(const std::vector<iovec>& iovecs, uint64_t generation) {
+    if (!fixed_buffers_.empty()) io_uring_unregister_buffers(&ring_);
+    fixed_buffers_.clear();
+    buffer_generation_ = generation;
+    int rc = io_uring_register_buffers(&ring_, iovecs.data(), static_cast<unsigned>(iovecs.size()));
+    if (rc == 0) fixed_buffers_ = iovecs;
+    return rc;
+  }
+  uint64_t buffer_generation() const { return buffer_generation_; }
+  // The index of the fixed buffer holding [data, data + size), or -1.
+  int FixedBufferIndex(const std::byte* data, size_t size) const {
+    for (size_t i = 0; i < fixed_buffers_.size(); ++i) {
+      const auto* base = static_cast<const std::byte*>(fixed_buffers_[i].iov_base);
+      if (data >= base && data + size <= base + fixed_buffers_[i].iov_len) return static_cast<int>(i);
+    }
+    return -1;
+  }
   // A ring whose requests could not be reaped must not be reused.
   bool broken() const { return broken_; }
   void MarkBroken() { broken_ = true; }
@@ -248,6 +268,8 @@ class Ring {
   bool initialized_ = false;
   bool fixed_files_ = false;
   bool broken_ = false;
+  std::vector<iovec> fixed_buffers_;  // registered with this ring
+  uint64_t buffer_generation_ = 0;    // of the pool's registration set last applied
   std::vector<Request> slots_;           // indexed by the SQE's user_data
   std::vector<uint32_t> free_slots_;     // slots with no request
   std::vector<uint32_t> retry_slots_;    // slots whose request must be submitted again
@@ -278,7 +300,51 @@ class RingPool {
     std::unique_ptr<Ring> ring_;
   };
 
+  // Adds host memory to the set every ring registers as fixed buffers.
+  void AddFixedBuffers(const std::vector<iovec>& iovecs) {
+    std::lock_guard<std::mutex> lock(mu_);
+    fixed_buffers_.insert(fixed_buffers_.end(), iovecs.begin(), iovecs.end());
+    ++buffer_generation_;
+  }
+  // "fixed buffers", "plain buffers" or why registration was refused.
+  std::string DescribeBuffers() const {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fixed_buffers_.empty()) return "plain buffers";
+    return buffers_refused_.empty() ? fmt::format("{} fixed buffer regions", fixed_buffers_.size())
+                                    : "plain buffers (" + buffers_refused_ + ")";
+  }
+
   Result<Lease> Acquire(Clock::time_point deadline, uint32_t timeout_ms) {
+    STRATA_ASSIGN_OR_RETURN(Lease lease, AcquireRing(deadline, timeout_ms));
+    ApplyFixedBuffers(*lease);
+    return lease;
+  }
+
+ private:
+  // Brings a ring's fixed buffers up to the pool's set. A refusal (the
+  // memlock limit, most often) is logged once and the pool stops trying:
+  // requests then use plain buffers, which work the same, a little slower.
+  void ApplyFixedBuffers(Ring& ring) {
+    std::vector<iovec> iovecs;
+    uint64_t generation = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!buffers_refused_.empty() || ring.buffer_generation() == buffer_generation_) return;
+      iovecs = fixed_buffers_;
+      generation = buffer_generation_;
+    }
+    int rc = ring.RegisterBuffers(iovecs, generation);
+    if (rc == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    if (buffers_refused_.empty()) {
+      buffers_refused_ = fmt::format("registration refused: {}", ErrnoText(-rc));
+      STRATA_LOG_WARNING("nvme: io_uring refused to register {} buffer regions ({}; RLIMIT_MEMLOCK may be too low for "
+                         "them); using plain buffers",
+                         iovecs.size(), ErrnoText(-rc));
+    }
+  }
+
+  Result<Lease> AcquireRing(Clock::time_point deadline, uint32_t timeout_ms) {
     {
       std::unique_lock<std::mutex> lock(mu_);
       bool available = cv_.wait_until(lock, deadline, [&] { return !free_.empty() || created_ < kMaxRings; });
@@ -304,7 +370,6 @@ class RingPool {
     return Lease(this, std::move(ring));
   }
 
- private:
   void Release(std::unique_ptr<Ring> ring) {
     std::lock_guard<std::mutex> lock(mu_);
     if (ring->broken()) {
@@ -319,10 +384,13 @@ class RingPool {
   const uint32_t queue_depth_;
   const std::vector<int> fds_;
   const bool sqpoll_;
-  std::mutex mu_;  // guards free_ and created_
+  mutable std::mutex mu_;  // guards free_, created_ and the fixed-buffer set below  // guards free_ and created_
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> free_;
   size_t created_ = 0;  // rings alive: in free_ or leased
+  std::vector<iovec> fixed_buffers_;  // every region registered so far
+  uint64_t buffer_generation_ = 0;    // bumped on every addition
+  std::string buffers_refused_;       // non-empty once registration failed
 };
 
 __kernel_timespec TimespecUntil(Clock::time_point deadline) {
@@ -348,9 +416,9 @@ class UringStorage final : public Storage {
                                                              files_.size());
     std::string dirs;
     for (const BackingFile& file : files_) dirs += (dirs.empty() ? "" : ", ") + file.dir;
-    return fmt::format("io_uring {}, {} dir{} ({}), {}, block {}, qd {}", mode, files_.size(),
+    return fmt::format("io_uring {}, {} dir{} ({}), {}, block {}, qd {}, {}", mode, files_.size(),
                        files_.size() == 1 ? "" : "s", dirs, FormatSize(options_.capacity_bytes),
-                       FormatSize(options_.block_size_bytes), options_.queue_depth);
+                       FormatSize(options_.block_size_bytes), options_.queue_depth, pool_.DescribeBuffers());
   }
   size_t capacity_bytes() const override { return options_.capacity_bytes; }
   size_t alignment_bytes() const override { return kAlignmentBytes; }
@@ -370,6 +438,20 @@ class UringStorage final : public Storage {
   Status Read(uint64_t offset, std::byte* dst, size_t size_bytes) override {
     IoSegment segment{offset, dst, size_bytes};
     return Transfer(Op::kRead, {&segment, 1});
+  }
+  Status RegisterBuffer(void* data, size_t size_bytes) override {
+    if (data == nullptr || size_bytes == 0) return InvalidArgument("nvme: RegisterBuffer of an empty range");
+    // The kernel takes at most 1 GiB per registered buffer: split larger regions.
+    constexpr size_t kMaxRegionBytes = size_t{1} << 30;
+    std::vector<iovec> iovecs;
+    for (size_t done = 0; done < size_bytes; done += kMaxRegionBytes) {
+      iovecs.push_back({static_cast<std::byte*>(data) + done, std::min(kMaxRegionBytes, size_bytes - done)});
+    }
+    pool_.AddFixedBuffers(iovecs);
+    // Apply it to one ring now, so that a refusal is known (and logged) at once.
+    Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+    STRATA_ASSIGN_OR_RETURN(RingPool::Lease lease, pool_.Acquire(deadline, options_.io_timeout_ms));
+    return Status::Ok();
   }
   Status WriteBatch(std::span<const IoSegment> segments) override { return Transfer(Op::kWrite, segments); }
   Status ReadBatch(std::span<const IoSegment> segments) override { return Transfer(Op::kRead, segments); }
@@ -412,7 +494,14 @@ void UringStorage::Prepare(Ring& ring, Op op, uint32_t slot) {
   STRATA_CHECK(sqe != nullptr, "io_uring submission queue full with {} slots", ring.num_slots());
   int fd = ring.fixed_files() ? static_cast<int>(request.file_index) : files_[request.file_index].fd.get();
   auto length = static_cast<unsigned>(request.remaining_bytes);  // <= block size <= kMaxBlockSizeBytes
-  if (op == Op::kRead) {
+  const int buffer_index = ring.FixedBufferIndex(request.buffer, length);
+  if (buffer_index >= 0) {  // the kernel skips pinning and mapping the pages of this request
+    if (op == Op::kRead) {
+      io_uring_prep_read_fixed(sqe, fd, request.buffer, length, request.file_offset, buffer_index);
+    } else {
+      io_uring_prep_write_fixed(sqe, fd, request.buffer, length, request.file_offset, buffer_index);
+    }
+  } else if (op == Op::kRead) {
     io_uring_prep_read(sqe, fd, request.buffer, length, request.file_offset);
   } else {
     io_uring_prep_write(sqe, fd, request.buffer, length, request.file_offset);

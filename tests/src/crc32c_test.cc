@@ -38,5 +38,18 @@ TEST(Crc32cTest, DetectsOneFlippedBit) {
   EXPECT_NE(Crc32c(data.data(), data.size()), before);
 }
 
+TEST(Crc32cTest, PiecesMatchTheCrcOfEachPiece) {
+  std::mt19937_64 rng(testing::TestSeed());
+  std::vector<unsigned char> data(5 * 4096 + 123);
+  testing::FillRandom(data.data(), data.size(), rng);
+  std::vector<uint32_t> pieces = Crc32cPieces(data.data(), data.size(), 4096);
+  ASSERT_EQ(pieces.size(), 6u);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    size_t size = std::min<size_t>(4096, data.size() - i * 4096);
+    EXPECT_EQ(pieces[i], Crc32c(data.data() + i * 4096, size)) << i;
+  }
+  EXPECT_TRUE(Crc32cPieces(data.data(), 0).empty());
+}
+
 }  // namespace
 }  // namespace strata

@@ -2,6 +2,7 @@
 // concurrency, startup checks and every error path it reports.
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -159,6 +160,40 @@ TEST(UringStorageTest, BatchWithAMisalignedSegmentIsInvalidArgumentAndWritesNoth
   EXPECT_EQ(storage->WriteBatch(segments).code(), StatusCode::kInvalidArgument);
   ASSERT_OK(storage->Read(0, buffer.bytes(), kAlign));
   EXPECT_EQ(buffer.bytes()[0], std::byte{0});  // the valid first segment was not written either
+}
+
+TEST(UringStorageTest, RegisteredBufferIsUsedForFixedBufferIo) {
+  Dirs dirs(2);
+  ASSERT_OK_AND_ASSIGN(auto storage, CreateUringStorage(dirs.options()));
+  std::mt19937_64 rng(testing::TestSeed());
+  Buffer registered = AllocateAlignedHost(2 << 20, kAlign);
+  ASSERT_OK(storage->RegisterBuffer(registered.data(), registered.size_bytes()));
+  EXPECT_CONTAINS(storage->Describe(), "fixed buffer");
+  testing::FillRandom(registered.data(), 1 << 20, rng);
+  ASSERT_OK(storage->Write(0, registered.bytes(), 1 << 20));
+  ASSERT_OK(storage->Read(0, registered.bytes() + (1 << 20), 1 << 20));  // into the registered range too
+  EXPECT_EQ(std::memcmp(registered.bytes(), registered.bytes() + (1 << 20), 1 << 20), 0);
+  Buffer plain = AllocateAlignedHost(1 << 20, kAlign);  // outside it: plain buffers still work
+  ASSERT_OK(storage->Read(0, plain.bytes(), 1 << 20));
+  EXPECT_EQ(std::memcmp(registered.bytes(), plain.bytes(), 1 << 20), 0);
+}
+
+TEST(UringStorageTest, RefusedRegistrationFallsBackToPlainBuffers) {
+  Dirs dirs(1);
+  ASSERT_OK_AND_ASSIGN(auto storage, CreateUringStorage(dirs.options()));
+  // A range with nothing mapped behind it: the kernel refuses to pin it.
+  void* hole = ::mmap(nullptr, 1 << 20, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(hole, MAP_FAILED);
+  ASSERT_OK(storage->RegisterBuffer(hole, 1 << 20));
+  EXPECT_CONTAINS(storage->Describe(), "plain buffers (registration refused");
+  std::mt19937_64 rng(testing::TestSeed());
+  Buffer source = RandomBuffer(1 << 20, rng);
+  Buffer target = AllocateAlignedHost(1 << 20, kAlign);
+  ASSERT_OK(storage->Write(0, source.bytes(), 1 << 20));
+  ASSERT_OK(storage->Read(0, target.bytes(), 1 << 20));
+  EXPECT_TRUE(SameBytes(source, target, 1 << 20));
+  ::munmap(hole, 1 << 20);
+  EXPECT_EQ(storage->RegisterBuffer(nullptr, 0).code(), StatusCode::kInvalidArgument);
 }
 
 TEST(UringStorageTest, StripesConsecutiveBlocksRoundRobinOverTheFiles) {
