@@ -441,6 +441,26 @@ TEST(UringStorageTest, TransferOutlastingIoTimeoutIsTimeout) {
   EXPECT_CONTAINS(status.message(), "nvme.io_timeout_ms = 1 ms");
 }
 
+TEST(UringStorageTest, StalledTransferLeavesDataStoredBeforeIntact) {
+  Dirs dirs(1);
+  const size_t size = size_t{256} << 20;
+  dirs.options().capacity_bytes = size;
+  dirs.options().block_size_bytes = size_t{1} << 20;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Storage> patient, CreateUringStorage(dirs.options()));
+  std::mt19937_64 rng(testing::TestSeed());
+  Buffer stored = RandomBuffer(1 << 20, rng);
+  ASSERT_OK(patient->Write(0, stored.bytes(), 1 << 20));
+  // The same file through a storage with a 1 ms deadline: a big write there times out.
+  dirs.options().io_timeout_ms = 1;
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Storage> hasty, CreateUringStorage(dirs.options()));
+  Buffer big = AllocateAlignedHost(size - (1 << 20), kAlign);
+  std::memset(big.data(), 9, big.size_bytes());
+  EXPECT_EQ(hasty->Write(1 << 20, big.bytes(), big.size_bytes()).code(), StatusCode::kTimeout);
+  Buffer back = AllocateAlignedHost(1 << 20, kAlign);
+  ASSERT_OK(patient->Read(0, back.bytes(), 1 << 20));
+  EXPECT_TRUE(SameBytes(stored, back, 1 << 20));
+}
+
 // Opens with O_DIRECT fail with EINVAL, as on a filesystem that refuses it.
 int OpenRefusingDirectIo(const char* path, int flags, mode_t mode) {
   if ((flags & O_DIRECT) != 0) {
