@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <sstream>
@@ -139,6 +140,13 @@ CrcCost MeasureCrc(const Buffer& window, uint64_t bytes, double read_gbps) {
   return cost;
 }
 
+// The median over runs of a[run] / b[run].
+double MedianRatio(const std::vector<double>& a, const std::vector<double>& b) {
+  std::vector<double> ratios;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) ratios.push_back(a[i] / b[i]);
+  return Median(ratios);
+}
+
 }  // namespace
 
 double Median(std::vector<double> values) {
@@ -199,9 +207,11 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
       }
       Buffer window = AllocateAlignedHost(uint64_t{depth} * block, kAlignmentBytes);
       if (!window) return OutOfMemory("bench io: cannot allocate a {} window", FormatSize(uint64_t{depth} * block));
+      std::vector<Target*> targets = {&striped};
+      if (single) targets.push_back(&*single);
       // As the engine does with its host arena and bounce buffers.
-      for (Target* target : {&striped, single ? &*single : nullptr}) {
-        if (target != nullptr) STRATA_RETURN_IF_ERROR(target->storage->RegisterBuffer(window.data(), window.size_bytes()));
+      for (Target* target : targets) {
+        STRATA_RETURN_IF_ERROR(target->storage->RegisterBuffer(window.data(), window.size_bytes()));
       }
       for (uint64_t i = 0; i < window.size_bytes(); i += 8) {
         uint64_t word = rng();
@@ -210,8 +220,7 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
       if (report.storage.empty()) report.storage = striped.storage->Describe();
       // Reads must find written blocks: a preallocated, never-written extent
       // reads as zeros without touching the drive.
-      for (Target* target : {&striped, single ? &*single : nullptr}) {
-        if (target == nullptr) continue;
+      for (Target* target : targets) {
         std::vector<IoSegment> fill = PassSegments(*target, window, block, IoPattern::kSequential, rng);
         STRATA_RETURN_IF_ERROR(target->storage->WriteBatch(fill).WithContext("bench io: writing the file once"));
       }
@@ -220,39 +229,37 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
         for (IoPattern pattern : config.patterns) {
           IoBenchRow row{op, pattern, block, depth};
           for (uint32_t run = 0; run < config.runs; ++run) {
-            std::vector<IoSegment> segments = PassSegments(striped, window, block, pattern, rng);
-            // Alternate who goes first, so that neither always meets a warmer drive.
-            bool fio_first = config.compare_fio && run % 2 == 1;
-            if (fio_first) {
-              STRATA_ASSIGN_OR_RETURN(double fio, FioPass(config, striped, op, pattern, block, depth));
-              row.fio_gbps.push_back(fio);
-            }
-            STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(striped, segments, op));
-            row.strata_gbps.push_back(gbps);
-            if (config.compare_fio && !fio_first) {
-              STRATA_ASSIGN_OR_RETURN(double fio, FioPass(config, striped, op, pattern, block, depth));
-              row.fio_gbps.push_back(fio);
+            // The passes of one run, in an order that alternates from run to
+            // run, so that none always meets a drive warmed (or tired) by another.
+            std::vector<std::function<Status()>> passes;
+            passes.push_back([&]() -> Status {
+              STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(striped, PassSegments(striped, window, block, pattern, rng), op));
+              row.strata_gbps.push_back(gbps);
+              return Status::Ok();
+            });
+            if (config.compare_fio) {
+              passes.push_back([&]() -> Status {
+                STRATA_ASSIGN_OR_RETURN(double gbps, FioPass(config, striped, op, pattern, block, depth));
+                row.fio_gbps.push_back(gbps);
+                return Status::Ok();
+              });
             }
             if (single) {
-              std::vector<IoSegment> one = PassSegments(*single, window, block, pattern, rng);
-              STRATA_ASSIGN_OR_RETURN(double gbps_one, StrataPass(*single, one, op));
-              row.one_dir_gbps.push_back(gbps_one);
+              passes.push_back([&]() -> Status {
+                STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(*single, PassSegments(*single, window, block, pattern, rng), op));
+                row.one_dir_gbps.push_back(gbps);
+                return Status::Ok();
+              });
             }
+            if (run % 2 == 1) std::reverse(passes.begin(), passes.end());
+            for (const auto& pass : passes) STRATA_RETURN_IF_ERROR(pass());
           }
           row.strata_median_gbps = Median(row.strata_gbps);
           if (!row.fio_gbps.empty()) {
             row.fio_median_gbps = Median(row.fio_gbps);
-            std::vector<double> ratios;
-            for (size_t i = 0; i < row.strata_gbps.size(); ++i) ratios.push_back(row.strata_gbps[i] / row.fio_gbps[i]);
-            row.ratio_median = Median(ratios);
+            row.ratio_median = MedianRatio(row.strata_gbps, row.fio_gbps);
           }
-          if (!row.one_dir_gbps.empty()) {
-            std::vector<double> ratios;
-            for (size_t i = 0; i < row.strata_gbps.size(); ++i) {
-              ratios.push_back(row.strata_gbps[i] / row.one_dir_gbps[i]);
-            }
-            row.one_dir_ratio_median = Median(ratios);
-          }
+          if (!row.one_dir_gbps.empty()) row.one_dir_ratio_median = MedianRatio(row.strata_gbps, row.one_dir_gbps);
           if (op == IoOp::kRead && pattern == IoPattern::kSequential && report.crc.crc_gbps == 0) {
             report.crc = MeasureCrc(window, striped.bytes, row.strata_median_gbps);
           }
