@@ -1,5 +1,6 @@
 #include "memory/residency.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 
@@ -166,7 +167,8 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
                              id.value(), TierName(*chunk.tier), TierName(tier));
     }
     chunk.in_flight = true;
-    STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier));
+    std::vector<ChunkId> chain;
+    STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain));
   }
 }
 
@@ -197,7 +199,8 @@ Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinne
                            TierName(*chunk.tier), chunk.refs);
   }
   chunk.in_flight = true;
-  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier));
+  std::vector<ChunkId> chain;
+  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain));
   chunk.last_use = ++clock_;  // asked for: as recent as an access (a prefetch must not be evicted first)
   return Status::Ok();
 }
@@ -231,7 +234,7 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
   // A pinned chunk cannot move; any other is marked in flight for the
   // duration, so nobody moves or frees its slot while it is read.
   const bool mark = chunk.refs == 0;
-  if (mark) chunk.in_flight = chunk.copying = true;
+  if (mark) chunk.in_flight = true;
   Tier from = *chunk.tier;
   Extent extent = chunk.extent;
   lock.unlock();
@@ -254,7 +257,7 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
     }
   }
   lock.lock();
-  if (mark) chunk.in_flight = chunk.copying = false;
+  if (mark) chunk.in_flight = false;
   moved_.notify_all();
   return status.WithContext(fmt::format("reading chunk {} on {}", id.value(), TierName(from)));
 }
@@ -278,22 +281,23 @@ Status ResidencyManager::MoveAllHome() {
   return Status::Ok();
 }
 
-Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to) {
+Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain) {
   Chunk& chunk = chunks_[id.value()];
   STRATA_DCHECK(chunk.in_flight, "MoveFlagged of chunk {} that is not marked in flight", id.value());
   auto finish = [&](Status status) {
-    chunk.in_flight = chunk.copying = false;
+    chunk.in_flight = false;
     moved_.notify_all();
     return status;
   };
 
-  Result<Extent> dst = Reserve(lock, to, chunk.size_bytes);
+  chain.push_back(id);
+  Result<Extent> dst = Reserve(lock, to, chunk.size_bytes, chain);
+  chain.pop_back();
   if (!dst.ok()) return finish(dst.status().WithContext(fmt::format("moving chunk {} to {}", id.value(), TierName(to))));
 
   std::optional<Tier> from = chunk.tier;
   Extent src = chunk.extent;
   uint64_t size = chunk.size_bytes;
-  chunk.copying = true;
   lock.unlock();
   Clock::time_point start = Clock::now();
   Status status = Transfer(from, src, to, *dst, size);
@@ -328,7 +332,16 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to) {
   return finish(Status::Ok());
 }
 
-Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_bytes) {
+// Note [Waiting for room]
+// A tier with no room and no chunk in hold to evict may still get room: a
+// chunk in flight there may be on its way out. Waiting for it is right unless
+// its move is itself waiting for this reservation — the chunks of `chain`
+// (the chunk this thread is moving and the victims it is evicting for it),
+// whose source slots free only after this returns. So: wait for chunks in
+// flight that are not in the chain, within the deadline; with none, the answer
+// is OutOfMemory at once. Two threads waiting on each other's chains end as
+// Timeout, never as a hang.
+Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_bytes, std::vector<ChunkId>& chain) {
   TierPool* target = pool(tier);
   if (size_bytes > target->usage().capacity_bytes) {
     return target->OutOfMemoryError(size_bytes, "the chunk is larger than the whole tier");
@@ -345,7 +358,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     // The least recently used chunk in hold on this tier, preferring chunks
     // that are not at home here (they were only visiting).
     std::optional<uint32_t> victim;
-    bool any_copying = false;
+    bool any_leaving = false;  // in flight, not in the chain: may free room
     auto better = [&](const Chunk& c, const Chunk& than) {
       bool c_visiting = c.home != tier, than_visiting = than.home != tier;
       if (c_visiting != than_visiting) return c_visiting;
@@ -354,14 +367,15 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     for (uint32_t i = 0; i < chunks_.size(); ++i) {
       const Chunk& c = chunks_[i];
       if (c.tier != tier) continue;
-      // Only a chunk whose bytes are moving now is sure to settle soon; one
-      // still waiting for room (perhaps for this very eviction) is not.
-      any_copying |= c.copying;
-      if (c.in_flight || c.refs > 0) continue;
+      if (c.in_flight) {
+        any_leaving |= std::find(chain.begin(), chain.end(), ChunkId(i)) == chain.end();
+        continue;
+      }
+      if (c.refs > 0) continue;
       if (!victim || better(c, chunks_[*victim])) victim = i;
     }
     if (!victim) {
-      if (!any_copying) return target->OutOfMemoryError(size_bytes, "every chunk on it is in use or moving");
+      if (!any_leaving) return target->OutOfMemoryError(size_bytes, "every chunk on it is in use or moving");
       // A move off this tier may free room: wait for it, within the deadline.
       if (moved_.wait_until(lock, deadline) == std::cv_status::timeout) {
         return Timeout("{} tier: no room for {} bytes after waiting {} ms for moves in flight", TierName(tier),
@@ -370,7 +384,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
       continue;
     }
     chunks_[*victim].in_flight = true;
-    Status evicted = MoveFlagged(lock, ChunkId(*victim), *below);
+    Status evicted = MoveFlagged(lock, ChunkId(*victim), *below, chain);
     if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
     stats_.evictions++;
   }

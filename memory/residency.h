@@ -104,7 +104,6 @@ class ResidencyManager final : public AccessOwner {
     Extent extent;
     uint32_t refs = 0;
     bool in_flight = false;  // being moved or read: nobody else touches it
-    bool copying = false;    // in flight and its bytes are moving now (past Reserve)
     uint64_t last_use = 0;  // LRU clock value of the last access
   };
   using Lock = std::unique_lock<std::mutex>;
@@ -115,9 +114,11 @@ class ResidencyManager final : public AccessOwner {
   // Move(), but a chunk pinned meanwhile is skipped rather than an error.
   Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned);
   // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.
-  Status MoveFlagged(Lock& lock, ChunkId id, Tier to);
+  // `chain`: the chunks whose moves are waiting, in this thread, for this one
+  // (see Note [Waiting for room] in residency.cc).
+  Status MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain);
   // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
-  Result<Extent> Reserve(Lock& lock, Tier tier, uint64_t size_bytes);
+  Result<Extent> Reserve(Lock& lock, Tier tier, uint64_t size_bytes, std::vector<ChunkId>& chain);
   // Copies bytes between slots; runs without the lock.
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;

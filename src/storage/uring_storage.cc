@@ -37,7 +37,10 @@
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <deque>
 #include <filesystem>
+#include <functional>
+#include <future>
 #include <map>
 #include <mutex>
 #include <string>
@@ -402,10 +405,69 @@ __kernel_timespec TimespecUntil(Clock::time_point deadline) {
   return ts;
 }
 
+// Note [One worker per drive]
+// With several directories a transfer is split by drive: the stripes of each
+// backing file become that drive's share, run on a ring of its own by that
+// drive's worker (the calling thread takes the first drive's share itself).
+// Each drive then has its own submission and completion loop, so one busy
+// reaping thread never paces the others, and N drives add their bandwidth.
+// Every share runs under the call's deadline (and the cancel grace of
+// Note [Timeouts and the caller's buffer]), so waiting for the workers is
+// bounded; the call returns only when no request of it is left in flight.
+class DriveWorker {
+ public:
+  DriveWorker() : thread_([this] { Loop(); }) {}
+  ~DriveWorker() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  DriveWorker(const DriveWorker&) = delete;
+  DriveWorker& operator=(const DriveWorker&) = delete;
+
+  std::future<Status> Run(std::function<Status()> job) {
+    std::packaged_task<Status()> task(std::move(job));
+    std::future<Status> done = task.get_future();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::packaged_task<Status()> task;
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
+        if (queue_.empty()) return;  // stopping, and nothing left to run
+        task = std::move(queue_.front());
+        queue_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;  // guards queue_ and stopping_
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<Status()>> queue_;
+  bool stopping_ = false;
+  std::thread thread_;  // last: starts after the members it uses exist
+};
+
 class UringStorage final : public Storage {
  public:
   UringStorage(UringStorageOptions options, std::vector<BackingFile> files, std::vector<int> fds)
-      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {}
+      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {
+    // The calling thread serves the first drive; see Note [One worker per drive].
+    for (size_t i = 1; i < files_.size(); ++i) workers_.push_back(std::make_unique<DriveWorker>());
+  }
 
   std::string Describe() const override {
     size_t direct = static_cast<size_t>(
@@ -458,6 +520,8 @@ class UringStorage final : public Storage {
 
  private:
   Status Transfer(Op op, std::span<const IoSegment> segments);
+  // One drive's share of a transfer, on a ring of its own.
+  Status RunShare(Op op, std::span<const IoSegment> segments, Clock::time_point deadline);
   Status RunOnRing(Ring& ring, Op op, std::span<const IoSegment> segments, Clock::time_point deadline);
   void Prepare(Ring& ring, Op op, uint32_t slot);
   // Handles one completion; returns false for a completion that is not a request's (a cancel's).
@@ -472,6 +536,7 @@ class UringStorage final : public Storage {
   const UringStorageOptions options_;
   const std::vector<BackingFile> files_;  // immutable after construction: read by all threads without a lock
   RingPool pool_;                         // declared after files_: rings close before the files do
+  std::vector<std::unique_ptr<DriveWorker>> workers_;  // drives 1..N-1; last: they stop first
 };
 
 Status UringStorage::Transfer(Op op, std::span<const IoSegment> segments) {
@@ -482,6 +547,37 @@ Status UringStorage::Transfer(Op op, std::span<const IoSegment> segments) {
   }
   if (total_bytes == 0) return Status::Ok();
   Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options_.io_timeout_ms);
+  const size_t num_files = files_.size();
+  if (num_files == 1) return RunShare(op, segments, deadline);
+
+  // Cut every segment at stripe boundaries and deal the pieces to their drives.
+  const uint64_t block = options_.block_size_bytes;
+  std::vector<std::vector<IoSegment>> shares(num_files);
+  for (const IoSegment& segment : segments) {
+    uint64_t done = 0;
+    while (done < segment.size_bytes) {
+      uint64_t position = segment.offset + done;
+      uint64_t length = std::min<uint64_t>(block - position % block, segment.size_bytes - done);
+      shares[(position / block) % num_files].push_back({position, segment.buffer + done, length});
+      done += length;
+    }
+  }
+  std::vector<std::future<Status>> others;
+  for (size_t drive = 1; drive < num_files; ++drive) {
+    if (shares[drive].empty()) continue;
+    others.push_back(workers_[drive - 1]->Run(
+        [this, op, share = std::span<const IoSegment>(shares[drive]), deadline] { return RunShare(op, share, deadline); }));
+  }
+  Status status = shares[0].empty() ? Status::Ok() : RunShare(op, shares[0], deadline);
+  // Bounded: every share ends by its deadline plus the cancel grace.
+  for (std::future<Status>& other : others) {
+    Status share_status = other.get();
+    if (status.ok()) status = std::move(share_status);
+  }
+  return status;
+}
+
+Status UringStorage::RunShare(Op op, std::span<const IoSegment> segments, Clock::time_point deadline) {
   STRATA_ASSIGN_OR_RETURN(RingPool::Lease lease, pool_.Acquire(deadline, options_.io_timeout_ms));
   return RunOnRing(*lease, op, segments, deadline);
 }
