@@ -164,7 +164,8 @@ const std::vector<OptionEntry>& Table() {
                           &Options::nvme_capacity_bytes));
     t.push_back(SizeEntry("nvme.block_size", "bytes per NVMe I/O request and stripe unit; a multiple of 4KiB",
                           &Options::nvme_block_size_bytes));
-    t.push_back(IntEntry("nvme.queue_depth", "NVMe requests in flight per ring", &Options::nvme_queue_depth, 1, 4096));
+    t.push_back(IntEntry("nvme.queue_depth", "NVMe requests in flight per drive (directory)", &Options::nvme_queue_depth,
+                         1, 4096));
     t.push_back(BoolEntry("nvme.allow_buffered_io",
                           "use buffered I/O (with a warning) where a filesystem refuses O_DIRECT, instead of failing",
                           &Options::nvme_allow_buffered_io));
