@@ -15,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "strata/buffer.h"
+#include "strata/device.h"
 #include "strata/crc32c.h"
 #include "strata/logging.h"
 #include "strata/options.h"
@@ -82,6 +83,58 @@ Result<double> StrataPass(Target& target, const std::vector<IoSegment>& segments
   Clock::time_point start = Clock::now();
   STRATA_RETURN_IF_ERROR(op == IoOp::kRead ? target.storage->ReadBatch(segments)
                                            : target.storage->WriteBatch(segments));
+  double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+  return static_cast<double>(target.bytes) / seconds / 1e9;
+}
+
+// The device leg of a pass: the same segments, a group of `group` blocks at
+// a time, through two pinned bounce buffers and `device_buffer`. Reads copy
+// each group to the device while the next group is read; writes copy the next
+// group from the device while the current one is written.
+Result<double> DevicePass(Target& target, Device& device, const std::vector<IoSegment>& segments, IoOp op,
+                          uint64_t block, uint64_t group, Buffer (&bounce)[2], const Buffer& device_buffer) {
+  constexpr uint32_t kCopyTimeoutMs = 60'000;
+  auto span_of = [&](size_t first, int half) {
+    std::vector<IoSegment> span;
+    for (size_t k = first; k < std::min(segments.size(), first + group); ++k) {
+      span.push_back({segments[k].offset, bounce[half].bytes() + (k - first) * block, block});
+    }
+    return span;
+  };
+  std::shared_ptr<Event> pending[2];
+  auto settle = [&](int half) -> Status {
+    if (!pending[half]) return Status::Ok();
+    Status status = pending[half]->Wait(kCopyTimeoutMs);
+    pending[half].reset();
+    return status;
+  };
+  auto copy = [&](int half, size_t first) -> Status {
+    uint64_t bytes = std::min<uint64_t>(group, segments.size() - first) * block;
+    Result<std::shared_ptr<Event>> event =
+        op == IoOp::kRead
+            ? device.CopyAsync(CopyStream::kHostToDevice, device_buffer.data(), bounce[half].data(), bytes)
+            : device.CopyAsync(CopyStream::kDeviceToHost, bounce[half].data(), device_buffer.data(), bytes);
+    if (!event.ok()) return event.status();
+    pending[half] = std::move(event).value();
+    return Status::Ok();
+  };
+
+  Clock::time_point start = Clock::now();
+  if (op == IoOp::kWrite && !segments.empty()) STRATA_RETURN_IF_ERROR(copy(0, 0));
+  for (size_t first = 0, g = 0; first < segments.size(); first += group, ++g) {
+    const int half = static_cast<int>(g % 2);
+    STRATA_RETURN_IF_ERROR(settle(half));  // its copy to the device (read) or from it (write) is done
+    std::vector<IoSegment> span = span_of(first, half);
+    if (op == IoOp::kRead) {
+      STRATA_RETURN_IF_ERROR(target.storage->ReadBatch(span));
+      STRATA_RETURN_IF_ERROR(copy(half, first));
+    } else {
+      if (first + group < segments.size()) STRATA_RETURN_IF_ERROR(copy(1 - half, first + group));
+      STRATA_RETURN_IF_ERROR(target.storage->WriteBatch(span));
+    }
+  }
+  STRATA_RETURN_IF_ERROR(settle(0));
+  STRATA_RETURN_IF_ERROR(settle(1));
   double seconds = std::chrono::duration<double>(Clock::now() - start).count();
   return static_cast<double>(target.bytes) / seconds / 1e9;
 }
@@ -195,6 +248,18 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
   IoBenchReport report;
   report.config = config;
   SetHugePagesEnabled(config.huge_pages);
+  std::unique_ptr<Device> device;
+  if (config.destination == IoDestination::kDevice) {
+    Options device_options;
+    STRATA_RETURN_IF_ERROR(SetOption(device_options, "device.backend", config.device_backend));
+    uint64_t largest = 0;
+    for (uint64_t block : config.block_sizes_bytes) {
+      for (uint32_t depth : config.queue_depths) largest = std::max(largest, block * depth);
+    }
+    device_options.device_budget_bytes = largest;
+    STRATA_ASSIGN_OR_RETURN(device, CreateDevice(device_options));
+    report.device = device->Describe();
+  }
   std::mt19937_64 rng(config.seed);
   for (uint64_t block : config.block_sizes_bytes) {
     for (uint32_t depth : config.queue_depths) {
@@ -218,6 +283,15 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
         std::memcpy(window.bytes() + i, &word, 8);
       }
       if (report.storage.empty()) report.storage = striped.storage->Describe();
+      Buffer bounce[2];
+      Buffer device_buffer;
+      if (device) {
+        for (Buffer& half : bounce) {
+          STRATA_ASSIGN_OR_RETURN(half, device->AllocatePinnedHost(uint64_t{depth} * block, kNumaNodeNearDevice));
+          STRATA_RETURN_IF_ERROR(striped.storage->RegisterBuffer(half.data(), half.size_bytes()));
+        }
+        STRATA_ASSIGN_OR_RETURN(device_buffer, device->Allocate(uint64_t{depth} * block));
+      }
       // Reads must find written blocks: a preallocated, never-written extent
       // reads as zeros without touching the drive.
       for (Target* target : targets) {
@@ -233,7 +307,10 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
             // run, so that none always meets a drive warmed (or tired) by another.
             std::vector<std::function<Status()>> passes;
             passes.push_back([&]() -> Status {
-              STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(striped, PassSegments(striped, window, block, pattern, rng), op));
+              std::vector<IoSegment> segments = PassSegments(striped, window, block, pattern, rng);
+              STRATA_ASSIGN_OR_RETURN(double gbps, device ? DevicePass(striped, *device, segments, op, block, depth,
+                                                                       bounce, device_buffer)
+                                                          : StrataPass(striped, segments, op));
               row.strata_gbps.push_back(gbps);
               return Status::Ok();
             });
@@ -274,6 +351,7 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
 std::string FormatIoBench(const IoBenchReport& r) {
   std::string out = fmt::format("strata bench io: {}; I/O buffers on {} pages\n", r.storage,
                                 r.config.huge_pages ? "huge (host.huge_pages)" : "4KiB");
+  if (!r.device.empty()) out += fmt::format("destination: {} memory, through two pinned bounce buffers\n", r.device);
   out += fmt::format("file {} per pass, {} run{} per row{}\n\n", FormatSize(r.rows.empty() ? 0 : r.config.file_size_bytes),
                      r.config.runs, r.config.runs == 1 ? "" : "s",
                      r.config.compare_fio ? ", alternating with fio (io_uring, direct=1) on the same file" : "");
@@ -312,6 +390,8 @@ std::string IoBenchJson(const IoBenchReport& r) {
                  {"sqpoll", c.sqpoll},
                  {"huge_pages", c.huge_pages},
                  {"direct_io", true},
+                 {"destination", c.destination == IoDestination::kDevice ? "device" : "host"},
+                 {"device", r.device},
                  {"storage", r.storage}};
   nlohmann::json rows = nlohmann::json::array();
   for (const IoBenchRow& row : r.rows) {

@@ -24,6 +24,10 @@ namespace strata::bench {
 
 enum class IoOp : uint8_t { kWrite, kRead };
 enum class IoPattern : uint8_t { kSequential, kRandom };
+// Where the bytes start (write) or end (read): pinned host memory, or device
+// memory through a pair of pinned bounce buffers (reads of the next group of
+// queue_depth blocks overlap the copy of the last one).
+enum class IoDestination : uint8_t { kHost, kDevice };
 
 struct IoBenchConfig {
   std::vector<std::string> dirs;
@@ -38,6 +42,8 @@ struct IoBenchConfig {
   bool compare_one_dir = false;  // with several dirs: also run on the first one alone
   bool sqpoll = false;
   bool huge_pages = true;  // host.huge_pages for the I/O buffers
+  IoDestination destination = IoDestination::kHost;
+  std::string device_backend = "auto";  // with kDevice: device.backend (auto, emulated, cuda)
   uint64_t seed = 1;
 };
 
@@ -64,6 +70,7 @@ struct CrcCost {
 struct IoBenchReport {
   IoBenchConfig config;
   std::string storage;  // the backend's description
+  std::string device;   // with IoDestination::kDevice: the device's description
   std::vector<IoBenchRow> rows;
   CrcCost crc;
 };

@@ -5,7 +5,7 @@
 //   strata bench io --dir DIR [--dir DIR]... [--file-size 2GiB] [--block-size 1MiB,4MiB]
 //                   [--queue-depth 8,32] [--op read|write|both] [--pattern seq|rand|both]
 //                   [--runs 3] [--compare-fio] [--compare-one-dir] [--sqpoll] [--no-huge-pages]
-//                   [--json FILE]
+//                   [--dest host|device] [--device-backend auto|cuda|emulated] [--json FILE]
 //   strata options  [--config FILE] [--set key=value]...
 //   strata version
 //
@@ -114,6 +114,8 @@ struct BenchIoFlags {
   bool compare_one_dir = false;
   bool sqpoll = false;
   bool no_huge_pages = false;
+  std::string dest = "host";
+  std::string device_backend = "auto";
   std::string json_path;
 };
 
@@ -146,6 +148,10 @@ int RunBenchIo(const BenchIoFlags& flags) {
   config.compare_one_dir = flags.compare_one_dir;
   config.sqpoll = flags.sqpoll;
   config.huge_pages = !flags.no_huge_pages;
+  if (flags.dest == "host") config.destination = strata::bench::IoDestination::kHost;
+  else if (flags.dest == "device") config.destination = strata::bench::IoDestination::kDevice;
+  else return Fail(strata::InvalidArgument("--dest '{}': expected host or device", flags.dest));
+  config.device_backend = flags.device_backend;
   strata::Result<strata::bench::IoBenchReport> report = strata::bench::RunIoBench(config);
   if (!report.ok()) return Fail(report.status());
   std::fputs(strata::bench::FormatIoBench(*report).c_str(), stdout);
@@ -208,6 +214,10 @@ int main(int argc, char** argv) {
   bench_io_command->add_flag("--sqpoll", bench_io.sqpoll, "SQPOLL rings (nvme.sqpoll)");
   bench_io_command->add_flag("--no-huge-pages", bench_io.no_huge_pages,
                              "I/O buffers on 4KiB pages, as fio's (host.huge_pages=false)");
+  bench_io_command->add_option("--dest", bench_io.dest,
+                               "host (pinned memory) or device (through pinned bounce buffers)")->capture_default_str();
+  bench_io_command->add_option("--device-backend", bench_io.device_backend,
+                               "with --dest device: auto, cuda or emulated (device.backend)")->capture_default_str();
   bench_io_command->add_option("--json", bench_io.json_path, "also write the results as JSON to this file");
 
   app.add_subcommand("version", "print the version");

@@ -61,6 +61,25 @@ TEST(IoBenchTest, SweepMeasuresEveryRowAndWritesTheJsonKeys) {
   EXPECT_NE(FormatIoBench(report).find("striped/1-dir"), std::string::npos);
 }
 
+TEST(IoBenchTest, DeviceDestinationGoesThroughBounceBuffersToTheDevice) {
+  testing::ScratchDir dir("bench-device");
+  IoBenchConfig config;
+  config.dirs = {dir.path()};
+  config.file_size_bytes = 8 << 20;
+  config.block_sizes_bytes = {256 << 10};
+  config.queue_depths = {4};
+  config.runs = 1;
+  config.destination = IoDestination::kDevice;
+  config.device_backend = "emulated";
+  ASSERT_OK_AND_ASSIGN(IoBenchReport report, RunIoBench(config));
+  EXPECT_NE(report.device.find("emulated"), std::string::npos) << report.device;
+  ASSERT_EQ(report.rows.size(), 2u);
+  for (const IoBenchRow& row : report.rows) EXPECT_GT(row.strata_median_gbps, 0);
+  EXPECT_NE(FormatIoBench(report).find("bounce buffers"), std::string::npos);
+  config.device_backend = "tpu";
+  EXPECT_EQ(RunIoBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(IoBenchTest, MissingFioIsAnErrorNamingTheCommand) {
   testing::ScratchDir dir("bench-fio");
   IoBenchConfig config;
