@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/mount.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -459,6 +460,37 @@ TEST(UringStorageTest, StalledTransferLeavesDataStoredBeforeIntact) {
   Buffer back = AllocateAlignedHost(1 << 20, kAlign);
   ASSERT_OK(patient->Read(0, back.bytes(), 1 << 20));
   EXPECT_TRUE(SameBytes(stored, back, 1 << 20));
+}
+
+TEST(UringStorageTest, DiskFillingUpBeforePreallocationIsOutOfMemoryAndLeavesNoFile) {
+  // A small filesystem of our own, so that it can be filled for real.
+  testing::ScratchDir mount_point("smallfs");
+  if (::mount("tmpfs", mount_point.path().c_str(), "tmpfs", 0, "size=8m") != 0) {
+    GTEST_SKIP() << "cannot mount a tmpfs here (" << std::strerror(errno) << "): needs root";
+  }
+  UringStorageOptions options;
+  options.dirs = {mount_point.path()};
+  options.capacity_bytes = 4 << 20;  // passes the free-space check: 8 MiB are free
+  options.block_size_bytes = kBlock;
+  options.allow_buffered_io = true;  // in case this kernel's tmpfs refuses O_DIRECT
+  // Between the check and the preallocation another writer takes every byte.
+  std::string filler = mount_point.path() + "/filler";
+  auto open_then_fill = [&](const char* path, int flags, mode_t mode) {
+    int fd = ::open(path, flags, mode);
+    int fill = ::open(filler.c_str(), O_WRONLY | O_CREAT, 0600);
+    std::vector<char> chunk(1 << 16, 1);
+    while (fill >= 0 && ::write(fill, chunk.data(), chunk.size()) > 0) {
+    }
+    if (fill >= 0) ::close(fill);
+    return fd;
+  };
+  Result<std::unique_ptr<Storage>> storage = storage::CreateUringStorageWithOpen(options, open_then_fill);
+  bool backing_file_left = std::filesystem::exists(mount_point.path() + "/" + options.file_name);
+  ::umount(mount_point.path().c_str());
+  ASSERT_FALSE(storage.ok());
+  EXPECT_EQ(storage.status().code(), StatusCode::kOutOfMemory) << storage.status().ToString();
+  EXPECT_CONTAINS(storage.status().message(), "ran out of space");
+  EXPECT_FALSE(backing_file_left);
 }
 
 // Opens with O_DIRECT fail with EINVAL, as on a filesystem that refuses it.
