@@ -80,10 +80,6 @@ constexpr uint64_t kCancelUserData = ~uint64_t{0} - 1;
 // Pause before retrying a submit refused with EAGAIN/EBUSY while nothing is in
 // flight (nothing to wait on instead).
 constexpr auto kSubmitRetryPause = std::chrono::milliseconds(1);
-// How long an SQPOLL thread spins without work before it sleeps: long enough
-// to span the gaps between a transfer's submits, short enough not to burn a
-// core between chunk moves.
-constexpr unsigned kSqpollIdleMs = 50;
 
 std::string_view Basename(std::string_view file) {
   size_t slash = file.rfind('/');
@@ -181,24 +177,8 @@ class Ring {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
 
-  Status Init(uint32_t queue_depth, const std::vector<int>& fds, bool sqpoll) {
-    if (sqpoll) {
-      // A kernel thread polls the submission queue: no system call per
-      // submit, at the cost of a core spinning while I/O flows.
-      io_uring_params params{};
-      params.flags = IORING_SETUP_SQPOLL;
-      params.sq_thread_idle = kSqpollIdleMs;
-      int rc = io_uring_queue_init_params(queue_depth, &ring_, &params);
-      if (rc == 0) {
-        initialized_ = true;
-        STRATA_LOG_DEBUG("nvme.sqpoll is experimental: on a 2-vCPU VM under CPU contention completions were seen to "
-                         "stall until nvme.io_timeout_ms ended them as Timeout errors");
-      } else {
-        STRATA_LOG_WARNING("nvme.sqpoll: io_uring with SQPOLL refused ({}); using interrupt-driven submission",
-                           ErrnoText(-rc));
-      }
-    }
-    if (!initialized_) {
+  Status Init(uint32_t queue_depth, const std::vector<int>& fds) {
+    {
       // COOP_TASKRUN: completions are processed when this thread next enters
       // the kernel (it is about to, to wait) instead of by an interrupt to it;
       // as fio sets up its rings. Kernels before 5.19 refuse the flag.
@@ -281,8 +261,7 @@ class Ring {
 // Hands rings to callers; see the file comment.
 class RingPool {
  public:
-  RingPool(uint32_t queue_depth, std::vector<int> fds, bool sqpoll)
-      : queue_depth_(queue_depth), fds_(std::move(fds)), sqpoll_(sqpoll) {}
+  RingPool(uint32_t queue_depth, std::vector<int> fds) : queue_depth_(queue_depth), fds_(std::move(fds)) {}
 
   // A ring held by one caller; returns it to the pool (or destroys it, if
   // broken) when it dies.
@@ -363,7 +342,7 @@ class RingPool {
       ++created_;  // reserved; the ring is made outside the lock (system calls)
     }
     auto ring = std::make_unique<Ring>();
-    Status status = ring->Init(queue_depth_, fds_, sqpoll_);
+    Status status = ring->Init(queue_depth_, fds_);
     if (!status.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       --created_;
@@ -386,7 +365,6 @@ class RingPool {
 
   const uint32_t queue_depth_;
   const std::vector<int> fds_;
-  const bool sqpoll_;
   mutable std::mutex mu_;  // guards free_, created_ and the fixed-buffer set below  // guards free_ and created_
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> free_;
@@ -464,7 +442,7 @@ class DriveWorker {
 class UringStorage final : public Storage {
  public:
   UringStorage(UringStorageOptions options, std::vector<BackingFile> files, std::vector<int> fds)
-      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {
+      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds)) {
     // The calling thread serves the first drive; see Note [One worker per drive].
     for (size_t i = 1; i < files_.size(); ++i) workers_.push_back(std::make_unique<DriveWorker>());
   }
@@ -855,6 +833,15 @@ Status ValidateUringOptions(const UringStorageOptions& options) {
   }
   for (const std::string& dir : options.dirs) {
     if (dir.empty()) return InvalidArgument("nvme.dirs has an empty entry: every entry must name a directory");
+  }
+  if (options.sqpoll) {
+    // Note [SQPOLL]: tried and withdrawn. With IORING_SETUP_SQPOLL rings on
+    // kernel 6.18 the last requests of a transfer sometimes never completed
+    // (reproduced by benchmarking 256 MiB of 64 KiB writes: every run stalled
+    // until the deadline, with the poll thread spinning), and waking the
+    // thread explicitly did not help.
+    return NotSupported("nvme.sqpoll: SQPOLL rings are not supported: in testing their last requests stalled until "
+                        "nvme.io_timeout_ms; leave nvme.sqpoll=false");
   }
   if (options.capacity_bytes == 0) {
     return InvalidArgument("nvme.capacity is 0: must be > 0 bytes (all directories together)");
