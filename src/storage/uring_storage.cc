@@ -835,11 +835,14 @@ Status ValidateUringOptions(const UringStorageOptions& options) {
     if (dir.empty()) return InvalidArgument("nvme.dirs has an empty entry: every entry must name a directory");
   }
   if (options.sqpoll) {
-    // Note [SQPOLL]: tried and withdrawn. With IORING_SETUP_SQPOLL rings on
-    // kernel 6.18 the last requests of a transfer sometimes never completed
-    // (reproduced by benchmarking 256 MiB of 64 KiB writes: every run stalled
-    // until the deadline, with the poll thread spinning), and waking the
-    // thread explicitly did not help.
+    // Note [SQPOLL]: tried and withdrawn. With IORING_SETUP_SQPOLL rings the
+    // last requests of a transfer sometimes never completed (256 MiB of
+    // 64 KiB writes: every run stalled until the deadline, ~90% system time),
+    // and waking the poll thread explicitly did not help. fio's SQPOLL mode
+    // writes the same file at full speed on the same kernel, so the fault is
+    // in how this file drives such a ring. Suspects, untested: completions
+    // of -EAGAIN resubmitted in a tight loop (the system time), or fixed
+    // buffers under SQPOLL (fio used plain ones).
     return NotSupported("nvme.sqpoll: SQPOLL rings are not supported: in testing their last requests stalled until "
                         "nvme.io_timeout_ms; leave nvme.sqpoll=false");
   }
