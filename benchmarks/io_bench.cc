@@ -43,7 +43,7 @@ struct Target {
 };
 
 Result<Target> OpenTarget(const std::vector<std::string>& dirs, const std::string& file_name, uint64_t file_size,
-                          uint64_t block, uint32_t queue_depth) {
+                          uint64_t block, uint32_t queue_depth, bool sqpoll) {
   UringStorageOptions options;
   options.dirs = dirs;
   options.file_name = file_name;
@@ -53,6 +53,7 @@ Result<Target> OpenTarget(const std::vector<std::string>& dirs, const std::strin
   options.block_size_bytes = block;
   options.queue_depth = queue_depth;
   options.io_timeout_ms = kPassTimeoutMs;
+  options.sqpoll = sqpoll;
   Target target;
   STRATA_ASSIGN_OR_RETURN(target.storage, CreateUringStorage(options));
   for (const std::string& dir : dirs) target.files.push_back((std::filesystem::path(dir) / file_name).string());
@@ -262,10 +263,12 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
   std::mt19937_64 rng(config.seed);
   for (uint64_t block : config.block_sizes_bytes) {
     for (uint32_t depth : config.queue_depths) {
-      STRATA_ASSIGN_OR_RETURN(Target striped, OpenTarget(config.dirs, kFileName, config.file_size_bytes, block, depth));
+      STRATA_ASSIGN_OR_RETURN(Target striped, OpenTarget(config.dirs, kFileName, config.file_size_bytes, block, depth,
+                                                         config.sqpoll));
       std::optional<Target> single;
       if (one_dir) {
-        STRATA_ASSIGN_OR_RETURN(single, OpenTarget({config.dirs[0]}, kOneDirFileName, striped.bytes, block, depth));
+        STRATA_ASSIGN_OR_RETURN(single, OpenTarget({config.dirs[0]}, kOneDirFileName, striped.bytes, block, depth,
+                                                   config.sqpoll));
       }
       Buffer window = AllocateAlignedHost(uint64_t{depth} * block, kAlignmentBytes);
       if (!window) return OutOfMemory("bench io: cannot allocate a {} window", FormatSize(uint64_t{depth} * block));
@@ -384,6 +387,7 @@ std::string IoBenchJson(const IoBenchReport& r) {
                  {"runs", c.runs},
                  {"compare_fio", c.compare_fio},
                  {"compare_one_dir", c.compare_one_dir},
+                 {"sqpoll", c.sqpoll},
                  {"huge_pages", c.huge_pages},
                  {"direct_io", true},
                  {"destination", c.destination == IoDestination::kDevice ? "device" : "host"},

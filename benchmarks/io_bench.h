@@ -40,6 +40,7 @@ struct IoBenchConfig {
   bool compare_fio = false;
   std::string fio_path = "fio";
   bool compare_one_dir = false;  // with several dirs: also run on the first one alone
+  bool sqpoll = false;
   bool huge_pages = true;  // host.huge_pages for the I/O buffers
   IoDestination destination = IoDestination::kHost;
   std::string device_backend = "auto";  // with kDevice: device.backend (auto, emulated, cuda)

@@ -286,6 +286,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
   STRATA_DCHECK(chunk.in_flight, "MoveFlagged of chunk {} that is not marked in flight", id.value());
   auto finish = [&](Status status) {
     chunk.in_flight = false;
+    chunk.arriving.reset();
     moved_.notify_all();
     return status;
   };
@@ -298,6 +299,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
   std::optional<Tier> from = chunk.tier;
   Extent src = chunk.extent;
   uint64_t size = chunk.size_bytes;
+  chunk.arriving = to;
   lock.unlock();
   Clock::time_point start = Clock::now();
   Status status = Transfer(from, src, to, *dst, size);
@@ -334,12 +336,14 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
 
 // Note [Waiting for room]
 // A tier with no room and no chunk in hold to evict may still get room: a
-// chunk in flight there may be on its way out. Waiting for it is right unless
-// its move is itself waiting for this reservation — the chunks of `chain`
-// (the chunk this thread is moving and the victims it is evicting for it),
-// whose source slots free only after this returns. So: wait for chunks in
-// flight that are not in the chain, within the deadline; with none, the answer
-// is OutOfMemory at once. Two threads waiting on each other's chains end as
+// chunk in flight there may be on its way out, and a chunk arriving there
+// (its slot already reserved, its bytes on the way) will be in hold, and
+// evictable, once it lands. Waiting for those is right unless the move is
+// itself waiting for this reservation — the chunks of `chain` (the chunk this
+// thread is moving and the victims it is evicting for it), whose source slots
+// free only after this returns. So: wait for chunks leaving or arriving that
+// are not in the chain, within the deadline; with none, the answer is
+// OutOfMemory at once. Two threads waiting on each other's chains end as
 // Timeout, never as a hang.
 Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_bytes, std::vector<ChunkId>& chain) {
   TierPool* target = pool(tier);
@@ -358,7 +362,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     // The least recently used chunk in hold on this tier, preferring chunks
     // that are not at home here (they were only visiting).
     std::optional<uint32_t> victim;
-    bool any_leaving = false;  // in flight, not in the chain: may free room
+    bool any_leaving = false;  // leaving or arriving, not in the chain: room may come
     auto better = [&](const Chunk& c, const Chunk& than) {
       bool c_visiting = c.home != tier, than_visiting = than.home != tier;
       if (c_visiting != than_visiting) return c_visiting;
@@ -366,11 +370,11 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     };
     for (uint32_t i = 0; i < chunks_.size(); ++i) {
       const Chunk& c = chunks_[i];
-      if (c.tier != tier) continue;
-      if (c.in_flight) {
+      if (c.in_flight && (c.tier == tier || c.arriving == tier)) {
         any_leaving |= std::find(chain.begin(), chain.end(), ChunkId(i)) == chain.end();
         continue;
       }
+      if (c.tier != tier) continue;
       if (c.refs > 0) continue;
       if (!victim || better(c, chunks_[*victim])) victim = i;
     }

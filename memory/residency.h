@@ -104,6 +104,7 @@ class ResidencyManager final : public AccessOwner {
     Extent extent;
     uint32_t refs = 0;
     bool in_flight = false;  // being moved or read: nobody else touches it
+    std::optional<Tier> arriving;  // in flight with a slot reserved on this tier, bytes on the way
     uint64_t last_use = 0;  // LRU clock value of the last access
   };
   using Lock = std::unique_lock<std::mutex>;

@@ -170,8 +170,8 @@ const std::vector<OptionEntry>& Table() {
                           "use buffered I/O (with a warning) where a filesystem refuses O_DIRECT, instead of failing",
                           &Options::nvme_allow_buffered_io));
     t.push_back(BoolEntry("nvme.sqpoll",
-                          "SQPOLL rings (a kernel thread polls each submission queue): not supported, true is an "
-                          "error; they stalled in testing",
+                          "a kernel thread polls each io_uring submission queue (IORING_SETUP_SQPOLL); falls back "
+                          "with a warning where refused",
                           &Options::nvme_sqpoll));
     t.push_back(IntEntry("nvme.io_timeout_ms", "milliseconds one NVMe read or write may take before it is a Timeout",
                          &Options::nvme_io_timeout_ms, 1, 86'400'000));

@@ -57,7 +57,7 @@ class Storage {
 };
 
 struct UringStorageOptions {
-  bool sqpoll = false;  // SQPOLL rings: not supported (NotSupported when true; Note [SQPOLL])
+  bool sqpoll = false;                        // a kernel thread polls the submission queue (IORING_SETUP_SQPOLL)
   std::vector<std::string> dirs;              // one backing file per directory
   size_t capacity_bytes = size_t{1} << 30;    // all directories together
   size_t block_size_bytes = size_t{1} << 20;  // size of one I/O request; also the stripe unit

@@ -4,7 +4,7 @@
 //   strata selftest [--config FILE] [--set key=value]... [--nvme-dir DIR] [--json FILE]
 //   strata bench io --dir DIR [--dir DIR]... [--file-size 2GiB] [--block-size 1MiB,4MiB]
 //                   [--queue-depth 8,32] [--op read|write|both] [--pattern seq|rand|both]
-//                   [--runs 3] [--compare-fio] [--compare-one-dir] [--no-huge-pages]
+//                   [--runs 3] [--compare-fio] [--compare-one-dir] [--sqpoll] [--no-huge-pages]
 //                   [--dest host|device] [--device-backend auto|cuda|emulated] [--json FILE]
 //   strata options  [--config FILE] [--set key=value]...
 //   strata version
@@ -112,6 +112,7 @@ struct BenchIoFlags {
   bool compare_fio = false;
   std::string fio_path = "fio";
   bool compare_one_dir = false;
+  bool sqpoll = false;
   bool no_huge_pages = false;
   std::string dest = "host";
   std::string device_backend = "auto";
@@ -145,6 +146,7 @@ int RunBenchIo(const BenchIoFlags& flags) {
   config.compare_fio = flags.compare_fio;
   config.fio_path = flags.fio_path;
   config.compare_one_dir = flags.compare_one_dir;
+  config.sqpoll = flags.sqpoll;
   config.huge_pages = !flags.no_huge_pages;
   if (flags.dest == "host") config.destination = strata::bench::IoDestination::kHost;
   else if (flags.dest == "device") config.destination = strata::bench::IoDestination::kDevice;
@@ -209,6 +211,7 @@ int main(int argc, char** argv) {
   bench_io_command->add_option("--fio", bench_io.fio_path, "the fio program")->capture_default_str();
   bench_io_command->add_flag("--compare-one-dir", bench_io.compare_one_dir,
                              "with several --dir: also run on the first one alone");
+  bench_io_command->add_flag("--sqpoll", bench_io.sqpoll, "SQPOLL rings (nvme.sqpoll)");
   bench_io_command->add_flag("--no-huge-pages", bench_io.no_huge_pages,
                              "I/O buffers on 4KiB pages, as fio's (host.huge_pages=false)");
   bench_io_command->add_option("--dest", bench_io.dest,

@@ -80,6 +80,10 @@ constexpr uint64_t kCancelUserData = ~uint64_t{0} - 1;
 // Pause before retrying a submit refused with EAGAIN/EBUSY while nothing is in
 // flight (nothing to wait on instead).
 constexpr auto kSubmitRetryPause = std::chrono::milliseconds(1);
+// How long an SQPOLL thread spins without work before it sleeps: long enough
+// to span the gaps between a transfer's submits, short enough not to burn a
+// core between chunk moves.
+constexpr unsigned kSqpollIdleMs = 50;
 
 std::string_view Basename(std::string_view file) {
   size_t slash = file.rfind('/');
@@ -177,8 +181,23 @@ class Ring {
     if (initialized_) io_uring_queue_exit(&ring_);
   }
 
-  Status Init(uint32_t queue_depth, const std::vector<int>& fds) {
-    {
+  Status Init(uint32_t queue_depth, const std::vector<int>& fds, bool sqpoll) {
+    if (sqpoll) {
+      // A kernel thread polls the submission queue: no system call per
+      // submit, at the cost of a core spinning while I/O flows.
+      io_uring_params params{};
+      params.flags = IORING_SETUP_SQPOLL;
+      params.sq_thread_idle = kSqpollIdleMs;
+      int rc = io_uring_queue_init_params(queue_depth, &ring_, &params);
+      if (rc == 0) {
+        initialized_ = true;
+        sqpoll_ = true;
+      } else {
+        STRATA_LOG_WARNING("nvme.sqpoll: io_uring with SQPOLL refused ({}); using interrupt-driven submission",
+                           ErrnoText(-rc));
+      }
+    }
+    if (!initialized_) {
       // COOP_TASKRUN: completions are processed when this thread next enters
       // the kernel (it is about to, to wait) instead of by an interrupt to it;
       // as fio sets up its rings. Kernels before 5.19 refuse the flag.
@@ -200,6 +219,7 @@ class Ring {
 
   io_uring* get() { return &ring_; }
   bool fixed_files() const { return fixed_files_; }
+  bool sqpoll() const { return sqpoll_; }
 
   // Registers `iovecs` as this ring's fixed buffers (replacing any earlier
   // set); returns 0 or a negative errno. See Note [Registered buffers].
@@ -250,6 +270,7 @@ class Ring {
   io_uring ring_{};
   bool initialized_ = false;
   bool fixed_files_ = false;
+  bool sqpoll_ = false;
   bool broken_ = false;
   std::vector<iovec> fixed_buffers_;  // registered with this ring
   uint64_t buffer_generation_ = 0;    // of the pool's registration set last applied
@@ -261,7 +282,8 @@ class Ring {
 // Hands rings to callers; see the file comment.
 class RingPool {
  public:
-  RingPool(uint32_t queue_depth, std::vector<int> fds) : queue_depth_(queue_depth), fds_(std::move(fds)) {}
+  RingPool(uint32_t queue_depth, std::vector<int> fds, bool sqpoll)
+      : queue_depth_(queue_depth), fds_(std::move(fds)), sqpoll_(sqpoll) {}
 
   // A ring held by one caller; returns it to the pool (or destroys it, if
   // broken) when it dies.
@@ -342,7 +364,7 @@ class RingPool {
       ++created_;  // reserved; the ring is made outside the lock (system calls)
     }
     auto ring = std::make_unique<Ring>();
-    Status status = ring->Init(queue_depth_, fds_);
+    Status status = ring->Init(queue_depth_, fds_, sqpoll_);
     if (!status.ok()) {
       std::lock_guard<std::mutex> lock(mu_);
       --created_;
@@ -365,6 +387,7 @@ class RingPool {
 
   const uint32_t queue_depth_;
   const std::vector<int> fds_;
+  const bool sqpoll_;
   mutable std::mutex mu_;  // guards free_, created_ and the fixed-buffer set below  // guards free_ and created_
   std::condition_variable cv_;
   std::vector<std::unique_ptr<Ring>> free_;
@@ -442,7 +465,7 @@ class DriveWorker {
 class UringStorage final : public Storage {
  public:
   UringStorage(UringStorageOptions options, std::vector<BackingFile> files, std::vector<int> fds)
-      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds)) {
+      : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {
     // The calling thread serves the first drive; see Note [One worker per drive].
     for (size_t i = 1; i < files_.size(); ++i) workers_.push_back(std::make_unique<DriveWorker>());
   }
@@ -688,7 +711,18 @@ Status UringStorage::RunOnRing(Ring& ring, Op op, std::span<const IoSegment> seg
     }
     if (prepared > 0) {
       int submitted = io_uring_submit(uring);
-      if (submitted >= 0) {
+      // Note [Counting submissions under SQPOLL]
+      // On an SQPOLL ring io_uring_submit reports every entry still waiting
+      // in the submission queue, those flushed by earlier calls that the poll
+      // thread has not taken yet included; adding that to in_flight counted
+      // them twice, and the transfer then waited for completions that would
+      // never come (every 256 MiB batch of 64 KiB writes stalled at its end).
+      // The poll thread takes every entry flushed, so what was prepared is now
+      // in flight.
+      if (submitted >= 0 && ring.sqpoll()) {
+        in_flight += prepared;
+        prepared = 0;
+      } else if (submitted >= 0) {
         prepared -= static_cast<uint32_t>(submitted);
         in_flight += static_cast<uint32_t>(submitted);
       } else if (submitted != -EINTR && submitted != -EAGAIN && submitted != -EBUSY) {
@@ -833,18 +867,6 @@ Status ValidateUringOptions(const UringStorageOptions& options) {
   }
   for (const std::string& dir : options.dirs) {
     if (dir.empty()) return InvalidArgument("nvme.dirs has an empty entry: every entry must name a directory");
-  }
-  if (options.sqpoll) {
-    // Note [SQPOLL]: tried and withdrawn. With IORING_SETUP_SQPOLL rings the
-    // last requests of a transfer sometimes never completed (256 MiB of
-    // 64 KiB writes: every run stalled until the deadline, ~90% system time),
-    // and waking the poll thread explicitly did not help. fio's SQPOLL mode
-    // writes the same file at full speed on the same kernel, so the fault is
-    // in how this file drives such a ring. Suspects, untested: completions
-    // of -EAGAIN resubmitted in a tight loop (the system time), or fixed
-    // buffers under SQPOLL (fio used plain ones).
-    return NotSupported("nvme.sqpoll: SQPOLL rings are not supported: in testing their last requests stalled until "
-                        "nvme.io_timeout_ms; leave nvme.sqpoll=false");
   }
   if (options.capacity_bytes == 0) {
     return InvalidArgument("nvme.capacity is 0: must be > 0 bytes (all directories together)");
