@@ -20,6 +20,7 @@
 #include <CLI/CLI.hpp>
 
 #include "benchmarks/io_bench.h"
+#include "benchmarks/optim_bench.h"
 #include "src/selftest.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -163,6 +164,34 @@ int RunBenchIo(const BenchIoFlags& flags) {
   return 0;
 }
 
+struct BenchOptimFlags {
+  std::string params = "64M";
+  std::string dtype = "fp32";
+  uint32_t threads = 0;
+  uint32_t repetitions = 7;
+  std::string json_path;
+};
+
+int RunBenchOptim(const BenchOptimFlags& flags) {
+  strata::bench::OptimBenchConfig config;
+  // "64M" parameters: the size suffixes count elements here (M = 2^20).
+  strata::Result<size_t> params = strata::ParseSize(flags.params);
+  if (!params.ok()) return Fail(strata::InvalidArgument("--params: {}", params.status().message()));
+  config.params = *params;
+  config.dtype = flags.dtype;
+  config.threads = flags.threads;
+  config.repetitions = flags.repetitions;
+  strata::Result<strata::bench::OptimBenchReport> report = strata::bench::RunOptimBench(config);
+  if (!report.ok()) return Fail(report.status());
+  std::fputs(strata::bench::FormatOptimBench(*report).c_str(), stdout);
+  if (!flags.json_path.empty()) {
+    std::ofstream out(flags.json_path);
+    out << strata::bench::OptimBenchJson(*report) << "\n";
+    if (!out) return Fail(strata::IoError("--json {}: cannot write it", flags.json_path));
+  }
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -220,6 +249,15 @@ int main(int argc, char** argv) {
                                "with --dest device: auto, cuda or emulated (device.backend)")->capture_default_str();
   bench_io_command->add_option("--json", bench_io.json_path, "also write the results as JSON to this file");
 
+  BenchOptimFlags bench_optim;
+  CLI::App* bench_optim_command = bench_command->add_subcommand(
+      "optim", "CPU AdamW step against the memory-bandwidth bound of the same access pattern");
+  bench_optim_command->add_option("--params", bench_optim.params, "parameters (64M = 64 x 2^20)")->capture_default_str();
+  bench_optim_command->add_option("--dtype", bench_optim.dtype, "fp32 (bf16: not built yet)")->capture_default_str();
+  bench_optim_command->add_option("--threads", bench_optim.threads, "threads; 0 = every core")->capture_default_str();
+  bench_optim_command->add_option("--repetitions", bench_optim.repetitions, "steps timed (median)")->capture_default_str();
+  bench_optim_command->add_option("--json", bench_optim.json_path, "also write the results as JSON to this file");
+
   app.add_subcommand("version", "print the version");
 
   try {
@@ -231,6 +269,7 @@ int main(int argc, char** argv) {
   if (options_command->parsed()) return RunOptions(options_flags);
   if (selftest_command->parsed()) return RunSelftestCommand(selftest_flags, selftest, nvme_dir, json_path);
   if (bench_io_command->parsed()) return RunBenchIo(bench_io);
+  if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
   std::printf("strata 0.1.0 (CUDA backend: %s)\n",
 #ifdef STRATA_WITH_CUDA
               "built"

@@ -1,0 +1,42 @@
+// `strata bench optim`: the CPU optimizer step against the memory-bandwidth
+// bound of the same machine, measured in the same run.
+//
+// Adam touches 28 bytes per fp32 parameter per step: it reads param, grad,
+// exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq. The bound
+// is a streaming loop with exactly that access pattern (four arrays read,
+// three written in place, trivial arithmetic), on the same threads; the
+// optimizer's bandwidth divided by it says how close to the machine's limit
+// the kernel runs. Medians over repetitions. Single-threaded driver.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "strata/status.h"
+
+namespace strata::bench {
+
+struct OptimBenchConfig {
+  uint64_t params = uint64_t{64} << 20;
+  std::string dtype = "fp32";  // bf16 arrives with the mixed-precision kernels
+  uint32_t threads = 0;        // 0: every core
+  uint32_t repetitions = 7;
+};
+
+struct OptimBenchReport {
+  OptimBenchConfig config;
+  std::string isa;
+  uint32_t threads = 0;
+  double step_seconds = 0;   // median
+  double bound_seconds = 0;  // median
+  double gparams_per_s = 0;
+  double gbps = 0;        // 28 bytes per parameter / step time
+  double bound_gbps = 0;  // 28 bytes per parameter / bound time
+  double ratio() const { return bound_gbps > 0 ? gbps / bound_gbps : 0; }
+};
+
+Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config);
+std::string FormatOptimBench(const OptimBenchReport& report);
+std::string OptimBenchJson(const OptimBenchReport& report);
+
+}  // namespace strata::bench
