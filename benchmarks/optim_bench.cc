@@ -75,14 +75,10 @@ void BoundPass(float* p, const float* g, float* m, float* v, size_t n) {
 }
 
 template <typename Fn>
-double MedianSeconds(uint32_t repetitions, Fn&& fn) {
-  std::vector<double> seconds;
-  for (uint32_t r = 0; r < repetitions; ++r) {
-    Clock::time_point start = Clock::now();
-    fn();
-    seconds.push_back(std::chrono::duration<double>(Clock::now() - start).count());
-  }
-  return Median(seconds);
+double TimeSeconds(Fn&& fn) {
+  Clock::time_point start = Clock::now();
+  fn();
+  return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
 }  // namespace
@@ -125,8 +121,8 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   std::vector<double> step, bound;
   for (uint32_t r = 0; r < config.repetitions; ++r) {
     hyper.step = r + 1;
-    step.push_back(MedianSeconds(1, [&] { optim::AdamStepParallel(hyper, p, g, m, v, n); }));
-    bound.push_back(MedianSeconds(1, [&] { BoundPass(p, g, m, v, n); }));
+    step.push_back(TimeSeconds([&] { optim::AdamStepParallel(hyper, p, g, m, v, n); }));
+    bound.push_back(TimeSeconds([&] { BoundPass(p, g, m, v, n); }));
   }
   report.step_seconds = Median(step);
   report.bound_seconds = Median(bound);

@@ -59,6 +59,15 @@ int Fail(const strata::Status& status) {
   return status.code() == strata::StatusCode::kInvalidArgument ? kExitUsage : kExitFailure;
 }
 
+// Writes a report's JSON to --json PATH; an empty path writes nothing.
+strata::Status WriteJsonFile(const std::string& path, const std::string& json) {
+  if (path.empty()) return strata::Status::Ok();
+  std::ofstream out(path);
+  out << json << "\n";
+  if (!out) return strata::IoError("--json {}: cannot write it", path);
+  return strata::Status::Ok();
+}
+
 int RunOptions(const CommonFlags& flags) {
   strata::Result<strata::Options> options = LoadOptions(flags);
   if (!options.ok()) return Fail(options.status());
@@ -94,11 +103,8 @@ int RunSelftestCommand(const CommonFlags& flags, strata::SelftestConfig config, 
   strata::Result<strata::SelftestReport> report = strata::RunSelftest(config, *options);
   if (!report.ok()) return Fail(report.status());
   std::fputs(strata::FormatSelftestReport(*report).c_str(), stdout);
-  if (!json_path.empty()) {
-    std::ofstream out(json_path);
-    out << strata::SelftestReportJson(*report) << "\n";
-    if (!out) return Fail(strata::IoError("--json {}: cannot write it", json_path));
-  }
+  strata::Status written = WriteJsonFile(json_path, strata::SelftestReportJson(*report));
+  if (!written.ok()) return Fail(written);
   return report->mismatches == 0 ? 0 : kExitFailure;
 }
 
@@ -156,11 +162,8 @@ int RunBenchIo(const BenchIoFlags& flags) {
   strata::Result<strata::bench::IoBenchReport> report = strata::bench::RunIoBench(config);
   if (!report.ok()) return Fail(report.status());
   std::fputs(strata::bench::FormatIoBench(*report).c_str(), stdout);
-  if (!flags.json_path.empty()) {
-    std::ofstream out(flags.json_path);
-    out << strata::bench::IoBenchJson(*report) << "\n";
-    if (!out) return Fail(strata::IoError("--json {}: cannot write it", flags.json_path));
-  }
+  strata::Status written = WriteJsonFile(flags.json_path, strata::bench::IoBenchJson(*report));
+  if (!written.ok()) return Fail(written);
   return 0;
 }
 
@@ -184,11 +187,8 @@ int RunBenchOptim(const BenchOptimFlags& flags) {
   strata::Result<strata::bench::OptimBenchReport> report = strata::bench::RunOptimBench(config);
   if (!report.ok()) return Fail(report.status());
   std::fputs(strata::bench::FormatOptimBench(*report).c_str(), stdout);
-  if (!flags.json_path.empty()) {
-    std::ofstream out(flags.json_path);
-    out << strata::bench::OptimBenchJson(*report) << "\n";
-    if (!out) return Fail(strata::IoError("--json {}: cannot write it", flags.json_path));
-  }
+  strata::Status written = WriteJsonFile(flags.json_path, strata::bench::OptimBenchJson(*report));
+  if (!written.ok()) return Fail(written);
   return 0;
 }
 
