@@ -1,12 +1,16 @@
 // `strata bench optim`: the CPU optimizer step against the memory-bandwidth
 // bound of the same machine, measured in the same run.
 //
-// Adam touches 28 bytes per fp32 parameter per step: it reads param, grad,
-// exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq. The bound
-// is a streaming loop with exactly that access pattern (four arrays read,
-// three written in place, trivial arithmetic), on the same threads; the
-// optimizer's bandwidth divided by it says how close to the machine's limit
-// the kernel runs. Medians over repetitions. Single-threaded driver.
+// Adam touches 28 bytes per parameter per step. fp32: it reads param, grad,
+// exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq. bf16
+// (mixed precision): it reads a bf16 grad and the fp32 master, exp_avg and
+// exp_avg_sq, writes those three back and the bf16 compute copy. The bound
+// is a streaming loop with exactly that access pattern (trivial arithmetic),
+// on the same threads; the optimizer's bandwidth divided by it says how close
+// to the machine's limit the kernel runs. The update pass is what is timed;
+// the gradient-norm pass that precedes it in a step (4 or 2 bytes per
+// parameter, read only) is timed apart. Medians over repetitions.
+// Single-threaded driver.
 #pragma once
 
 #include <cstdint>
@@ -18,7 +22,7 @@ namespace strata::bench {
 
 struct OptimBenchConfig {
   uint64_t params = uint64_t{64} << 20;
-  std::string dtype = "fp32";  // bf16 arrives with the mixed-precision kernels
+  std::string dtype = "fp32";  // or bf16: bf16 params and grads, fp32 master and states
   uint32_t threads = 0;        // 0: every core
   uint32_t repetitions = 7;
 };
@@ -29,6 +33,7 @@ struct OptimBenchReport {
   uint32_t threads = 0;
   double step_seconds = 0;   // median
   double bound_seconds = 0;  // median
+  double grad_norm_seconds = 0;  // median
   double gparams_per_s = 0;
   double gbps = 0;        // 28 bytes per parameter / step time
   double bound_gbps = 0;  // 28 bytes per parameter / bound time

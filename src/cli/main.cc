@@ -253,7 +253,7 @@ int main(int argc, char** argv) {
   CLI::App* bench_optim_command = bench_command->add_subcommand(
       "optim", "CPU AdamW step against the memory-bandwidth bound of the same access pattern");
   bench_optim_command->add_option("--params", bench_optim.params, "parameters (64M = 64 x 2^20)")->capture_default_str();
-  bench_optim_command->add_option("--dtype", bench_optim.dtype, "fp32 (bf16: not built yet)")->capture_default_str();
+  bench_optim_command->add_option("--dtype", bench_optim.dtype, "fp32, or bf16 (bf16 params and grads, fp32 master and states)")->capture_default_str();
   bench_optim_command->add_option("--threads", bench_optim.threads, "threads; 0 = every core")->capture_default_str();
   bench_optim_command->add_option("--repetitions", bench_optim.repetitions, "steps timed (median)")->capture_default_str();
   bench_optim_command->add_option("--json", bench_optim.json_path, "also write the results as JSON to this file");

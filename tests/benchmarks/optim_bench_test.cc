@@ -21,11 +21,25 @@ TEST(OptimBenchTest, MeasuresStepAndBoundAndWritesTheJsonKeys) {
   EXPECT_NE(FormatOptimBench(report).find("of the bandwidth bound"), std::string::npos);
 }
 
-TEST(OptimBenchTest, UnbuiltDtypeAndEmptyRunsAreClearErrors) {
+TEST(OptimBenchTest, Bf16MixedPrecisionRuns) {
+  OptimBenchConfig config;
+  config.params = (1 << 18) + 3;
+  config.dtype = "bf16";
+  config.threads = 2;
+  config.repetitions = 2;
+  ASSERT_OK_AND_ASSIGN(OptimBenchReport report, RunOptimBench(config));
+  EXPECT_GT(report.gbps, 0);
+  EXPECT_GT(report.bound_gbps, 0);
+  EXPECT_NE(FormatOptimBench(report).find("(bf16)"), std::string::npos);
+}
+
+TEST(OptimBenchTest, BadDtypeAndEmptyRunsAreClearErrors) {
   OptimBenchConfig config;
   config.params = 1024;
-  config.dtype = "bf16";
-  EXPECT_EQ(RunOptimBench(config).status().code(), StatusCode::kNotSupported);
+  config.dtype = "fp16";
+  EXPECT_EQ(RunOptimBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.dtype = "int8";
+  EXPECT_EQ(RunOptimBench(config).status().code(), StatusCode::kInvalidArgument);
   config.dtype = "fp32";
   config.params = 0;
   EXPECT_EQ(RunOptimBench(config).status().code(), StatusCode::kInvalidArgument);

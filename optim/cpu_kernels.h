@@ -1,0 +1,86 @@
+// The CPU optimizer kernels: one update of a range of a chunk, the gradient
+// sum of squares, and the fp32 -> bf16/fp16 conversions, in three versions:
+//   scalar   optim/cpu_reference.cc: the formulas as written, one element at
+//            a time, no fused multiply-add. The reference for the others.
+//   avx2     optim/cpu_avx2.cc (AVX2 + FMA + F16C), 8 lanes
+//   avx512   optim/cpu_avx512.cc (AVX-512F + FMA + F16C), 16 lanes
+// The two vector files instantiate one template (optim/cpu_kernels_impl.h)
+// and are compiled with their instruction set; nothing else is, and the
+// dispatcher only calls a version the CPU supports.
+//
+// Tolerance of a vector version against the reference (tests/optim/
+// cpu_kernels_test.cc): |x - ref| <= 1e-6 + 1e-5 |ref| for the fp32 states
+// (fused multiply-adds round differently); 16-bit outputs are exactly the
+// round-to-nearest-even of the version's own fp32 result, bit for bit.
+//
+// Pure functions over caller-owned arrays; thread-safe on disjoint ranges.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+#include "optim/optimizer.h"
+
+namespace strata::optim {
+
+enum class CpuIsa : uint8_t { kScalar, kAvx2, kAvx512 };
+std::string_view CpuIsaName(CpuIsa isa);
+bool CpuSupports(CpuIsa isa);
+// The widest version this CPU runs.
+CpuIsa BestCpuIsa();
+
+// The per-step constants of every kernel, computed once per step.
+struct UpdateConstants {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  float grad_multiplier = 1.0f;  // 1 / loss_scale * clip coefficient
+  float decay_l2 = 0.0f;         // weight_decay when it goes into the gradient, else 0
+  float decay_rate = 0.0f;       // lr * weight_decay when decoupled (w -= decay_rate * w), else 0
+  // Adam
+  float beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
+  float step_size = 0;             // lr / (1 - beta1^t)
+  float inv_sqrt_correction2 = 0;  // 1 / sqrt(1 - beta2^t)
+  float eps = 0;
+  // SGD
+  float lr = 0, momentum = 0, one_minus_dampening = 1;
+  bool nesterov = false;
+  bool first_step = false;  // SGD's momentum buffer starts as the first gradient
+};
+UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier);
+
+// Updates elements [begin, end) of `chunk` on the calling thread. `begin`
+// should be a multiple of 16 so every element takes the same path (vector
+// or tail) however the chunk is split.
+void UpdateRange(CpuIsa isa, const UpdateConstants& constants, const ChunkTensors& chunk, size_t begin, size_t end);
+// The same over the whole chunk with BestCpuIsa(), split over oneTBB's threads.
+void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk);
+
+// Sum of squares of grad[begin, end) in fp64.
+double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end);
+
+// fp32 -> 16 bits with the rounding of optim/half.h (for tests and callers
+// that convert outside an update).
+void ConvertToBf16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
+void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
+
+// Per-version entry points, behind the dispatch above.
+namespace scalar {
+void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
+void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
+}  // namespace scalar
+namespace avx2 {
+void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
+void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
+}  // namespace avx2
+namespace avx512 {
+void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
+void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
+}  // namespace avx512
+
+}  // namespace strata::optim

@@ -1,0 +1,161 @@
+// The vector kernels, written once over a `Vec` type that each instruction
+// set file defines before including this (optim/cpu_avx2.cc: 8 lanes,
+// optim/cpu_avx512.cc: 16). The math is the reference's
+// (optim/cpu_reference.cc) with fused multiply-adds; elements past the last
+// whole vector go to the reference itself.
+//
+// Everything here has internal linkage and calls only intrinsics and the
+// reference: no inline function with external linkage is compiled with the
+// wider instruction set, so the linker can never hand a wide copy of one to
+// code running on a CPU without it.
+//
+// Vec provides: F (the register), kLanes, Set, Load, Store, LoadBf16,
+// LoadFp16, StoreBf16, StoreFp16 (optim/half.h's rounding, bit for bit),
+// Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
+// c - a*b, and Squares: an fp64 accumulator with Add(F) and Total().
+
+namespace {
+
+using F = Vec::F;
+constexpr size_t kLanes = Vec::kLanes;
+
+// What the update writes besides fp32 master and states.
+enum class ParamOut { kNone, kBf16, kFp16 };
+
+template <DType G>
+inline F LoadGrad(const void* grad, size_t i) {
+  if constexpr (G == DType::kFloat32) {
+    return Vec::Load(static_cast<const float*>(grad) + i);
+  } else if constexpr (G == DType::kBFloat16) {
+    return Vec::LoadBf16(static_cast<const uint16_t*>(grad) + i);
+  } else {
+    return Vec::LoadFp16(static_cast<const uint16_t*>(grad) + i);
+  }
+}
+
+template <ParamOut O>
+inline void StoreParam(void* param, size_t i, F weight) {
+  if constexpr (O == ParamOut::kBf16) {
+    Vec::StoreBf16(static_cast<uint16_t*>(param) + i, weight);
+  } else if constexpr (O == ParamOut::kFp16) {
+    Vec::StoreFp16(static_cast<uint16_t*>(param) + i, weight);
+  }
+}
+
+// Adam and AdamW over whole vectors from `begin`; returns where it stopped.
+template <DType G, ParamOut O>
+size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
+  const F grad_multiplier = Vec::Set(c.grad_multiplier), decay_l2 = Vec::Set(c.decay_l2);
+  const F decay_rate = Vec::Set(c.decay_rate);
+  const F beta1 = Vec::Set(c.beta1), one_minus_beta1 = Vec::Set(c.one_minus_beta1);
+  const F beta2 = Vec::Set(c.beta2), one_minus_beta2 = Vec::Set(c.one_minus_beta2);
+  const F step_size = Vec::Set(c.step_size), inv_sqrt_correction2 = Vec::Set(c.inv_sqrt_correction2);
+  const F eps = Vec::Set(c.eps);
+  float* const master = t.master;
+  float* const exp_avg = t.state[0];
+  float* const exp_avg_sq = t.state[1];
+  const void* const grad_in = t.grad;
+  void* const param = t.param;
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    const F weight = Vec::Load(master + i);
+    // g = grad * multiplier (+ weight_decay * w for Adam's L2)
+    const F grad = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
+    // m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
+    const F m = Vec::MulAdd(beta1, Vec::Load(exp_avg + i), Vec::Mul(one_minus_beta1, grad));
+    const F v = Vec::MulAdd(beta2, Vec::Load(exp_avg_sq + i), Vec::Mul(Vec::Mul(one_minus_beta2, grad), grad));
+    // w -= lr wd w + lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),
+    // the decay (AdamW; 0 for Adam) and the step rounded once into the weight.
+    const F denom = Vec::MulAdd(Vec::Sqrt(v), inv_sqrt_correction2, eps);
+    const F step = Vec::MulAdd(decay_rate, weight, Vec::Mul(step_size, Vec::Div(m, denom)));
+    const F updated = Vec::Sub(weight, step);
+    Vec::Store(exp_avg + i, m);
+    Vec::Store(exp_avg_sq + i, v);
+    Vec::Store(master + i, updated);
+    StoreParam<O>(param, i, updated);
+  }
+  return i;
+}
+
+// SGD with momentum (or without: no state) over whole vectors from `begin`.
+template <DType G, ParamOut O>
+size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
+  const F grad_multiplier = Vec::Set(c.grad_multiplier), decay_l2 = Vec::Set(c.decay_l2);
+  const F lr = Vec::Set(c.lr), momentum = Vec::Set(c.momentum);
+  const F one_minus_dampening = Vec::Set(c.one_minus_dampening);
+  float* const master = t.master;
+  float* const buffer = t.state[0];
+  const void* const grad_in = t.grad;
+  void* const param = t.param;
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    F weight = Vec::Load(master + i);
+    F d = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
+    if (buffer != nullptr) {
+      // b = d on the first step, else momentum b + (1 - dampening) d
+      const F b = c.first_step ? d : Vec::MulAdd(momentum, Vec::Load(buffer + i), Vec::Mul(one_minus_dampening, d));
+      Vec::Store(buffer + i, b);
+      d = c.nesterov ? Vec::MulAdd(momentum, b, d) : b;
+    }
+    weight = Vec::NegMulAdd(lr, d, weight);
+    Vec::Store(master + i, weight);
+    StoreParam<O>(param, i, weight);
+  }
+  return i;
+}
+
+template <DType G, ParamOut O>
+size_t UpdateVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
+  return c.kind == OptimizerKind::kSgd ? SgdVectors<G, O>(c, t, begin, end) : AdamVectors<G, O>(c, t, begin, end);
+}
+
+template <DType G>
+size_t UpdateVectorsForGrad(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
+  if (t.param == nullptr) return UpdateVectors<G, ParamOut::kNone>(c, t, begin, end);
+  if (t.param_dtype == DType::kBFloat16) return UpdateVectors<G, ParamOut::kBf16>(c, t, begin, end);
+  return UpdateVectors<G, ParamOut::kFp16>(c, t, begin, end);
+}
+
+template <DType G>
+double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* stopped) {
+  Vec::Squares squares;
+  size_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) squares.Add(LoadGrad<G>(grad, i));
+  *stopped = i;
+  return squares.Total();
+}
+
+}  // namespace
+
+void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
+  size_t stopped = begin;
+  switch (chunk.grad_dtype) {
+    case DType::kFloat32: stopped = UpdateVectorsForGrad<DType::kFloat32>(c, chunk, begin, end); break;
+    case DType::kBFloat16: stopped = UpdateVectorsForGrad<DType::kBFloat16>(c, chunk, begin, end); break;
+    case DType::kFloat16: stopped = UpdateVectorsForGrad<DType::kFloat16>(c, chunk, begin, end); break;
+  }
+  scalar::UpdateRange(c, chunk, stopped, end);  // the tail
+}
+
+double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) {
+  size_t stopped = begin;
+  double sum = 0;
+  switch (dtype) {
+    case DType::kFloat32: sum = SumSquaresVectors<DType::kFloat32>(grad, begin, end, &stopped); break;
+    case DType::kBFloat16: sum = SumSquaresVectors<DType::kBFloat16>(grad, begin, end, &stopped); break;
+    case DType::kFloat16: sum = SumSquaresVectors<DType::kFloat16>(grad, begin, end, &stopped); break;
+  }
+  return sum + scalar::SumSquaresRange(grad, dtype, stopped, end);
+}
+
+void ConvertToBf16(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) Vec::StoreBf16(dst + i, Vec::Load(src + i));
+  scalar::ConvertToBf16(src + i, dst + i, n - i);
+}
+
+void ConvertToFp16(const float* src, uint16_t* dst, size_t n) {
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) Vec::StoreFp16(dst + i, Vec::Load(src + i));
+  scalar::ConvertToFp16(src + i, dst + i, n - i);
+}

@@ -1,0 +1,132 @@
+#include "optim/optimizer.h"
+
+#include <cmath>
+
+#include "optim/cpu_kernels.h"
+
+namespace strata::optim {
+
+std::string_view OptimizerKindName(OptimizerKind kind) {
+  switch (kind) {
+    case OptimizerKind::kAdamW: return "adamw";
+    case OptimizerKind::kAdam: return "adam";
+    case OptimizerKind::kSgd: return "sgd";
+  }
+  return "?";
+}
+
+Result<OptimizerKind> ParseOptimizerKind(std::string_view name) {
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+    if (name == OptimizerKindName(kind)) return kind;
+  }
+  return InvalidArgument("optimizer '{}': expected one of adamw, adam, sgd", name);
+}
+
+Status ValidateOptimizerConfig(const OptimizerConfig& c) {
+  const auto finite_at_least_zero = [](float x) { return std::isfinite(x) && x >= 0; };
+  if (!finite_at_least_zero(c.lr)) return InvalidArgument("optimizer: lr {} must be a finite number >= 0", c.lr);
+  if (!finite_at_least_zero(c.weight_decay)) {
+    return InvalidArgument("optimizer: weight_decay {} must be a finite number >= 0", c.weight_decay);
+  }
+  if (!finite_at_least_zero(c.max_grad_norm)) {
+    return InvalidArgument("optimizer: max_grad_norm {} must be >= 0 (0: no clipping)", c.max_grad_norm);
+  }
+  if (c.kind == OptimizerKind::kSgd) {
+    if (!finite_at_least_zero(c.momentum)) return InvalidArgument("optimizer: momentum {} must be >= 0", c.momentum);
+    if (!(c.dampening >= 0 && c.dampening <= 1)) {
+      return InvalidArgument("optimizer: dampening {} must be in [0, 1]", c.dampening);
+    }
+    if (c.nesterov && (c.momentum <= 0 || c.dampening != 0)) {
+      return InvalidArgument("optimizer: nesterov needs momentum > 0 (got {}) and dampening 0 (got {})", c.momentum,
+                             c.dampening);
+    }
+    return Status::Ok();
+  }
+  if (!(c.beta1 >= 0 && c.beta1 < 1)) return InvalidArgument("optimizer: beta1 {} must be in [0, 1)", c.beta1);
+  if (!(c.beta2 >= 0 && c.beta2 < 1)) return InvalidArgument("optimizer: beta2 {} must be in [0, 1)", c.beta2);
+  if (!(std::isfinite(c.eps) && c.eps > 0)) return InvalidArgument("optimizer: eps {} must be > 0", c.eps);
+  return Status::Ok();
+}
+
+int NumStates(const OptimizerConfig& config) {
+  if (config.kind == OptimizerKind::kSgd) return config.momentum > 0 ? 1 : 0;
+  return 2;
+}
+
+Result<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config,
+                                                     std::optional<LossScalerConfig> scaler) {
+  STRATA_RETURN_IF_ERROR(ValidateOptimizerConfig(config));
+  if (scaler) STRATA_RETURN_IF_ERROR(ValidateLossScalerConfig(*scaler));
+  return std::unique_ptr<Optimizer>(new Optimizer(config, scaler));
+}
+
+Optimizer::Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler) : config_(config) {
+  if (scaler) scaler_.emplace(*scaler);
+}
+
+Result<StepPlan> Optimizer::PlanStep(GradStats local) {
+  if (all_reduce_) STRATA_RETURN_IF_ERROR(all_reduce_(local));
+  StepPlan plan;
+  plan.loss_scale = loss_scale();
+  plan.grad_norm = std::sqrt(local.sum_squares) / plan.loss_scale;
+  if (!local.finite()) {
+    plan.skip = true;
+    plan.step = steps_taken_;
+    if (scaler_) scaler_->Update(/*found_non_finite=*/true);
+    return plan;
+  }
+  if (config_.max_grad_norm > 0) {
+    // torch.nn.utils.clip_grad_norm_: max_norm / (norm + 1e-6), never above 1.
+    const double coefficient = config_.max_grad_norm / (plan.grad_norm + 1e-6);
+    if (coefficient < 1.0) plan.clip_coefficient = static_cast<float>(coefficient);
+  }
+  plan.grad_multiplier = static_cast<float>(static_cast<double>(plan.clip_coefficient) / plan.loss_scale);
+  plan.step = ++steps_taken_;
+  if (scaler_) scaler_->Update(/*found_non_finite=*/false);
+  return plan;
+}
+
+namespace {
+
+Status CheckChunk(const OptimizerConfig& config, const ChunkTensors& t) {
+  if (t.n == 0) return Status::Ok();
+  if (t.master == nullptr || t.grad == nullptr) {
+    return InvalidArgument("optimizer: a chunk of {} elements without {} array", t.n,
+                           t.master == nullptr ? "a master (fp32 weight)" : "a gradient");
+  }
+  if ((t.param_dtype == DType::kFloat32) != (t.param == nullptr)) {
+    return InvalidArgument("optimizer: param dtype {} with {} compute copy: fp32 parameters are updated in place "
+                           "in `master` (param null); bf16/fp16 ones need the copy",
+                           DTypeName(t.param_dtype), t.param == nullptr ? "no" : "a");
+  }
+  for (int s = 0; s < NumStates(config); ++s) {
+    if (t.state[s] == nullptr) {
+      return InvalidArgument("optimizer: {} keeps {} state array(s) per chunk; state[{}] is missing",
+                             OptimizerKindName(config.kind), NumStates(config), s);
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const {
+  STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+  if (plan.skip || chunk.n == 0) return Status::Ok();
+  UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunk);
+  return Status::Ok();
+}
+
+Result<StepPlan> Optimizer::Step(std::span<const ChunkTensors> chunks) {
+  // Every chunk is checked before any is changed.
+  GradStats stats;
+  for (const ChunkTensors& chunk : chunks) {
+    STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+    stats.Add(chunk);
+  }
+  STRATA_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(stats));
+  for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(UpdateChunk(plan, chunk));
+  return plan;
+}
+
+}  // namespace strata::optim

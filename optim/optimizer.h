@@ -1,0 +1,138 @@
+// The optimizer: updates model states chunk by chunk.
+//
+// A step has two phases, so that a chunk can be updated as soon as it is
+// where the update runs, without the whole model in one place:
+//   1. gradient statistics: GradStats::Add over every grad chunk (or over
+//      each grad chunk as it completes), then PlanStep. PlanStep passes the
+//      local sum to the all-reduce hook (ranks sum it), computes the global
+//      norm of the unscaled gradients and the clip coefficient, and decides
+//      whether the step is skipped: an inf or NaN anywhere makes the sum
+//      non-finite, the loss scaler backs off, and nothing is changed.
+//   2. UpdateChunk for every chunk, in any order and from any thread, with
+//      the plan: one fused pass reads the gradient (fp32, bf16 or fp16),
+//      multiplies it by 1 / loss_scale * clip_coefficient, updates the fp32
+//      master weights and the optimizer states, and writes the compute copy
+//      (bf16 or fp16, round to nearest even) when there is one.
+// Step() does both over a list of chunks.
+//
+// Kinds: AdamW (decoupled weight decay), Adam (L2 weight decay in the
+// gradient), SGD with momentum (optionally Nesterov, dampening); each is the
+// formula of the torch.optim class of the same name. A new optimizer adds a
+// kind, its per-element update in optim/cpu_kernels_impl.h and the scalar
+// reference in optim/cpu_reference.cc, and says how many fp32 states it keeps.
+//
+// Ownership: the optimizer owns no model memory; ChunkTensors point at the
+// caller's arrays (host memory for the CPU kernels) for the duration of a
+// call. Thread-safety: PlanStep and Step are called from one thread at a
+// time; UpdateChunk may run concurrently on disjoint chunks.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string_view>
+
+#include "optim/loss_scaler.h"
+#include "strata/status.h"
+#include "strata/types.h"
+
+namespace strata::optim {
+
+enum class OptimizerKind : uint8_t { kAdamW, kAdam, kSgd };
+std::string_view OptimizerKindName(OptimizerKind kind);
+// "adamw", "adam", "sgd".
+Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
+
+struct OptimizerConfig {
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  float lr = 1e-3f;
+  float beta1 = 0.9f;  // Adam
+  float beta2 = 0.999f;
+  float eps = 1e-8f;
+  float weight_decay = 0.0f;  // AdamW: decoupled; Adam and SGD: L2, added to the gradient
+  float momentum = 0.0f;      // SGD; 0 keeps no state
+  float dampening = 0.0f;     // SGD
+  bool nesterov = false;      // SGD; needs momentum > 0 and dampening 0
+  float max_grad_norm = 0.0f;  // clip the global norm of the unscaled gradients to this; 0: no clipping
+};
+
+// InvalidArgument naming the field, its value and the allowed range.
+Status ValidateOptimizerConfig(const OptimizerConfig& config);
+// fp32 state arrays per parameter: Adam 2 (exp_avg, exp_avg_sq), SGD 1 with
+// momentum (momentum_buffer, kept in the exp_avg chunk), else 0.
+int NumStates(const OptimizerConfig& config);
+
+// One chunk's arrays for one update: n elements each.
+struct ChunkTensors {
+  size_t n = 0;
+  float* master = nullptr;  // fp32 weights; the parameter itself when param_dtype is fp32
+  void* param = nullptr;    // the compute copy (bf16/fp16), written after the update; null for fp32
+  DType param_dtype = DType::kFloat32;
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;
+  float* state[2] = {nullptr, nullptr};  // exp_avg, exp_avg_sq (Adam); momentum_buffer (SGD)
+};
+
+// The sum of squares of gradients as stored (still scaled by the loss
+// scale), in fp64: large enough that no finite fp32 gradient overflows it,
+// so the sum is non-finite exactly when some gradient is inf or NaN.
+struct GradStats {
+  double sum_squares = 0;
+  // Adds one chunk's gradients (parallel over oneTBB's threads).
+  void Add(const void* grad, DType grad_dtype, size_t n);
+  void Add(const ChunkTensors& chunk) { Add(chunk.grad, chunk.grad_dtype, chunk.n); }
+  bool finite() const;
+};
+
+// What one step does, decided once from the global gradient statistics.
+struct StepPlan {
+  bool skip = false;            // inf/NaN gradients: nothing is updated
+  int64_t step = 0;             // the 1-based step the update uses (bias correction, SGD's first step)
+  float loss_scale = 1.0f;      // the scale the gradients carry
+  double grad_norm = 0;         // global L2 norm of the unscaled gradients (inf/NaN when skipped)
+  float clip_coefficient = 1.0f;
+  float grad_multiplier = 1.0f;  // clip_coefficient / loss_scale, applied in the update pass
+};
+
+class Optimizer {
+ public:
+  // Sums GradStats across ranks in place (a later issue passes NCCL's
+  // all-reduce); an error fails PlanStep and changes nothing.
+  using AllReduceHook = std::function<Status(GradStats&)>;
+
+  // `scaler` is optional: without it gradients are taken as unscaled, and
+  // inf/NaN gradients still skip the step.
+  static Result<std::unique_ptr<Optimizer>> Create(const OptimizerConfig& config,
+                                                   std::optional<LossScalerConfig> scaler = std::nullopt);
+
+  void SetAllReduceHook(AllReduceHook hook) { all_reduce_ = std::move(hook); }
+  const OptimizerConfig& config() const { return config_; }
+  int num_states() const { return NumStates(config_); }
+  // Completed (not skipped) steps so far.
+  int64_t steps_taken() const { return steps_taken_; }
+  // The scale the next backward pass multiplies the loss by (1 without a scaler).
+  float loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
+  const LossScaler* scaler() const { return scaler_ ? &*scaler_ : nullptr; }
+
+  // Phase 1: the all-reduce, the norm, the clip coefficient, the skip
+  // decision and the loss-scale update. Counts the step unless skipped.
+  Result<StepPlan> PlanStep(GradStats local);
+  // Phase 2: one chunk (no-op when the plan skips). InvalidArgument when the
+  // chunk's arrays do not fit this optimizer (a missing state, a null grad).
+  Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const;
+  // Both phases over all chunks.
+  Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
+
+ private:
+  Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler);
+
+  OptimizerConfig config_;
+  std::optional<LossScaler> scaler_;
+  AllReduceHook all_reduce_;
+  int64_t steps_taken_ = 0;
+};
+
+}  // namespace strata::optim

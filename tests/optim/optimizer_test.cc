@@ -1,0 +1,241 @@
+#include "optim/optimizer.h"
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "optim/loss_scaler.h"
+#include "optim_test_util.h"
+
+namespace strata::optim {
+namespace {
+
+using testing::ChunkArrays;
+using testing::ExpectClose;
+using testing::RandomChunk;
+
+// Three chunks of different sizes and a bf16 model with bf16 gradients.
+std::vector<ChunkArrays> RandomModel(std::mt19937_64& rng, DType dtype = DType::kBFloat16) {
+  std::vector<ChunkArrays> chunks;
+  for (size_t n : {size_t{1000}, size_t{65536 + 17}, size_t{5}}) chunks.push_back(RandomChunk(n, dtype, dtype, rng));
+  return chunks;
+}
+
+std::vector<ChunkTensors> Views(std::vector<ChunkArrays>& chunks) {
+  std::vector<ChunkTensors> views;
+  for (ChunkArrays& c : chunks) views.push_back(c.view());
+  return views;
+}
+
+bool SameBits(const std::vector<ChunkArrays>& a, const std::vector<ChunkArrays>& b) {
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (a[i].master != b[i].master || a[i].state0 != b[i].state0 || a[i].state1 != b[i].state1 ||
+        a[i].param16 != b[i].param16) {
+      return false;
+    }
+  }
+  return true;
+}
+
+TEST(OptimizerTest, InfOrNanGradientSkipsTheStepAndChangesNothing) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (float bad : {std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN()}) {
+    std::vector<ChunkArrays> model = RandomModel(rng, DType::kFloat16);
+    model[1].set_grad(40000, bad);  // one element of one chunk
+    const std::vector<ChunkArrays> before = model;
+    ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({}, LossScalerConfig{.init_scale = 1024}));
+    std::vector<ChunkTensors> views = Views(model);
+    ASSERT_OK_AND_ASSIGN(StepPlan plan, optimizer->Step(views));
+    EXPECT_TRUE(plan.skip);
+    EXPECT_FALSE(std::isfinite(plan.grad_norm));
+    EXPECT_TRUE(SameBits(model, before)) << "a skipped step changed a state";
+    EXPECT_EQ(optimizer->steps_taken(), 0);
+    EXPECT_EQ(optimizer->loss_scale(), 512.0f);  // backed off
+  }
+}
+
+TEST(OptimizerTest, UnscalingByAPowerOfTwoGivesTheUnscaledResultBitForBit) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> plain = RandomModel(rng, DType::kFloat32);
+  std::vector<ChunkArrays> scaled = plain;
+  constexpr float kScale = 4096.0f;
+  for (ChunkArrays& c : scaled) {
+    for (float& g : c.grad32) g *= kScale;  // exact: a power of two
+  }
+  const OptimizerConfig config{.lr = 1e-3f, .weight_decay = 0.01f};
+  ASSERT_OK_AND_ASSIGN(auto reference, Optimizer::Create(config));
+  ASSERT_OK_AND_ASSIGN(auto with_scaler, Optimizer::Create(config, LossScalerConfig{.init_scale = kScale}));
+  std::vector<ChunkTensors> plain_views = Views(plain), scaled_views = Views(scaled);
+  ASSERT_OK_AND_ASSIGN(StepPlan plain_plan, reference->Step(plain_views));
+  ASSERT_OK_AND_ASSIGN(StepPlan scaled_plan, with_scaler->Step(scaled_views));
+  EXPECT_FALSE(scaled_plan.skip);
+  EXPECT_EQ(scaled_plan.loss_scale, kScale);
+  EXPECT_NEAR(scaled_plan.grad_norm, plain_plan.grad_norm, 1e-12 * plain_plan.grad_norm);
+  for (size_t i = 0; i < plain.size(); ++i) {
+    EXPECT_EQ(scaled[i].master, plain[i].master);
+    EXPECT_EQ(scaled[i].state1, plain[i].state1);
+  }
+}
+
+TEST(OptimizerTest, ClipsToTheGlobalNormAcrossChunks) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> model = RandomModel(rng, DType::kFloat32);
+  double sum = 0;
+  for (const ChunkArrays& c : model) {
+    for (float g : c.grad32) sum += static_cast<double>(g) * g;
+  }
+  const double norm = std::sqrt(sum);
+  // Clipping to a quarter of the norm equals pre-multiplying the gradients
+  // by max_norm / (norm + 1e-6) without clipping (AdamW: the multiply is the
+  // same single rounding in both).
+  const float max_norm = static_cast<float>(norm / 4);
+  std::vector<ChunkArrays> manual = model;
+  const float coefficient = static_cast<float>(max_norm / (norm + 1e-6));
+  for (ChunkArrays& c : manual) {
+    for (float& g : c.grad32) g *= coefficient;
+  }
+  ASSERT_OK_AND_ASSIGN(auto clipping, Optimizer::Create({.weight_decay = 0.01f, .max_grad_norm = max_norm}));
+  ASSERT_OK_AND_ASSIGN(auto plain, Optimizer::Create({.weight_decay = 0.01f}));
+  std::vector<ChunkTensors> model_views = Views(model), manual_views = Views(manual);
+  ASSERT_OK_AND_ASSIGN(StepPlan plan, clipping->Step(model_views));
+  ASSERT_OK(plain->Step(manual_views).status());
+  EXPECT_NEAR(plan.grad_norm, norm, 1e-9 * norm);
+  EXPECT_EQ(plan.clip_coefficient, coefficient);
+  for (size_t i = 0; i < model.size(); ++i) EXPECT_EQ(model[i].master, manual[i].master);
+  // Under the limit nothing is clipped.
+  ASSERT_OK_AND_ASSIGN(auto loose, Optimizer::Create({.max_grad_norm = static_cast<float>(norm * 2)}));
+  ASSERT_OK_AND_ASSIGN(StepPlan loose_plan, loose->PlanStep(GradStats{.sum_squares = sum}));
+  EXPECT_EQ(loose_plan.clip_coefficient, 1.0f);
+}
+
+TEST(OptimizerTest, AllReduceHookSumsAcrossRanksAndItsErrorChangesNothing) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> model = RandomModel(rng);
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({}, LossScalerConfig{}));
+  double seen = -1;
+  // Two ranks with the same gradients: the sum doubles, the norm grows by sqrt(2).
+  optimizer->SetAllReduceHook([&](GradStats& stats) {
+    seen = stats.sum_squares;
+    stats.sum_squares *= 2;
+    return Status::Ok();
+  });
+  GradStats local;
+  for (ChunkArrays& c : model) local.Add(c.view());
+  ASSERT_OK_AND_ASSIGN(StepPlan plan, optimizer->PlanStep(local));
+  EXPECT_EQ(seen, local.sum_squares);
+  EXPECT_NEAR(plan.grad_norm, std::sqrt(2 * local.sum_squares) / 65536.0, 1e-9 * plan.grad_norm);
+  // A rank that fails: the step fails, nothing is counted or updated.
+  optimizer->SetAllReduceHook([](GradStats&) { return CommError("rank 3 did not answer within 1000 ms"); });
+  const std::vector<ChunkArrays> before = model;
+  std::vector<ChunkTensors> views = Views(model);
+  Result<StepPlan> failed = optimizer->Step(views);
+  EXPECT_EQ(failed.status().code(), StatusCode::kCommError);
+  EXPECT_TRUE(SameBits(model, before));
+  EXPECT_EQ(optimizer->steps_taken(), 1);
+  EXPECT_EQ(optimizer->scaler()->good_steps(), 1);
+}
+
+TEST(OptimizerTest, AChunkThatDoesNotFitIsRejectedBeforeAnythingChanges) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> model = RandomModel(rng);
+  const std::vector<ChunkArrays> before = model;
+  std::vector<ChunkTensors> views = Views(model);
+  views[2].state[1] = nullptr;  // the last chunk lacks exp_avg_sq
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({}));
+  Result<StepPlan> result = optimizer->Step(views);
+  EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(result.status().message().find("state[1] is missing"), std::string::npos) << result.status().ToString();
+  EXPECT_TRUE(SameBits(model, before));
+  views = Views(model);
+  views[0].param = nullptr;  // bf16 parameters without their compute copy
+  EXPECT_EQ(optimizer->Step(views).status().code(), StatusCode::kInvalidArgument);
+  // SGD without momentum needs no state.
+  ASSERT_OK_AND_ASSIGN(auto sgd, Optimizer::Create({.kind = OptimizerKind::kSgd, .lr = 0.1f}));
+  EXPECT_EQ(sgd->num_states(), 0);
+  views = Views(model);
+  for (ChunkTensors& v : views) v.state[0] = v.state[1] = nullptr;
+  EXPECT_OK(sgd->Step(views).status());
+}
+
+TEST(OptimizerTest, StepCountDrivesBiasCorrectionAndSkippedStepsDoNotCount) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> model = RandomModel(rng, DType::kFloat32);
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({}, LossScalerConfig{}));
+  ASSERT_OK_AND_ASSIGN(StepPlan first, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
+  EXPECT_EQ(first.step, 1);
+  ASSERT_OK_AND_ASSIGN(StepPlan skipped,
+                       optimizer->PlanStep(GradStats{.sum_squares = std::numeric_limits<double>::infinity()}));
+  EXPECT_TRUE(skipped.skip);
+  ASSERT_OK_AND_ASSIGN(StepPlan second, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
+  EXPECT_EQ(second.step, 2);
+  EXPECT_EQ(second.loss_scale, 32768.0f);
+  EXPECT_FLOAT_EQ(second.grad_multiplier, 1.0f / 32768);
+  // A skipping plan leaves a chunk alone even when asked to update it.
+  const std::vector<ChunkArrays> before = model;
+  ASSERT_OK(optimizer->UpdateChunk(skipped, model[0].view()));
+  EXPECT_TRUE(SameBits(model, before));
+}
+
+TEST(OptimizerTest, BadConfigsNameTheField) {
+  struct Bad {
+    OptimizerConfig config;
+    const char* field;
+  };
+  for (const Bad& bad : std::vector<Bad>{{{.lr = -1}, "lr"},
+                                         {{.beta1 = 1.0f}, "beta1"},
+                                         {{.beta2 = -0.1f}, "beta2"},
+                                         {{.eps = 0}, "eps"},
+                                         {{.weight_decay = std::numeric_limits<float>::quiet_NaN()}, "weight_decay"},
+                                         {{.max_grad_norm = -1}, "max_grad_norm"},
+                                         {{.kind = OptimizerKind::kSgd, .dampening = 2}, "dampening"},
+                                         {{.kind = OptimizerKind::kSgd, .nesterov = true}, "nesterov"}}) {
+    Result<std::unique_ptr<Optimizer>> result = Optimizer::Create(bad.config);
+    EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument) << bad.field;
+    EXPECT_NE(result.status().message().find(bad.field), std::string::npos) << result.status().ToString();
+  }
+  EXPECT_EQ(ParseOptimizerKind("lamb").status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK_AND_ASSIGN(OptimizerKind kind, ParseOptimizerKind("sgd"));
+  EXPECT_EQ(kind, OptimizerKind::kSgd);
+}
+
+// --- loss scaler -------------------------------------------------------------
+
+TEST(LossScalerTest, GrowsAfterTheIntervalAndBacksOffOnOverflow) {
+  LossScaler scaler({.init_scale = 1024, .growth_factor = 2, .backoff_factor = 0.5, .growth_interval = 3});
+  scaler.Update(false);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 1024);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 2048);  // three good steps
+  scaler.Update(false);
+  scaler.Update(false);
+  scaler.Update(true);  // an overflow restarts the count
+  EXPECT_EQ(scaler.scale(), 1024);
+  EXPECT_EQ(scaler.good_steps(), 0);
+  EXPECT_EQ(scaler.overflows(), 1);
+  scaler.Update(false);
+  scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 1024);
+}
+
+TEST(LossScalerTest, StaysWithinItsBounds) {
+  LossScaler scaler({.init_scale = 4, .growth_interval = 1, .min_scale = 1, .max_scale = 16});
+  for (int i = 0; i < 10; ++i) scaler.Update(true);
+  EXPECT_EQ(scaler.scale(), 1);
+  for (int i = 0; i < 10; ++i) scaler.Update(false);
+  EXPECT_EQ(scaler.scale(), 16);
+}
+
+TEST(LossScalerTest, BadConfigsNameTheField) {
+  EXPECT_EQ(ValidateLossScalerConfig({.init_scale = 0}).code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(ValidateLossScalerConfig({.growth_factor = 1}).message().find("growth_factor"), std::string::npos);
+  EXPECT_NE(ValidateLossScalerConfig({.backoff_factor = 1}).message().find("backoff_factor"), std::string::npos);
+  EXPECT_NE(ValidateLossScalerConfig({.growth_interval = 0}).message().find("growth_interval"), std::string::npos);
+  EXPECT_NE(ValidateLossScalerConfig({.init_scale = 8, .min_scale = 16}).message().find("min_scale"),
+            std::string::npos);
+  EXPECT_EQ(Optimizer::Create({}, LossScalerConfig{.backoff_factor = 0}).status().code(),
+            StatusCode::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace strata::optim
