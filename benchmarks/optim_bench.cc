@@ -10,13 +10,17 @@
 
 #include <algorithm>
 #include <bit>
-#include <memory>
 #include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <memory>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/io_bench.h"
+#include "memory/tier_pool.h"
+#include "offload/state_stream.h"
 #include "optim/cpu_kernels.h"
 #include "optim/half.h"
 #include "optim/optimizer.h"
@@ -219,6 +223,165 @@ std::string OptimBenchJson(const OptimBenchReport& r) {
   j["step_seconds"] = r.step_seconds;
   j["bound_seconds"] = r.bound_seconds;
   j["grad_norm_seconds"] = r.grad_norm_seconds;
+  return j.dump(2);
+}
+
+namespace {
+
+// Host arrays for the NVMe mode: gradients and compute copies of every group
+// (they stay in host memory), and the master and states of every group for
+// the update-alone timing.
+struct HostModel {
+  std::vector<Buffer> grads, params, masters, exp_avgs, exp_avg_sqs;
+};
+
+Result<Buffer> HostArray(size_t bytes) {
+  Buffer buffer = AllocateAlignedHost(std::max<size_t>(bytes, 64), 64);
+  if (!buffer) return OutOfMemory("bench optim: cannot allocate {} of host memory", FormatSize(bytes));
+  std::memset(buffer.data(), 0, bytes);
+  return buffer;
+}
+
+}  // namespace
+
+Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config) {
+  const OptimBenchConfig& base = config.base;
+  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseDType(base.dtype));
+  if (dtype == DType::kFloat16) return InvalidArgument("bench optim: --dtype {}: expected fp32 or bf16", base.dtype);
+  if (config.dirs.empty()) return InvalidArgument("bench optim: --states nvme needs --dir DIR (a directory on the drive)");
+  if (base.params == 0 || config.group_params == 0) {
+    return InvalidArgument("bench optim: --params and --group-params must be > 0");
+  }
+  if (base.repetitions == 0) return InvalidArgument("bench optim: --repetitions 0: at least one is needed");
+  const uint32_t threads = base.threads > 0 ? base.threads : static_cast<uint32_t>(tbb::info::default_concurrency());
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+
+  std::vector<size_t> sizes;
+  for (uint64_t done = 0; done < base.params; done += config.group_params) {
+    sizes.push_back(std::min<uint64_t>(config.group_params, base.params - done));
+  }
+  // Each group: master + 2 states, padded; twice over (copy on write), plus a block per group.
+  uint64_t group_bytes_total = 0;
+  for (size_t n : sizes) group_bytes_total += 3 * ((n * sizeof(float) + 4095) / 4096 * 4096);
+  UringStorageOptions storage_options;
+  storage_options.dirs = config.dirs;
+  storage_options.file_name = "strata-bench-optim.nvme";
+  const uint64_t stripe = storage_options.block_size_bytes * config.dirs.size();
+  storage_options.capacity_bytes = (2 * group_bytes_total + sizes.size() * stripe + stripe - 1) / stripe * stripe;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, CreateUringStorage(storage_options));
+  // The backing files go when the benchmark does, whatever happens.
+  struct RemoveFiles {
+    const UringStorageOptions& options;
+    ~RemoveFiles() {
+      for (const std::string& dir : options.dirs) {
+        std::error_code ignored;
+        std::filesystem::remove(std::filesystem::path(dir) / options.file_name, ignored);
+      }
+    }
+  } remove_files{storage_options};
+  memory::NvmeTierPool pool(*storage);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::StateStream> stream,
+                          offload::StateStream::Create(pool, 2, {.ring_bytes = config.ring_bytes}));
+
+  HostModel host;
+  std::vector<offload::GroupIo> io;
+  std::vector<optim::ChunkTensors> in_memory;
+  for (size_t n : sizes) {
+    STRATA_ASSIGN_OR_RETURN(Buffer master, HostArray(n * sizeof(float)));
+    float* w = static_cast<float*>(master.data());
+    for (size_t i = 0; i < n; ++i) w[i] = 0.01f * static_cast<float>(i % 97);
+    STRATA_RETURN_IF_ERROR(stream->AddGroup({w, n}).status());
+    STRATA_ASSIGN_OR_RETURN(Buffer grad, HostArray(n * DTypeSizeBytes(dtype)));
+    for (size_t i = 0; i < n; ++i) {
+      const float g = 0.001f * static_cast<float>(i % 89) - 0.04f;
+      if (dtype == DType::kBFloat16) {
+        static_cast<uint16_t*>(grad.data())[i] = optim::Bf16FromFloat(g);
+      } else {
+        static_cast<float*>(grad.data())[i] = g;
+      }
+    }
+    Buffer param;
+    if (dtype == DType::kBFloat16) {
+      STRATA_ASSIGN_OR_RETURN(param, HostArray(n * sizeof(uint16_t)));
+    }
+    STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(n * sizeof(float)));
+    STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(n * sizeof(float)));
+    io.push_back({.grad = grad.data(), .grad_dtype = dtype, .param = param ? param.data() : nullptr,
+                  .param_dtype = dtype});
+    optim::ChunkTensors t{.n = n, .master = w, .param = io.back().param, .param_dtype = dtype,
+                          .grad = grad.data(), .grad_dtype = dtype};
+    t.state[0] = static_cast<float*>(exp_avg.data());
+    t.state[1] = static_cast<float*>(exp_avg_sq.data());
+    in_memory.push_back(t);
+    host.grads.push_back(std::move(grad));
+    host.params.push_back(std::move(param));
+    host.masters.push_back(std::move(master));
+    host.exp_avgs.push_back(std::move(exp_avg));
+    host.exp_avg_sqs.push_back(std::move(exp_avg_sq));
+  }
+
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
+                          optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
+  OptimNvmeBenchReport report;
+  report.config = config;
+  report.threads = threads;
+  report.isa = std::string(optim::CpuIsaName(optim::BestCpuIsa()));
+  report.groups = sizes.size();
+  std::vector<double> step, io_only, compute, read_wait;
+  for (uint32_t r = 0; r < base.repetitions; ++r) {
+    const optim::StepPlan plan{.step = r + 1};
+    STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport streamed, stream->Step(*optimizer, plan, io));
+    step.push_back(streamed.seconds);
+    read_wait.push_back(streamed.read_wait_seconds);
+    report.bytes_per_step = streamed.bytes_read + streamed.bytes_written;
+    STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport moved,
+                            stream->Run(io, [](size_t, const optim::ChunkTensors&) { return Status::Ok(); }));
+    io_only.push_back(moved.seconds);
+    Status status;
+    compute.push_back(TimeSeconds([&] {
+      for (const optim::ChunkTensors& t : in_memory) {
+        if (status.ok()) status = optimizer->UpdateChunk(plan, t);
+      }
+    }));
+    STRATA_RETURN_IF_ERROR(status);
+  }
+  report.ring_slots = stream->ring_slots();
+  report.step_seconds = Median(step);
+  report.io_seconds = Median(io_only);
+  report.compute_seconds = Median(compute);
+  report.read_wait_seconds = Median(read_wait);
+  return report;
+}
+
+std::string FormatOptimNvmeBench(const OptimNvmeBenchReport& r) {
+  const double gib = static_cast<double>(r.bytes_per_step) / (1 << 30);
+  return fmt::format(
+      "strata bench optim --states nvme: AdamW, {} params ({}), {} groups, ring {} x {}, {}, {} thread{}, median "
+      "of {}\n"
+      "{:<28} {:>10} {:>10}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f}\n"
+      "step / max(I/O, update) = {:.3f} (goal <= 1.15); the update waited {:.3f} s for reads\n",
+      r.config.base.params, r.config.base.dtype, r.groups, r.ring_slots,
+      FormatSize(r.config.ring_bytes / std::max<uint32_t>(r.ring_slots, 1)), r.isa, r.threads,
+      r.threads == 1 ? "" : "s", r.config.base.repetitions, "", "seconds", "GiB/s", "step (states on NVMe)",
+      r.step_seconds, gib / r.step_seconds, "I/O alone (read + write)", r.io_seconds, gib / r.io_seconds,
+      "update alone (host memory)", r.compute_seconds, r.step_over_bound(), r.read_wait_seconds);
+}
+
+std::string OptimNvmeBenchJson(const OptimNvmeBenchReport& r) {
+  nlohmann::json j;
+  j["config"] = {{"params", r.config.base.params},     {"dtype", r.config.base.dtype},
+                 {"threads", r.threads},              {"repetitions", r.config.base.repetitions},
+                 {"isa", r.isa},                      {"states", "nvme"},
+                 {"dirs", r.config.dirs},             {"group_params", r.config.group_params},
+                 {"ring_bytes", r.config.ring_bytes}, {"ring_slots", r.ring_slots},
+                 {"groups", r.groups}};
+  j["step_seconds"] = r.step_seconds;
+  j["io_seconds"] = r.io_seconds;
+  j["compute_seconds"] = r.compute_seconds;
+  j["read_wait_seconds"] = r.read_wait_seconds;
+  j["bytes_per_step"] = r.bytes_per_step;
+  j["step_over_max_io_compute"] = r.step_over_bound();
+  j["gparams_per_s"] = static_cast<double>(r.config.base.params) / r.step_seconds / 1e9;
   return j.dump(2);
 }
 

@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "strata/status.h"
 
@@ -43,5 +44,39 @@ struct OptimBenchReport {
 Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config);
 std::string FormatOptimBench(const OptimBenchReport& report);
 std::string OptimBenchJson(const OptimBenchReport& report);
+
+// `--states nvme`: fp32 master weights and both Adam states live on NVMe in
+// DIR and stream through the ring (offload/state_stream.h); gradients and
+// the compute copy stay in host memory. Three timings, alternated, medians:
+// the step; the same pipeline with a no-op update (the I/O alone: every
+// group read and written back); and the update alone over the same groups
+// held in host memory. The goal: step <= 1.15 x max(I/O, update).
+struct OptimNvmeBenchConfig {
+  OptimBenchConfig base;  // params, dtype, threads, repetitions
+  std::vector<std::string> dirs;
+  uint64_t group_params = uint64_t{8} << 20;  // parameters per chunk group
+  uint64_t ring_bytes = uint64_t{512} << 20;
+};
+
+struct OptimNvmeBenchReport {
+  OptimNvmeBenchConfig config;
+  std::string isa;
+  uint32_t threads = 0;
+  size_t groups = 0;
+  uint32_t ring_slots = 0;
+  uint64_t bytes_per_step = 0;  // read + written
+  double step_seconds = 0;      // medians
+  double io_seconds = 0;
+  double compute_seconds = 0;
+  double read_wait_seconds = 0;  // in the step: the update waiting for reads
+  double step_over_bound() const {
+    const double bound = io_seconds > compute_seconds ? io_seconds : compute_seconds;
+    return bound > 0 ? step_seconds / bound : 0;
+  }
+};
+
+Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config);
+std::string FormatOptimNvmeBench(const OptimNvmeBenchReport& report);
+std::string OptimNvmeBenchJson(const OptimNvmeBenchReport& report);
 
 }  // namespace strata::bench

@@ -172,6 +172,10 @@ struct BenchOptimFlags {
   std::string dtype = "fp32";
   uint32_t threads = 0;
   uint32_t repetitions = 7;
+  std::string states = "memory";
+  std::vector<std::string> dirs;
+  std::string group_params = "8M";
+  std::string ring = "512MiB";
   std::string json_path;
 };
 
@@ -184,6 +188,24 @@ int RunBenchOptim(const BenchOptimFlags& flags) {
   config.dtype = flags.dtype;
   config.threads = flags.threads;
   config.repetitions = flags.repetitions;
+  if (flags.states == "nvme") {
+    strata::bench::OptimNvmeBenchConfig nvme{.base = config, .dirs = flags.dirs};
+    strata::Result<size_t> group_params = strata::ParseSize(flags.group_params);
+    if (!group_params.ok()) return Fail(strata::InvalidArgument("--group-params: {}", group_params.status().message()));
+    strata::Result<size_t> ring = strata::ParseSize(flags.ring);
+    if (!ring.ok()) return Fail(strata::InvalidArgument("--ring: {}", ring.status().message()));
+    nvme.group_params = *group_params;
+    nvme.ring_bytes = *ring;
+    strata::Result<strata::bench::OptimNvmeBenchReport> report = strata::bench::RunOptimNvmeBench(nvme);
+    if (!report.ok()) return Fail(report.status());
+    std::fputs(strata::bench::FormatOptimNvmeBench(*report).c_str(), stdout);
+    strata::Status written = WriteJsonFile(flags.json_path, strata::bench::OptimNvmeBenchJson(*report));
+    return written.ok() ? 0 : Fail(written);
+  }
+  if (flags.states != "memory") {
+    return Fail(strata::InvalidArgument("--states {}: expected memory or nvme", flags.states));
+  }
+  if (!flags.dirs.empty()) return Fail(strata::InvalidArgument("--dir is for --states nvme"));
   strata::Result<strata::bench::OptimBenchReport> report = strata::bench::RunOptimBench(config);
   if (!report.ok()) return Fail(report.status());
   std::fputs(strata::bench::FormatOptimBench(*report).c_str(), stdout);
@@ -251,11 +273,20 @@ int main(int argc, char** argv) {
 
   BenchOptimFlags bench_optim;
   CLI::App* bench_optim_command = bench_command->add_subcommand(
-      "optim", "CPU AdamW step against the memory-bandwidth bound of the same access pattern");
+      "optim", "CPU AdamW step against the memory-bandwidth bound, or with its states streamed from NVMe");
   bench_optim_command->add_option("--params", bench_optim.params, "parameters (64M = 64 x 2^20)")->capture_default_str();
   bench_optim_command->add_option("--dtype", bench_optim.dtype, "fp32, or bf16 (bf16 params and grads, fp32 master and states)")->capture_default_str();
   bench_optim_command->add_option("--threads", bench_optim.threads, "threads; 0 = every core")->capture_default_str();
   bench_optim_command->add_option("--repetitions", bench_optim.repetitions, "steps timed (median)")->capture_default_str();
+  bench_optim_command->add_option("--states", bench_optim.states,
+                                  "memory (states in host memory, against a bandwidth bound) or nvme (master and "
+                                  "states on NVMe, streamed; against I/O alone and the update alone)")
+      ->capture_default_str();
+  bench_optim_command->add_option("--dir", bench_optim.dirs, "with --states nvme: a directory on the drive (repeat: striped)");
+  bench_optim_command->add_option("--group-params", bench_optim.group_params, "with --states nvme: parameters per chunk group")
+      ->capture_default_str();
+  bench_optim_command->add_option("--ring", bench_optim.ring, "with --states nvme: host memory for groups in flight")
+      ->capture_default_str();
   bench_optim_command->add_option("--json", bench_optim.json_path, "also write the results as JSON to this file");
 
   app.add_subcommand("version", "print the version");

@@ -1,5 +1,7 @@
 #include "benchmarks/optim_bench.h"
 
+#include <filesystem>
+
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
@@ -43,6 +45,40 @@ TEST(OptimBenchTest, BadDtypeAndEmptyRunsAreClearErrors) {
   config.dtype = "fp32";
   config.params = 0;
   EXPECT_EQ(RunOptimBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST(OptimBenchTest, NvmeStatesStreamAndReportStepIoAndUpdate) {
+  testing::ScratchDir dir("optim-nvme");
+  OptimNvmeBenchConfig config;
+  config.base.params = (1 << 20) + 7;
+  config.base.dtype = "bf16";
+  config.base.threads = 2;
+  config.base.repetitions = 2;
+  config.dirs = {dir.path()};
+  config.group_params = 1 << 18;  // 5 groups, the last of 7 parameters
+  config.ring_bytes = 8 << 20;    // 2 of 3 MiB
+  ASSERT_OK_AND_ASSIGN(OptimNvmeBenchReport report, RunOptimNvmeBench(config));
+  EXPECT_EQ(report.groups, 5u);
+  EXPECT_EQ(report.ring_slots, 2u);
+  EXPECT_GT(report.step_seconds, 0);
+  EXPECT_GT(report.io_seconds, 0);
+  EXPECT_GT(report.compute_seconds, 0);
+  EXPECT_EQ(report.bytes_per_step, 2u * (4 * (3u << 20) + 3 * 4096));  // read and written
+  nlohmann::json json = nlohmann::json::parse(OptimNvmeBenchJson(report));
+  for (const char* key : {"step_seconds", "io_seconds", "compute_seconds", "step_over_max_io_compute"}) {
+    EXPECT_GT(json[key].get<double>(), 0) << key;
+  }
+  EXPECT_NE(FormatOptimNvmeBench(report).find("goal <= 1.15"), std::string::npos);
+  // The backing file is gone.
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+}
+
+TEST(OptimBenchTest, NvmeModeNeedsADirectory) {
+  OptimNvmeBenchConfig config;
+  config.base.params = 1024;
+  Result<OptimNvmeBenchReport> report = RunOptimNvmeBench(config);
+  EXPECT_EQ(report.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(report.status().message().find("--dir"), std::string::npos);
 }
 
 }  // namespace

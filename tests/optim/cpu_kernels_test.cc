@@ -11,6 +11,8 @@
 namespace strata::optim {
 namespace {
 
+using testing::Case;
+using testing::Cases;
 using testing::ChunkArrays;
 using testing::ExpectClose;
 using testing::ExpectParamIsRoundedMaster;
@@ -18,25 +20,6 @@ using testing::RandomChunk;
 
 constexpr DType kDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
 constexpr CpuIsa kVectorIsas[] = {CpuIsa::kAvx2, CpuIsa::kAvx512};
-
-struct Case {
-  const char* name;
-  OptimizerConfig config;
-  int64_t step;
-  float grad_multiplier;
-};
-
-std::vector<Case> Cases() {
-  return {
-      {"adamw", {.kind = OptimizerKind::kAdamW, .lr = 1e-3f, .weight_decay = 0.01f}, 5, 1.0f},
-      {"adam-l2-scaled", {.kind = OptimizerKind::kAdam, .lr = 3e-4f, .weight_decay = 0.1f}, 1, 1.0f / 1024},
-      {"sgd-momentum-first", {.kind = OptimizerKind::kSgd, .lr = 0.1f, .weight_decay = 1e-4f, .momentum = 0.9f}, 1,
-       0.5f},
-      {"sgd-momentum", {.kind = OptimizerKind::kSgd, .lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f}, 7, 1.0f},
-      {"sgd-nesterov", {.kind = OptimizerKind::kSgd, .lr = 0.05f, .momentum = 0.8f, .nesterov = true}, 3, 1.0f},
-      {"sgd-plain", {.kind = OptimizerKind::kSgd, .lr = 0.01f, .weight_decay = 0.01f}, 2, 1.0f},
-  };
-}
 
 // Runs `isa` and the reference on copies of `start`, compares.
 void CompareWithReference(CpuIsa isa, const Case& c, const ChunkArrays& start) {

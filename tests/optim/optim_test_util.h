@@ -72,6 +72,26 @@ inline ChunkArrays RandomChunk(size_t n, DType grad_dtype, DType param_dtype, st
   return a;
 }
 
+// One optimizer configuration at one step: every kind and SGD variant.
+struct Case {
+  const char* name;
+  OptimizerConfig config;
+  int64_t step;
+  float grad_multiplier;
+};
+
+inline std::vector<Case> Cases() {
+  return {
+      {"adamw", {.kind = OptimizerKind::kAdamW, .lr = 1e-3f, .weight_decay = 0.01f}, 5, 1.0f},
+      {"adam-l2-scaled", {.kind = OptimizerKind::kAdam, .lr = 3e-4f, .weight_decay = 0.1f}, 1, 1.0f / 1024},
+      {"sgd-momentum-first", {.kind = OptimizerKind::kSgd, .lr = 0.1f, .weight_decay = 1e-4f, .momentum = 0.9f}, 1,
+       0.5f},
+      {"sgd-momentum", {.kind = OptimizerKind::kSgd, .lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f}, 7, 1.0f},
+      {"sgd-nesterov", {.kind = OptimizerKind::kSgd, .lr = 0.05f, .momentum = 0.8f, .nesterov = true}, 3, 1.0f},
+      {"sgd-plain", {.kind = OptimizerKind::kSgd, .lr = 0.01f, .weight_decay = 0.01f}, 2, 1.0f},
+  };
+}
+
 // |x - ref| <= atol + rtol * |ref|; NaN where the reference has NaN; the
 // same infinities.
 inline void ExpectClose(const std::vector<float>& got, const std::vector<float>& ref, const char* what,

@@ -1,0 +1,129 @@
+// Streaming of NVMe-resident optimizer states through a bounded ring of host
+// buffers: the update of a model whose fp32 master weights and optimizer
+// states do not fit in host memory.
+//
+// Each group (a chunk group: the master and states of one param chunk) lives
+// in one NVMe slot: master, then each state, each padded to the slot
+// alignment. A step runs three stages at once over the groups in order:
+//   reader   (worker thread)  reads group i+k into a free ring buffer (CRC checked)
+//   update   (calling thread) updates group i in its buffer (oneTBB inside)
+//   writer   (worker thread)  writes group i-j back from its buffer
+// so disk reads, the update and disk writes overlap; a buffer is read into
+// again only once its group is written. Host memory is the ring and nothing
+// else: ring_slots x the largest group.
+//
+// Nothing stored is lost on an error. Updated groups are written to fresh
+// slots (copy on write); only when every group is written are the old slots
+// freed and the new ones made current. A failed read or write, a corrupt
+// slot or a stuck drive ends the step with that error, the fresh slots are
+// freed, the states on NVMe are those of before the step, and the compute
+// copies already written for the step are put back from the old masters.
+// The NVMe tier therefore needs room for a second copy of all groups during
+// a step (OutOfMemory, before anything is read, when it has not).
+//
+// Ownership: borrows the NvmeTierPool (which must outlive it); owns the
+// slots of its groups and the ring. Thread-safety: one caller at a time; the
+// two workers live only inside Step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "memory/tier_pool.h"
+#include "optim/optimizer.h"
+#include "strata/buffer.h"
+#include "strata/status.h"
+#include "strata/types.h"
+
+namespace strata::offload {
+
+struct StateStreamOptions {
+  // Host memory for groups in flight. It must hold two of the largest group
+  // (one updating, one reading or writing); more lets reads run further ahead.
+  uint64_t ring_bytes = uint64_t{512} << 20;
+  // The longest the update waits for a read (beyond the storage's own
+  // deadlines): a stuck drive becomes Timeout, not a hang.
+  uint32_t wait_timeout_ms = 120000;
+  // Threads of the update; 0: every core but one, left to the reader's and
+  // writer's CRCs and submissions (the drive, not the update, sets the pace).
+  uint32_t update_threads = 0;
+};
+
+using GroupId = Id<struct StreamGroupTag>;
+
+// What a step needs from the caller for one group, in host memory.
+struct GroupIo {
+  const void* grad = nullptr;
+  DType grad_dtype = DType::kFloat32;
+  void* param = nullptr;  // the compute copy (bf16/fp16) the update writes; null for fp32
+  DType param_dtype = DType::kFloat32;
+};
+
+struct StreamStepReport {
+  optim::StepPlan plan;
+  double seconds = 0;             // the whole step
+  double update_seconds = 0;      // inside the update function
+  double read_wait_seconds = 0;   // the update waiting for a read
+  uint64_t bytes_read = 0;
+  uint64_t bytes_written = 0;
+};
+
+class StateStream {
+ public:
+  static Result<std::unique_ptr<StateStream>> Create(memory::NvmeTierPool& pool, int num_states,
+                                                     const StateStreamOptions& options);
+  ~StateStream();
+  StateStream(const StateStream&) = delete;
+  StateStream& operator=(const StateStream&) = delete;
+
+  // A group whose master starts as `initial_master` and whose states start
+  // at zero, written to NVMe now. Ids count up from 0 in the order added.
+  Result<GroupId> AddGroup(std::span<const float> initial_master);
+  // Reads a group back: `master` and `states` (num_states spans) of the
+  // group's size each.
+  Status ReadGroup(GroupId id, std::span<float> master, std::span<const std::span<float>> states);
+
+  // One optimizer step over every group: io[i] belongs to group i. A plan
+  // that skips reads and writes nothing.
+  Result<StreamStepReport> Step(const optim::Optimizer& optimizer, const optim::StepPlan& plan,
+                                std::span<const GroupIo> io);
+  // The same pipeline with any update: `update(group, tensors)` gets the
+  // group's arrays in the ring buffer (the benchmark times a no-op update to
+  // measure the I/O alone). An error from it ends the step as a failed read does.
+  using UpdateFn = std::function<Status(size_t group, const optim::ChunkTensors& tensors)>;
+  Result<StreamStepReport> Run(std::span<const GroupIo> io, const UpdateFn& update);
+
+  size_t num_groups() const { return groups_.size(); }
+  int num_states() const { return num_states_; }
+  // Buffers in the ring and their size (0 before the first step).
+  uint32_t ring_slots() const { return ring_slots_; }
+  uint64_t ring_slot_bytes() const { return ring_slot_bytes_; }
+
+ private:
+  struct Group {
+    size_t n = 0;
+    memory::Extent slot;
+  };
+  StateStream(memory::NvmeTierPool& pool, int num_states, const StateStreamOptions& options);
+  uint64_t ArrayBytes(size_t n) const;  // one array, padded to the slot alignment
+  uint64_t GroupBytes(size_t n) const { return (1 + num_states_) * ArrayBytes(n); }
+  optim::ChunkTensors TensorsIn(std::byte* buffer, const Group& group, const GroupIo& io) const;
+  Status PrepareRing();
+  // After a failed step: the compute copies of groups [0, count) from the
+  // masters on NVMe, which the step did not change.
+  Status RestoreComputeCopies(std::span<const GroupIo> io, size_t count);
+
+  memory::NvmeTierPool& pool_;
+  const int num_states_;
+  const StateStreamOptions options_;
+  std::vector<Group> groups_;
+  Buffer ring_;
+  uint32_t ring_slots_ = 0;
+  uint64_t ring_slot_bytes_ = 0;
+};
+
+}  // namespace strata::offload
