@@ -9,12 +9,13 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <bit>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
 #include <memory>
 #include <vector>
+
+#include <unistd.h>
 
 #include <nlohmann/json.hpp>
 
@@ -37,86 +38,87 @@ using Clock = std::chrono::steady_clock;
 // grad and fp32 master, exp_avg, exp_avg_sq, writes the three back and the
 // bf16 param (2 + 12 + 12 + 2). Both 28.
 constexpr double kBytesPerParam = 28.0;
-// The same blocks as the optimizer's parallel step, so both run alike.
+// The same blocks as the optimizer's parallel step, and the same software
+// prefetch distance (optim/cpu_kernels_impl.h), so both run alike.
 constexpr size_t kBlockElems = size_t{1} << 16;
+constexpr size_t kPrefetchElems = 512;
 
-// Adam's access pattern with one add per array, in the widest vectors the
-// CPU has: what memory allows. fp32: read p, g, m, v; write p, m, v. bf16:
-// read g16, master, m, v; write master, m, v and p16 (the top half of master).
-// Elements [i, n) one at a time: the part of a block no vector covers.
-void BoundTail(float* master, const void* grad, float* m, float* v, uint16_t* param16, size_t i, size_t n) {
-  for (; i < n; ++i) {
-    const float gi = param16 == nullptr ? static_cast<const float*>(grad)[i]
-                                        : std::bit_cast<float>(uint32_t{static_cast<const uint16_t*>(grad)[i]} << 16);
-    m[i] += gi;
-    v[i] += gi;
-    master[i] += gi;
-    if (param16 != nullptr) param16[i] = static_cast<uint16_t>(std::bit_cast<uint32_t>(master[i]) >> 16);
+// The bound for both dtypes: Adam's fp32 access pattern (read p, g, m, v;
+// write p, m, v: 28 bytes per parameter) with one add per array, in the
+// widest vectors the CPU has. Every load comes before any store, as in the
+// optimizer: the arrays share their offsets modulo 4 KiB, and a load behind
+// a store to such an address waits on it. (A bf16-shaped loop, with 16-bit
+// gradient and compute copy, ran 10-15% slower than the optimizer itself on
+// the development VM: it was no bound.)
+inline void PrefetchAhead(const float* p, const float* g, const float* m, const float* v, size_t i, size_t n) {
+  if (i + kPrefetchElems >= n) return;
+  for (const float* array : {p, g, m, v}) {
+    _mm_prefetch(reinterpret_cast<const char*>(array + i + kPrefetchElems), _MM_HINT_T0);
   }
 }
 
-__attribute__((target("avx512f"))) void BoundBlockAvx512(float* master, const void* grad, float* m, float* v,
-                                                         uint16_t* param16, size_t n) {
+// Elements [i, n) one at a time: the part of a block no vector covers.
+void BoundTail(float* p, const float* g, float* m, float* v, size_t i, size_t n) {
+  for (; i < n; ++i) {
+    m[i] += g[i];
+    v[i] += g[i];
+    p[i] += g[i];
+  }
+}
+
+__attribute__((target("avx512f"))) void BoundBlockAvx512(float* p, const float* g, float* m, float* v, size_t n) {
   size_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 gi;
-    if (param16 == nullptr) {
-      gi = _mm512_loadu_ps(static_cast<const float*>(grad) + i);
-    } else {
-      const __m256i g16 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(grad) + i));
-      gi = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(g16), 16));
-    }
-    const __m512 w = _mm512_add_ps(_mm512_loadu_ps(master + i), gi);
-    _mm512_storeu_ps(m + i, _mm512_add_ps(_mm512_loadu_ps(m + i), gi));
-    _mm512_storeu_ps(v + i, _mm512_add_ps(_mm512_loadu_ps(v + i), gi));
-    _mm512_storeu_ps(master + i, w);
-    if (param16 != nullptr) {
-      const __m512i top = _mm512_srli_epi32(_mm512_castps_si512(w), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(param16 + i), _mm512_cvtepi32_epi16(top));
-    }
+    PrefetchAhead(p, g, m, v, i, n);
+    const __m512 gi = _mm512_loadu_ps(g + i);
+    const __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), gi);
+    const __m512 mi = _mm512_add_ps(_mm512_loadu_ps(m + i), gi);
+    const __m512 vi = _mm512_add_ps(_mm512_loadu_ps(v + i), gi);
+    _mm512_storeu_ps(m + i, mi);
+    _mm512_storeu_ps(v + i, vi);
+    _mm512_storeu_ps(p + i, pi);
   }
-  BoundTail(master, grad, m, v, param16, i, n);
+  BoundTail(p, g, m, v, i, n);
 }
 
-__attribute__((target("avx2"))) void BoundBlockAvx2(float* master, const void* grad, float* m, float* v,
-                                                    uint16_t* param16, size_t n) {
+__attribute__((target("avx2"))) void BoundBlockAvx2(float* p, const float* g, float* m, float* v, size_t n) {
   size_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 gi;
-    if (param16 == nullptr) {
-      gi = _mm256_loadu_ps(static_cast<const float*>(grad) + i);
-    } else {
-      const __m128i g16 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(grad) + i));
-      gi = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(g16), 16));
-    }
-    const __m256 w = _mm256_add_ps(_mm256_loadu_ps(master + i), gi);
-    _mm256_storeu_ps(m + i, _mm256_add_ps(_mm256_loadu_ps(m + i), gi));
-    _mm256_storeu_ps(v + i, _mm256_add_ps(_mm256_loadu_ps(v + i), gi));
-    _mm256_storeu_ps(master + i, w);
-    if (param16 != nullptr) {
-      const __m256i top = _mm256_srli_epi32(_mm256_castps_si256(w), 16);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(param16 + i),
-                       _mm_packus_epi32(_mm256_castsi256_si128(top), _mm256_extracti128_si256(top, 1)));
-    }
+    PrefetchAhead(p, g, m, v, i, n);
+    const __m256 gi = _mm256_loadu_ps(g + i);
+    const __m256 pi = _mm256_add_ps(_mm256_loadu_ps(p + i), gi);
+    const __m256 mi = _mm256_add_ps(_mm256_loadu_ps(m + i), gi);
+    const __m256 vi = _mm256_add_ps(_mm256_loadu_ps(v + i), gi);
+    _mm256_storeu_ps(m + i, mi);
+    _mm256_storeu_ps(v + i, vi);
+    _mm256_storeu_ps(p + i, pi);
   }
-  BoundTail(master, grad, m, v, param16, i, n);
+  BoundTail(p, g, m, v, i, n);
 }
 
-void BoundPass(const optim::ChunkTensors& t) {
+// One pass over the chunk's fp32 master and states with `bound_grad` (fp32)
+// as the gradient.
+void BoundPass(const optim::ChunkTensors& t, const float* bound_grad) {
   const bool avx512 = optim::CpuSupports(optim::CpuIsa::kAvx512);
   const size_t blocks = (t.n + kBlockElems - 1) / kBlockElems;
-  uint16_t* param16 = static_cast<uint16_t*>(t.param);
   tbb::parallel_for(size_t{0}, blocks, [&](size_t block) {
     const size_t begin = block * kBlockElems, size = std::min(t.n - begin, kBlockElems);
-    const size_t grad_offset = begin * DTypeSizeBytes(t.grad_dtype);
-    const void* grad = static_cast<const std::byte*>(t.grad) + grad_offset;
-    uint16_t* p16 = param16 == nullptr ? nullptr : param16 + begin;
+    float* p = t.master + begin;
+    float* m = t.state[0] + begin;
+    float* v = t.state[1] + begin;
     if (avx512) {
-      BoundBlockAvx512(t.master + begin, grad, t.state[0] + begin, t.state[1] + begin, p16, size);
+      BoundBlockAvx512(p, bound_grad + begin, m, v, size);
     } else {
-      BoundBlockAvx2(t.master + begin, grad, t.state[0] + begin, t.state[1] + begin, p16, size);
+      BoundBlockAvx2(p, bound_grad + begin, m, v, size);
     }
   });
+}
+
+Result<Buffer> HostArray(size_t bytes) {
+  Buffer buffer = AllocateAlignedHost(std::max<size_t>(bytes, 64), 64);
+  if (!buffer) return OutOfMemory("bench optim: cannot allocate {} of host memory", FormatSize(bytes));
+  std::memset(buffer.data(), 0, bytes);
+  return buffer;
 }
 
 template <typename Fn>
@@ -142,9 +144,12 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   // states, bf16 gradient and compute copy.
   const size_t n = config.params;
   const size_t half_bytes = dtype == DType::kBFloat16 ? n * sizeof(uint16_t) : 0;
+  // master, exp_avg, exp_avg_sq, grad, the compute copy (bf16), and the
+  // bound's fp32 gradient (bf16: an array of its own).
   std::vector<Buffer> arrays;
   for (size_t bytes : {n * sizeof(float), n * sizeof(float), n * sizeof(float),
-                       dtype == DType::kBFloat16 ? half_bytes : n * sizeof(float), half_bytes}) {
+                       dtype == DType::kBFloat16 ? half_bytes : n * sizeof(float), half_bytes,
+                       dtype == DType::kBFloat16 ? n * sizeof(float) : 0}) {
     arrays.push_back(AllocateAlignedHost(std::max<size_t>(bytes, 64), 64));
     if (!arrays.back()) return OutOfMemory("bench optim: cannot allocate {} for the arrays", FormatSize(bytes));
   }
@@ -159,6 +164,7 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
     chunk.param = arrays[4].data();
     chunk.param_dtype = dtype;
   }
+  const float* bound_grad = static_cast<const float*>(dtype == DType::kBFloat16 ? arrays[5].data() : chunk.grad);
   // Touch every page first (on the threads that will use it) with plausible values.
   tbb::parallel_for(size_t{0}, n, [&](size_t i) {
     chunk.master[i] = 0.01f * static_cast<float>(i % 97);
@@ -166,6 +172,7 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
     if (dtype == DType::kBFloat16) {
       static_cast<uint16_t*>(arrays[3].data())[i] = optim::Bf16FromFloat(g);
       static_cast<uint16_t*>(chunk.param)[i] = 0;
+      static_cast<float*>(arrays[5].data())[i] = g;
     } else {
       static_cast<float*>(arrays[3].data())[i] = g;
     }
@@ -179,16 +186,31 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   report.isa = std::string(optim::CpuIsaName(optim::BestCpuIsa()));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
-  // Alternate the two, so that neither always runs on a warmer machine.
+  // Every timed pass starts with nothing of its arrays in the caches: the
+  // last-level cache can be large (260 MiB on the development VM), and a
+  // pass right after the gradient-norm pass would read much of the
+  // gradients from it. Writing twice its size in between evicts them.
+  const long l3_bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  STRATA_ASSIGN_OR_RETURN(Buffer scratch, HostArray(std::max<size_t>(2 * static_cast<size_t>(std::max(l3_bytes, 0L)),
+                                                                      size_t{64} << 20)));
+  const auto evict = [&] {
+    tbb::parallel_for(size_t{0}, scratch.size_bytes() / 4096, [&](size_t page) {
+      std::memset(scratch.bytes() + page * 4096, static_cast<int>(page), 4096);
+    });
+  };
+  // Alternate the passes, so that none always runs on a warmer machine.
   std::vector<double> step, bound, norm;
   for (uint32_t r = 0; r < config.repetitions; ++r) {
     optim::GradStats stats;
+    evict();
     norm.push_back(TimeSeconds([&] { stats.Add(chunk); }));
     STRATA_ASSIGN_OR_RETURN(const optim::StepPlan plan, optimizer->PlanStep(stats));
     Status status;
+    evict();
     step.push_back(TimeSeconds([&] { status = optimizer->UpdateChunk(plan, chunk); }));
     STRATA_RETURN_IF_ERROR(status);
-    bound.push_back(TimeSeconds([&] { BoundPass(chunk); }));
+    evict();
+    bound.push_back(TimeSeconds([&] { BoundPass(chunk, bound_grad); }));
   }
   report.step_seconds = Median(step);
   report.bound_seconds = Median(bound);
@@ -234,13 +256,6 @@ namespace {
 struct HostModel {
   std::vector<Buffer> grads, params, masters, exp_avgs, exp_avg_sqs;
 };
-
-Result<Buffer> HostArray(size_t bytes) {
-  Buffer buffer = AllocateAlignedHost(std::max<size_t>(bytes, 64), 64);
-  if (!buffer) return OutOfMemory("bench optim: cannot allocate {} of host memory", FormatSize(bytes));
-  std::memset(buffer.data(), 0, bytes);
-  return buffer;
-}
 
 }  // namespace
 

@@ -19,6 +19,21 @@ namespace {
 using F = Vec::F;
 constexpr size_t kLanes = Vec::kLanes;
 
+// How far ahead the update loops ask for their inputs, in elements: 2 KiB
+// of each fp32 stream. The hardware prefetchers alone keep too few misses in
+// flight while the core waits on the update's divide and square root: on
+// the development VM (2 cores, 64M parameters) the fp32 AdamW update went
+// from 43.5 to 51.9 GB/s with it, the streaming bound from 50.7 to 52.2.
+constexpr size_t kPrefetchElems = 512;
+
+inline void Prefetch(const void* address) { _mm_prefetch(static_cast<const char*>(address), _MM_HINT_T0); }
+
+// The address of element `index` of an array of `element_bytes`-wide
+// elements (the gradient's dtype decides the width).
+inline const void* Ahead(const void* array, size_t index, size_t element_bytes) {
+  return static_cast<const char*>(array) + index * element_bytes;
+}
+
 // What the update writes besides fp32 master and states.
 enum class ParamOut { kNone, kBf16, kFp16 };
 
@@ -56,8 +71,15 @@ size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin
   float* const exp_avg_sq = t.state[1];
   const void* const grad_in = t.grad;
   void* const param = t.param;
+  constexpr size_t grad_bytes = DTypeSizeBytes(G);
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
+    if (i + kPrefetchElems < end) {
+      Prefetch(master + i + kPrefetchElems);
+      Prefetch(exp_avg + i + kPrefetchElems);
+      Prefetch(exp_avg_sq + i + kPrefetchElems);
+      Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
+    }
     const F weight = Vec::Load(master + i);
     // g = grad * multiplier (+ weight_decay * w for Adam's L2)
     const F grad = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
@@ -87,8 +109,14 @@ size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin,
   float* const buffer = t.state[0];
   const void* const grad_in = t.grad;
   void* const param = t.param;
+  constexpr size_t grad_bytes = DTypeSizeBytes(G);
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
+    if (i + kPrefetchElems < end) {
+      Prefetch(master + i + kPrefetchElems);
+      if (buffer != nullptr) Prefetch(buffer + i + kPrefetchElems);
+      Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
+    }
     F weight = Vec::Load(master + i);
     F d = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
     if (buffer != nullptr) {

@@ -48,6 +48,39 @@ Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   return Status::Ok();
 }
 
+Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
+  OptimizerConfig config;
+  Result<OptimizerKind> kind = ParseOptimizerKind(options.optimizer_kind);
+  if (!kind.ok()) return InvalidArgument("option optimizer.kind: {}", kind.status().message());
+  config.kind = *kind;
+  config.lr = static_cast<float>(options.optimizer_lr);
+  config.beta1 = static_cast<float>(options.optimizer_beta1);
+  config.beta2 = static_cast<float>(options.optimizer_beta2);
+  config.eps = static_cast<float>(options.optimizer_eps);
+  config.weight_decay = static_cast<float>(options.optimizer_weight_decay);
+  config.momentum = static_cast<float>(options.optimizer_momentum);
+  config.dampening = static_cast<float>(options.optimizer_dampening);
+  config.nesterov = options.optimizer_nesterov;
+  config.max_grad_norm = static_cast<float>(options.optimizer_max_grad_norm);
+  if (Status status = ValidateOptimizerConfig(config); !status.ok()) {
+    // "optimizer: beta1 ..." names the field; say it is the option optimizer.beta1.
+    return InvalidArgument("option {}", status.message());
+  }
+  return config;
+}
+
+std::optional<LossScalerConfig> LossScalerConfigFromOptions(const Options& options) {
+  const bool dynamic = options.loss_scale_mode == "dynamic" ||
+                       (options.loss_scale_mode == "auto" && options.compute_dtype == DType::kFloat16);
+  if (!dynamic) return std::nullopt;
+  return LossScalerConfig{.init_scale = static_cast<float>(options.loss_scale_init),
+                          .growth_factor = static_cast<float>(options.loss_scale_growth_factor),
+                          .backoff_factor = static_cast<float>(options.loss_scale_backoff_factor),
+                          .growth_interval = options.loss_scale_growth_interval,
+                          .min_scale = static_cast<float>(options.loss_scale_min),
+                          .max_scale = static_cast<float>(options.loss_scale_max)};
+}
+
 int NumStates(const OptimizerConfig& config) {
   if (config.kind == OptimizerKind::kSgd) return config.momentum > 0 ? 1 : 0;
   return 2;

@@ -36,6 +36,7 @@
 #include <string_view>
 
 #include "optim/loss_scaler.h"
+#include "strata/options.h"
 #include "strata/status.h"
 #include "strata/types.h"
 
@@ -61,6 +62,12 @@ struct OptimizerConfig {
 
 // InvalidArgument naming the field, its value and the allowed range.
 Status ValidateOptimizerConfig(const OptimizerConfig& config);
+// The optimizer.* keys of `options`, validated (InvalidArgument naming the key).
+Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options);
+// The loss_scale.* keys: nullopt when scaling is off (mode off, or auto with
+// a compute precision other than fp16). Not validated here.
+std::optional<LossScalerConfig> LossScalerConfigFromOptions(const Options& options);
+
 // fp32 state arrays per parameter: Adam 2 (exp_avg, exp_avg_sq), SGD 1 with
 // momentum (momentum_buffer, kept in the exp_avg chunk), else 0.
 int NumStates(const OptimizerConfig& config);

@@ -10,6 +10,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
 #include "strata/logging.h"
 
 namespace strata {
@@ -95,6 +97,39 @@ OptionEntry BoolEntry(std::string key, std::string description, bool Options::*f
             return Status::Ok();
           },
           [field](const Options& options) { return std::string(options.*field ? "true" : "false"); }};
+}
+
+// A real number in [min_value, max_value]; `description` gives its meaning.
+OptionEntry FloatEntry(std::string key, std::string description, double Options::*field, double min_value,
+                       double max_value) {
+  return {{key, "float", fmt::format("{}", Options().*field), std::move(description)},
+          [key, field, min_value, max_value](Options& options, std::string_view text) -> Status {
+            STRATA_ASSIGN_OR_RETURN(double value, ParseDouble(key, text));
+            if (value < min_value || value > max_value) {
+              return InvalidArgument("option {}: {} is out of range: allowed {}..{}", key, value, min_value,
+                                     max_value);
+            }
+            options.*field = value;
+            return Status::Ok();
+          },
+          [field](const Options& options) { return fmt::format("{}", options.*field); }};
+}
+
+// One of `allowed` (comma-separated in the text of the error).
+OptionEntry ChoiceEntry(std::string key, std::string description, std::string Options::*field,
+                        std::vector<std::string> allowed) {
+  return {{key, "enum", Options().*field, std::move(description)},
+          [key, field, allowed](Options& options, std::string_view text) -> Status {
+            const std::string value = Trim(text);
+            if (std::find(allowed.begin(), allowed.end(), value) == allowed.end()) {
+              std::string list;
+              for (const std::string& a : allowed) list += (list.empty() ? "" : ", ") + a;
+              return InvalidArgument("option {}: '{}' is not allowed: expected one of {}", key, text, list);
+            }
+            options.*field = value;
+            return Status::Ok();
+          },
+          [field](const Options& options) { return options.*field; }};
 }
 
 std::string_view BackendName(DeviceBackendKind kind) {
@@ -189,6 +224,46 @@ const std::vector<OptionEntry>& Table() {
                    return Status::Ok();
                  },
                  [](const Options& o) { return std::string(DTypeName(o.compute_dtype)); }});
+    t.push_back(ChoiceEntry("optimizer.kind",
+                            "adamw (decoupled weight decay), adam (L2 weight decay in the gradient) or sgd "
+                            "(momentum, dampening, nesterov)",
+                            &Options::optimizer_kind, {"adamw", "adam", "sgd"}));
+    t.push_back(FloatEntry("optimizer.lr", "learning rate", &Options::optimizer_lr, 0, 1e9));
+    t.push_back(FloatEntry("optimizer.beta1", "Adam: decay of the first moment, in [0, 1)", &Options::optimizer_beta1,
+                           0, 0.999999999));
+    t.push_back(FloatEntry("optimizer.beta2", "Adam: decay of the second moment, in [0, 1)", &Options::optimizer_beta2,
+                           0, 0.999999999));
+    t.push_back(FloatEntry("optimizer.eps", "Adam: added to the denominator, > 0", &Options::optimizer_eps, 1e-30, 1));
+    t.push_back(FloatEntry("optimizer.weight_decay",
+                           "weight decay: decoupled for adamw (w -= lr * wd * w), added to the gradient for adam and sgd",
+                           &Options::optimizer_weight_decay, 0, 1e9));
+    t.push_back(FloatEntry("optimizer.momentum", "SGD: momentum; 0 keeps no state", &Options::optimizer_momentum, 0,
+                           1e9));
+    t.push_back(FloatEntry("optimizer.dampening", "SGD: dampening of the momentum, in [0, 1]",
+                           &Options::optimizer_dampening, 0, 1));
+    t.push_back(BoolEntry("optimizer.nesterov", "SGD: Nesterov momentum (needs momentum > 0, dampening 0)",
+                          &Options::optimizer_nesterov));
+    t.push_back(FloatEntry("optimizer.max_grad_norm",
+                           "clip the global L2 norm of the unscaled gradients to this; 0 = no clipping",
+                           &Options::optimizer_max_grad_norm, 0, 1e30));
+    t.push_back(SizeEntry("optimizer.stream_ring",
+                          "bytes of host memory that NVMe-resident optimizer states stream through (at least two "
+                          "chunk groups' master and states)",
+                          &Options::optimizer_stream_ring_bytes));
+    t.push_back(ChoiceEntry("loss_scale.mode",
+                            "auto (dynamic when precision is fp16, else off), dynamic or off",
+                            &Options::loss_scale_mode, {"auto", "dynamic", "off"}));
+    t.push_back(FloatEntry("loss_scale.init", "first loss scale", &Options::loss_scale_init, 1e-30, 1e30));
+    t.push_back(FloatEntry("loss_scale.growth_factor", "the scale grows by this after growth_interval good steps, > 1",
+                           &Options::loss_scale_growth_factor, 1, 1e9));
+    t.push_back(FloatEntry("loss_scale.backoff_factor", "the scale shrinks by this on an inf/NaN gradient, in (0, 1)",
+                           &Options::loss_scale_backoff_factor, 0, 1));
+    t.push_back(IntEntry("loss_scale.growth_interval", "good steps in a row before the scale grows",
+                         &Options::loss_scale_growth_interval, 1, 1'000'000'000));
+    t.push_back(FloatEntry("loss_scale.min", "the scale never backs off below this, > 0", &Options::loss_scale_min,
+                           1e-30, 1e30));
+    t.push_back(FloatEntry("loss_scale.max", "the scale never grows above this", &Options::loss_scale_max, 1e-30,
+                           1e30));
     t.push_back(IntEntry("transfer.workers", "threads running asynchronous chunk moves", &Options::transfer_workers, 1, 64));
     t.push_back({{"log.level", "enum", "info", "debug, info, warning, error or off"},
                  [](Options& o, std::string_view text) -> Status {
@@ -276,6 +351,16 @@ Status ValidateOptions(const Options& options) {
   }
   if (!options.nvme_dirs.empty() && options.nvme_capacity_bytes == 0) {
     return InvalidArgument("option nvme.capacity: 0 is not allowed when nvme.dirs is set");
+  }
+  if (options.optimizer_stream_ring_bytes == 0) {
+    return InvalidArgument("option optimizer.stream_ring: 0 is not allowed: the ring holds at least two chunk groups");
+  }
+  STRATA_ASSIGN_OR_RETURN(const optim::OptimizerConfig optimizer, optim::OptimizerConfigFromOptions(options));
+  (void)optimizer;
+  if (std::optional<optim::LossScalerConfig> scaler = optim::LossScalerConfigFromOptions(options)) {
+    if (Status status = optim::ValidateLossScalerConfig(*scaler); !status.ok()) {
+      return InvalidArgument("option loss_scale.*: {}", status.message());
+    }
   }
   return Status::Ok();
 }

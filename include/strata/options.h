@@ -56,6 +56,27 @@ struct Options {
   size_t chunk_search_max_elems = size_t{1} << 26;  // key chunk.search_max_elems
   DType compute_dtype = DType::kFloat32;          // key precision
 
+  // --- optimizer (optim/optimizer.h; OptimizerConfigFromOptions) ----------
+  std::string optimizer_kind = "adamw";   // key optimizer.kind: adamw, adam (L2 decay) or sgd
+  double optimizer_lr = 1e-3;             // key optimizer.lr
+  double optimizer_beta1 = 0.9;           // key optimizer.beta1 (Adam)
+  double optimizer_beta2 = 0.999;         // key optimizer.beta2 (Adam)
+  double optimizer_eps = 1e-8;            // key optimizer.eps (Adam)
+  double optimizer_weight_decay = 0.0;    // key optimizer.weight_decay
+  double optimizer_momentum = 0.0;        // key optimizer.momentum (SGD)
+  double optimizer_dampening = 0.0;       // key optimizer.dampening (SGD)
+  bool optimizer_nesterov = false;        // key optimizer.nesterov (SGD)
+  double optimizer_max_grad_norm = 0.0;   // key optimizer.max_grad_norm; 0 = no clipping
+  // Host memory of the ring NVMe-resident states stream through.
+  size_t optimizer_stream_ring_bytes = size_t{512} << 20;  // key optimizer.stream_ring
+  // --- loss scaling (optim/loss_scaler.h) -------------------------------
+  std::string loss_scale_mode = "auto";         // key loss_scale.mode: auto (dynamic for fp16), dynamic, off
+  double loss_scale_init = 65536.0;             // key loss_scale.init
+  double loss_scale_growth_factor = 2.0;        // key loss_scale.growth_factor
+  double loss_scale_backoff_factor = 0.5;       // key loss_scale.backoff_factor
+  uint32_t loss_scale_growth_interval = 2000;   // key loss_scale.growth_interval (good steps)
+  double loss_scale_min = 1.0;                  // key loss_scale.min
+  double loss_scale_max = 16777216.0;           // key loss_scale.max
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
   LogLevel log_level = LogLevel::kInfo;  // key log.level

@@ -2,6 +2,8 @@
 
 #include <fstream>
 
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
 #include "test_util.h"
 
 namespace strata {
@@ -122,6 +124,43 @@ TEST(OptionsTest, ValidateChecksRelationsBetweenKeys) {
   options = Options();
   options.device_budget_bytes = 0;
   ExpectInvalid(ValidateOptions(options), "device.budget");
+}
+
+TEST(OptionsTest, OptimizerKeysBecomeTheOptimizerConfig) {
+  Options options;
+  ASSERT_OK(ApplyOptionsJson(options, R"({"optimizer": {"kind": "sgd", "lr": 0.05, "momentum": 0.9,
+                                                         "nesterov": true, "max_grad_norm": 1.0},
+                                           "optimizer.stream_ring": "256MiB"})"));
+  ASSERT_OK(ValidateOptions(options));
+  ASSERT_OK_AND_ASSIGN(optim::OptimizerConfig config, optim::OptimizerConfigFromOptions(options));
+  EXPECT_EQ(config.kind, optim::OptimizerKind::kSgd);
+  EXPECT_FLOAT_EQ(config.lr, 0.05f);
+  EXPECT_FLOAT_EQ(config.momentum, 0.9f);
+  EXPECT_TRUE(config.nesterov);
+  EXPECT_FLOAT_EQ(config.max_grad_norm, 1.0f);
+  EXPECT_EQ(options.optimizer_stream_ring_bytes, size_t{256} << 20);
+
+  ExpectInvalid(SetOption(options, "optimizer.kind", "lamb"), "optimizer.kind");
+  ExpectInvalid(SetOption(options, "optimizer.beta2", "1.5"), "optimizer.beta2");
+  ExpectInvalid(SetOption(options, "loss_scale.mode", "static"), "loss_scale.mode");
+  options.optimizer_momentum = 0;  // nesterov without momentum
+  ExpectInvalid(ValidateOptions(options), "nesterov");
+}
+
+TEST(OptionsTest, LossScalingIsDynamicForFp16UnlessSaidOtherwise) {
+  Options options;
+  EXPECT_FALSE(optim::LossScalerConfigFromOptions(options).has_value());  // fp32
+  ASSERT_OK(SetOption(options, "precision", "fp16"));
+  ASSERT_OK(SetOption(options, "loss_scale.init", "1024"));
+  std::optional<optim::LossScalerConfig> scaler = optim::LossScalerConfigFromOptions(options);
+  ASSERT_TRUE(scaler.has_value());
+  EXPECT_EQ(scaler->init_scale, 1024.0f);
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "off"));
+  EXPECT_FALSE(optim::LossScalerConfigFromOptions(options).has_value());
+  ASSERT_OK(SetOption(options, "precision", "bf16"));
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "dynamic"));
+  ASSERT_OK(SetOption(options, "loss_scale.min", "4096"));  // above init
+  ExpectInvalid(ValidateOptions(options), "min_scale");
 }
 
 TEST(OptionsTest, EveryDocumentedKeyHasADefaultThatParses) {
