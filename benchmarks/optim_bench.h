@@ -69,10 +69,9 @@ struct OptimNvmeBenchReport {
   double io_seconds = 0;
   double compute_seconds = 0;
   double read_wait_seconds = 0;  // in the step: the update waiting for reads
-  double step_over_bound() const {
-    const double bound = io_seconds > compute_seconds ? io_seconds : compute_seconds;
-    return bound > 0 ? step_seconds / bound : 0;
-  }
+  // step / max(I/O, update) of each repetition (its step and I/O alone run
+  // back to back), median.
+  double step_over_bound = 0;
 };
 
 Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config);

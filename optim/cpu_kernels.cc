@@ -84,11 +84,17 @@ void UpdateRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk
   }
 }
 
-void UpdateParallel(const UpdateConstants& c, const ChunkTensors& chunk) {
+void UpdateParallel(const UpdateConstants& c, std::span<const ChunkTensors> chunks) {
+  // Every block of every chunk is one task: many small chunks spread over
+  // the cores as well as one large one does.
+  std::vector<std::pair<uint32_t, size_t>> blocks;  // (chunk, first element)
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    for (size_t begin = 0; begin < chunks[k].n; begin += kBlockElems) blocks.emplace_back(k, begin);
+  }
   const CpuIsa isa = BestCpuIsa();
-  tbb::parallel_for(size_t{0}, NumBlocks(chunk.n), [&](size_t block) {
-    const size_t begin = block * kBlockElems;
-    UpdateRange(isa, c, chunk, begin, std::min(chunk.n, begin + kBlockElems));
+  tbb::parallel_for(size_t{0}, blocks.size(), [&](size_t b) {
+    const auto [k, begin] = blocks[b];
+    UpdateRange(isa, c, chunks[k], begin, std::min(chunks[k].n, begin + kBlockElems));
   });
 }
 

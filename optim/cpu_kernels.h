@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "optim/optimizer.h"
@@ -52,8 +53,12 @@ UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step,
 // should be a multiple of 16 so every element takes the same path (vector
 // or tail) however the chunk is split.
 void UpdateRange(CpuIsa isa, const UpdateConstants& constants, const ChunkTensors& chunk, size_t begin, size_t end);
-// The same over the whole chunk with BestCpuIsa(), split over oneTBB's threads.
-void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk);
+// The same over whole chunks with BestCpuIsa(), split over oneTBB's threads
+// across and within chunks (blocks of 64 Ki elements from all of them).
+void UpdateParallel(const UpdateConstants& constants, std::span<const ChunkTensors> chunks);
+inline void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk) {
+  UpdateParallel(constants, std::span<const ChunkTensors>(&chunk, 1));
+}
 
 // Sum of squares of grad[begin, end) in fp64.
 double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end);

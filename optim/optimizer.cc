@@ -150,6 +150,13 @@ Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) c
   return Status::Ok();
 }
 
+Status Optimizer::UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const {
+  for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+  if (plan.skip) return Status::Ok();
+  UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunks);
+  return Status::Ok();
+}
+
 Result<StepPlan> Optimizer::Step(std::span<const ChunkTensors> chunks) {
   // Every chunk is checked before any is changed.
   GradStats stats;
@@ -158,7 +165,7 @@ Result<StepPlan> Optimizer::Step(std::span<const ChunkTensors> chunks) {
     stats.Add(chunk);
   }
   STRATA_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(stats));
-  for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(UpdateChunk(plan, chunk));
+  STRATA_RETURN_IF_ERROR(UpdateChunks(plan, chunks));
   return plan;
 }
 

@@ -130,6 +130,9 @@ class Optimizer {
   // Phase 2: one chunk (no-op when the plan skips). InvalidArgument when the
   // chunk's arrays do not fit this optimizer (a missing state, a null grad).
   Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const;
+  // The same for many chunks at once, spread over oneTBB's threads across
+  // and within chunks; every chunk is checked before any is changed.
+  Status UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const;
   // Both phases over all chunks.
   Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
 

@@ -176,6 +176,23 @@ TEST(OptimizerTest, StepCountDrivesBiasCorrectionAndSkippedStepsDoNotCount) {
   EXPECT_TRUE(SameBits(model, before));
 }
 
+TEST(OptimizerTest, ManyChunksAtOnceEqualOneAtATimeBitForBit) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<ChunkArrays> together;
+  for (size_t n : {size_t{3}, size_t{65536 * 2 + 5}, size_t{1}, size_t{40000}, size_t{0}, size_t{777}}) {
+    together.push_back(RandomChunk(n, DType::kFloat16, DType::kBFloat16, rng));
+  }
+  std::vector<ChunkArrays> alone = together;
+  const std::vector<ChunkArrays> before = together;
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({.weight_decay = 0.01f}));
+  const StepPlan plan{.step = 4, .grad_multiplier = 0.5f};
+  std::vector<ChunkTensors> views = Views(together);
+  ASSERT_OK(optimizer->UpdateChunks(plan, views));
+  for (ChunkArrays& a : alone) ASSERT_OK(optimizer->UpdateChunk(plan, a.view()));
+  EXPECT_TRUE(SameBits(together, alone));
+  EXPECT_FALSE(SameBits(together, before));  // the update did change them
+}
+
 TEST(OptimizerTest, BadConfigsNameTheField) {
   struct Bad {
     OptimizerConfig config;
