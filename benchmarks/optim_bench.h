@@ -50,7 +50,8 @@ std::string OptimBenchJson(const OptimBenchReport& report);
 // the compute copy stay in host memory. Three timings, alternated, medians:
 // the step; the same pipeline with a no-op update (the I/O alone: every
 // group read and written back); and the update alone over the same groups
-// held in host memory. The goal: step <= 1.15 x max(I/O, update).
+// held in host memory, on the threads the streamed update gets. The goal:
+// step <= 1.15 x max(I/O, update).
 struct OptimNvmeBenchConfig {
   OptimBenchConfig base;  // params, dtype, threads, repetitions
   std::vector<std::string> dirs;
@@ -64,6 +65,8 @@ struct OptimNvmeBenchReport {
   uint32_t threads = 0;
   size_t groups = 0;
   uint32_t ring_slots = 0;
+  uint64_t ring_slot_bytes = 0;
+  uint32_t update_threads = 0;  // of the streamed update, and of the update alone
   uint64_t bytes_per_step = 0;  // read + written
   double step_seconds = 0;      // medians
   double io_seconds = 0;

@@ -9,6 +9,9 @@
 #include <mutex>
 #include <optional>
 #include <thread>
+#include <vector>
+
+#include <fmt/ranges.h>
 
 #include "optim/cpu_kernels.h"
 #include "strata/options.h"
@@ -19,6 +22,19 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// Runs `fn` when the scope ends, however it ends.
+template <typename Fn>
+class ScopeExit {
+ public:
+  explicit ScopeExit(Fn fn) : fn_(std::move(fn)) {}
+  ~ScopeExit() { fn_(); }
+  ScopeExit(const ScopeExit&) = delete;
+  ScopeExit& operator=(const ScopeExit&) = delete;
+
+ private:
+  Fn fn_;
+};
 
 }  // namespace
 
@@ -106,7 +122,6 @@ Status StateStream::ReadGroup(GroupId id, std::span<float> master, std::span<con
 Status StateStream::PrepareRing() {
   uint64_t largest = 0;
   for (const Group& group : groups_) largest = std::max(largest, GroupBytes(group.n));
-  if (ring_ && ring_slot_bytes_ >= largest) return Status::Ok();
   const uint64_t fits = options_.ring_bytes / largest;
   const uint64_t wanted = std::min<uint64_t>(groups_.size(), 2);
   if (fits < wanted) {
@@ -115,8 +130,12 @@ Status StateStream::PrepareRing() {
                            FormatSize(options_.ring_bytes), fits, FormatSize(largest), wanted,
                            FormatSize(wanted * largest));
   }
+  // As many buffers as fit, up to one per group: groups added since the last
+  // step may allow (or need) a different ring.
   const uint32_t slots = static_cast<uint32_t>(std::min<uint64_t>(fits, groups_.size()));
+  if (ring_ && ring_slot_bytes_ == largest && ring_slots_ == slots) return Status::Ok();
   ring_ = Buffer();
+  ring_slots_ = 0;
   ring_ = AllocateAlignedHost(slots * largest, memory::kSlotAlignmentBytes);
   if (!ring_) {
     return OutOfMemory("state stream: cannot allocate the ring ({} buffers of {})", slots, FormatSize(largest));
@@ -132,6 +151,9 @@ Result<StreamStepReport> StateStream::Step(const optim::Optimizer& optimizer, co
     return InvalidArgument("state stream: holds {} states per group; the {} optimizer keeps {}", num_states_,
                            optim::OptimizerKindName(optimizer.config().kind), optimizer.num_states());
   }
+  if (io.size() != groups_.size()) {
+    return InvalidArgument("state stream: a step over {} groups got gradients for {}", groups_.size(), io.size());
+  }
   if (plan.skip) return StreamStepReport{.plan = plan};
   STRATA_ASSIGN_OR_RETURN(StreamStepReport report,
                           Run(io, [&](size_t, const optim::ChunkTensors& t) { return optimizer.UpdateChunk(plan, t); }));
@@ -143,24 +165,20 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
   if (io.size() != groups_.size()) {
     return InvalidArgument("state stream: a step over {} groups got gradients for {}", groups_.size(), io.size());
   }
+  // Every group's inputs are checked before anything is read or written.
+  for (size_t i = 0; i < io.size(); ++i) {
+    if (io[i].grad == nullptr) return InvalidArgument("state stream: group {} has no gradient", i);
+    const bool sixteen_bit = io[i].param_dtype == DType::kBFloat16 || io[i].param_dtype == DType::kFloat16;
+    if (sixteen_bit != (io[i].param != nullptr)) {
+      return InvalidArgument("state stream: group {}: a {} compute copy {}; bf16/fp16 parameters need one, fp32 "
+                             "ones have none (the master on NVMe is the parameter)",
+                             i, DTypeName(io[i].param_dtype), io[i].param == nullptr ? "is missing" : "was given");
+    }
+  }
   StreamStepReport report;
   if (groups_.empty()) return report;
   const Clock::time_point start = Clock::now();
   STRATA_RETURN_IF_ERROR(PrepareRing());
-
-  // Copy on write: every group goes to a fresh slot, so the step can fail at
-  // any point and leave the states of before it.
-  std::vector<memory::Extent> fresh;
-  for (const Group& group : groups_) {
-    std::optional<memory::Extent> slot = pool_.Allocate(GroupBytes(group.n));
-    if (!slot) {
-      for (const memory::Extent& taken : fresh) pool_.Free(taken);
-      return pool_.OutOfMemoryError(GroupBytes(group.n),
-                                    "a second copy of a group written by the optimizer step (copy on write: the "
-                                    "NVMe tier holds every group twice during a step)");
-    }
-    fresh.push_back(*slot);
-  }
 
   const size_t num_groups = groups_.size();
   const size_t slots = ring_slots_;
@@ -181,7 +199,39 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
     changed.notify_all();
   };
 
-  std::thread reader([&] {
+  // Copy on write: every group goes to a fresh slot, so the step can fail at
+  // any point and leave the states of before it. On every way out (an
+  // exception included) the workers are stopped and joined, and the fresh
+  // slots freed unless the step committed.
+  std::vector<memory::Extent> fresh;
+  std::thread reader, writer;
+  bool committed = false;
+  const auto stop_workers = [&] {
+    {
+      std::lock_guard lock(mu);
+      abort = abort || !committed;
+    }
+    changed.notify_all();
+    if (reader.joinable()) reader.join();
+    if (writer.joinable()) writer.join();
+  };
+  ScopeExit cleanup([&] {
+    stop_workers();
+    if (!committed) {
+      for (const memory::Extent& slot : fresh) pool_.Free(slot);
+    }
+  });
+  for (const Group& group : groups_) {
+    std::optional<memory::Extent> slot = pool_.Allocate(GroupBytes(group.n));
+    if (!slot) {
+      return pool_.OutOfMemoryError(GroupBytes(group.n),
+                                    "a second copy of a group written by the optimizer step (copy on write: the "
+                                    "NVMe tier holds every group twice during a step)");
+    }
+    fresh.push_back(*slot);
+  }
+
+  reader = std::thread([&] {
     for (size_t i = 0; i < num_groups; ++i) {
       {
         // Buffer i % slots is free once group i - slots is written.
@@ -198,7 +248,7 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
       changed.notify_all();
     }
   });
-  std::thread writer([&] {
+  writer = std::thread([&] {
     for (size_t i = 0; i < num_groups; ++i) {
       {
         std::unique_lock lock(mu);
@@ -218,10 +268,7 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
   // The update, on this thread, in group order, on all cores but one: the
   // drive is the bottleneck, and the reader's and writer's CRCs and
   // submissions must not queue behind the update.
-  const int update_threads =
-      options_.update_threads > 0 ? static_cast<int>(options_.update_threads)
-                                  : std::max(1, tbb::this_task_arena::max_concurrency() - 1);
-  tbb::task_arena update_arena(update_threads);
+  tbb::task_arena update_arena(static_cast<int>(update_threads()));
   size_t computed = 0;
   for (size_t i = 0; i < num_groups; ++i) {
     const Clock::time_point wait_start = Clock::now();
@@ -230,7 +277,9 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
       if (!changed.wait_for(lock, std::chrono::milliseconds(options_.wait_timeout_ms),
                             [&] { return abort || read > i; })) {
         lock.unlock();
-        fail(Timeout("state stream: group {} was not read within {} ms", i, options_.wait_timeout_ms));
+        fail(Timeout("state stream: group {} was not read within {} ms (a read, or the write that frees its "
+                     "buffer, is stuck)",
+                     i, options_.wait_timeout_ms));
         break;
       }
       if (abort) break;
@@ -238,7 +287,11 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
     report.read_wait_seconds += SecondsSince(wait_start);
     const Clock::time_point update_start = Clock::now();
     Status status;
-    update_arena.execute([&] { status = update(i, TensorsIn(buffer_of(i), groups_[i], io[i])); });
+    try {
+      update_arena.execute([&] { status = update(i, TensorsIn(buffer_of(i), groups_[i], io[i])); });
+    } catch (const std::exception& e) {
+      status = Internal("state stream: the update of group {} threw: {}", i, e.what());
+    }
     report.update_seconds += SecondsSince(update_start);
     computed = i + 1;  // its compute copy may have been written, even on an error
     if (!status.ok()) {
@@ -251,15 +304,15 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
     }
     changed.notify_all();
   }
+  // The workers finish the groups (or stop at an error) before anything else.
   reader.join();
   writer.join();
 
   if (!error.ok()) {
-    for (const memory::Extent& slot : fresh) pool_.Free(slot);
     Status restored = RestoreComputeCopies(io, computed);
     if (!restored.ok()) {
-      return Status(error.code(), fmt::format("{}; and the compute copies of groups 0..{} could not be put back: {}",
-                                              error.message(), computed, restored.ToString()));
+      return Status(error.code(), fmt::format("{}; and not every compute copy could be put back: {}",
+                                              error.message(), restored.ToString()));
     }
     return error;
   }
@@ -268,15 +321,24 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
     groups_[i].slot = fresh[i];
     report.bytes_read += GroupBytes(groups_[i].n);
   }
+  committed = true;
   report.bytes_written = report.bytes_read;
   report.seconds = SecondsSince(start);
   return report;
 }
 
 Status StateStream::RestoreComputeCopies(std::span<const GroupIo> io, size_t count) {
+  // Every group is tried; the first failure is returned, naming them all.
+  Status first;
+  std::vector<size_t> failed;
   for (size_t i = 0; i < count; ++i) {
     if (io[i].param == nullptr) continue;
-    STRATA_RETURN_IF_ERROR(pool_.Read(groups_[i].slot, ring_.bytes(), GroupBytes(groups_[i].n)));
+    Status status = pool_.Read(groups_[i].slot, ring_.bytes(), GroupBytes(groups_[i].n));
+    if (!status.ok()) {
+      if (first.ok()) first = std::move(status);
+      failed.push_back(i);
+      continue;
+    }
     const float* master = reinterpret_cast<const float*>(ring_.bytes());
     uint16_t* param = static_cast<uint16_t*>(io[i].param);
     if (io[i].param_dtype == DType::kBFloat16) {
@@ -285,7 +347,14 @@ Status StateStream::RestoreComputeCopies(std::span<const GroupIo> io, size_t cou
       optim::ConvertToFp16(optim::BestCpuIsa(), master, param, groups_[i].n);
     }
   }
-  return Status::Ok();
+  if (first.ok()) return first;
+  return Status(first.code(), fmt::format("groups {} keep the new step's compute copy: {}", fmt::join(failed, ", "),
+                                          first.message()));
+}
+
+uint32_t StateStream::update_threads() const {
+  if (options_.update_threads > 0) return options_.update_threads;
+  return static_cast<uint32_t>(std::max(1, tbb::this_task_arena::max_concurrency() - 1));
 }
 
 }  // namespace strata::offload

@@ -88,7 +88,9 @@ class StateStream {
   Status ReadGroup(GroupId id, std::span<float> master, std::span<const std::span<float>> states);
 
   // One optimizer step over every group: io[i] belongs to group i. A plan
-  // that skips reads and writes nothing.
+  // that skips reads and writes nothing. On success the caller finishes the
+  // step (Optimizer::FinishStep); on an error nothing on NVMe has changed and
+  // the same step is planned again.
   Result<StreamStepReport> Step(const optim::Optimizer& optimizer, const optim::StepPlan& plan,
                                 std::span<const GroupIo> io);
   // The same pipeline with any update: `update(group, tensors)` gets the
@@ -98,6 +100,9 @@ class StateStream {
   Result<StreamStepReport> Run(std::span<const GroupIo> io, const UpdateFn& update);
 
   size_t num_groups() const { return groups_.size(); }
+  // Threads the update runs on inside a step (options.update_threads, or
+  // every core but one).
+  uint32_t update_threads() const;
   int num_states() const { return num_states_; }
   // Buffers in the ring and their size (0 before the first step).
   uint32_t ring_slots() const { return ring_slots_; }

@@ -48,29 +48,31 @@ CpuIsa BestCpuIsa() {
 }
 
 UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier) {
+  // Every constant in double, rounded to fp32 once (torch.optim's scalars are
+  // Python floats, rounded as they meet an fp32 tensor).
+  const auto f32 = [](double x) { return static_cast<float>(x); };
   UpdateConstants c;
   c.kind = config.kind;
   c.grad_multiplier = grad_multiplier;
   const bool decoupled = config.kind == OptimizerKind::kAdamW;
-  c.decay_l2 = decoupled ? 0.0f : config.weight_decay;
+  c.decay_l2 = decoupled ? 0.0f : f32(config.weight_decay);
   // w - (lr * wd) * w rather than w * (1 - lr * wd): the fp32 rounding of a
   // factor just under 1 would be the same every step and add up; lr * wd
   // rounds relative to itself, which is small.
-  c.decay_rate = decoupled ? static_cast<float>(static_cast<double>(config.lr) * config.weight_decay) : 0.0f;
-  // Bias corrections in fp64, as PyTorch computes them (Python floats).
+  c.decay_rate = decoupled ? f32(config.lr * config.weight_decay) : 0.0f;
   const double t = static_cast<double>(step);
-  const double correction1 = 1.0 - std::pow(static_cast<double>(config.beta1), t);
-  const double correction2 = 1.0 - std::pow(static_cast<double>(config.beta2), t);
-  c.beta1 = config.beta1;
-  c.one_minus_beta1 = 1.0f - config.beta1;
-  c.beta2 = config.beta2;
-  c.one_minus_beta2 = 1.0f - config.beta2;
-  c.step_size = static_cast<float>(config.lr / correction1);
-  c.inv_sqrt_correction2 = static_cast<float>(1.0 / std::sqrt(correction2));
-  c.eps = config.eps;
-  c.lr = config.lr;
-  c.momentum = config.momentum;
-  c.one_minus_dampening = 1.0f - config.dampening;
+  const double correction1 = 1.0 - std::pow(config.beta1, t);
+  const double correction2 = 1.0 - std::pow(config.beta2, t);
+  c.beta1 = f32(config.beta1);
+  c.one_minus_beta1 = f32(1.0 - config.beta1);
+  c.beta2 = f32(config.beta2);
+  c.one_minus_beta2 = f32(1.0 - config.beta2);
+  c.step_size = f32(config.lr / correction1);
+  c.inv_sqrt_correction2 = f32(1.0 / std::sqrt(correction2));
+  c.eps = f32(config.eps);
+  c.lr = f32(config.lr);
+  c.momentum = f32(config.momentum);
+  c.one_minus_dampening = f32(1.0 - config.dampening);
   c.nesterov = config.nesterov;
   c.first_step = step == 1;
   return c;

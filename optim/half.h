@@ -49,11 +49,20 @@ inline uint16_t Fp16FromFloat(float value) {
     const uint32_t kept_lsb = (rebiased >> 13) & 1u;
     return sign | static_cast<uint16_t>((rebiased + 0xFFFu + kept_lsb) >> 13);
   }
-  // A subnormal fp16 counts units of 2^-24; scaling by 2^24 is exact, and
-  // nearbyint rounds to nearest even in the default rounding mode. 1024 units
-  // is the smallest normal, whose encoding is also 1024.
-  const float units = std::bit_cast<float>(magnitude) * 16777216.0f;
-  return sign | static_cast<uint16_t>(std::nearbyint(units));
+  // A subnormal fp16 counts units of 2^-24: the 24-bit significand times
+  // 2^(exponent - 126) units, rounded to nearest even in integers (no
+  // dependence on the floating-point rounding mode). Below 2^-25, half a
+  // unit, everything rounds to zero; 1024 units is the smallest normal,
+  // whose encoding is also 1024.
+  const uint32_t exponent = magnitude >> 23;
+  if (exponent < 102) return sign;
+  const uint32_t shift = 126 - exponent;  // 14..24
+  const uint32_t significand = (magnitude & 0x7FFFFFu) | 0x800000u;
+  uint32_t units = significand >> shift;
+  const uint32_t rest = significand & ((1u << shift) - 1);
+  const uint32_t half = 1u << (shift - 1);
+  if (rest > half || (rest == half && (units & 1u) != 0)) ++units;
+  return sign | static_cast<uint16_t>(units);
 }
 
 inline float FloatFromFp16(uint16_t value) {

@@ -23,7 +23,7 @@ Result<OptimizerKind> ParseOptimizerKind(std::string_view name) {
 }
 
 Status ValidateOptimizerConfig(const OptimizerConfig& c) {
-  const auto finite_at_least_zero = [](float x) { return std::isfinite(x) && x >= 0; };
+  const auto finite_at_least_zero = [](double x) { return std::isfinite(x) && x >= 0; };
   if (!finite_at_least_zero(c.lr)) return InvalidArgument("optimizer: lr {} must be a finite number >= 0", c.lr);
   if (!finite_at_least_zero(c.weight_decay)) {
     return InvalidArgument("optimizer: weight_decay {} must be a finite number >= 0", c.weight_decay);
@@ -53,15 +53,15 @@ Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
   Result<OptimizerKind> kind = ParseOptimizerKind(options.optimizer_kind);
   if (!kind.ok()) return InvalidArgument("option optimizer.kind: {}", kind.status().message());
   config.kind = *kind;
-  config.lr = static_cast<float>(options.optimizer_lr);
-  config.beta1 = static_cast<float>(options.optimizer_beta1);
-  config.beta2 = static_cast<float>(options.optimizer_beta2);
-  config.eps = static_cast<float>(options.optimizer_eps);
-  config.weight_decay = static_cast<float>(options.optimizer_weight_decay);
-  config.momentum = static_cast<float>(options.optimizer_momentum);
-  config.dampening = static_cast<float>(options.optimizer_dampening);
+  config.lr = options.optimizer_lr;
+  config.beta1 = options.optimizer_beta1;
+  config.beta2 = options.optimizer_beta2;
+  config.eps = options.optimizer_eps;
+  config.weight_decay = options.optimizer_weight_decay;
+  config.momentum = options.optimizer_momentum;
+  config.dampening = options.optimizer_dampening;
   config.nesterov = options.optimizer_nesterov;
-  config.max_grad_norm = static_cast<float>(options.optimizer_max_grad_norm);
+  config.max_grad_norm = options.optimizer_max_grad_norm;
   if (Status status = ValidateOptimizerConfig(config); !status.ok()) {
     // "optimizer: beta1 ..." names the field; say it is the option optimizer.beta1.
     return InvalidArgument("option {}", status.message());
@@ -73,6 +73,10 @@ std::optional<LossScalerConfig> LossScalerConfigFromOptions(const Options& optio
   const bool dynamic = options.loss_scale_mode == "dynamic" ||
                        (options.loss_scale_mode == "auto" && options.compute_dtype == DType::kFloat16);
   if (!dynamic) return std::nullopt;
+  return LossScalerConfigOf(options);
+}
+
+LossScalerConfig LossScalerConfigOf(const Options& options) {
   return LossScalerConfig{.init_scale = static_cast<float>(options.loss_scale_init),
                           .growth_factor = static_cast<float>(options.loss_scale_growth_factor),
                           .backoff_factor = static_cast<float>(options.loss_scale_backoff_factor),
@@ -97,7 +101,7 @@ Optimizer::Optimizer(const OptimizerConfig& config, std::optional<LossScalerConf
   if (scaler) scaler_.emplace(*scaler);
 }
 
-Result<StepPlan> Optimizer::PlanStep(GradStats local) {
+Result<StepPlan> Optimizer::PlanStep(GradStats local) const {
   if (all_reduce_) STRATA_RETURN_IF_ERROR(all_reduce_(local));
   StepPlan plan;
   plan.loss_scale = loss_scale();
@@ -105,7 +109,6 @@ Result<StepPlan> Optimizer::PlanStep(GradStats local) {
   if (!local.finite()) {
     plan.skip = true;
     plan.step = steps_taken_;
-    if (scaler_) scaler_->Update(/*found_non_finite=*/true);
     return plan;
   }
   if (config_.max_grad_norm > 0) {
@@ -114,9 +117,23 @@ Result<StepPlan> Optimizer::PlanStep(GradStats local) {
     if (coefficient < 1.0) plan.clip_coefficient = static_cast<float>(coefficient);
   }
   plan.grad_multiplier = static_cast<float>(static_cast<double>(plan.clip_coefficient) / plan.loss_scale);
-  plan.step = ++steps_taken_;
-  if (scaler_) scaler_->Update(/*found_non_finite=*/false);
+  plan.step = steps_taken_ + 1;
   return plan;
+}
+
+Status Optimizer::FinishStep(const StepPlan& plan) {
+  if (plan.skip) {
+    if (scaler_) scaler_->Update(/*found_non_finite=*/true);
+    return Status::Ok();
+  }
+  if (plan.step != steps_taken_ + 1) {
+    return InvalidArgument("optimizer: finishing a plan for step {} after {} steps: plan each step after the last "
+                           "one finished",
+                           plan.step, steps_taken_);
+  }
+  steps_taken_ = plan.step;
+  if (scaler_) scaler_->Update(/*found_non_finite=*/false);
+  return Status::Ok();
 }
 
 namespace {
@@ -141,9 +158,20 @@ Status CheckChunk(const OptimizerConfig& config, const ChunkTensors& t) {
   return Status::Ok();
 }
 
+Status CheckPlan(const StepPlan& plan) {
+  if (plan.skip) return Status::Ok();
+  if (plan.step < 1 || !std::isfinite(plan.grad_multiplier)) {
+    return InvalidArgument("optimizer: a plan for step {} with gradient multiplier {}: steps count from 1 and the "
+                           "multiplier is finite (PlanStep makes plans)",
+                           plan.step, plan.grad_multiplier);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const {
+  STRATA_RETURN_IF_ERROR(CheckPlan(plan));
   STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
   UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunk);
@@ -151,6 +179,7 @@ Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) c
 }
 
 Status Optimizer::UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const {
+  STRATA_RETURN_IF_ERROR(CheckPlan(plan));
   for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
   if (plan.skip) return Status::Ok();
   UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunks);
@@ -166,6 +195,7 @@ Result<StepPlan> Optimizer::Step(std::span<const ChunkTensors> chunks) {
   }
   STRATA_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(stats));
   STRATA_RETURN_IF_ERROR(UpdateChunks(plan, chunks));
+  STRATA_RETURN_IF_ERROR(FinishStep(plan));
   return plan;
 }
 

@@ -1,19 +1,23 @@
 // The optimizer: updates model states chunk by chunk.
 //
-// A step has two phases, so that a chunk can be updated as soon as it is
+// A step has three phases, so that a chunk can be updated as soon as it is
 // where the update runs, without the whole model in one place:
 //   1. gradient statistics: GradStats::Add over every grad chunk (or over
 //      each grad chunk as it completes), then PlanStep. PlanStep passes the
 //      local sum to the all-reduce hook (ranks sum it), computes the global
 //      norm of the unscaled gradients and the clip coefficient, and decides
 //      whether the step is skipped: an inf or NaN anywhere makes the sum
-//      non-finite, the loss scaler backs off, and nothing is changed.
+//      non-finite, and nothing is updated. It changes nothing itself.
 //   2. UpdateChunk for every chunk, in any order and from any thread, with
 //      the plan: one fused pass reads the gradient (fp32, bf16 or fp16),
 //      multiplies it by 1 / loss_scale * clip_coefficient, updates the fp32
 //      master weights and the optimizer states, and writes the compute copy
 //      (bf16 or fp16, round to nearest even) when there is one.
-// Step() does both over a list of chunks.
+//   3. FinishStep once every chunk is updated (or the plan skips): counts
+//      the step and updates the loss scaler. A step that failed part way is
+//      not finished: once its states are back (StateStream puts them back
+//      itself), it is planned again with the same step number.
+// Step() does all three over a list of chunks.
 //
 // Kinds: AdamW (decoupled weight decay), Adam (L2 weight decay in the
 // gradient), SGD with momentum (optionally Nesterov, dampening); each is the
@@ -47,17 +51,20 @@ std::string_view OptimizerKindName(OptimizerKind kind);
 // "adamw", "adam", "sgd".
 Result<OptimizerKind> ParseOptimizerKind(std::string_view name);
 
+// Hyperparameters in double, as torch.optim holds them (Python floats): the
+// per-step constants (1 - beta, lr / (1 - beta^t), lr * wd, ...) are
+// computed in double and rounded to fp32 once, as torch rounds its scalars.
 struct OptimizerConfig {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  float lr = 1e-3f;
-  float beta1 = 0.9f;  // Adam
-  float beta2 = 0.999f;
-  float eps = 1e-8f;
-  float weight_decay = 0.0f;  // AdamW: decoupled; Adam and SGD: L2, added to the gradient
-  float momentum = 0.0f;      // SGD; 0 keeps no state
-  float dampening = 0.0f;     // SGD
+  double lr = 1e-3;
+  double beta1 = 0.9;  // Adam
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;  // AdamW: decoupled; Adam and SGD: L2, added to the gradient
+  double momentum = 0.0;      // SGD; 0 keeps no state
+  double dampening = 0.0;     // SGD
   bool nesterov = false;      // SGD; needs momentum > 0 and dampening 0
-  float max_grad_norm = 0.0f;  // clip the global norm of the unscaled gradients to this; 0: no clipping
+  double max_grad_norm = 0.0;  // clip the global norm of the unscaled gradients to this; 0: no clipping
 };
 
 // InvalidArgument naming the field, its value and the allowed range.
@@ -67,6 +74,8 @@ Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options);
 // The loss_scale.* keys: nullopt when scaling is off (mode off, or auto with
 // a compute precision other than fp16). Not validated here.
 std::optional<LossScalerConfig> LossScalerConfigFromOptions(const Options& options);
+// The loss_scale.* keys whatever the mode (for validation).
+LossScalerConfig LossScalerConfigOf(const Options& options);
 
 // fp32 state arrays per parameter: Adam 2 (exp_avg, exp_avg_sq), SGD 1 with
 // momentum (momentum_buffer, kept in the exp_avg chunk), else 0.
@@ -124,16 +133,21 @@ class Optimizer {
   float loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
   const LossScaler* scaler() const { return scaler_ ? &*scaler_ : nullptr; }
 
-  // Phase 1: the all-reduce, the norm, the clip coefficient, the skip
-  // decision and the loss-scale update. Counts the step unless skipped.
-  Result<StepPlan> PlanStep(GradStats local);
+  // Phase 1: the all-reduce, the norm, the clip coefficient and the skip
+  // decision, for step steps_taken() + 1. Changes nothing.
+  Result<StepPlan> PlanStep(GradStats local) const;
   // Phase 2: one chunk (no-op when the plan skips). InvalidArgument when the
-  // chunk's arrays do not fit this optimizer (a missing state, a null grad).
+  // chunk's arrays do not fit this optimizer (a missing state, a null grad)
+  // or the plan is not one (a step below 1, a non-finite multiplier).
   Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const;
   // The same for many chunks at once, spread over oneTBB's threads across
   // and within chunks; every chunk is checked before any is changed.
   Status UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const;
-  // Both phases over all chunks.
+  // Phase 3: the plan's chunks are all updated (or it skips): count the step
+  // and update the loss scaler (back off on a skip, else count a good step).
+  // InvalidArgument for a plan of another step than steps_taken() + 1.
+  Status FinishStep(const StepPlan& plan);
+  // All three phases over all chunks.
   Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
 
  private:

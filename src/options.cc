@@ -357,11 +357,10 @@ Status ValidateOptions(const Options& options) {
   }
   STRATA_ASSIGN_OR_RETURN(const optim::OptimizerConfig optimizer, optim::OptimizerConfigFromOptions(options));
   (void)optimizer;
-  if (std::optional<optim::LossScalerConfig> scaler = optim::LossScalerConfigFromOptions(options)) {
-    if (Status status = optim::ValidateLossScalerConfig(*scaler); !status.ok()) {
-      return InvalidArgument("option loss_scale.*: {}", status.message());
-    }
-  }
+  // The loss_scale.* keys are checked even where scaling is off, so a bad
+  // one is found before a run that turns scaling on.
+  const Status scaler = optim::ValidateLossScalerConfig(optim::LossScalerConfigOf(options));
+  if (!scaler.ok()) return InvalidArgument("option loss_scale.*: {}", scaler.message());
   return Status::Ok();
 }
 

@@ -136,6 +136,66 @@ TEST(StateStreamTest, SlowReadBecomesTimeoutNotAHang) {
                                /*wait_timeout_ms=*/50);
 }
 
+TEST(StateStreamTest, LastWriteFailingAfterEveryUpdatePutsEveryComputeCopyBack) {
+  // Four groups: the fourth write fails once all four are updated.
+  ExpectFaultLeavesStatesAlone([](StreamFixture& f) { f.faults->FailWrites(EIO, 1, /*after=*/3); },
+                               StatusCode::kIoError);
+}
+
+TEST(StateStreamTest, AFailedStepIsPlannedAgainWithTheSameStepNumber) {
+  StreamFixture f;
+  ASSERT_OK_AND_ASSIGN(auto optimizer, optim::Optimizer::Create({.lr = 1e-3, .weight_decay = 0.01},
+                                                                optim::LossScalerConfig{.init_scale = 1}));
+  const auto stats = [&] {
+    optim::GradStats local;
+    for (ChunkArrays& a : f.reference) local.Add(a.view());
+    return local;
+  };
+  std::vector<GroupIo> io = f.Io();
+  ASSERT_OK_AND_ASSIGN(optim::StepPlan plan, optimizer->PlanStep(stats()));
+  f.faults->FailReads(EIO, 1, /*after=*/1);
+  EXPECT_EQ(f.stream->Step(*optimizer, plan, io).status().code(), StatusCode::kIoError);
+  // Not finished: the retry is step 1 again, with the loss scaler untouched.
+  ASSERT_OK_AND_ASSIGN(optim::StepPlan retry, optimizer->PlanStep(stats()));
+  EXPECT_EQ(retry.step, 1);
+  ASSERT_OK(f.stream->Step(*optimizer, retry, io).status());
+  ASSERT_OK(optimizer->FinishStep(retry));
+  EXPECT_EQ(optimizer->steps_taken(), 1);
+  EXPECT_EQ(optimizer->scaler()->good_steps(), 1);
+  for (ChunkArrays& a : f.reference) ASSERT_OK(optimizer->UpdateChunk(retry, a.view()));
+  f.ExpectMatchesReference();
+}
+
+TEST(StateStreamTest, GroupsAddedAfterAStepGetTheirPlaceInTheRing) {
+  StreamFixture f(/*ring_bytes=*/uint64_t{8} << 20);  // room for every group
+  ASSERT_OK(f.Step(1));
+  EXPECT_EQ(f.stream->ring_slots(), 4u);
+  // A fifth group, added between steps (its states start at zero in both
+  // the stream and the reference, which then take step 2 alike).
+  std::mt19937_64 rng(::strata::testing::TestSeed() + 1);
+  ChunkArrays added = RandomChunk(50000, DType::kBFloat16, DType::kBFloat16, rng);
+  std::fill(added.state0.begin(), added.state0.end(), 0.0f);
+  std::fill(added.state1.begin(), added.state1.end(), 0.0f);
+  ASSERT_OK(f.stream->AddGroup(added.master).status());
+  f.streamed_params.push_back(added.param16);
+  f.reference.push_back(std::move(added));
+  ASSERT_OK(f.Step(2));
+  EXPECT_EQ(f.stream->ring_slots(), 5u);
+  f.ExpectMatchesReference();
+}
+
+TEST(StateStreamTest, InputsThatDoNotFitAreRejectedBeforeAnyRead) {
+  StreamFixture f;
+  std::vector<GroupIo> io = f.Io();
+  io[2].param = nullptr;  // bf16 parameters without a compute copy
+  const int reads = f.faults->reads();
+  Status status = f.stream->Step(*f.optimizer, optim::StepPlan{.step = 1}, io).status();
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(status.message().find("group 2"), std::string::npos) << status.ToString();
+  EXPECT_EQ(f.faults->reads(), reads);
+  f.ExpectMatchesReference();
+}
+
 TEST(StateStreamTest, FailedUpdateEndsTheStepAndNothingIsWrittenBack) {
   StreamFixture f;
   ASSERT_OK(f.Step(1));
@@ -146,6 +206,8 @@ TEST(StateStreamTest, FailedUpdateEndsTheStepAndNothingIsWrittenBack) {
     return f.optimizer->UpdateChunk(plan, t);
   });
   EXPECT_EQ(report.status().code(), StatusCode::kInternal);
+  f.ExpectMatchesReference();
+  ASSERT_OK(f.Step(2));
   f.ExpectMatchesReference();
 }
 

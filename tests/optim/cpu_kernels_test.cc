@@ -49,6 +49,34 @@ TEST(CpuKernelsTest, ScalarAdamWMatchesTheFormulaForOneElement) {
   EXPECT_NEAR(w, wd, 1e-6);
 }
 
+TEST(CpuKernelsTest, ScalarAdamWithL2AddsTheDecayToTheGradient) {
+  // torch.optim.Adam(weight_decay=0.1), step 2: g' = g + wd w, no decoupled decay.
+  OptimizerConfig config{.kind = OptimizerKind::kAdam, .lr = 0.01, .weight_decay = 0.1};
+  float w = 0.5f, g = 0.2f, m = 0.01f, v = 0.002f;
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&m, &v}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 2, 1.0f), t, 0, 1);
+  const double gd = 0.2 + 0.1 * 0.5;
+  const double md = 0.9 * 0.01 + 0.1 * gd;
+  const double vd = 0.999 * 0.002 + 0.001 * gd * gd;
+  const double wd = 0.5 - (0.01 / (1 - 0.81)) * md / (std::sqrt(vd) / std::sqrt(1 - 0.999 * 0.999) + 1e-8);
+  EXPECT_NEAR(m, md, 1e-7);
+  EXPECT_NEAR(v, vd, 1e-8);
+  EXPECT_NEAR(w, wd, 1e-6);
+}
+
+TEST(CpuKernelsTest, ScalarSgdWithDampeningMatchesTorch) {
+  // torch.optim.SGD(momentum=0.9, dampening=0.25): b = 0.9 b + 0.75 d after the first step.
+  OptimizerConfig config{.kind = OptimizerKind::kSgd, .lr = 0.1, .momentum = 0.9, .dampening = 0.25};
+  float w = 1.0f, g = 2.0f, b = 0.0f;
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&b, nullptr}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 1, 1.0f), t, 0, 1);
+  EXPECT_FLOAT_EQ(b, 2.0f);  // the first step takes the gradient undamped
+  EXPECT_FLOAT_EQ(w, 1.0f - 0.1f * 2.0f);
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 2, 1.0f), t, 0, 1);
+  EXPECT_FLOAT_EQ(b, 0.9f * 2.0f + 0.75f * 2.0f);
+  EXPECT_FLOAT_EQ(w, 0.8f - 0.1f * 3.3f);
+}
+
 TEST(CpuKernelsTest, ScalarSgdMatchesTorchForMomentumAndNesterov) {
   // torch.optim.SGD: d = g + wd w; b = d (first step) else mu b + (1 - damp) d;
   // nesterov: d += mu b, else d = b; w -= lr d.

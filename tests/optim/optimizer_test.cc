@@ -124,6 +124,7 @@ TEST(OptimizerTest, AllReduceHookSumsAcrossRanksAndItsErrorChangesNothing) {
   ASSERT_OK_AND_ASSIGN(StepPlan plan, optimizer->PlanStep(local));
   EXPECT_EQ(seen, local.sum_squares);
   EXPECT_NEAR(plan.grad_norm, std::sqrt(2 * local.sum_squares) / 65536.0, 1e-9 * plan.grad_norm);
+  ASSERT_OK(optimizer->FinishStep(plan));
   // A rank that fails: the step fails, nothing is counted or updated.
   optimizer->SetAllReduceHook([](GradStats&) { return CommError("rank 3 did not answer within 1000 ms"); });
   const std::vector<ChunkArrays> before = model;
@@ -157,22 +158,40 @@ TEST(OptimizerTest, AChunkThatDoesNotFitIsRejectedBeforeAnythingChanges) {
   EXPECT_OK(sgd->Step(views).status());
 }
 
-TEST(OptimizerTest, StepCountDrivesBiasCorrectionAndSkippedStepsDoNotCount) {
+TEST(OptimizerTest, StepsCountOnlyWhenFinishedAndSkippedStepsDoNotCount) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
   std::vector<ChunkArrays> model = RandomModel(rng, DType::kFloat32);
   ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({}, LossScalerConfig{}));
   ASSERT_OK_AND_ASSIGN(StepPlan first, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
   EXPECT_EQ(first.step, 1);
+  // Planning changes nothing: a plan that is not finished (its update
+  // failed) is planned again with the same step and scale.
+  ASSERT_OK_AND_ASSIGN(StepPlan again, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
+  EXPECT_EQ(again.step, 1);
+  EXPECT_EQ(optimizer->steps_taken(), 0);
+  ASSERT_OK(optimizer->FinishStep(again));
+  EXPECT_EQ(optimizer->steps_taken(), 1);
+  // A stale plan cannot be finished twice.
+  EXPECT_EQ(optimizer->FinishStep(first).code(), StatusCode::kInvalidArgument);
+
   ASSERT_OK_AND_ASSIGN(StepPlan skipped,
                        optimizer->PlanStep(GradStats{.sum_squares = std::numeric_limits<double>::infinity()}));
   EXPECT_TRUE(skipped.skip);
+  ASSERT_OK(optimizer->FinishStep(skipped));
   ASSERT_OK_AND_ASSIGN(StepPlan second, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
   EXPECT_EQ(second.step, 2);
-  EXPECT_EQ(second.loss_scale, 32768.0f);
+  EXPECT_EQ(second.loss_scale, 32768.0f);  // backed off by the skip
   EXPECT_FLOAT_EQ(second.grad_multiplier, 1.0f / 32768);
   // A skipping plan leaves a chunk alone even when asked to update it.
   const std::vector<ChunkArrays> before = model;
   ASSERT_OK(optimizer->UpdateChunk(skipped, model[0].view()));
+  EXPECT_TRUE(SameBits(model, before));
+  // A plan that is not one is refused.
+  EXPECT_EQ(optimizer->UpdateChunk(StepPlan{.step = 0}, model[0].view()).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(optimizer->UpdateChunk(StepPlan{.step = 3, .grad_multiplier = std::numeric_limits<float>::infinity()},
+                                   model[0].view())
+                .code(),
+            StatusCode::kInvalidArgument);
   EXPECT_TRUE(SameBits(model, before));
 }
 

@@ -161,6 +161,8 @@ TEST(OptionsTest, LossScalingIsDynamicForFp16UnlessSaidOtherwise) {
   ASSERT_OK(SetOption(options, "loss_scale.mode", "dynamic"));
   ASSERT_OK(SetOption(options, "loss_scale.min", "4096"));  // above init
   ExpectInvalid(ValidateOptions(options), "min_scale");
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "off"));  // checked even when off
+  ExpectInvalid(ValidateOptions(options), "min_scale");
 }
 
 TEST(OptionsTest, EveryDocumentedKeyHasADefaultThatParses) {
