@@ -38,6 +38,11 @@ class ScopeExit {
 
 }  // namespace
 
+StateStreamOptions StateStreamOptionsOf(const Options& options) {
+  return StateStreamOptions{.ring_bytes = options.optimizer_stream_ring_bytes,
+                            .wait_timeout_ms = 2 * options.nvme_io_timeout_ms};
+}
+
 Result<std::unique_ptr<StateStream>> StateStream::Create(memory::NvmeTierPool& pool, int num_states,
                                                          const StateStreamOptions& options) {
   if (num_states < 0 || num_states > 2) {

@@ -23,7 +23,7 @@
 //
 // Ownership: borrows the NvmeTierPool (which must outlive it); owns the
 // slots of its groups and the ring. Thread-safety: one caller at a time; the
-// two workers live only inside Step.
+// two workers live only inside Step (Run).
 #pragma once
 
 #include <cstddef>
@@ -36,6 +36,7 @@
 #include "memory/tier_pool.h"
 #include "optim/optimizer.h"
 #include "strata/buffer.h"
+#include "strata/options.h"
 #include "strata/status.h"
 #include "strata/types.h"
 
@@ -52,6 +53,10 @@ struct StateStreamOptions {
   // writer's CRCs and submissions (the drive, not the update, sets the pace).
   uint32_t update_threads = 0;
 };
+
+// optimizer.stream_ring, and nvme.io_timeout_ms (twice, for a read that
+// waits behind a write) as the wait timeout.
+StateStreamOptions StateStreamOptionsOf(const Options& options);
 
 using GroupId = Id<struct StreamGroupTag>;
 

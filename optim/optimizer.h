@@ -21,14 +21,17 @@
 //
 // Kinds: AdamW (decoupled weight decay), Adam (L2 weight decay in the
 // gradient), SGD with momentum (optionally Nesterov, dampening); each is the
-// formula of the torch.optim class of the same name. A new optimizer adds a
+// formula of the torch.optim class of the same name (one difference: SGD's
+// momentum buffer starts as the gradient at step 1 for every chunk, where
+// torch starts each parameter's at that parameter's first step; the same
+// unless parameters join after training began). A new optimizer adds a
 // kind, its per-element update in optim/cpu_kernels_impl.h and the scalar
 // reference in optim/cpu_reference.cc, and says how many fp32 states it keeps.
 //
 // Ownership: the optimizer owns no model memory; ChunkTensors point at the
 // caller's arrays (host memory for the CPU kernels) for the duration of a
-// call. Thread-safety: PlanStep and Step are called from one thread at a
-// time; UpdateChunk may run concurrently on disjoint chunks.
+// call. Thread-safety: PlanStep, FinishStep and Step are called from one
+// thread at a time; UpdateChunk(s) may run concurrently on disjoint chunks.
 #pragma once
 
 #include <cstddef>

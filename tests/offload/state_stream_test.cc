@@ -234,6 +234,15 @@ TEST(StateStreamTest, TooSmallARingAndAFullDriveAreClearErrors) {
   full.ExpectMatchesReference();
 }
 
+TEST(StateStreamTest, OptionsGiveTheRingAndTheWait) {
+  Options options;
+  ASSERT_OK(SetOption(options, "optimizer.stream_ring", "96MiB"));
+  ASSERT_OK(SetOption(options, "nvme.io_timeout_ms", "5000"));
+  const StateStreamOptions stream = StateStreamOptionsOf(options);
+  EXPECT_EQ(stream.ring_bytes, uint64_t{96} << 20);
+  EXPECT_EQ(stream.wait_timeout_ms, 10000u);
+}
+
 TEST(StateStreamTest, MismatchedInputsAreRejected) {
   StreamFixture f;
   std::vector<GroupIo> io = f.Io();
