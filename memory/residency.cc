@@ -389,6 +389,17 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     }
     chunks_[*victim].in_flight = true;
     Status evicted = MoveFlagged(lock, ChunkId(*victim), *below, chain);
+    // The tier below may have no slot for it: full of chunks in use, or its
+    // free space in pieces too small (slots differ in size). Then the victim
+    // goes one tier further down, as it would after a second eviction there
+    // (device -> NVMe through a bounce buffer), if it is still here and free.
+    const std::optional<Tier> further = TierBelow(*below);
+    const Chunk& after = chunks_[*victim];
+    if (evicted.code() == StatusCode::kOutOfMemory && further && after.tier == tier && !after.in_flight &&
+        after.refs == 0) {
+      chunks_[*victim].in_flight = true;
+      evicted = MoveFlagged(lock, ChunkId(*victim), *further, chain);
+    }
     if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
     stats_.evictions++;
   }

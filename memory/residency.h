@@ -12,7 +12,9 @@
 //
 // When a tier has no room, a chunk in hold on it is evicted one tier down
 // (device -> host -> NVMe), cascading: the least recently used of those not
-// at home there, else the least recently used of all. When nothing can be
+// at home there, else the least recently used of all. A victim the tier
+// below cannot hold (every chunk there in use, or its free space in pieces
+// too small) goes one tier further down. When nothing can be
 // evicted the result is OutOfMemory naming the tier, the request, what is in
 // use and the capacity. (A later planner replaces LRU.)
 //

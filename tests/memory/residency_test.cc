@@ -199,9 +199,10 @@ namespace {
 using testing::ResidencyStack;
 
 TEST(ResidencyTest, SwapThatCannotHappenIsOutOfMemoryAtOnceNotATimeout) {
-  // Device and host hold one chunk each: bringing the host chunk up would
-  // need the device chunk to go down into the slot the host chunk still holds.
-  ResidencyStack s({.device_chunks = 1, .host_chunks = 1, .timeout_ms = 5'000});
+  // Device and host hold one chunk each, and there is no NVMe: bringing the
+  // host chunk up would need the device chunk to go down into the slot the
+  // host chunk still holds.
+  ResidencyStack s({.device_chunks = 1, .host_chunks = 1, .nvme_chunks = 0, .timeout_ms = 5'000});
   ASSERT_OK(s.residency->Access(ChunkId(0), Tier::kDevice).status());
   ASSERT_OK(s.Fill(1, 1));
   auto start = std::chrono::steady_clock::now();
@@ -210,6 +211,24 @@ TEST(ResidencyTest, SwapThatCannotHappenIsOutOfMemoryAtOnceNotATimeout) {
   EXPECT_EQ(status.code(), StatusCode::kOutOfMemory) << status.ToString();
   EXPECT_LT(seconds, 2.0);
   EXPECT_TRUE(s.Holds(1, 1));
+}
+
+TEST(ResidencyTest, VictimThatTheTierBelowCannotHoldGoesFurtherDown) {
+  // The same swap with an NVMe tier: the device chunk goes straight to NVMe.
+  ResidencyStack s({.device_chunks = 1, .host_chunks = 1, .timeout_ms = 5'000});
+  ASSERT_OK(s.residency->Access(ChunkId(0), Tier::kDevice).status());
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    std::memset(access.data(), 0x5A, access.size_bytes());
+  }
+  ASSERT_OK(s.Fill(1, 1));
+  ASSERT_OK(s.residency->Access(ChunkId(1), Tier::kDevice).status());
+  EXPECT_EQ(s.residency->tier(ChunkId(1)), Tier::kDevice);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kNvme);
+  EXPECT_TRUE(s.Holds(1, 1, Tier::kDevice));
+  Buffer aligned = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  ASSERT_OK(s.residency->ReadChunk(ChunkId(0), aligned.bytes()));
+  for (uint64_t i = 0; i < s.config.chunk_bytes; ++i) ASSERT_EQ(aligned.bytes()[i], std::byte{0x5A}) << i;
 }
 
 TEST(ResidencyTest, ChunkMovedOnRequestCountsAsRecentlyUsed) {
