@@ -1,0 +1,308 @@
+#include "offload/planner.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "strata/options.h"
+
+namespace strata::offload {
+
+// Note [Planning in two stages]
+// Which chunks to move and when to move them are decided apart. Stage 1
+// replays the moments with demand paging: a moment fetches the chunks it
+// lacks, and when the device is full the resident chunk whose next use is
+// furthest away (and is not needed now) makes room. For chunks of one size
+// this is Belady's MIN: no schedule fetches fewer. Stage 2 keeps those
+// fetches and victims and only moves each fetch earlier: to the first moment
+// after its victims' last use before the fetch's own use, such that device
+// memory holds the fetched chunk (and no longer the victims) at every moment
+// from there to its use. Fetches are hoisted in the order they are needed and
+// never ahead of the one before, so the host->device queue carries them in
+// order of need; none is hoisted a whole iteration or more. Bytes moved stay
+// MIN's; the lead a transfer gets is as long as memory allows.
+//
+// The trace repeats, so both stages run over three iterations back to back
+// and keep the middle one: the first fills the device from cold, the third
+// gives the middle one its view of what comes next.
+
+namespace {
+
+constexpr uint32_t kCopies = 3;
+constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+int LinkIndex(Link link) { return static_cast<int>(link); }
+
+// The trace unrolled kCopies times, with each chunk's uses.
+struct Unrolled {
+  const PlannerInput& input;
+  uint32_t period;
+  uint64_t length;
+  std::vector<std::vector<uint64_t>> uses;  // by chunk: moments (unrolled) that need it, ascending
+
+  explicit Unrolled(const PlannerInput& in)
+      : input(in), period(static_cast<uint32_t>(in.trace.moments.size())), length(uint64_t{kCopies} * period) {
+    uses.resize(in.chunk_bytes.size());
+    for (uint64_t g = 0; g < length; ++g) {
+      for (ChunkId c : moment(g).chunks) uses[c.value()].push_back(g);
+    }
+  }
+  const TraceMoment& moment(uint64_t g) const { return input.trace.moments[g % period]; }
+  uint64_t size(ChunkId c) const { return input.chunk_bytes[c.value()]; }
+  // The first use at or after g, kNever when none.
+  uint64_t NextUse(ChunkId c, uint64_t g) const {
+    const std::vector<uint64_t>& u = uses[c.value()];
+    auto it = std::lower_bound(u.begin(), u.end(), g);
+    return it == u.end() ? kNever : *it;
+  }
+  // The last use before g, or none.
+  std::optional<uint64_t> LastUseBefore(ChunkId c, uint64_t g) const {
+    const std::vector<uint64_t>& u = uses[c.value()];
+    auto it = std::lower_bound(u.begin(), u.end(), g);
+    if (it == u.begin()) return std::nullopt;
+    return *(it - 1);
+  }
+};
+
+struct Fetch {
+  ChunkId chunk;
+  uint64_t needed = 0;
+  uint64_t issue = 0;
+  std::vector<ChunkId> victims;
+};
+
+// Stage 1 (and the LRU baseline): demand fetches and their victims.
+struct Schedule {
+  std::vector<Fetch> fetches;                      // in order of need
+  std::vector<std::vector<ChunkId>> evictions_at;  // by unrolled moment: room for non-model memory
+  std::vector<uint64_t> occupancy;                 // by unrolled moment: chunks resident + non-model
+};
+
+enum class Victims { kFurthestNextUse, kLeastRecentlyUsed };
+
+Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
+  const uint64_t capacity = u.input.device_bytes;
+  std::vector<bool> resident(u.input.chunk_bytes.size(), false);
+  std::vector<uint64_t> last_use(u.input.chunk_bytes.size(), 0);
+  uint64_t used = 0;
+  Schedule schedule;
+  schedule.evictions_at.resize(u.length);
+  schedule.occupancy.resize(u.length);
+  for (uint64_t g = 0; g < u.length; ++g) {
+    const TraceMoment& m = u.moment(g);
+    std::vector<bool> needed_now(resident.size(), false);
+    for (ChunkId c : m.chunks) needed_now[c.value()] = true;
+    // The victim that makes room now: not needed by this moment.
+    const auto pick_victim = [&]() -> std::optional<ChunkId> {
+      std::optional<ChunkId> best;
+      uint64_t best_key = 0;
+      for (uint32_t c = 0; c < resident.size(); ++c) {
+        if (!resident[c] || needed_now[c]) continue;
+        // Furthest next use first; least recent use first (a larger key wins).
+        const uint64_t key = policy == Victims::kFurthestNextUse ? u.NextUse(ChunkId(c), g)
+                                                                 : kNever - last_use[c];
+        if (!best || key > best_key) {
+          best = ChunkId(c);
+          best_key = key;
+        }
+      }
+      return best;
+    };
+    const auto evict = [&](ChunkId v) {
+      resident[v.value()] = false;
+      used -= u.size(v);
+    };
+    // Room for this moment's non-model memory.
+    while (used + m.non_model_bytes > capacity) {
+      std::optional<ChunkId> victim = pick_victim();
+      STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
+      evict(*victim);
+      schedule.evictions_at[g].push_back(*victim);
+    }
+    for (ChunkId c : m.chunks) {
+      if (resident[c.value()]) continue;
+      Fetch fetch{.chunk = c, .needed = g, .issue = g};
+      while (used + u.size(c) + m.non_model_bytes > capacity) {
+        std::optional<ChunkId> victim = pick_victim();
+        STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
+        evict(*victim);
+        fetch.victims.push_back(*victim);
+      }
+      resident[c.value()] = true;
+      used += u.size(c);
+      schedule.fetches.push_back(std::move(fetch));
+    }
+    for (ChunkId c : m.chunks) last_use[c.value()] = g;
+    schedule.occupancy[g] = used + m.non_model_bytes;
+  }
+  return schedule;
+}
+
+// Stage 2: each fetch (with its victims) as early as its victims and device
+// memory allow, in order of need.
+void Hoist(const Unrolled& u, Schedule& schedule) {
+  const uint64_t capacity = u.input.device_bytes;
+  uint64_t previous_issue = 0;
+  for (Fetch& f : schedule.fetches) {
+    uint64_t lower = std::max(previous_issue, f.needed >= u.period ? f.needed - u.period + 1 : 0);
+    uint64_t victim_bytes = 0;
+    for (ChunkId v : f.victims) {
+      victim_bytes += u.size(v);
+      if (std::optional<uint64_t> last = u.LastUseBefore(v, f.needed)) lower = std::max(lower, *last + 1);
+    }
+    // Walk back from the use while the moment before can hold the chunk
+    // instead of the victims (they are resident there, unused until evicted).
+    const uint64_t size = u.size(f.chunk);
+    uint64_t issue = f.needed;
+    while (issue > lower && schedule.occupancy[issue - 1] + size <= capacity + victim_bytes) --issue;
+    for (uint64_t j = issue; j < f.needed; ++j) schedule.occupancy[j] = schedule.occupancy[j] + size - victim_bytes;
+    f.issue = issue;
+    previous_issue = issue;
+  }
+}
+
+// Replays a schedule on the link model; measures the middle iteration.
+Prediction Replay(const Unrolled& u, const Schedule& schedule) {
+  const auto& bandwidth = u.input.links.bytes_per_second;
+  std::array<double, kNumLinks> link_free = {};
+  std::vector<double> arrival(u.input.chunk_bytes.size(), 0.0);
+  std::vector<std::vector<const Fetch*>> issued_at(u.length);
+  for (const Fetch& f : schedule.fetches) issued_at[f.issue].push_back(&f);
+  Prediction p;
+  const uint64_t first = u.period, last = 2 * uint64_t{u.period};  // the middle iteration
+  const auto counted = [&](uint64_t g) { return g >= first && g < last; };
+  const auto transfer = [&](Link link, double ready, uint64_t bytes, uint64_t g) {
+    const int l = LinkIndex(link);
+    const double start = std::max(link_free[l], ready);
+    link_free[l] = start + static_cast<double>(bytes) / bandwidth[l];
+    if (counted(g)) p.bytes[l] += bytes;
+    return link_free[l];
+  };
+  // A victim leaves over device->host (and on to NVMe when that is its home);
+  // its room is free once it is off the device.
+  const auto evict = [&](ChunkId v, double ready, uint64_t g) {
+    const double off_device = transfer(Link::kDeviceToHost, ready, u.size(v), g);
+    if (u.input.home[v.value()] == Tier::kNvme) transfer(Link::kNvmeWrite, off_device, u.size(v), g);
+    return off_device;
+  };
+  double end = 0;  // end of the previous moment's compute
+  double middle_start = 0, middle_end = 0;
+  for (uint64_t g = 0; g < u.length; ++g) {
+    const double requested = end;
+    for (ChunkId v : schedule.evictions_at[g]) evict(v, requested, g);
+    for (const Fetch* f : issued_at[g]) {
+      double room = requested;
+      for (ChunkId v : f->victims) room = std::max(room, evict(v, requested, g));
+      double ready = requested;
+      if (u.input.home[f->chunk.value()] == Tier::kNvme) {
+        ready = transfer(Link::kNvmeRead, requested, u.size(f->chunk), g);
+      }
+      arrival[f->chunk.value()] = transfer(Link::kHostToDevice, std::max(ready, room), u.size(f->chunk), g);
+      if (counted(g)) p.fetches++;
+    }
+    double start = requested;
+    for (ChunkId c : u.moment(g).chunks) start = std::max(start, arrival[c.value()]);
+    end = start + u.moment(g).compute_seconds;
+    if (counted(g)) {
+      p.stall_seconds += start - requested;
+      p.compute_seconds += u.moment(g).compute_seconds;
+    }
+    if (g + 1 == first) middle_start = end;
+    if (g + 1 == last) middle_end = end;
+  }
+  p.step_seconds = middle_end - middle_start;
+  return p;
+}
+
+Status Validate(const PlannerInput& input) {
+  const size_t chunks = input.chunk_bytes.size();
+  if (input.trace.moments.empty()) return InvalidArgument("planner: the trace has no moments");
+  if (input.home.size() != chunks) {
+    return InvalidArgument("planner: {} chunk sizes but {} home tiers", chunks, input.home.size());
+  }
+  for (size_t c = 0; c < chunks; ++c) {
+    if (input.home[c] == Tier::kDevice) {
+      return InvalidArgument("planner: chunk {} has its home on the device; homes are host or nvme", c);
+    }
+  }
+  for (int l = 0; l < kNumLinks; ++l) {
+    if (!(input.links.bytes_per_second[l] > 0)) {
+      return InvalidArgument("planner: the {} link has bandwidth {} B/s; it must be > 0",
+                             LinkName(static_cast<Link>(l)), input.links.bytes_per_second[l]);
+    }
+  }
+  for (size_t m = 0; m < input.trace.moments.size(); ++m) {
+    const TraceMoment& moment = input.trace.moments[m];
+    if (moment.compute_seconds < 0) {
+      return InvalidArgument("planner: moment {} computes for {} s", m, moment.compute_seconds);
+    }
+    uint64_t bytes = moment.non_model_bytes;
+    std::vector<bool> seen(chunks, false);
+    for (ChunkId c : moment.chunks) {
+      if (c.value() >= chunks) return InvalidArgument("planner: moment {} names chunk {} of {}", m, c.value(), chunks);
+      if (seen[c.value()]) return InvalidArgument("planner: moment {} names chunk {} twice", m, c.value());
+      seen[c.value()] = true;
+      bytes += input.chunk_bytes[c.value()];
+    }
+    if (bytes > input.device_bytes) {
+      return OutOfMemory("planner: moment {} needs {} on the device ({} of non-model memory and {} chunks), {} more "
+                         "than the device's {}",
+                         m, FormatSize(bytes), FormatSize(moment.non_model_bytes), moment.chunks.size(),
+                         FormatSize(bytes - input.device_bytes), FormatSize(input.device_bytes));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+std::string_view LinkName(Link link) {
+  switch (link) {
+    case Link::kHostToDevice: return "host->device";
+    case Link::kDeviceToHost: return "device->host";
+    case Link::kNvmeRead: return "nvme read";
+    case Link::kNvmeWrite: return "nvme write";
+  }
+  return "?";
+}
+
+uint64_t Prediction::bytes_moved() const {
+  uint64_t total = 0;
+  for (uint64_t b : bytes) total += b;
+  return total;
+}
+
+Result<Plan> BuildPlan(const PlannerInput& input) {
+  STRATA_RETURN_IF_ERROR(Validate(input));
+  const Unrolled unrolled(input);
+  STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kFurthestNextUse));
+  Hoist(unrolled, schedule);
+  Plan plan;
+  plan.num_moments = unrolled.period;
+  plan.fetches_at.resize(unrolled.period);
+  plan.evictions_at.resize(unrolled.period);
+  const uint64_t first = unrolled.period, last = 2 * uint64_t{unrolled.period};
+  for (const Fetch& f : schedule.fetches) {
+    if (f.issue < first || f.issue >= last) continue;
+    plan.fetches_at[f.issue - first].push_back(PlannedFetch{.chunk = f.chunk,
+                                                            .issue = static_cast<uint32_t>(f.issue % unrolled.period),
+                                                            .needed = static_cast<uint32_t>(f.needed % unrolled.period),
+                                                            .victims = f.victims});
+  }
+  for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
+  for (uint64_t g = 0; g < unrolled.length; ++g) {
+    STRATA_CHECK(schedule.occupancy[g] <= input.device_bytes, "planner: moment {} would hold {} of {} bytes", g,
+                 schedule.occupancy[g], input.device_bytes);
+    if (g >= first && g < last) plan.peak_device_bytes = std::max(plan.peak_device_bytes, schedule.occupancy[g]);
+  }
+  plan.prediction = Replay(unrolled, schedule);
+  return plan;
+}
+
+Result<Prediction> PredictLru(const PlannerInput& input) {
+  STRATA_RETURN_IF_ERROR(Validate(input));
+  const Unrolled unrolled(input);
+  STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kLeastRecentlyUsed));
+  return Replay(unrolled, schedule);
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,106 @@
+// The placement planner: from one recorded iteration (the trace), which
+// chunk to fetch to the device before which moment, which to evict, and what
+// step time and stalls to expect.
+//
+// A trace is a sequence of moments; a moment names the chunks the compute of
+// that moment needs on the device, the device memory in use besides chunks
+// (activations, workspace), and how long its compute takes once they are
+// there. Training repeats the iteration, so the plan is for the steady state:
+// it plans three iterations back to back and keeps the middle one.
+//
+// Two stages (Note [Planning in two stages] in planner.cc):
+//   1. which bytes move: demand paging with furthest-next-use eviction
+//      (Belady's MIN) — the fewest fetches for chunks of one size;
+//   2. when they move: each fetch, with the evictions that make its room, is
+//      hoisted to the earliest moment at which its victims are no longer
+//      needed and device memory holds it at every moment until its use, in
+//      the order the chunks are needed (the link is a queue).
+// The prediction replays the plan on a model of the links: one queue per
+// direction (host->device, device->host, NVMe read, NVMe write), each at its
+// measured bandwidth; a moment starts when its compute is requested and
+// every chunk it needs has arrived, and the wait is its stall.
+//
+// Pure functions of their inputs; thread-safe.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/status.h"
+#include "strata/types.h"
+
+namespace strata::offload {
+
+struct TraceMoment {
+  std::vector<ChunkId> chunks;   // needed on the device during this moment (no duplicates)
+  uint64_t non_model_bytes = 0;  // device memory in use besides chunks
+  double compute_seconds = 0;    // compute once the chunks are there
+};
+
+struct Trace {
+  std::vector<TraceMoment> moments;
+};
+
+// The links chunks move over, in bytes per second.
+enum class Link : uint8_t { kHostToDevice, kDeviceToHost, kNvmeRead, kNvmeWrite };
+inline constexpr int kNumLinks = 4;
+std::string_view LinkName(Link link);
+
+struct LinkBandwidths {
+  std::array<double, kNumLinks> bytes_per_second = {25e9, 25e9, 3e9, 2e9};
+};
+
+struct PlannerInput {
+  Trace trace;
+  std::vector<uint64_t> chunk_bytes;  // by ChunkId
+  std::vector<Tier> home;             // by ChunkId: kHost or kNvme, where an evicted chunk goes
+  uint64_t device_bytes = 0;          // device memory for chunks and non-model memory together
+  LinkBandwidths links;
+};
+
+// One fetch to the device, issued at the start of moment `issue` for the
+// chunk's next use at moment `needed`, after evicting `victims` (to their
+// homes). Moments index one iteration; `needed < issue` means the use is in
+// the next iteration (a prefetch across the iteration boundary).
+struct PlannedFetch {
+  ChunkId chunk;
+  uint32_t issue = 0;
+  uint32_t needed = 0;
+  std::vector<ChunkId> victims;
+};
+
+struct Prediction {
+  double step_seconds = 0;     // one steady-state iteration
+  double compute_seconds = 0;  // the trace's compute alone
+  double stall_seconds = 0;    // waiting for chunks
+  std::array<uint64_t, kNumLinks> bytes = {};  // per iteration
+  uint32_t fetches = 0;
+  double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
+  uint64_t bytes_moved() const;
+};
+
+struct Plan {
+  uint32_t num_moments = 0;
+  // Fetches by issue moment, in the order to issue them.
+  std::vector<std::vector<PlannedFetch>> fetches_at;
+  // Evictions that make room for a moment's non-model memory (activations
+  // growing), issued at the start of that moment before its fetches.
+  std::vector<std::vector<ChunkId>> evictions_at;
+  Prediction prediction;
+  // The most device memory (chunks resident or arriving, and non-model
+  // memory) the plan uses at any moment; never above device_bytes.
+  uint64_t peak_device_bytes = 0;
+};
+
+// InvalidArgument when the input is malformed (a chunk id out of range, a
+// home that is not host or NVMe), OutOfMemory naming the moment and the
+// shortfall when one moment's chunks and non-model memory exceed the device.
+Result<Plan> BuildPlan(const PlannerInput& input);
+
+// The baseline: no plan, no prefetch; each moment fetches what it lacks on
+// demand, evicting the least recently used chunks. Same link model.
+Result<Prediction> PredictLru(const PlannerInput& input);
+
+}  // namespace strata::offload
