@@ -1,0 +1,363 @@
+#include "offload/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include <nlohmann/json.hpp>
+
+#include "strata/logging.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// One link direction: a worker thread running transfers in the order queued.
+// Tasks queued before destruction still run (each is bounded by the engine's
+// own timeouts), so no future is left without a value.
+class LinkQueue {
+ public:
+  LinkQueue() : worker_([this] { Loop(); }) {}
+  ~LinkQueue() {
+    {
+      std::lock_guard lock(mu_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    worker_.join();
+  }
+  LinkQueue(const LinkQueue&) = delete;
+  LinkQueue& operator=(const LinkQueue&) = delete;
+
+  std::shared_future<Status> Push(std::function<Status()> transfer) {
+    std::packaged_task<Status()> task(std::move(transfer));
+    std::shared_future<Status> done = task.get_future().share();
+    {
+      std::lock_guard lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+    return done;
+  }
+
+ private:
+  void Loop() {
+    for (;;) {
+      std::packaged_task<Status()> task;
+      {
+        std::unique_lock lock(mu_);
+        cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
+        if (tasks_.empty()) return;  // stopping, and everything queued has run
+        task = std::move(tasks_.front());
+        tasks_.pop_front();
+      }
+      task();
+    }
+  }
+
+  std::mutex mu_;  // guards tasks_ and stopping_
+  std::condition_variable cv_;
+  std::deque<std::packaged_task<Status()>> tasks_;
+  bool stopping_ = false;
+  std::thread worker_;  // last: starts after the members it uses
+};
+
+Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
+  if (done.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+    return Timeout("pipeline: the {} of chunk {} did not finish within {} ms", what, chunk.value(), timeout_ms);
+  }
+  return done.get();
+}
+
+}  // namespace
+
+struct Pipeline::Impl {
+  enum class Mode { kOnDemand, kRecording, kReplaying };
+
+  Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
+    for (const ChunkInfo& chunk : engine.chunks()) {
+      chunk_bytes.push_back(chunk.size_bytes);
+      Result<Tier> home = engine.ChunkHome(chunk.id);
+      homes.push_back(home.ok() ? *home : Tier::kHost);
+    }
+    links = options.links;
+  }
+
+  Engine& engine;
+  const PipelineOptions options;
+  std::vector<uint64_t> chunk_bytes;
+  std::vector<Tier> homes;
+  LinkBandwidths links;
+
+  Mode mode = Mode::kOnDemand;
+  bool need_trace = true;          // the next adaptive iteration records
+  std::optional<Plan> plan;
+  Trace planned_trace;             // the trace the plan was made from
+  Trace recording;                 // being recorded (or the last recorded)
+  std::unordered_map<uint32_t, std::shared_future<Status>> pending;  // planned fetch by chunk
+  uint32_t moment = 0;
+  bool diverged = false;
+  bool in_moment = false;
+  Clock::time_point iteration_start, moment_start;
+  double moment_stall = 0;
+  MemoryStats stats_at_start;
+  PipelineStats stats;
+  // Last: the queues' threads start after everything they touch exists, and
+  // stop (finishing what is queued) before it goes.
+  LinkQueue nvme_read, device_to_host, host_to_device;
+
+  // Moves `chunk` off the device to its home, unless it is not there or in
+  // use (a caller still holds it: the plan's eviction is skipped).
+  Status Evict(ChunkId chunk) {
+    Result<Tier> tier = engine.ChunkTier(chunk);
+    if (!tier.ok() || *tier != Tier::kDevice) return Status::Ok();
+    Status moved = engine.MoveChunk(chunk, homes[chunk.value()]);
+    if (moved.code() == StatusCode::kInvalidArgument) return Status::Ok();  // pinned by the caller
+    return moved;
+  }
+
+  void Issue(uint32_t k) {
+    for (ChunkId v : plan->evictions_at[k]) device_to_host.Push([this, v] { return Evict(v); });
+    for (const PlannedFetch& f : plan->fetches_at[k]) {
+      std::vector<std::shared_future<Status>> room;
+      for (ChunkId v : f.victims) room.push_back(device_to_host.Push([this, v] { return Evict(v); }));
+      std::optional<std::shared_future<Status>> staged;
+      const ChunkId c = f.chunk;
+      if (homes[c.value()] == Tier::kNvme) {
+        staged = nvme_read.Push([this, c]() -> Status {
+          Result<Tier> tier = engine.ChunkTier(c);
+          if (!tier.ok() || *tier != Tier::kNvme) return Status::Ok();
+          return engine.MoveChunk(c, Tier::kHost);
+        });
+      }
+      pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
+        // A victim that could not leave only costs room: the move below
+        // evicts by itself. A failed staging read is this chunk's error.
+        for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+        if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
+        return engine.MoveChunk(c, Tier::kDevice);
+      });
+    }
+  }
+
+  void Diverge(std::string_view why) {
+    if (diverged) return;
+    diverged = true;
+    stats.divergences++;
+    STRATA_LOG_INFO("pipeline: the iteration left its plan at moment {} ({}); on demand until it ends, and the "
+                      "next iteration records a new trace",
+               moment, why);
+  }
+
+  void MeasureLinks(const MemoryStats& now) {
+    const auto delta = [&](Tier from, Tier to) {
+      const LinkStats& a = now.links[static_cast<int>(from)][static_cast<int>(to)];
+      const LinkStats& b = stats_at_start.links[static_cast<int>(from)][static_cast<int>(to)];
+      return LinkStats{.moves = a.moves - b.moves, .bytes = a.bytes - b.bytes, .seconds = a.seconds - b.seconds};
+    };
+    const std::array<std::array<LinkStats, 2>, kNumLinks> observed = {{
+        {delta(Tier::kHost, Tier::kDevice), delta(Tier::kNvme, Tier::kDevice)},
+        {delta(Tier::kDevice, Tier::kHost), delta(Tier::kDevice, Tier::kNvme)},
+        {delta(Tier::kNvme, Tier::kHost), delta(Tier::kNvme, Tier::kDevice)},
+        {delta(Tier::kHost, Tier::kNvme), delta(Tier::kDevice, Tier::kNvme)},
+    }};
+    constexpr std::array<double, kNumLinks> kAssumed = {25e9, 25e9, 3e9, 2e9};
+    for (int l = 0; l < kNumLinks; ++l) {
+      uint64_t bytes = 0;
+      double seconds = 0;
+      for (const LinkStats& s : observed[l]) {
+        bytes += s.bytes;
+        seconds += s.seconds;
+      }
+      stats.bytes[l] = bytes;
+      if (options.links.bytes_per_second[l] > 0) continue;  // given
+      if (mode == Mode::kRecording && bytes > 0 && seconds > 0) {
+        links.bytes_per_second[l] = static_cast<double>(bytes) / seconds;
+      } else if (links.bytes_per_second[l] <= 0) {
+        links.bytes_per_second[l] = kAssumed[l];
+      }
+    }
+  }
+
+  void MakePlan() {
+    PlannerInput input;
+    input.trace = recording;
+    input.chunk_bytes = chunk_bytes;
+    input.home = homes;
+    input.device_bytes = options.device_bytes > 0 ? options.device_bytes : engine.options().device_budget_bytes;
+    input.links = links;
+    const Clock::time_point start = Clock::now();
+    Result<Plan> built = BuildPlan(input);
+    stats.planning_seconds = SecondsSince(start);
+    if (!built.ok()) {
+      stats.plan_failures++;
+      plan.reset();
+      STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
+                 built.status().ToString());
+      return;
+    }
+    plan = std::move(built).value();
+    planned_trace = recording;
+    need_trace = false;
+  }
+};
+
+Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const PipelineOptions& options) {
+  if (!engine.finalized()) return InvalidArgument("pipeline: the engine is not finalized (call Finalize first)");
+  if (options.wait_timeout_ms == 0) return InvalidArgument("pipeline: wait_timeout_ms must be > 0");
+  for (double b : options.links.bytes_per_second) {
+    if (b < 0) return InvalidArgument("pipeline: a link bandwidth of {} B/s; give > 0, or 0 to measure it", b);
+  }
+  return std::unique_ptr<Pipeline>(new Pipeline(std::make_unique<Impl>(engine, options)));
+}
+
+Pipeline::Pipeline(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Pipeline::~Pipeline() = default;
+
+Status Pipeline::BeginIteration() {
+  Impl& p = *impl_;
+  if (p.in_moment) return InvalidArgument("pipeline: BeginIteration inside a moment (EndMoment first)");
+  p.moment = 0;
+  p.diverged = false;
+  p.stats.stall_per_moment.clear();
+  p.stats.stall_seconds = 0;
+  p.stats_at_start = p.engine.stats();
+  p.iteration_start = Clock::now();
+  if (!p.options.adaptive) {
+    p.mode = Impl::Mode::kOnDemand;
+  } else if (p.plan && !p.need_trace) {
+    p.mode = Impl::Mode::kReplaying;
+  } else {
+    p.mode = Impl::Mode::kRecording;
+    p.recording = Trace{};
+  }
+  return Status::Ok();
+}
+
+Status Pipeline::BeginMoment(uint64_t non_model_bytes) {
+  Impl& p = *impl_;
+  if (p.in_moment) return InvalidArgument("pipeline: BeginMoment inside a moment (EndMoment first)");
+  p.in_moment = true;
+  p.moment_stall = 0;
+  p.moment_start = Clock::now();
+  if (p.mode == Impl::Mode::kRecording) {
+    p.recording.moments.push_back(TraceMoment{.non_model_bytes = non_model_bytes});
+  } else if (p.mode == Impl::Mode::kReplaying && !p.diverged) {
+    if (p.moment >= p.plan->num_moments) {
+      p.Diverge("more moments than the trace");
+    } else {
+      p.Issue(p.moment);
+    }
+  }
+  return Status::Ok();
+}
+
+Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
+  Impl& p = *impl_;
+  if (!p.in_moment) return InvalidArgument("pipeline: Access of chunk {} outside a moment", chunk.value());
+  if (chunk.value() >= p.chunk_bytes.size()) {
+    return InvalidArgument("pipeline: chunk {} does not exist ({} chunks)", chunk.value(), p.chunk_bytes.size());
+  }
+  const Clock::time_point start = Clock::now();
+  if (p.mode == Impl::Mode::kReplaying && !p.diverged) {
+    const std::vector<ChunkId>& planned = p.planned_trace.moments[p.moment].chunks;
+    if (std::find(planned.begin(), planned.end(), chunk) == planned.end()) p.Diverge("an access the trace lacks");
+  }
+  Status prefetched = Status::Ok();
+  if (auto it = p.pending.find(chunk.value()); it != p.pending.end()) {
+    std::shared_future<Status> done = it->second;
+    p.pending.erase(it);
+    prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
+  }
+  Result<ChunkAccess> access =
+      prefetched.ok() ? p.engine.AccessChunk(chunk, Tier::kDevice)
+                      : Result<ChunkAccess>(prefetched.WithContext(fmt::format("prefetching chunk {}", chunk.value())));
+  p.moment_stall += SecondsSince(start);
+  if (p.mode == Impl::Mode::kRecording) {
+    std::vector<ChunkId>& chunks = p.recording.moments.back().chunks;
+    if (std::find(chunks.begin(), chunks.end(), chunk) == chunks.end()) chunks.push_back(chunk);
+  }
+  return access;
+}
+
+Status Pipeline::EndMoment() {
+  Impl& p = *impl_;
+  if (!p.in_moment) return InvalidArgument("pipeline: EndMoment without BeginMoment");
+  p.in_moment = false;
+  const double duration = SecondsSince(p.moment_start);
+  if (p.mode == Impl::Mode::kRecording) {
+    p.recording.moments.back().compute_seconds = std::max(0.0, duration - p.moment_stall);
+  }
+  p.stats.stall_per_moment.push_back(p.moment_stall);
+  p.stats.stall_seconds += p.moment_stall;
+  p.moment++;
+  return Status::Ok();
+}
+
+Status Pipeline::EndIteration() {
+  Impl& p = *impl_;
+  if (p.in_moment) return InvalidArgument("pipeline: EndIteration inside a moment (EndMoment first)");
+  p.stats.step_seconds = SecondsSince(p.iteration_start);
+  p.stats.iterations++;
+  p.MeasureLinks(p.engine.stats());
+  switch (p.mode) {
+    case Impl::Mode::kOnDemand:
+      break;
+    case Impl::Mode::kRecording:
+      p.stats.recordings++;
+      if (!p.recording.moments.empty()) p.MakePlan();
+      break;
+    case Impl::Mode::kReplaying:
+      if (!p.diverged && p.moment != p.plan->num_moments) p.Diverge("fewer moments than the trace");
+      if (p.diverged) {
+        p.need_trace = true;
+      } else {
+        p.stats.planned_iterations++;
+      }
+      break;
+  }
+  return Status::Ok();
+}
+
+const Plan* Pipeline::plan() const { return impl_->plan ? &*impl_->plan : nullptr; }
+const Trace* Pipeline::trace() const { return impl_->recording.moments.empty() ? nullptr : &impl_->recording; }
+const LinkBandwidths& Pipeline::links() const { return impl_->links; }
+PipelineStats Pipeline::stats() const { return impl_->stats; }
+
+std::string Pipeline::StatsJson() const {
+  const PipelineStats& s = impl_->stats;
+  nlohmann::json j;
+  j["iterations"] = s.iterations;
+  j["planned_iterations"] = s.planned_iterations;
+  j["recordings"] = s.recordings;
+  j["divergences"] = s.divergences;
+  j["plan_failures"] = s.plan_failures;
+  j["planning_seconds"] = s.planning_seconds;
+  j["step_seconds"] = s.step_seconds;
+  j["stall_seconds"] = s.stall_seconds;
+  j["stall_fraction"] = s.stall_fraction();
+  j["stall_per_moment"] = s.stall_per_moment;
+  for (int l = 0; l < kNumLinks; ++l) {
+    const std::string name(LinkName(static_cast<Link>(l)));
+    j["bytes_moved"][name] = s.bytes[l];
+    j["link_bytes_per_second"][name] = impl_->links.bytes_per_second[l];
+  }
+  if (impl_->plan) {
+    j["plan"] = {{"moments", impl_->plan->num_moments},
+                 {"predicted_step_seconds", impl_->plan->prediction.step_seconds},
+                 {"predicted_stall_seconds", impl_->plan->prediction.stall_seconds},
+                 {"peak_device_bytes", impl_->plan->peak_device_bytes}};
+  }
+  return j.dump(2);
+}
+
+}  // namespace strata::offload

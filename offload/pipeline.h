@@ -1,0 +1,108 @@
+// The prefetch pipeline: runs training iterations over the engine's chunks
+// with a plan, so that chunks arrive on the device before they are needed.
+//
+//   pipeline->BeginIteration();
+//   for each module, forward and backward:
+//     pipeline->BeginMoment(activation_bytes);
+//     ChunkAccess w = pipeline->Access(chunk);  // on the device; waits only for this chunk
+//     ... compute ...
+//     pipeline->EndMoment();
+//   pipeline->EndIteration();
+//
+// The first iteration (warm-up) runs on demand and records the trace: the
+// chunks of each moment, the non-model memory the caller reports, the compute
+// time (the moment's duration less its waits), and the links' bandwidths.
+// At its end the planner (offload/planner.h) builds the plan. Later
+// iterations replay it: at the start of each moment the planned evictions
+// and fetches for that moment are queued, and they run on three queues of
+// the pipeline's own, in parallel: NVMe reads (staging an NVMe-homed chunk
+// on the host), device->host (evictions, on to NVMe for NVMe-homed chunks)
+// and host->device (a fetch, after its victims are off the device and its
+// staging is done). An access waits only for its own chunk's transfer, and
+// an error of that transfer (a failed NVMe read) is returned by the access
+// that needs the chunk.
+//
+// Divergence: an access the plan does not have at that moment (evaluation,
+// dynamic control flow, recomputation), or a different number of moments,
+// stops the plan for the rest of the iteration (on-demand from there, no
+// error), is counted, and the next iteration records a new trace.
+//
+// With `adaptive` off the pipeline never plans: every iteration runs on
+// demand with the residency manager's least-recently-used eviction (the
+// baseline of `strata bench replay`).
+//
+// Ownership: borrows the engine (which must outlive it). Thread-safety: the
+// Begin/Access/End calls come from one thread (the training loop); the
+// queues are the pipeline's own threads.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "offload/planner.h"
+#include "strata/access.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+struct PipelineOptions {
+  bool adaptive = true;
+  // Link bandwidths for the plan; a link with 0 is measured in the warm-up
+  // iteration (the engine's link statistics), or assumed if nothing moved
+  // over it (25 GB/s for host<->device, 3 GB/s read and 2 GB/s write for NVMe).
+  LinkBandwidths links{.bytes_per_second = {0, 0, 0, 0}};
+  // Device memory the plan may fill (chunks and non-model memory): 0 = the
+  // engine's device.budget.
+  uint64_t device_bytes = 0;
+  uint32_t wait_timeout_ms = 60'000;  // an access waiting for its chunk
+};
+
+struct PipelineStats {
+  uint64_t iterations = 0;
+  uint64_t planned_iterations = 0;  // replayed with a plan to the end
+  uint64_t recordings = 0;          // iterations that recorded a trace
+  uint64_t divergences = 0;
+  uint64_t plan_failures = 0;       // a trace the planner refused (the iteration after runs on demand)
+  double planning_seconds = 0;      // the last plan
+  // The last iteration:
+  double step_seconds = 0;
+  double stall_seconds = 0;  // accesses waiting for their chunk
+  std::vector<double> stall_per_moment;
+  std::array<uint64_t, kNumLinks> bytes = {};  // moved over each link
+  double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
+};
+
+class Pipeline {
+ public:
+  static Result<std::unique_ptr<Pipeline>> Create(Engine& engine, const PipelineOptions& options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  Status BeginIteration();
+  // `non_model_bytes`: device memory the moment uses besides chunks.
+  Status BeginMoment(uint64_t non_model_bytes = 0);
+  // Pins `chunk` on the device for the caller (release it before the moment
+  // that evicts it ends). Waits for its planned transfer, or moves it now.
+  Result<ChunkAccess> Access(ChunkId chunk);
+  Status EndMoment();
+  Status EndIteration();
+
+  const Plan* plan() const;
+  const Trace* trace() const;  // the last recorded trace
+  const LinkBandwidths& links() const;
+  PipelineStats stats() const;
+  std::string StatsJson() const;
+
+ private:
+  struct Impl;
+  explicit Pipeline(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::offload

@@ -1,0 +1,205 @@
+#include "offload/pipeline.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata::offload {
+namespace {
+
+constexpr uint64_t kChunkElems = 16384;  // 64 KiB fp32 chunks, one per layer
+
+// An engine with one frozen fp32 tensor (one param chunk) per layer, a
+// device holding `device_chunks` of them, copies throttled to imitate PCIe,
+// and optionally an NVMe tier (memory storage behind a fault injector) that
+// homes the layers the host budget does not hold.
+struct LayerModel {
+  FaultInjectingStorage* faults = nullptr;
+  std::unique_ptr<Engine> engine;
+  std::vector<ChunkId> layers;
+
+  LayerModel(uint32_t num_layers, uint32_t device_chunks, uint32_t host_chunks = 64, bool nvme = false) {
+    Options options;
+    options.device_backend = DeviceBackendKind::kEmulated;
+    options.device_budget_bytes = device_chunks * kChunkElems * 4;
+    options.host_budget_bytes = host_chunks * kChunkElems * 4;
+    options.chunk_size_elems = kChunkElems;
+    options.device_emulated_bandwidth_gbps = 1.0;  // 64 KiB in ~66 us
+    options.log_level = LogLevel::kWarning;
+    EngineSeams seams;
+    if (nvme) {
+      auto memory = CreateMemoryStorage(uint64_t{64} << 20);
+      STRATA_CHECK(memory.ok());
+      auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
+      faults = wrapped.get();
+      seams.storage = std::move(wrapped);
+      options.nvme_capacity_bytes = uint64_t{64} << 20;
+    }
+    auto created = Engine::Create(options, std::move(seams));
+    STRATA_CHECK(created.ok(), "{}", created.status().ToString());
+    engine = std::move(created).value();
+    for (uint32_t l = 0; l < num_layers; ++l) {
+      auto id = engine->RegisterTensor(
+          {"layer" + std::to_string(l), {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, false, "layer" + std::to_string(l)});
+      STRATA_CHECK(id.ok(), "{}", id.status().ToString());
+    }
+    STRATA_CHECK(engine->Finalize().ok());
+    for (uint32_t l = 0; l < num_layers; ++l) layers.push_back(*engine->ChunkOf(TensorId(l), ChunkKind::kParam));
+  }
+};
+
+void BusyFor(std::chrono::microseconds how_long) {
+  const auto end = std::chrono::steady_clock::now() + how_long;
+  while (std::chrono::steady_clock::now() < end) {
+  }
+}
+
+// One iteration: forward over the layers, backward in reverse; each access
+// checks the layer's bytes (written on the first iteration) and computes.
+Status RunIteration(Pipeline& pipeline, const LayerModel& model, bool first, const std::vector<uint32_t>* order = nullptr) {
+  STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
+  std::vector<uint32_t> sequence;
+  if (order != nullptr) {
+    sequence = *order;
+  } else {
+    for (uint32_t l = 0; l < model.layers.size(); ++l) sequence.push_back(l);
+    for (uint32_t l = static_cast<uint32_t>(model.layers.size()); l-- > 0;) sequence.push_back(l);
+  }
+  Status first_error;
+  for (size_t m = 0; m < sequence.size(); ++m) {
+    const uint32_t l = sequence[m];
+    STRATA_RETURN_IF_ERROR(pipeline.BeginMoment(/*non_model_bytes=*/0));
+    Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
+    if (access.ok()) {
+      uint32_t* words = reinterpret_cast<uint32_t*>(access->data());
+      if (first && m < model.layers.size()) {
+        for (uint64_t i = 0; i < kChunkElems; ++i) words[i] = l * 100000 + static_cast<uint32_t>(i);
+      } else if (!first) {
+        for (uint64_t i = 0; i < kChunkElems; i += 997) {
+          if (words[i] != l * 100000 + static_cast<uint32_t>(i)) {
+            return Internal("layer {} word {} holds {}, not {}", l, i, words[i], l * 100000 + i);
+          }
+        }
+      }
+      BusyFor(std::chrono::microseconds(300));
+    } else if (first_error.ok()) {
+      first_error = access.status();
+    }
+    STRATA_RETURN_IF_ERROR(pipeline.EndMoment());
+  }
+  STRATA_RETURN_IF_ERROR(pipeline.EndIteration());
+  return first_error;
+}
+
+TEST(PipelineTest, WarmUpRecordsThenIterationsFollowThePlan) {
+  LayerModel model(/*num_layers=*/10, /*device_chunks=*/4);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, /*first=*/true));
+  ASSERT_NE(pipeline->plan(), nullptr);
+  ASSERT_NE(pipeline->trace(), nullptr);
+  EXPECT_EQ(pipeline->trace()->moments.size(), 20u);
+  EXPECT_EQ(pipeline->plan()->num_moments, 20u);
+  EXPECT_GT(pipeline->plan()->prediction.fetches, 0u);
+  for (int i = 0; i < 3; ++i) ASSERT_OK(RunIteration(*pipeline, model, /*first=*/false));
+  PipelineStats stats = pipeline->stats();
+  EXPECT_EQ(stats.iterations, 4u);
+  EXPECT_EQ(stats.recordings, 1u);
+  EXPECT_EQ(stats.planned_iterations, 3u);
+  EXPECT_EQ(stats.divergences, 0u);
+  EXPECT_EQ(stats.stall_per_moment.size(), 20u);
+  EXPECT_GT(stats.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+  EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].peak_bytes,
+            model.engine->options().device_budget_bytes);
+  nlohmann::json json = nlohmann::json::parse(pipeline->StatsJson());
+  EXPECT_EQ(json["planned_iterations"].get<uint64_t>(), 3u);
+  EXPECT_TRUE(json.contains("stall_fraction"));
+}
+
+TEST(PipelineTest, ADifferentSequenceFallsBackOnDemandAndIsRecordedAgain) {
+  LayerModel model(8, 3);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  // An evaluation pass: forward only, in another order. No error.
+  const std::vector<uint32_t> eval = {0, 2, 1, 3, 4, 5, 6, 7};
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().divergences, 1u);
+  // The next iteration records the new sequence; the one after follows it.
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().recordings, 2u);
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().divergences, 1u);
+  EXPECT_EQ(pipeline->stats().planned_iterations, 2u);
+  EXPECT_EQ(pipeline->plan()->num_moments, 8u);
+}
+
+TEST(PipelineTest, FailedNvmeReadDuringPrefetchSurfacesAtTheAccessThatNeedsIt) {
+  // Two layers fit on the host: the rest are homed on NVMe.
+  LayerModel model(8, /*device_chunks=*/3, /*host_chunks=*/2, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  model.faults->FailReads(EIO, 1);
+  const auto start = std::chrono::steady_clock::now();
+  Status status = RunIteration(*pipeline, model, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("prefetching chunk"), std::string::npos) << status.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));  // an error, not a hang
+  // The chunk was not lost: the next iteration reads every layer intact.
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+}
+
+TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
+  LayerModel model(6, 3);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.adaptive = false}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  EXPECT_EQ(pipeline->plan(), nullptr);
+  EXPECT_EQ(pipeline->stats().recordings, 0u);
+  EXPECT_EQ(pipeline->stats().planned_iterations, 0u);
+}
+
+TEST(PipelineTest, CallsOutOfOrderAreInvalidArgument) {
+  LayerModel model(2, 2);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(pipeline->BeginIteration());
+  EXPECT_EQ(pipeline->Access(model.layers[0]).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->BeginMoment());
+  EXPECT_EQ(pipeline->BeginMoment().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(pipeline->Access(ChunkId(99)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(pipeline->EndIteration().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->EndMoment());
+  EXPECT_EQ(pipeline->EndMoment().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->EndIteration());
+  EXPECT_EQ(Pipeline::Create(*model.engine, {.wait_timeout_ms = 0}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Random sequences repeated over iterations (and changed now and then):
+// every layer keeps its bytes, the device never holds more than its budget.
+TEST(PipelineTest, RandomSequencesKeepEveryByteAndTheDeviceBudget) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  LayerModel model(9, 3, /*host_chunks=*/4, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  std::vector<uint32_t> sequence;
+  for (int i = 0; i < 12; ++i) {
+    if (i % 4 == 0) {
+      sequence.clear();
+      for (int m = 0; m < 15; ++m) sequence.push_back(static_cast<uint32_t>(rng() % model.layers.size()));
+    }
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    ASSERT_OK(RunIteration(*pipeline, model, false, &sequence));
+  }
+  EXPECT_GE(pipeline->stats().planned_iterations, 6u);
+  EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].peak_bytes,
+            model.engine->options().device_budget_bytes);
+}
+
+}  // namespace
+}  // namespace strata::offload
