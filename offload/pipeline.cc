@@ -230,6 +230,7 @@ Status Pipeline::BeginIteration() {
   p.diverged = false;
   p.stats.stall_per_moment.clear();
   p.stats.stall_seconds = 0;
+  p.stats.demand_fetches = 0;
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
   if (!p.options.adaptive) {
@@ -277,6 +278,8 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     std::shared_future<Status> done = it->second;
     p.pending.erase(it);
     prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
+  } else if (Result<Tier> tier = p.engine.ChunkTier(chunk); tier.ok() && *tier != Tier::kDevice) {
+    p.stats.demand_fetches++;
   }
   Result<ChunkAccess> access =
       prefetched.ok() ? p.engine.AccessChunk(chunk, Tier::kDevice)
@@ -346,6 +349,7 @@ std::string Pipeline::StatsJson() const {
   j["stall_seconds"] = s.stall_seconds;
   j["stall_fraction"] = s.stall_fraction();
   j["stall_per_moment"] = s.stall_per_moment;
+  j["demand_fetches"] = s.demand_fetches;
   for (int l = 0; l < kNumLinks; ++l) {
     const std::string name(LinkName(static_cast<Link>(l)));
     j["bytes_moved"][name] = s.bytes[l];
@@ -355,6 +359,7 @@ std::string Pipeline::StatsJson() const {
     j["plan"] = {{"moments", impl_->plan->num_moments},
                  {"predicted_step_seconds", impl_->plan->prediction.step_seconds},
                  {"predicted_stall_seconds", impl_->plan->prediction.stall_seconds},
+                 {"predicted_stall_per_moment", impl_->plan->prediction.stall_per_moment},
                  {"peak_device_bytes", impl_->plan->peak_device_bytes}};
   }
   return j.dump(2);

@@ -72,6 +72,7 @@ struct PipelineStats {
   // The last iteration:
   double step_seconds = 0;
   double stall_seconds = 0;  // accesses waiting for their chunk
+  uint64_t demand_fetches = 0;  // accesses whose chunk was neither on the device nor on its way
   std::vector<double> stall_per_moment;
   std::array<uint64_t, kNumLinks> bytes = {};  // moved over each link
   double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }

@@ -77,6 +77,7 @@ struct Prediction {
   double stall_seconds = 0;    // waiting for chunks
   std::array<uint64_t, kNumLinks> bytes = {};  // per iteration
   uint32_t fetches = 0;
+  std::vector<double> stall_per_moment;
   double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
   uint64_t bytes_moved() const;
 };

@@ -21,6 +21,7 @@
 
 #include "benchmarks/io_bench.h"
 #include "benchmarks/optim_bench.h"
+#include "benchmarks/replay_bench.h"
 #include "src/selftest.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -214,6 +215,31 @@ int RunBenchOptim(const BenchOptimFlags& flags) {
   return 0;
 }
 
+struct BenchReplayFlags {
+  std::string model = "gpt";
+  strata::bench::ReplayBenchConfig config;
+  std::string device_budget = "0";
+  std::string host_budget = "0";
+  bool no_baseline = false;
+  std::string json_path;
+};
+
+int RunBenchReplay(BenchReplayFlags flags) {
+  if (flags.model != "gpt") return Fail(strata::InvalidArgument("--model {}: only gpt is built", flags.model));
+  strata::Result<size_t> device = strata::ParseSize(flags.device_budget);
+  if (!device.ok()) return Fail(strata::InvalidArgument("--device-budget: {}", device.status().message()));
+  strata::Result<size_t> host = strata::ParseSize(flags.host_budget);
+  if (!host.ok()) return Fail(strata::InvalidArgument("--host-budget: {}", host.status().message()));
+  flags.config.device_budget_bytes = *device;
+  flags.config.host_budget_bytes = *host;
+  flags.config.baseline = !flags.no_baseline;
+  strata::Result<strata::bench::ReplayBenchReport> report = strata::bench::RunReplayBench(flags.config);
+  if (!report.ok()) return Fail(report.status());
+  std::fputs(strata::bench::FormatReplayBench(*report).c_str(), stdout);
+  strata::Status written = WriteJsonFile(flags.json_path, strata::bench::ReplayBenchJson(*report));
+  return written.ok() ? 0 : Fail(written);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -289,6 +315,32 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_optim_command->add_option("--json", bench_optim.json_path, "also write the results as JSON to this file");
 
+  BenchReplayFlags bench_replay;
+  CLI::App* bench_replay_command = bench_command->add_subcommand(
+      "replay", "a GPT's forward and backward replayed with the planned prefetch pipeline, against LRU on demand");
+  bench_replay_command->add_option("--model", bench_replay.model, "model family (gpt)")->capture_default_str();
+  bench_replay_command->add_option("--layers", bench_replay.config.layers, "transformer layers")->capture_default_str();
+  bench_replay_command->add_option("--hidden", bench_replay.config.hidden, "hidden size")->capture_default_str();
+  bench_replay_command->add_option("--vocab", bench_replay.config.vocab, "vocabulary")->capture_default_str();
+  bench_replay_command->add_option("--seq", bench_replay.config.sequence, "sequence length (position embedding rows)")
+      ->capture_default_str();
+  bench_replay_command->add_option("--device-budget", bench_replay.device_budget,
+                                   "device memory for chunks; 0 = a quarter of the model states")->capture_default_str();
+  bench_replay_command->add_option("--host-budget", bench_replay.host_budget,
+                                   "host memory for chunks; 0 = half of the model states")->capture_default_str();
+  bench_replay_command->add_option("--dir", bench_replay.config.dirs,
+                                   "NVMe directory (repeat: striped); none = NVMe emulated in memory");
+  bench_replay_command->add_option("--pcie-gbps", bench_replay.config.pcie_gbps,
+                                   "host<->device copy bandwidth of the emulated device, GB/s per direction")
+      ->capture_default_str();
+  bench_replay_command->add_option("--compute-ms", bench_replay.config.compute_ms,
+                                   "compute per moment (busy work); 0 = 1.5 x its chunks' transfer time")
+      ->capture_default_str();
+  bench_replay_command->add_option("--iterations", bench_replay.config.iterations, "measured, after one warm-up")
+      ->capture_default_str();
+  bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
+  bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
+
   app.add_subcommand("version", "print the version");
 
   try {
@@ -301,6 +353,7 @@ int main(int argc, char** argv) {
   if (selftest_command->parsed()) return RunSelftestCommand(selftest_flags, selftest, nvme_dir, json_path);
   if (bench_io_command->parsed()) return RunBenchIo(bench_io);
   if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
+  if (bench_replay_command->parsed()) return RunBenchReplay(bench_replay);
   std::printf("strata 0.1.0 (CUDA backend: %s)\n",
 #ifdef STRATA_WITH_CUDA
               "built"
