@@ -24,18 +24,10 @@ struct ReplayMoment {
   double compute_seconds = 0;
 };
 
-// Which forward group a tensor belongs to: 0 the embedding, 1 + l layer l,
-// layers + 1 the final norm.
-uint32_t GroupOf(const std::string& name, uint32_t layers) {
-  if (name.rfind("embed", 0) == 0) return 0;
-  if (name.rfind("layers.", 0) == 0) return 1 + static_cast<uint32_t>(std::stoul(name.substr(7)));
-  return layers + 1;
-}
-
 // Forward over the groups (param chunks), backward in reverse (param and grad chunks).
 std::vector<ReplayMoment> Moments(const Engine& engine, const std::vector<TensorSpec>& specs, uint32_t layers) {
   std::vector<std::vector<uint32_t>> groups(layers + 2);
-  for (uint32_t t = 0; t < specs.size(); ++t) groups[GroupOf(specs[t].name, layers)].push_back(t);
+  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
   std::vector<ChunkInfo> info = engine.chunks();
   const auto moment = [&](const std::vector<uint32_t>& tensors, bool backward) {
     ReplayMoment m;

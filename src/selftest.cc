@@ -150,6 +150,12 @@ std::vector<TensorSpec> GptTensorSpecs(const SelftestConfig& c, DType dtype) {
   return specs;
 }
 
+uint32_t GptForwardGroup(const std::string& name, uint32_t layers) {
+  if (name.rfind("embed", 0) == 0) return 0;
+  if (name.rfind("layers.", 0) == 0) return 1 + static_cast<uint32_t>(std::stoul(name.substr(7)));
+  return layers + 1;
+}
+
 Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options, EngineSeams seams) {
   auto start = std::chrono::steady_clock::now();
   std::vector<TensorSpec> specs = GptTensorSpecs(config, options.compute_dtype);

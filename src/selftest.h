@@ -51,6 +51,9 @@ Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options
 
 // The model the self-check registers, for tests and the CLI.
 std::vector<TensorSpec> GptTensorSpecs(const SelftestConfig& config, DType dtype);
+// Where a tensor of GptTensorSpecs runs in a forward pass: 0 the embedding,
+// 1 + l layer l, layers + 1 the final norm (and the tied output head).
+uint32_t GptForwardGroup(const std::string& tensor_name, uint32_t layers);
 
 // A human-readable table of a report; and the same as JSON.
 std::string FormatSelftestReport(const SelftestReport& report);

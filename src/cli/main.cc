@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -22,6 +23,7 @@
 #include "benchmarks/io_bench.h"
 #include "benchmarks/optim_bench.h"
 #include "benchmarks/replay_bench.h"
+#include "offload/capacity_plan.h"
 #include "src/selftest.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -240,6 +242,42 @@ int RunBenchReplay(BenchReplayFlags flags) {
   return written.ok() ? 0 : Fail(written);
 }
 
+struct PlanFlags {
+  std::string model = "gpt";
+  strata::offload::ModelShape shape;
+  strata::offload::MachineSpec machine;
+  std::string hbm = "80GiB";
+  std::string dram = "128GiB";
+  std::vector<std::string> nvme_dirs;
+  std::string nvme_capacity = "0";
+  std::string json_path;
+};
+
+int RunPlan(PlanFlags flags) {
+  if (flags.model != "gpt") return Fail(strata::InvalidArgument("--model {}: only gpt is built", flags.model));
+  for (auto [text, out, name] : {std::tuple{&flags.hbm, &flags.machine.hbm_bytes, "--hbm"},
+                                 std::tuple{&flags.dram, &flags.machine.dram_bytes, "--dram"},
+                                 std::tuple{&flags.nvme_capacity, &flags.machine.nvme_bytes, "--nvme-capacity"}}) {
+    strata::Result<size_t> bytes = strata::ParseSize(*text);
+    if (!bytes.ok()) return Fail(strata::InvalidArgument("{}: {}", name, bytes.status().message()));
+    *out = *bytes;
+  }
+  // NVMe space: what the directories have free, unless --nvme-capacity says.
+  if (flags.machine.nvme_bytes == 0) {
+    for (const std::string& dir : flags.nvme_dirs) {
+      std::error_code error;
+      const std::filesystem::space_info space = std::filesystem::space(dir, error);
+      if (error) return Fail(strata::IoError("--nvme {}: {}", dir, error.message()));
+      flags.machine.nvme_bytes += space.available;
+    }
+  }
+  strata::Result<strata::offload::CapacityPlan> plan = strata::offload::PlanCapacity(flags.shape, flags.machine);
+  if (!plan.ok()) return Fail(plan.status());
+  std::fputs(strata::offload::FormatCapacityPlan(*plan).c_str(), stdout);
+  strata::Status written = WriteJsonFile(flags.json_path, strata::offload::CapacityPlanJson(*plan));
+  return written.ok() ? 0 : Fail(written);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -341,6 +379,35 @@ int main(int argc, char** argv) {
   bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
   bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
 
+  PlanFlags plan_flags;
+  CLI::App* plan_command =
+      app.add_subcommand("plan", "what fits where for a GPT on a machine, the step time to expect and the bottleneck");
+  plan_command->add_option("--model", plan_flags.model, "model family (gpt)")->capture_default_str();
+  plan_command->add_option("--layers", plan_flags.shape.layers, "transformer layers")->capture_default_str();
+  plan_command->add_option("--hidden", plan_flags.shape.hidden, "hidden size")->capture_default_str();
+  plan_command->add_option("--vocab", plan_flags.shape.vocab, "vocabulary")->capture_default_str();
+  plan_command->add_option("--seq", plan_flags.shape.sequence, "sequence length")->capture_default_str();
+  plan_command->add_option("--batch", plan_flags.shape.batch, "micro-batch")->capture_default_str();
+  plan_command->add_option("--heads", plan_flags.shape.heads, "attention heads; 0 = hidden / 64")->capture_default_str();
+  plan_command->add_option("--hbm", plan_flags.hbm, "GPU memory")->capture_default_str();
+  plan_command->add_option("--hbm-reserve", plan_flags.machine.hbm_reserve_fraction,
+                           "fraction of HBM kept for the CUDA context and workspace")->capture_default_str();
+  plan_command->add_option("--dram", plan_flags.dram, "host memory strata may use for chunks")->capture_default_str();
+  plan_command->add_option("--nvme", plan_flags.nvme_dirs, "NVMe directory (repeat); its free space counts");
+  plan_command->add_option("--nvme-capacity", plan_flags.nvme_capacity, "NVMe space instead of the free space; 0 = measure")
+      ->capture_default_str();
+  plan_command->add_option("--pcie-gbps", plan_flags.machine.pcie_gbps, "host<->device GB/s per direction")
+      ->capture_default_str();
+  plan_command->add_option("--nvme-read-gbps", plan_flags.machine.nvme_read_gbps, "NVMe read GB/s (all drives)")
+      ->capture_default_str();
+  plan_command->add_option("--nvme-write-gbps", plan_flags.machine.nvme_write_gbps, "NVMe write GB/s (all drives)")
+      ->capture_default_str();
+  plan_command->add_option("--gpu-tflops", plan_flags.machine.gpu_tflops, "sustained bf16 matmul TFLOPS")
+      ->capture_default_str();
+  plan_command->add_option("--cpu-adam-gparams", plan_flags.machine.cpu_adam_gparams,
+                           "CPU AdamW rate, G params/s (see strata bench optim)")->capture_default_str();
+  plan_command->add_option("--json", plan_flags.json_path, "also write the plan as JSON to this file");
+
   app.add_subcommand("version", "print the version");
 
   try {
@@ -354,6 +421,7 @@ int main(int argc, char** argv) {
   if (bench_io_command->parsed()) return RunBenchIo(bench_io);
   if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
   if (bench_replay_command->parsed()) return RunBenchReplay(bench_replay);
+  if (plan_command->parsed()) return RunPlan(plan_flags);
   std::printf("strata 0.1.0 (CUDA backend: %s)\n",
 #ifdef STRATA_WITH_CUDA
               "built"
