@@ -149,6 +149,38 @@ struct Pipeline::Impl {
     }
   }
 
+  // The device as the plan has it when an iteration begins: chunks it does
+  // not have there leave, the ones it has and the device lacks come, in the
+  // order the iteration first needs them.
+  void Reconcile() {
+    std::vector<bool> expected(chunk_bytes.size(), false);
+    for (ChunkId c : plan->resident_at_start) expected[c.value()] = true;
+    std::vector<std::shared_future<Status>> room;
+    for (uint32_t c = 0; c < chunk_bytes.size(); ++c) {
+      if (expected[c] || pending.count(c) > 0) continue;
+      Result<Tier> tier = engine.ChunkTier(ChunkId(c));
+      if (!tier.ok() || *tier != Tier::kDevice) continue;
+      room.push_back(device_to_host.Push([this, c] { return Evict(ChunkId(c)); }));
+      stats.reconciled++;
+    }
+    std::vector<bool> queued(chunk_bytes.size(), false);
+    for (const TraceMoment& m : planned_trace.moments) {
+      for (ChunkId c : m.chunks) {
+        if (!expected[c.value()] || queued[c.value()] || pending.count(c.value()) > 0) continue;
+        queued[c.value()] = true;
+        Result<Tier> tier = engine.ChunkTier(c);
+        if (tier.ok() && *tier == Tier::kDevice) continue;
+        pending[c.value()] = host_to_device.Push([this, c, room]() -> Status {
+          for (const std::shared_future<Status>& r : room) {
+            r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+          }
+          return engine.MoveChunk(c, Tier::kDevice);
+        });
+        stats.reconciled++;
+      }
+    }
+  }
+
   void Diverge(std::string_view why) {
     if (diverged) return;
     diverged = true;
@@ -237,6 +269,8 @@ Status Pipeline::BeginIteration() {
     p.mode = Impl::Mode::kOnDemand;
   } else if (p.plan && !p.need_trace) {
     p.mode = Impl::Mode::kReplaying;
+    p.stats.reconciled = 0;
+    p.Reconcile();
   } else {
     p.mode = Impl::Mode::kRecording;
     p.recording = Trace{};
@@ -311,7 +345,9 @@ Status Pipeline::EndIteration() {
   if (p.in_moment) return InvalidArgument("pipeline: EndIteration inside a moment (EndMoment first)");
   p.stats.step_seconds = SecondsSince(p.iteration_start);
   p.stats.iterations++;
-  p.MeasureLinks(p.engine.stats());
+  const MemoryStats now = p.engine.stats();
+  p.stats.forced_evictions = now.evictions - p.stats_at_start.evictions;
+  p.MeasureLinks(now);
   switch (p.mode) {
     case Impl::Mode::kOnDemand:
       break;
@@ -350,6 +386,8 @@ std::string Pipeline::StatsJson() const {
   j["stall_fraction"] = s.stall_fraction();
   j["stall_per_moment"] = s.stall_per_moment;
   j["demand_fetches"] = s.demand_fetches;
+  j["reconciled"] = s.reconciled;
+  j["forced_evictions"] = s.forced_evictions;
   for (int l = 0; l < kNumLinks; ++l) {
     const std::string name(LinkName(static_cast<Link>(l)));
     j["bytes_moved"][name] = s.bytes[l];

@@ -73,6 +73,8 @@ struct PipelineStats {
   double step_seconds = 0;
   double stall_seconds = 0;  // accesses waiting for their chunk
   uint64_t demand_fetches = 0;  // accesses whose chunk was neither on the device nor on its way
+  uint64_t reconciled = 0;      // chunks moved at the iteration's start to match the plan
+  uint64_t forced_evictions = 0;  // made by the residency manager itself (LRU) to find room
   std::vector<double> stall_per_moment;
   std::array<uint64_t, kNumLinks> bytes = {};  // moved over each link
   double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }

@@ -309,6 +309,22 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
                                                             .victims = f.victims});
   }
   for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
+  // The device as the middle iteration begins: every move issued before it.
+  std::vector<bool> resident(input.chunk_bytes.size(), false);
+  std::vector<std::vector<const Fetch*>> issued_at(first);
+  for (const Fetch& f : schedule.fetches) {
+    if (f.issue < first) issued_at[f.issue].push_back(&f);
+  }
+  for (uint64_t g = 0; g < first; ++g) {
+    for (ChunkId v : schedule.evictions_at[g]) resident[v.value()] = false;
+    for (const Fetch* f : issued_at[g]) {
+      for (ChunkId v : f->victims) resident[v.value()] = false;
+      resident[f->chunk.value()] = true;
+    }
+  }
+  for (uint32_t c = 0; c < resident.size(); ++c) {
+    if (resident[c]) plan.resident_at_start.push_back(ChunkId(c));
+  }
   for (uint64_t g = 0; g < unrolled.length; ++g) {
     STRATA_CHECK(schedule.occupancy[g] <= input.device_bytes, "planner: moment {} would hold {} of {} bytes", g,
                  schedule.occupancy[g], input.device_bytes);

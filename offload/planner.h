@@ -93,6 +93,10 @@ struct Plan {
   // The most device memory (chunks resident or arriving, and non-model
   // memory) the plan uses at any moment; never above device_bytes.
   uint64_t peak_device_bytes = 0;
+  // The chunks the plan has on the device (or arriving) when an iteration
+  // begins, in the steady state: an executor whose device holds others puts
+  // them right first, or the two drift apart.
+  std::vector<ChunkId> resident_at_start;
 };
 
 // InvalidArgument when the input is malformed (a chunk id out of range, a

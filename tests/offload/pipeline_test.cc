@@ -113,6 +113,10 @@ TEST(PipelineTest, WarmUpRecordsThenIterationsFollowThePlan) {
   EXPECT_EQ(stats.planned_iterations, 3u);
   EXPECT_EQ(stats.divergences, 0u);
   EXPECT_EQ(stats.stall_per_moment.size(), 20u);
+  // Chunks of one size: the device follows the plan exactly once in step.
+  EXPECT_EQ(stats.demand_fetches, 0u);
+  EXPECT_EQ(stats.forced_evictions, 0u);
+  EXPECT_EQ(stats.reconciled, 0u);
   EXPECT_GT(stats.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
   EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].peak_bytes,
             model.engine->options().device_budget_bytes);
