@@ -28,6 +28,10 @@ struct ReplayMoment {
 std::vector<ReplayMoment> Moments(const Engine& engine, const std::vector<TensorSpec>& specs, uint32_t layers) {
   std::vector<std::vector<uint32_t>> groups(layers + 2);
   for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
+  // The output head is tied to the token embedding: the logits need it again.
+  for (uint32_t t = 0; t < specs.size(); ++t) {
+    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
+  }
   std::vector<ChunkInfo> info = engine.chunks();
   const auto moment = [&](const std::vector<uint32_t>& tensors, bool backward) {
     ReplayMoment m;

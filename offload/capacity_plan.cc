@@ -65,11 +65,12 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
       if (chunk.kind != ChunkKind::kParam && chunk.kind != ChunkKind::kGrad) plan.nvme_state_bytes += size;
     } else {
       const uint64_t total = layout.report().total_bytes;
-      return OutOfMemory("plan: the model states need {} but DRAM ({}) and NVMe ({}) hold {}: {} short; raise --dram "
-                         "or give --nvme directories with more space",
+      return OutOfMemory("plan: the model states need {} but DRAM ({}) and NVMe ({}) hold {} ({} short); a {} chunk "
+                         "finds {} left in DRAM and {} on NVMe: raise --dram or give --nvme directories with more space",
                          FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(machine.nvme_bytes),
                          FormatSize(machine.dram_bytes + machine.nvme_bytes),
-                         FormatSize(total - std::min(total, machine.dram_bytes + machine.nvme_bytes)));
+                         FormatSize(total - std::min(total, machine.dram_bytes + machine.nvme_bytes)), FormatSize(size),
+                         FormatSize(host_left), FormatSize(nvme_left));
     }
   }
 
@@ -83,6 +84,10 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   const double head_flops = 2 * b * s * h * v;
   std::vector<std::vector<uint32_t>> groups(model.layers + 2);
   for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, model.layers)].push_back(t);
+  // The output head is tied to the token embedding: the logits need it again.
+  for (uint32_t t = 0; t < specs.size(); ++t) {
+    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
+  }
   const auto moment = [&](uint32_t g, bool backward) {
     TraceMoment m;
     for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {

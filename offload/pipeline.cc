@@ -1,7 +1,9 @@
 #include "offload/pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -83,6 +85,12 @@ Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, Chun
 struct Pipeline::Impl {
   enum class Mode { kOnDemand, kRecording, kReplaying };
 
+  ~Impl() {
+    // Transfers not started yet return at once; the queues (destroyed
+    // next, as the last members) then drain quickly.
+    cancelled.store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+  }
+
   Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
     for (const ChunkInfo& chunk : engine.chunks()) {
       chunk_bytes.push_back(chunk.size_bytes);
@@ -104,6 +112,9 @@ struct Pipeline::Impl {
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;  // planned fetch by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
+  std::vector<std::pair<ChunkId, std::shared_future<Status>>> evictions;  // not yet checked for an error
+  std::atomic<bool> cancelled{false};
   uint32_t moment = 0;
   bool diverged = false;
   bool in_moment = false;
@@ -115,9 +126,12 @@ struct Pipeline::Impl {
   // stop (finishing what is queued) before it goes.
   LinkQueue nvme_read, device_to_host, host_to_device;
 
+  Status Cancelled() const { return Internal("pipeline: cancelled (the pipeline is being destroyed)"); }
+
   // Moves `chunk` off the device to its home, unless it is not there or in
   // use (a caller still holds it: the plan's eviction is skipped).
   Status Evict(ChunkId chunk) {
+    if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
     Result<Tier> tier = engine.ChunkTier(chunk);
     if (!tier.ok() || *tier != Tier::kDevice) return Status::Ok();
     Status moved = engine.MoveChunk(chunk, homes[chunk.value()]);
@@ -125,28 +139,79 @@ struct Pipeline::Impl {
     return moved;
   }
 
-  void Issue(uint32_t k) {
-    for (ChunkId v : plan->evictions_at[k]) device_to_host.Push([this, v] { return Evict(v); });
-    for (const PlannedFetch& f : plan->fetches_at[k]) {
-      std::vector<std::shared_future<Status>> room;
-      for (ChunkId v : f.victims) room.push_back(device_to_host.Push([this, v] { return Evict(v); }));
-      std::optional<std::shared_future<Status>> staged;
-      const ChunkId c = f.chunk;
-      if (homes[c.value()] == Tier::kNvme) {
-        staged = nvme_read.Push([this, c]() -> Status {
-          Result<Tier> tier = engine.ChunkTier(c);
-          if (!tier.ok() || *tier != Tier::kNvme) return Status::Ok();
-          return engine.MoveChunk(c, Tier::kHost);
-        });
-      }
-      pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
-        // A victim that could not leave only costs room: the move below
-        // evicts by itself. A failed staging read is this chunk's error.
+  // Queues the eviction of `v`. Moves of one chunk happen in the order they
+  // are queued, across queues: the eviction waits for a fetch of the same
+  // chunk still under way, and a later fetch waits for the eviction.
+  std::shared_future<Status> QueueEviction(ChunkId v) {
+    std::optional<std::shared_future<Status>> arriving;
+    if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving]() -> Status {
+      if (arriving) arriving->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      return Evict(v);
+    });
+    leaving[v.value()] = done;
+    evictions.emplace_back(v, done);
+    return done;
+  }
+
+  // Queues the fetch of `c` to the device after `room` (its victims leaving).
+  void QueueFetch(ChunkId c, std::vector<std::shared_future<Status>> room) {
+    if (auto it = leaving.find(c.value()); it != leaving.end()) room.push_back(it->second);
+    std::optional<std::shared_future<Status>> staged;
+    if (homes[c.value()] == Tier::kNvme) {
+      staged = nvme_read.Push([this, c, room]() -> Status {
+        if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
         for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
-        if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
-        return engine.MoveChunk(c, Tier::kDevice);
+        Result<Tier> tier = engine.ChunkTier(c);
+        if (!tier.ok() || *tier != Tier::kNvme) return Status::Ok();
+        return engine.MoveChunk(c, Tier::kHost);
       });
     }
+    pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
+      if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+      // A victim that could not leave only costs room (the move below
+      // evicts by itself; the eviction's error is reported at EndIteration).
+      // A failed staging read is this chunk's error.
+      for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
+      return engine.MoveChunk(c, Tier::kDevice);
+    });
+  }
+
+  void Issue(uint32_t k) {
+    for (ChunkId v : plan->evictions_at[k]) QueueEviction(v);
+    for (const PlannedFetch& f : plan->fetches_at[k]) {
+      std::vector<std::shared_future<Status>> room;
+      for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
+      QueueFetch(f.chunk, std::move(room));
+    }
+  }
+
+  // The first error of an eviction that has finished, once; those still
+  // running are checked later.
+  Status TakeEvictionError() {
+    Status first;
+    std::erase_if(evictions, [&](const std::pair<ChunkId, std::shared_future<Status>>& e) {
+      if (e.second.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+      Status status = e.second.get();
+      if (!status.ok() && first.ok()) {
+        first = status.WithContext(fmt::format("evicting chunk {} from the device", e.first.value()));
+      }
+      return true;
+    });
+    std::erase_if(leaving, [](const auto& entry) {
+      return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    });
+    return first;
+  }
+
+  // Fetches queued for an iteration that did not use them (it diverged):
+  // done ones are dropped, so they neither hold back reconciliation nor hand
+  // their result to an unrelated access later.
+  void DropFinishedFetches() {
+    std::erase_if(pending, [](const auto& entry) {
+      return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    });
   }
 
   // The device as the plan has it when an iteration begins: chunks it does
@@ -160,7 +225,7 @@ struct Pipeline::Impl {
       if (expected[c] || pending.count(c) > 0) continue;
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));
       if (!tier.ok() || *tier != Tier::kDevice) continue;
-      room.push_back(device_to_host.Push([this, c] { return Evict(ChunkId(c)); }));
+      room.push_back(QueueEviction(ChunkId(c)));
       stats.reconciled++;
     }
     std::vector<bool> queued(chunk_bytes.size(), false);
@@ -170,12 +235,7 @@ struct Pipeline::Impl {
         queued[c.value()] = true;
         Result<Tier> tier = engine.ChunkTier(c);
         if (tier.ok() && *tier == Tier::kDevice) continue;
-        pending[c.value()] = host_to_device.Push([this, c, room]() -> Status {
-          for (const std::shared_future<Status>& r : room) {
-            r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
-          }
-          return engine.MoveChunk(c, Tier::kDevice);
-        });
+        QueueFetch(c, room);
         stats.reconciled++;
       }
     }
@@ -196,6 +256,9 @@ struct Pipeline::Impl {
       const LinkStats& b = stats_at_start.links[static_cast<int>(from)][static_cast<int>(to)];
       return LinkStats{.moves = a.moves - b.moves, .bytes = a.bytes - b.bytes, .seconds = a.seconds - b.seconds};
     };
+    // Bytes: every move that used the link (device<->NVMe moves pass
+    // through the host, so they count on both). Bandwidth: only the moves
+    // that used that link alone.
     const std::array<std::array<LinkStats, 2>, kNumLinks> observed = {{
         {delta(Tier::kHost, Tier::kDevice), delta(Tier::kNvme, Tier::kDevice)},
         {delta(Tier::kDevice, Tier::kHost), delta(Tier::kDevice, Tier::kNvme)},
@@ -204,16 +267,11 @@ struct Pipeline::Impl {
     }};
     constexpr std::array<double, kNumLinks> kAssumed = {25e9, 25e9, 3e9, 2e9};
     for (int l = 0; l < kNumLinks; ++l) {
-      uint64_t bytes = 0;
-      double seconds = 0;
-      for (const LinkStats& s : observed[l]) {
-        bytes += s.bytes;
-        seconds += s.seconds;
-      }
-      stats.bytes[l] = bytes;
+      stats.bytes[l] = observed[l][0].bytes + observed[l][1].bytes;
       if (options.links.bytes_per_second[l] > 0) continue;  // given
-      if (mode == Mode::kRecording && bytes > 0 && seconds > 0) {
-        links.bytes_per_second[l] = static_cast<double>(bytes) / seconds;
+      const LinkStats& alone = observed[l][0];
+      if (mode == Mode::kRecording && alone.bytes > 0 && alone.seconds > 0) {
+        links.bytes_per_second[l] = static_cast<double>(alone.bytes) / alone.seconds;
       } else if (links.bytes_per_second[l] <= 0) {
         links.bytes_per_second[l] = kAssumed[l];
       }
@@ -247,7 +305,9 @@ Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const Pipelin
   if (!engine.finalized()) return InvalidArgument("pipeline: the engine is not finalized (call Finalize first)");
   if (options.wait_timeout_ms == 0) return InvalidArgument("pipeline: wait_timeout_ms must be > 0");
   for (double b : options.links.bytes_per_second) {
-    if (b < 0) return InvalidArgument("pipeline: a link bandwidth of {} B/s; give > 0, or 0 to measure it", b);
+    if (!(b >= 0) || !std::isfinite(b)) {
+      return InvalidArgument("pipeline: a link bandwidth of {} B/s; give > 0, or 0 to measure it", b);
+    }
   }
   return std::unique_ptr<Pipeline>(new Pipeline(std::make_unique<Impl>(engine, options)));
 }
@@ -263,13 +323,14 @@ Status Pipeline::BeginIteration() {
   p.stats.stall_per_moment.clear();
   p.stats.stall_seconds = 0;
   p.stats.demand_fetches = 0;
+  p.stats.reconciled = 0;
+  p.DropFinishedFetches();
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
   if (!p.options.adaptive) {
     p.mode = Impl::Mode::kOnDemand;
   } else if (p.plan && !p.need_trace) {
     p.mode = Impl::Mode::kReplaying;
-    p.stats.reconciled = 0;
     p.Reconcile();
   } else {
     p.mode = Impl::Mode::kRecording;
@@ -312,8 +373,9 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     std::shared_future<Status> done = it->second;
     p.pending.erase(it);
     prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
-  } else if (Result<Tier> tier = p.engine.ChunkTier(chunk); tier.ok() && *tier != Tier::kDevice) {
-    p.stats.demand_fetches++;
+  }
+  if (Result<Tier> tier = p.engine.ChunkTier(chunk); prefetched.ok() && tier.ok() && *tier != Tier::kDevice) {
+    p.stats.demand_fetches++;  // nothing brought it, or something took it away again
   }
   Result<ChunkAccess> access =
       prefetched.ok() ? p.engine.AccessChunk(chunk, Tier::kDevice)
@@ -364,7 +426,7 @@ Status Pipeline::EndIteration() {
       }
       break;
   }
-  return Status::Ok();
+  return p.TakeEvictionError();
 }
 
 const Plan* Pipeline::plan() const { return impl_->plan ? &*impl_->plan : nullptr; }

@@ -91,9 +91,11 @@ class Pipeline {
   // `non_model_bytes`: device memory the moment uses besides chunks.
   Status BeginMoment(uint64_t non_model_bytes = 0);
   // Pins `chunk` on the device for the caller (release it before the moment
-  // that evicts it ends). Waits for its planned transfer, or moves it now.
+  // that evicts it begins: an eviction of a chunk in use is skipped). Waits for its planned transfer, or moves it now.
   Result<ChunkAccess> Access(ChunkId chunk);
   Status EndMoment();
+  // Also returns the first error of a planned eviction (a failed NVMe
+  // write) that finished during the iteration.
   Status EndIteration();
 
   const Plan* plan() const;

@@ -12,14 +12,16 @@ namespace strata::offload {
 // replays the moments with demand paging: a moment fetches the chunks it
 // lacks, and when the device is full the resident chunk whose next use is
 // furthest away (and is not needed now) makes room. For chunks of one size
-// this is Belady's MIN: no schedule fetches fewer. Stage 2 keeps those
+// this would be Belady's MIN (no schedule fetches fewer) if the victim were
+// always the furthest next use; Note [Victims that leave room for a lead]
+// trades a little of that for lead time. Stage 2 keeps those
 // fetches and victims and only moves each fetch earlier: to the first moment
 // after its victims' last use before the fetch's own use, such that device
 // memory holds the fetched chunk (and no longer the victims) at every moment
 // from there to its use. Fetches are hoisted in the order they are needed and
 // never ahead of the one before, so the host->device queue carries them in
-// order of need; none is hoisted a whole iteration or more. Bytes moved stay
-// MIN's; the lead a transfer gets is as long as memory allows.
+// order of need; none is hoisted a whole iteration or more. Stage 2 moves no
+// extra bytes; the lead a transfer gets is as long as memory allows.
 //
 // Note [Victims that leave room for a lead]
 // Stage 2 can start a fetch only once its victims are dead, so MIN's choice
@@ -80,6 +82,7 @@ struct Fetch {
   uint64_t needed = 0;
   uint64_t issue = 0;
   std::vector<ChunkId> victims;
+  uint64_t left_at = 0;  // the moment the chunk last left the device for non-model room (0: never)
 };
 
 // Stage 1 (and the LRU baseline): demand fetches and their victims.
@@ -95,6 +98,7 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
   const uint64_t capacity = u.input.device_bytes;
   std::vector<bool> resident(u.input.chunk_bytes.size(), false);
   std::vector<uint64_t> last_use(u.input.chunk_bytes.size(), 0);
+  std::vector<uint64_t> left_for_room(u.input.chunk_bytes.size(), 0);
   uint64_t used = 0;
   Schedule schedule;
   schedule.evictions_at.resize(u.length);
@@ -136,10 +140,11 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
       STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
       evict(*victim);
       schedule.evictions_at[g].push_back(*victim);
+      left_for_room[victim->value()] = g;
     }
     for (ChunkId c : m.chunks) {
       if (resident[c.value()]) continue;
-      Fetch fetch{.chunk = c, .needed = g, .issue = g};
+      Fetch fetch{.chunk = c, .needed = g, .issue = g, .left_at = left_for_room[c.value()]};
       while (used + u.size(c) + m.non_model_bytes > capacity) {
         std::optional<ChunkId> victim = pick_victim();
         STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
@@ -162,7 +167,10 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
   const uint64_t capacity = u.input.device_bytes;
   uint64_t previous_issue = 0;
   for (Fetch& f : schedule.fetches) {
-    uint64_t lower = std::max(previous_issue, f.needed >= u.period ? f.needed - u.period + 1 : 0);
+    // Not before the fetch before it, a whole iteration ahead, or the moment
+    // the chunk itself left for non-model room (a fetch of a chunk still
+    // there would be a no-op and its eviction would follow it).
+    uint64_t lower = std::max({previous_issue, f.needed >= u.period ? f.needed - u.period + 1 : 0, f.left_at});
     uint64_t victim_bytes = 0;
     for (ChunkId v : f.victims) {
       victim_bytes += u.size(v);
@@ -177,6 +185,37 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
     f.issue = issue;
     previous_issue = issue;
   }
+}
+
+// The schedule, applied in issue order, has every chunk of every moment on
+// the device when the moment computes, fetches only chunks that are not
+// there and evicts only chunks that are: Internal naming the first breach
+// (a planner bug, never the caller's).
+Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
+  std::vector<bool> resident(u.input.chunk_bytes.size(), false);
+  std::vector<std::vector<const Fetch*>> issued_at(u.length);
+  for (const Fetch& f : schedule.fetches) issued_at[f.issue].push_back(&f);
+  const auto leave = [&](ChunkId v, uint64_t g) -> Status {
+    if (!resident[v.value()]) return Internal("planner: moment {} evicts chunk {}, which is not on the device", g, v.value());
+    resident[v.value()] = false;
+    return Status::Ok();
+  };
+  for (uint64_t g = 0; g < u.length; ++g) {
+    for (ChunkId v : schedule.evictions_at[g]) STRATA_RETURN_IF_ERROR(leave(v, g));
+    for (const Fetch* f : issued_at[g]) {
+      for (ChunkId v : f->victims) STRATA_RETURN_IF_ERROR(leave(v, g));
+      if (resident[f->chunk.value()]) {
+        return Internal("planner: moment {} fetches chunk {}, which is already on the device", g, f->chunk.value());
+      }
+      resident[f->chunk.value()] = true;
+    }
+    for (ChunkId c : u.moment(g).chunks) {
+      if (!resident[c.value()]) {
+        return Internal("planner: moment {} needs chunk {}, which the plan does not have on the device", g, c.value());
+      }
+    }
+  }
+  return Status::Ok();
 }
 
 // Replays a schedule on the link model; measures the middle iteration.
@@ -252,7 +291,7 @@ Status Validate(const PlannerInput& input) {
   }
   for (size_t m = 0; m < input.trace.moments.size(); ++m) {
     const TraceMoment& moment = input.trace.moments[m];
-    if (moment.compute_seconds < 0) {
+    if (!(moment.compute_seconds >= 0) || !std::isfinite(moment.compute_seconds)) {
       return InvalidArgument("planner: moment {} computes for {} s", m, moment.compute_seconds);
     }
     uint64_t bytes = moment.non_model_bytes;
@@ -296,6 +335,7 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
   const Unrolled unrolled(input);
   STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kFurthestNextUse));
   Hoist(unrolled, schedule);
+  STRATA_RETURN_IF_ERROR(CheckSchedule(unrolled, schedule));
   Plan plan;
   plan.num_moments = unrolled.period;
   plan.fetches_at.resize(unrolled.period);

@@ -9,8 +9,9 @@
 // it plans three iterations back to back and keeps the middle one.
 //
 // Two stages (Note [Planning in two stages] in planner.cc):
-//   1. which bytes move: demand paging with furthest-next-use eviction
-//      (Belady's MIN) — the fewest fetches for chunks of one size;
+//   1. which bytes move: demand paging, evicting first the chunks not needed
+//      for half an iteration (longest unused first), else the furthest next
+//      use (Belady's MIN);
 //   2. when they move: each fetch, with the evictions that make its room, is
 //      hoisted to the earliest moment at which its victims are no longer
 //      needed and device memory holds it at every moment until its use, in

@@ -159,6 +159,35 @@ TEST(PipelineTest, FailedNvmeReadDuringPrefetchSurfacesAtTheAccessThatNeedsIt) {
   ASSERT_OK(RunIteration(*pipeline, model, false));
 }
 
+TEST(PipelineTest, FailedNvmeWriteDuringAnIterationIsReportedAndLosesNothing) {
+  LayerModel model(8, /*device_chunks=*/3, /*host_chunks=*/2, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  // The next write to NVMe fails: a planned eviction of an NVMe-homed layer
+  // (reported by EndIteration), or the host making room for a staging read
+  // (reported by the access that needed the staged chunk), whichever writes
+  // first. Either way the iteration returns the error.
+  model.faults->FailWrites(EIO, 1);
+  Status status = RunIteration(*pipeline, model, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("injected fault: write"), std::string::npos) << status.ToString();
+  ASSERT_OK(RunIteration(*pipeline, model, false));  // every layer intact
+}
+
+TEST(PipelineTest, DestroyingItWithTransfersQueuedNeitherHangsNorLosesData) {
+  LayerModel model(8, 3, /*host_chunks=*/2, /*nvme=*/true);
+  {
+    ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+    ASSERT_OK(RunIteration(*pipeline, model, true));
+    ASSERT_OK(pipeline->BeginIteration());  // reconciliation and moment 0's moves queued
+    ASSERT_OK(pipeline->BeginMoment());
+    ASSERT_OK(pipeline->EndMoment());
+  }
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, false));  // a new pipeline finds every layer intact
+}
+
 TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
   LayerModel model(6, 3);
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.adaptive = false}));
