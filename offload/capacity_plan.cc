@@ -115,6 +115,7 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   input.links.bytes_per_second = {machine.pcie_gbps * 1e9, machine.pcie_gbps * 1e9, machine.nvme_read_gbps * 1e9,
                                   machine.nvme_write_gbps * 1e9};
   Result<Plan> built = BuildPlan(input);
+  if (!built.ok() && built.status().code() != StatusCode::kOutOfMemory) return built.status().WithContext("plan");
   if (!built.ok()) {
     return Status(built.status().code(),
                   fmt::format("plan: the GPU ({} of HBM, {} usable) cannot run this model at batch {}: {}",

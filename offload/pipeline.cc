@@ -245,9 +245,10 @@ struct Pipeline::Impl {
     if (diverged) return;
     diverged = true;
     stats.divergences++;
-    STRATA_LOG_INFO("pipeline: the iteration left its plan at moment {} ({}); on demand until it ends, and the "
-                      "next iteration records a new trace",
-               moment, why);
+    STRATA_LOG_INFO(
+        "pipeline: the iteration left its plan at moment {} ({}); on demand until it ends, and the next iteration "
+        "records a new trace",
+        moment, why);
   }
 
   void MeasureLinks(const MemoryStats& now) {
@@ -292,7 +293,7 @@ struct Pipeline::Impl {
       stats.plan_failures++;
       plan.reset();
       STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
-                 built.status().ToString());
+                         built.status().ToString());
       return;
     }
     plan = std::move(built).value();
