@@ -45,17 +45,11 @@ ResidencyManager::ResidencyManager(const ResidencyConfig& config, const std::vec
     max_chunk_bytes_ = std::max(max_chunk_bytes_, chunks_[i].size_bytes);
   }
   stats_.tier_present = {true, true, config.nvme_pool != nullptr};
-  uint32_t workers = std::max<uint32_t>(1, config.transfer_workers);
-  for (uint32_t i = 0; i < workers; ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  workers_ = std::make_unique<TaskQueue>(std::max<uint32_t>(1, config.transfer_workers));
 }
 
 ResidencyManager::~ResidencyManager() {
-  {
-    std::lock_guard lock(queue_mu_);
-    stopping_ = true;
-  }
-  queue_cv_.notify_all();
-  for (std::thread& worker : workers_) worker.join();
+  workers_.reset();  // runs the moves still queued, then joins
   // A copy that timed out may still be running into a slot or bounce buffer
   // freed below: let the device finish first.
   Status drained = config_.device->Synchronize(config_.wait_timeout_ms);
@@ -67,20 +61,6 @@ ResidencyManager::~ResidencyManager() {
                  "every ChunkAccess/TensorAccess first", i, chunk.refs);
     if (chunk.tier) pool(*chunk.tier)->Free(chunk.extent);
     chunk.tier.reset();
-  }
-}
-
-void ResidencyManager::WorkerLoop() {
-  for (;;) {
-    std::packaged_task<Status()> task;
-    {
-      std::unique_lock lock(queue_mu_);
-      queue_cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stopping, and the queue is drained
-      task = std::move(queue_.front());
-      queue_.pop_front();
-    }
-    task();
   }
 }
 
@@ -206,14 +186,7 @@ Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinne
 }
 
 std::shared_future<Status> ResidencyManager::MoveAsync(ChunkId id, Tier tier) {
-  std::packaged_task<Status()> task([this, id, tier] { return Move(id, tier); });
-  std::shared_future<Status> future = task.get_future().share();
-  {
-    std::lock_guard lock(queue_mu_);
-    queue_.push_back(std::move(task));
-  }
-  queue_cv_.notify_one();
-  return future;
+  return workers_->Push([this, id, tier] { return Move(id, tier); });
 }
 
 Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
@@ -408,7 +381,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
 Result<Buffer> ResidencyManager::AcquireStaging() {
   std::unique_lock lock(staging_mu_);
   // One bounce buffer per mover: callers and workers together rarely exceed this.
-  const uint32_t limit = static_cast<uint32_t>(workers_.size()) + 2;
+  const uint32_t limit = workers_->threads() + 2;
   bool available = staging_cv_.wait_for(lock, std::chrono::milliseconds(config_.wait_timeout_ms),
                                         [&] { return !staging_free_.empty() || staging_count_ < limit; });
   if (!available) return Timeout("no staging buffer free after {} ms", config_.wait_timeout_ms);

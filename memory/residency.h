@@ -32,16 +32,15 @@
 #include <array>
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <vector>
 
 #include "memory/chunk_layout.h"
 #include "memory/tier_pool.h"
+#include "src/task_queue.h"
 #include "strata/access.h"
 #include "strata/device.h"
 #include "strata/stats.h"
@@ -129,7 +128,6 @@ class ResidencyManager final : public AccessOwner {
   // Returns a bounce buffer to the pool; after a Timeout the late copy may
   // still write into it, so it is quarantined instead (freed at teardown).
   void ReleaseStaging(Buffer buffer, const Status& status);
-  void WorkerLoop();
 
   ResidencyConfig config_;
   uint64_t max_chunk_bytes_ = 0;
@@ -146,11 +144,7 @@ class ResidencyManager final : public AccessOwner {
   std::vector<Buffer> staging_quarantined_;  // written by a copy that timed out
   uint32_t staging_count_ = 0;
 
-  std::mutex queue_mu_;  // guards queue_ and stopping_
-  std::condition_variable queue_cv_;
-  std::deque<std::packaged_task<Status()>> queue_;
-  bool stopping_ = false;
-  std::vector<std::thread> workers_;
+  std::unique_ptr<TaskQueue> workers_;  // asynchronous moves
 };
 
 }  // namespace strata::memory

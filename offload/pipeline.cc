@@ -4,16 +4,13 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
-#include <deque>
 #include <functional>
 #include <future>
-#include <mutex>
-#include <thread>
 #include <unordered_map>
 
 #include <nlohmann/json.hpp>
 
+#include "src/task_queue.h"
 #include "strata/logging.h"
 
 namespace strata::offload {
@@ -22,56 +19,6 @@ namespace {
 using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
-
-// One link direction: a worker thread running transfers in the order queued.
-// Tasks queued before destruction still run (each is bounded by the engine's
-// own timeouts), so no future is left without a value.
-class LinkQueue {
- public:
-  LinkQueue() : worker_([this] { Loop(); }) {}
-  ~LinkQueue() {
-    {
-      std::lock_guard lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_all();
-    worker_.join();
-  }
-  LinkQueue(const LinkQueue&) = delete;
-  LinkQueue& operator=(const LinkQueue&) = delete;
-
-  std::shared_future<Status> Push(std::function<Status()> transfer) {
-    std::packaged_task<Status()> task(std::move(transfer));
-    std::shared_future<Status> done = task.get_future().share();
-    {
-      std::lock_guard lock(mu_);
-      tasks_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-    return done;
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::packaged_task<Status()> task;
-      {
-        std::unique_lock lock(mu_);
-        cv_.wait(lock, [&] { return stopping_ || !tasks_.empty(); });
-        if (tasks_.empty()) return;  // stopping, and everything queued has run
-        task = std::move(tasks_.front());
-        tasks_.pop_front();
-      }
-      task();
-    }
-  }
-
-  std::mutex mu_;  // guards tasks_ and stopping_
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<Status()>> tasks_;
-  bool stopping_ = false;
-  std::thread worker_;  // last: starts after the members it uses
-};
 
 Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
   if (done.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
@@ -124,7 +71,7 @@ struct Pipeline::Impl {
   PipelineStats stats;
   // Last: the queues' threads start after everything they touch exists, and
   // stop (finishing what is queued) before it goes.
-  LinkQueue nvme_read, device_to_host, host_to_device;
+  TaskQueue nvme_read, device_to_host, host_to_device;  // one worker each: one link direction
 
   Status Cancelled() const { return Internal("pipeline: cancelled (the pipeline is being destroyed)"); }
 

@@ -50,6 +50,7 @@
 #include <vector>
 
 #include "src/storage/storage_util.h"
+#include "src/task_queue.h"
 #include "strata/logging.h"
 #include "strata/options.h"
 #include "strata/storage.h"
@@ -415,59 +416,12 @@ __kernel_timespec TimespecUntil(Clock::time_point deadline) {
 // Every share runs under the call's deadline (and the cancel grace of
 // Note [Timeouts and the caller's buffer]), so waiting for the workers is
 // bounded; the call returns only when no request of it is left in flight.
-class DriveWorker {
- public:
-  DriveWorker() : thread_([this] { Loop(); }) {}
-  ~DriveWorker() {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      stopping_ = true;
-    }
-    cv_.notify_one();
-    thread_.join();
-  }
-  DriveWorker(const DriveWorker&) = delete;
-  DriveWorker& operator=(const DriveWorker&) = delete;
-
-  std::future<Status> Run(std::function<Status()> job) {
-    std::packaged_task<Status()> task(std::move(job));
-    std::future<Status> done = task.get_future();
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.push_back(std::move(task));
-    }
-    cv_.notify_one();
-    return done;
-  }
-
- private:
-  void Loop() {
-    for (;;) {
-      std::packaged_task<Status()> task;
-      {
-        std::unique_lock<std::mutex> lock(mu_);
-        cv_.wait(lock, [this] { return stopping_ || !queue_.empty(); });
-        if (queue_.empty()) return;  // stopping, and nothing left to run
-        task = std::move(queue_.front());
-        queue_.pop_front();
-      }
-      task();
-    }
-  }
-
-  std::mutex mu_;  // guards queue_ and stopping_
-  std::condition_variable cv_;
-  std::deque<std::packaged_task<Status()>> queue_;
-  bool stopping_ = false;
-  std::thread thread_;  // last: starts after the members it uses exist
-};
-
 class UringStorage final : public Storage {
  public:
   UringStorage(UringStorageOptions options, std::vector<BackingFile> files, std::vector<int> fds)
       : options_(std::move(options)), files_(std::move(files)), pool_(options_.queue_depth, std::move(fds), options_.sqpoll) {
     // The calling thread serves the first drive; see Note [One worker per drive].
-    for (size_t i = 1; i < files_.size(); ++i) workers_.push_back(std::make_unique<DriveWorker>());
+    for (size_t i = 1; i < files_.size(); ++i) workers_.push_back(std::make_unique<TaskQueue>(1));
   }
 
   std::string Describe() const override {
@@ -537,7 +491,7 @@ class UringStorage final : public Storage {
   const UringStorageOptions options_;
   const std::vector<BackingFile> files_;  // immutable after construction: read by all threads without a lock
   RingPool pool_;                         // declared after files_: rings close before the files do
-  std::vector<std::unique_ptr<DriveWorker>> workers_;  // drives 1..N-1; last: they stop first
+  std::vector<std::unique_ptr<TaskQueue>> workers_;  // one thread per drive 1..N-1; last: they stop first
 };
 
 Status UringStorage::Transfer(Op op, std::span<const IoSegment> segments) {
@@ -563,15 +517,15 @@ Status UringStorage::Transfer(Op op, std::span<const IoSegment> segments) {
       done += length;
     }
   }
-  std::vector<std::future<Status>> others;
+  std::vector<std::shared_future<Status>> others;
   for (size_t drive = 1; drive < num_files; ++drive) {
     if (shares[drive].empty()) continue;
-    others.push_back(workers_[drive - 1]->Run(
+    others.push_back(workers_[drive - 1]->Push(
         [this, op, share = std::span<const IoSegment>(shares[drive]), deadline] { return RunShare(op, share, deadline); }));
   }
   Status status = shares[0].empty() ? Status::Ok() : RunShare(op, shares[0], deadline);
   // Bounded: every share ends by its deadline plus the cancel grace.
-  for (std::future<Status>& other : others) {
+  for (std::shared_future<Status>& other : others) {
     Status share_status = other.get();
     if (status.ok()) status = std::move(share_status);
   }
