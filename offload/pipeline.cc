@@ -125,13 +125,17 @@ struct Pipeline::Impl {
     });
   }
 
-  void Issue(uint32_t k) {
-    for (ChunkId v : plan->evictions_at[k]) QueueEviction(v);
+  // Queues moment k's moves; returns the evictions that make room for its
+  // non-model memory, which the moment must wait for before it allocates.
+  std::vector<std::shared_future<Status>> Issue(uint32_t k) {
+    std::vector<std::shared_future<Status>> room_for_activations;
+    for (ChunkId v : plan->evictions_at[k]) room_for_activations.push_back(QueueEviction(v));
     for (const PlannedFetch& f : plan->fetches_at[k]) {
       std::vector<std::shared_future<Status>> room;
       for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
       QueueFetch(f.chunk, std::move(room));
     }
+    return room_for_activations;
   }
 
   // The first error of an eviction that has finished, once; those still
@@ -299,7 +303,13 @@ Status Pipeline::BeginMoment(uint64_t non_model_bytes) {
     if (p.moment >= p.plan->num_moments) {
       p.Diverge("more moments than the trace");
     } else {
-      p.Issue(p.moment);
+      // The caller allocates the moment's non-model memory once this returns:
+      // the chunks that make room for it must be off the device by then (a
+      // failed eviction is reported at EndIteration; the wait is a stall).
+      for (const std::shared_future<Status>& room : p.Issue(p.moment)) {
+        room.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
+      }
+      p.moment_stall += SecondsSince(p.moment_start);
     }
   }
   return Status::Ok();

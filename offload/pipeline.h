@@ -88,7 +88,8 @@ class Pipeline {
   Pipeline& operator=(const Pipeline&) = delete;
 
   Status BeginIteration();
-  // `non_model_bytes`: device memory the moment uses besides chunks.
+  // `non_model_bytes`: device memory the moment uses besides chunks. When
+  // the plan makes room for it, this returns once that room is free.
   Status BeginMoment(uint64_t non_model_bytes = 0);
   // Pins `chunk` on the device for the caller (release it before the moment
   // that evicts it begins: an eviction of a chunk in use is skipped). Waits for its planned transfer, or moves it now.

@@ -246,7 +246,11 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   double middle_start = 0, middle_end = 0;
   for (uint64_t g = 0; g < u.length; ++g) {
     const double requested = end;
-    for (ChunkId v : schedule.evictions_at[g]) evict(v, requested, g);
+    // The moment's non-model memory waits for the chunks that make its room.
+    double room_for_activations = requested;
+    for (ChunkId v : schedule.evictions_at[g]) {
+      room_for_activations = std::max(room_for_activations, evict(v, requested, g));
+    }
     for (const Fetch* f : issued_at[g]) {
       double room = requested;
       for (ChunkId v : f->victims) room = std::max(room, evict(v, requested, g));
@@ -257,7 +261,7 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       arrival[f->chunk.value()] = transfer(Link::kHostToDevice, std::max(ready, room), u.size(f->chunk), g);
       if (counted(g)) p.fetches++;
     }
-    double start = requested;
+    double start = room_for_activations;
     for (ChunkId c : u.moment(g).chunks) start = std::max(start, arrival[c.value()]);
     end = start + u.moment(g).compute_seconds;
     if (counted(g)) {

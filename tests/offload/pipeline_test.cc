@@ -188,6 +188,32 @@ TEST(PipelineTest, DestroyingItWithTransfersQueuedNeitherHangsNorLosesData) {
   ASSERT_OK(RunIteration(*pipeline, model, false));  // a new pipeline finds every layer intact
 }
 
+TEST(PipelineTest, ActivationsFindTheirRoomFreeWhenTheMomentBegins) {
+  // Four chunk slots; the backward moments' activations take two of them.
+  LayerModel model(6, /*device_chunks=*/4);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  const uint64_t budget = model.engine->options().device_budget_bytes;
+  const uint64_t activations = 2 * kChunkElems * 4;
+  for (int it = 0; it < 4; ++it) {
+    ASSERT_OK(pipeline->BeginIteration());
+    for (int pass = 0; pass < 2; ++pass) {
+      for (uint32_t i = 0; i < model.layers.size(); ++i) {
+        const uint32_t l = pass == 0 ? i : static_cast<uint32_t>(model.layers.size()) - 1 - i;
+        const uint64_t non_model = pass == 1 ? activations : 0;
+        ASSERT_OK(pipeline->BeginMoment(non_model));
+        if (it > 0) {  // replayed: the plan's room is free now
+          EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes + non_model, budget)
+              << "iteration " << it << " moment " << pass * model.layers.size() + i;
+        }
+        ASSERT_OK(pipeline->Access(model.layers[l]).status());
+        ASSERT_OK(pipeline->EndMoment());
+      }
+    }
+    ASSERT_OK(pipeline->EndIteration());
+  }
+  EXPECT_EQ(pipeline->stats().planned_iterations, 3u);
+}
+
 TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
   LayerModel model(6, 3);
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.adaptive = false}));

@@ -138,6 +138,17 @@ TEST(PlannerTest, AChunkEvictedForActivationsIsNotFetchedBeforeItLeaves) {
   EXPECT_EQ(plan.resident_at_start.size(), 2u);
 }
 
+TEST(PlannerTest, AMomentWaitsForTheRoomItsActivationsNeed) {
+  // Two slots; m2's activations take one: a chunk leaves first (1 s over
+  // device->host), and m2 cannot start before.
+  PlannerInput input = UnitInput({{0}, {1}, {}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].non_model_bytes = 1000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  ASSERT_EQ(plan.evictions_at[2].size(), 1u);
+  ASSERT_EQ(plan.prediction.stall_per_moment.size(), 3u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_per_moment[2], 1.0);
+}
+
 TEST(PlannerTest, AMomentThatCannotFitIsOutOfMemoryWithTheShortfall) {
   PlannerInput input = UnitInput({{0, 1, 2}}, /*device_chunks=*/2, 1.0, 1000);
   Result<Plan> plan = BuildPlan(input);
