@@ -187,14 +187,22 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
   }
 }
 
+// The fetches issued at each unrolled moment before `until`, in order.
+std::vector<std::vector<const Fetch*>> IssuedAt(const Schedule& schedule, uint64_t until) {
+  std::vector<std::vector<const Fetch*>> issued_at(until);
+  for (const Fetch& f : schedule.fetches) {
+    if (f.issue < until) issued_at[f.issue].push_back(&f);
+  }
+  return issued_at;
+}
+
 // The schedule, applied in issue order, has every chunk of every moment on
 // the device when the moment computes, fetches only chunks that are not
 // there and evicts only chunks that are: Internal naming the first breach
 // (a planner bug, never the caller's).
 Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
   std::vector<bool> resident(u.input.chunk_bytes.size(), false);
-  std::vector<std::vector<const Fetch*>> issued_at(u.length);
-  for (const Fetch& f : schedule.fetches) issued_at[f.issue].push_back(&f);
+  const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, u.length);
   const auto leave = [&](ChunkId v, uint64_t g) -> Status {
     if (!resident[v.value()]) return Internal("planner: moment {} evicts chunk {}, which is not on the device", g, v.value());
     resident[v.value()] = false;
@@ -223,8 +231,7 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   const auto& bandwidth = u.input.links.bytes_per_second;
   std::array<double, kNumLinks> link_free = {};
   std::vector<double> arrival(u.input.chunk_bytes.size(), 0.0);
-  std::vector<std::vector<const Fetch*>> issued_at(u.length);
-  for (const Fetch& f : schedule.fetches) issued_at[f.issue].push_back(&f);
+  const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, u.length);
   Prediction p;
   const uint64_t first = u.period, last = 2 * uint64_t{u.period};  // the middle iteration
   const auto counted = [&](uint64_t g) { return g >= first && g < last; };
@@ -355,10 +362,7 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
   for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
   // The device as the middle iteration begins: every move issued before it.
   std::vector<bool> resident(input.chunk_bytes.size(), false);
-  std::vector<std::vector<const Fetch*>> issued_at(first);
-  for (const Fetch& f : schedule.fetches) {
-    if (f.issue < first) issued_at[f.issue].push_back(&f);
-  }
+  const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, first);
   for (uint64_t g = 0; g < first; ++g) {
     for (ChunkId v : schedule.evictions_at[g]) resident[v.value()] = false;
     for (const Fetch* f : issued_at[g]) {

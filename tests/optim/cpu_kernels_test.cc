@@ -18,7 +18,7 @@ using testing::ExpectClose;
 using testing::ExpectParamIsRoundedMaster;
 using testing::RandomChunk;
 
-constexpr DType kDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+using testing::kAllDTypes;
 constexpr CpuIsa kVectorIsas[] = {CpuIsa::kAvx2, CpuIsa::kAvx512};
 
 // Runs `isa` and the reference on copies of `start`, compares.
@@ -103,8 +103,8 @@ TEST(CpuKernelsTest, VectorVersionsMatchTheReferenceForEveryKindDtypeAndTail) {
   for (CpuIsa isa : kVectorIsas) {
     if (!CpuSupports(isa)) continue;
     for (const Case& c : Cases()) {
-      for (DType grad_dtype : kDTypes) {
-        for (DType param_dtype : kDTypes) {
+      for (DType grad_dtype : kAllDTypes) {
+        for (DType param_dtype : kAllDTypes) {
           for (size_t n : sizes) {
             SCOPED_TRACE(fmt::format("{} {} grad {} param {} n={}", CpuIsaName(isa), c.name, DTypeName(grad_dtype),
                                      DTypeName(param_dtype), n));
@@ -119,7 +119,7 @@ TEST(CpuKernelsTest, VectorVersionsMatchTheReferenceForEveryKindDtypeAndTail) {
 
 TEST(CpuKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
-  for (DType grad_dtype : kDTypes) {
+  for (DType grad_dtype : kAllDTypes) {
     ChunkArrays start = RandomChunk(67, grad_dtype, DType::kBFloat16, rng);
     start.set_grad(3, std::numeric_limits<float>::quiet_NaN());
     start.set_grad(20, std::numeric_limits<float>::infinity());
@@ -265,7 +265,7 @@ TEST(HalfTest, VectorConversionsAreBitIdenticalToTheReference) {
 
 TEST(CpuKernelsTest, SumOfSquaresMatchesTheReferenceAndSeesInfAndNan) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
-  for (DType dtype : kDTypes) {
+  for (DType dtype : kAllDTypes) {
     for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{4099}}) {
       ChunkArrays a = RandomChunk(n, dtype, DType::kFloat32, rng);
       const void* grad = a.view().grad;

@@ -44,7 +44,7 @@ using testing::ExpectClose;
 using testing::ExpectParamIsRoundedMaster;
 using testing::RandomChunk;
 
-constexpr DType kDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+using testing::kAllDTypes;
 // One call updates chunks of all these sizes: a single element, a tail
 // shorter than a group of 4, whole tiles plus tails, and more than 64 tiles.
 constexpr size_t kSizes[] = {1, 7, 1000, 4099, 65537};
@@ -238,8 +238,8 @@ TEST(CudaKernelsTest, UpdateMatchesTheScalarReferenceForEveryKindAndDtype) {
   const auto shift_of = [](size_t i) -> size_t { return i % 2; };
   BitIdentical identical;
   for (const Case& c : Cases()) {
-    for (DType grad_dtype : kDTypes) {
-      for (DType param_dtype : kDTypes) {
+    for (DType grad_dtype : kAllDTypes) {
+      for (DType param_dtype : kAllDTypes) {
         SCOPED_TRACE(fmt::format("{} grad {} param {}", c.name, DTypeName(grad_dtype), DTypeName(param_dtype)));
         std::vector<ChunkArrays> start;
         for (size_t n : kSizes) start.push_back(RandomChunk(n, grad_dtype, param_dtype, rng));
@@ -257,7 +257,7 @@ TEST(CudaKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
   ASSERT_NO_FATAL_FAILURE(CreateStream(&stream));
   const auto shift_of = [](size_t i) -> size_t { return i % 2; };
   BitIdentical identical;
-  for (DType grad_dtype : kDTypes) {
+  for (DType grad_dtype : kAllDTypes) {
     for (DType param_dtype : {DType::kBFloat16, DType::kFloat16}) {
       std::vector<ChunkArrays> start;
       for (size_t n : {size_t{67}, size_t{4099}}) {
@@ -287,7 +287,7 @@ TEST(CudaKernelsTest, ManyChunksOfMixedDtypesInOneCall) {
   std::vector<ChunkArrays> start;
   for (size_t i = 0; i < 75; ++i) {
     const size_t n = i % 10 == 9 ? 0 : size(rng);
-    start.push_back(RandomChunk(n, kDTypes[i % 3], kDTypes[(i / 3) % 3], rng));
+    start.push_back(RandomChunk(n, kAllDTypes[i % 3], kAllDTypes[(i / 3) % 3], rng));
   }
   // Shifts 0..3 elements: 16-byte aligned, and three ways not.
   const auto shift_of = [](size_t i) -> size_t { return i % 4; };
@@ -399,7 +399,7 @@ TEST(CudaKernelsTest, SumOfSquaresMatchesTheReferenceAndSeesInfAndNan) {
   ASSERT_NO_FATAL_FAILURE(CreateStream(&stream));
   // One call per gradient dtype, and one over chunks of all three.
   std::vector<std::vector<DType>> calls;
-  for (DType dtype : kDTypes) calls.push_back(std::vector<DType>(std::size(kSizes), dtype));
+  for (DType dtype : kAllDTypes) calls.push_back(std::vector<DType>(std::size(kSizes), dtype));
   calls.push_back({DType::kFloat16, DType::kFloat32, DType::kBFloat16, DType::kFloat32, DType::kFloat16});
   for (const std::vector<DType>& dtypes : calls) {
     std::vector<ChunkArrays> host;

@@ -12,6 +12,8 @@
 
 namespace strata::optim::testing {
 
+inline constexpr DType kAllDTypes[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+
 struct ChunkArrays {
   std::vector<float> master, state0, state1, grad32;
   std::vector<uint16_t> grad16, param16;
