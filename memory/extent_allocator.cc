@@ -58,6 +58,35 @@ void ExtentAllocator::Free(Extent extent) {
   used_bytes_ -= extent.size_bytes;
 }
 
+std::vector<Extent> ExtentAllocator::ClaimFree(uint64_t begin, uint64_t end) {
+  std::vector<Extent> claimed;
+  auto it = free_.upper_bound(begin);
+  if (it != free_.begin()) --it;
+  while (it != free_.end() && it->first < end) {
+    const uint64_t piece_begin = std::max(it->first, begin);
+    const uint64_t piece_end = std::min(it->first + it->second, end);
+    if (piece_begin >= piece_end) {
+      ++it;
+      continue;
+    }
+    // Split the free extent around the claimed piece.
+    const uint64_t offset = it->first, size = it->second;
+    it = free_.erase(it);
+    if (piece_begin > offset) free_.emplace(offset, piece_begin - offset);
+    if (offset + size > piece_end) it = free_.emplace(piece_end, offset + size - piece_end).first;
+    claimed.push_back({piece_begin, piece_end - piece_begin});
+    used_bytes_ += piece_end - piece_begin;
+  }
+  return claimed;
+}
+
+std::vector<Extent> ExtentAllocator::FreeExtents() const {
+  std::vector<Extent> extents;
+  extents.reserve(free_.size());
+  for (const auto& [offset, size] : free_) extents.push_back({offset, size});
+  return extents;
+}
+
 uint64_t ExtentAllocator::largest_free_bytes() const {
   uint64_t largest = 0;
   for (const auto& [offset, size] : free_) largest = std::max(largest, size);

@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <map>
 #include <optional>
+#include <vector>
 
 namespace strata::memory {
 
@@ -30,6 +31,11 @@ class ExtentAllocator {
   // Returns an extent obtained from Allocate. Freeing twice or freeing an
   // extent that overlaps free space aborts (a bug in the caller).
   void Free(Extent extent);
+  // Allocates every free piece of [begin, end) (so nothing else can be
+  // placed there) and returns them; each is later given back with Free.
+  std::vector<Extent> ClaimFree(uint64_t begin, uint64_t end);
+  // The free extents, by offset.
+  std::vector<Extent> FreeExtents() const;
 
   uint64_t RoundUp(uint64_t size_bytes) const;
   uint64_t capacity_bytes() const { return capacity_bytes_; }

@@ -326,6 +326,10 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
   Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(config_.wait_timeout_ms);
   for (;;) {
     if (std::optional<Extent> extent = target->Allocate(size_bytes)) return *extent;
+    if (tier != Tier::kNvme) {
+      STRATA_ASSIGN_OR_RETURN(std::optional<Extent> joined, Compact(lock, tier, size_bytes));
+      if (joined) return *joined;
+    }
 
     std::optional<Tier> below = TierBelow(tier);
     if (!below) {
@@ -376,6 +380,106 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
     stats_.evictions++;
   }
+}
+
+// Note [Compaction]
+// Chunks differ in size (a parameter larger than the chunk size has a chunk
+// of its own), so a memory tier can have the free bytes for a chunk in
+// pieces none of which holds it. Evicting until a piece is large enough
+// would evict chunks the plan keeps (and count bytes the planner, which
+// counts bytes, never predicted). Instead: find the window of the tier's
+// address space, as long as the request, made only of free pieces and chunks
+// in hold, whose chunks are the fewest bytes; claim its free pieces so
+// nothing else lands there; move each of its chunks to a free slot outside
+// it (device to device: the device's own bandwidth, not the host link); then
+// give the window back and allocate. If a chunk of the window is taken
+// meanwhile, or has no slot to go to, the window is given back as it is and
+// the caller evicts instead. Every step leaves each chunk whole in one slot.
+Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, uint64_t size_bytes) {
+  TierPool* target = pool(tier);
+  const uint64_t size = (size_bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  TierUsage usage = target->usage();
+  if (usage.capacity_bytes - usage.used_bytes < size) return std::optional<Extent>();
+
+  struct Piece {
+    uint64_t offset = 0, size_bytes = 0;
+    std::optional<uint32_t> chunk;  // nullopt: free
+    bool movable = true;
+  };
+  std::vector<Piece> pieces;
+  for (Extent free : target->FreeExtents()) pieces.push_back({free.offset, free.size_bytes});
+  for (uint32_t i = 0; i < chunks_.size(); ++i) {
+    const Chunk& c = chunks_[i];
+    if (c.tier != tier) continue;
+    pieces.push_back({c.extent.offset, c.extent.size_bytes, i, !c.in_flight && c.refs == 0 && !c.arriving});
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+
+  // The window of least chunk bytes: contiguous pieces, all movable, whose
+  // span reaches `size` (a slot reserved for a chunk arriving is in no piece:
+  // the gap ends the window).
+  std::optional<std::pair<size_t, size_t>> best;  // [first, last] piece
+  uint64_t best_cost = 0;
+  for (size_t first = 0; first < pieces.size(); ++first) {
+    uint64_t cost = 0;
+    for (size_t last = first; last < pieces.size(); ++last) {
+      const Piece& p = pieces[last];
+      if (!p.movable || (last > first && p.offset != pieces[last - 1].offset + pieces[last - 1].size_bytes)) break;
+      if (p.chunk) cost += p.size_bytes;
+      if (best && cost >= best_cost) break;
+      if (p.offset + p.size_bytes - pieces[first].offset >= size) {
+        best = {first, last};
+        best_cost = cost;
+        break;
+      }
+    }
+  }
+  if (!best || best_cost == 0) return std::optional<Extent>();
+  const uint64_t begin = pieces[best->first].offset;
+  const uint64_t end = pieces[best->second].offset + pieces[best->second].size_bytes;
+
+  std::vector<Extent> claimed = target->ClaimFree(begin, end);
+  auto give_back = [&] {
+    for (Extent e : claimed) target->Free(e);
+  };
+  for (size_t k = best->first; k <= best->second; ++k) {
+    if (!pieces[k].chunk) continue;
+    const uint32_t id = *pieces[k].chunk;
+    Chunk& chunk = chunks_[id];
+    if (chunk.tier != tier || chunk.in_flight || chunk.refs > 0 || chunk.arriving ||
+        chunk.extent.offset != pieces[k].offset) {
+      give_back();  // taken or moved while an earlier chunk was copied
+      return std::optional<Extent>();
+    }
+    std::optional<Extent> dst = target->Allocate(chunk.size_bytes);
+    if (!dst) {
+      give_back();
+      return std::optional<Extent>();
+    }
+    const Extent src = chunk.extent;
+    chunk.in_flight = true;
+    lock.unlock();
+    Status copied = Status::Ok();
+    if (tier == Tier::kDevice) {
+      copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
+    } else {
+      std::memcpy(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
+    }
+    lock.lock();
+    chunk.in_flight = false;
+    moved_.notify_all();
+    if (!copied.ok()) {
+      target->Free(*dst);
+      give_back();
+      return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
+    }
+    chunk.extent = *dst;
+    claimed.push_back(src);
+    stats_.compactions++;
+    stats_.compacted_bytes += chunk.size_bytes;
+  }
+  give_back();
+  return target->Allocate(size_bytes);
 }
 
 Result<Buffer> ResidencyManager::AcquireStaging() {

@@ -14,7 +14,10 @@
 // (device -> host -> NVMe), cascading: the least recently used of those not
 // at home there, else the least recently used of all. A victim the tier
 // below cannot hold (every chunk there in use, or its free space in pieces
-// too small) goes one tier further down. When nothing can be
+// too small) goes one tier further down. A memory tier whose free bytes
+// suffice but are in pieces is compacted first: chunks in hold are moved
+// within the tier (device to device) to join the pieces, and nothing is
+// evicted. When nothing can be
 // evicted the result is OutOfMemory naming the tier, the request, what is in
 // use and the capacity. (A later planner replaces LRU.)
 //
@@ -121,6 +124,10 @@ class ResidencyManager final : public AccessOwner {
   Status MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain);
   // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
   Result<Extent> Reserve(Lock& lock, Tier tier, uint64_t size_bytes, std::vector<ChunkId>& chain);
+  // A slot on a memory tier whose free bytes suffice but are in pieces, made
+  // by moving chunks in hold within the tier (Note [Compaction]); nullopt
+  // when no such move makes one.
+  Result<std::optional<Extent>> Compact(Lock& lock, Tier tier, uint64_t size_bytes);
   // Copies bytes between slots; runs without the lock.
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;

@@ -32,6 +32,16 @@ uint64_t TierPool::largest_free_bytes() const {
   return allocator_.largest_free_bytes();
 }
 
+std::vector<Extent> TierPool::ClaimFree(uint64_t begin, uint64_t end) {
+  std::lock_guard lock(mu_);
+  return allocator_.ClaimFree(begin, end);
+}
+
+std::vector<Extent> TierPool::FreeExtents() const {
+  std::lock_guard lock(mu_);
+  return allocator_.FreeExtents();
+}
+
 Status TierPool::OutOfMemoryError(uint64_t size_bytes, std::string_view why) const {
   TierUsage u = usage();
   return OutOfMemory("{} tier: cannot hold {} ({} bytes): {} of {} capacity in use, largest free slot {}; {}",

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "memory/extent_allocator.h"
 #include "strata/buffer.h"
@@ -45,6 +46,9 @@ class TierPool {
   void Free(Extent extent);
   TierUsage usage() const;
   uint64_t largest_free_bytes() const;
+  // ExtentAllocator's ClaimFree and FreeExtents, under the pool's lock.
+  std::vector<Extent> ClaimFree(uint64_t begin, uint64_t end);
+  std::vector<Extent> FreeExtents() const;
   // The OutOfMemory error for a request this tier cannot hold.
   Status OutOfMemoryError(uint64_t size_bytes, std::string_view why) const;
 

@@ -73,6 +73,11 @@ class Device {
   // Fills device memory with a byte value (synchronous).
   virtual Status Memset(void* device_dst, int value, size_t size_bytes) = 0;
 
+  // Copies between two non-overlapping ranges of device memory (synchronous;
+  // not ordered with queued copies). Used to compact the device arena, so it
+  // runs at the device's memory bandwidth, not over the host link.
+  virtual Status CopyWithinDevice(void* device_dst, const void* device_src, size_t size_bytes) = 0;
+
   // Waits for every queued copy on both streams.
   virtual Status Synchronize(uint32_t timeout_ms) = 0;
 };

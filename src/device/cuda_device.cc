@@ -133,7 +133,7 @@ struct CudaDeviceParts {
   size_t capacity_bytes = 0;
   UniqueStream host_to_device;
   UniqueStream device_to_host;
-  UniqueStream memset;  // Memset's own, so it does not queue behind copies
+  UniqueStream memset;  // Memset and CopyWithinDevice: not queued behind host<->device copies
 };
 
 class CudaDevice final : public Device {
@@ -258,6 +258,20 @@ class CudaDevice final : public Device {
     // cudaMemsetAsync plus a timed wait rather than cudaMemset: the latter
     // may return before the memory is set and offers no timeout.
     STRATA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device_dst, value, size_bytes, parts_.memset.get()));
+    STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(index(), parts_.memset.get()));
+    return done->Wait(kInternalWaitTimeoutMs);
+  }
+
+  Status CopyWithinDevice(void* device_dst, const void* device_src, size_t size_bytes) override {
+    if (size_bytes == 0) return Status::Ok();
+    if (device_dst == nullptr || device_src == nullptr) {
+      return InvalidArgument("cuda device: CopyWithinDevice of {} bytes needs non-null pointers", size_bytes);
+    }
+    STRATA_RETURN_IF_ERROR(SetDevice(index()));
+    // On Memset's stream, waited for: cudaMemcpy does not wait for a
+    // device-to-device copy before returning.
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(device_dst, device_src, size_bytes, cudaMemcpyDeviceToDevice, parts_.memset.get()));
     STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, RecordEvent(index(), parts_.memset.get()));
     return done->Wait(kInternalWaitTimeoutMs);
   }

@@ -257,6 +257,16 @@ class EmulatedDevice final : public Device {
     return Status::Ok();
   }
 
+  Status CopyWithinDevice(void* device_dst, const void* device_src, size_t size_bytes) override {
+    if (size_bytes == 0) return Status::Ok();
+    if (device_dst == nullptr || device_src == nullptr) {
+      return InvalidArgument("emulated device: CopyWithinDevice of {} bytes needs non-null pointers (dst {}, src {})",
+                             size_bytes, device_dst, device_src);
+    }
+    std::memcpy(device_dst, device_src, size_bytes);
+    return Status::Ok();
+  }
+
   Status Synchronize(uint32_t timeout_ms) override {
     // A marker on each stream completes after everything queued before it.
     std::shared_ptr<EmulatedEvent> markers[] = {host_to_device_.Enqueue(nullptr, nullptr, 0),

@@ -64,6 +64,22 @@ TEST(ExtentAllocatorTest, RandomAllocateFreeKeepsExtentsDisjointAndAccountingExa
   EXPECT_EQ(allocator.largest_free_bytes(), allocator.capacity_bytes());
 }
 
+TEST(ExtentAllocatorTest, ClaimFreeTakesOnlyTheFreePiecesOfTheRange) {
+  const uint64_t k = 4096;
+  ExtentAllocator allocator(8 * k, k);
+  std::vector<Extent> slots;
+  for (int i = 0; i < 8; ++i) slots.push_back(*allocator.Allocate(k));
+  for (int i : {1, 2, 4, 7}) allocator.Free(slots[i]);
+  // Free: [1k, 3k), [4k, 5k), [7k, 8k). Claim [2k, 6k): the pieces [2k, 3k) and [4k, 5k).
+  std::vector<Extent> claimed = allocator.ClaimFree(2 * k, 6 * k);
+  EXPECT_EQ(claimed, (std::vector<Extent>{{2 * k, k}, {4 * k, k}}));
+  EXPECT_EQ(allocator.FreeExtents(), (std::vector<Extent>{{1 * k, k}, {7 * k, k}}));
+  EXPECT_EQ(allocator.used_bytes(), 6 * k);
+  for (Extent e : claimed) allocator.Free(e);
+  EXPECT_EQ(allocator.FreeExtents(), (std::vector<Extent>{{1 * k, 2 * k}, {4 * k, k}, {7 * k, k}}));
+  EXPECT_TRUE(allocator.ClaimFree(5 * k, 7 * k).empty());
+}
+
 TEST(ExtentAllocatorDeathTest, DoubleFreeAborts) {
   ExtentAllocator allocator(4 * 4096, 4096);
   Extent a = *allocator.Allocate(4096);

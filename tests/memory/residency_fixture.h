@@ -19,6 +19,9 @@ struct ResidencyStack {
     uint32_t nvme_chunks = 16;   // 0: no NVMe tier
     double bandwidth_gbps = 0;
     uint32_t timeout_ms = 10'000;
+    // Chunk sizes when they differ (num_chunks is then their count); the
+    // capacities stay in units of chunk_bytes.
+    std::vector<uint64_t> chunk_sizes;
   };
 
   explicit ResidencyStack(Config c) : config(c) {
@@ -36,8 +39,11 @@ struct ResidencyStack {
       nvme_pool = std::make_unique<NvmeTierPool>(*storage);
     }
     std::vector<ChunkDesc> chunks;
+    if (config.chunk_sizes.empty()) config.chunk_sizes.assign(config.num_chunks, config.chunk_bytes);
+    config.num_chunks = static_cast<uint32_t>(config.chunk_sizes.size());
     for (uint32_t i = 0; i < config.num_chunks; ++i) {
-      chunks.push_back({ChunkId(i), ChunkKind::kParam, DType::kFloat32, i, config.chunk_bytes / 4, config.chunk_bytes / 4});
+      const uint64_t elements = config.chunk_sizes[i] / 4;
+      chunks.push_back({ChunkId(i), ChunkKind::kParam, DType::kFloat32, i, elements, elements});
     }
     ResidencyConfig rc;
     rc.device = device.get();

@@ -231,6 +231,52 @@ TEST(ResidencyTest, VictimThatTheTierBelowCannotHoldGoesFurtherDown) {
   for (uint64_t i = 0; i < s.config.chunk_bytes; ++i) ASSERT_EQ(aligned.bytes()[i], std::byte{0x5A}) << i;
 }
 
+// Device of four small slots holding chunks 1 and 3 (0 and 2 sent back to
+// the host): two free slots, apart, for chunk 4 of twice the size.
+ResidencyStack::Config FragmentedDevice() {
+  const uint64_t small = 64 << 10;
+  return {.chunk_bytes = small, .device_chunks = 4, .host_chunks = 8, .chunk_sizes = {small, small, small, small, 2 * small}};
+}
+
+Status FragmentDevice(ResidencyStack& s) {
+  for (uint32_t id = 0; id < 5; ++id) STRATA_RETURN_IF_ERROR(s.Fill(id, static_cast<uint8_t>(10 + id)));
+  for (uint32_t id = 0; id < 4; ++id) STRATA_RETURN_IF_ERROR(s.residency->Move(ChunkId(id), Tier::kDevice));
+  for (uint32_t id : {0u, 2u}) STRATA_RETURN_IF_ERROR(s.residency->Move(ChunkId(id), Tier::kHost));
+  return Status::Ok();
+}
+
+TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvicting) {
+  ResidencyStack s(FragmentedDevice());
+  ASSERT_OK(FragmentDevice(s));
+  ASSERT_EQ(s.device_pool->largest_free_bytes(), s.config.chunk_bytes);
+  {
+    // Chunk 1 is in use: the window is chunk 3's slot and the free one below it.
+    ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(1), Tier::kDevice));
+    ASSERT_OK(s.residency->Access(ChunkId(4), Tier::kDevice).status());
+    EXPECT_EQ(pinned.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));  // not moved
+  }
+  for (uint32_t id : {1u, 3u, 4u}) EXPECT_EQ(s.residency->tier(ChunkId(id)), Tier::kDevice) << id;
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.evictions, 0u);
+  EXPECT_EQ(stats.compactions, 1u);
+  EXPECT_EQ(stats.compacted_bytes, s.config.chunk_bytes);
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+TEST(ResidencyTest, PiecesThatCannotBeJoinedAreOutOfMemoryAndLoseNothing) {
+  ResidencyStack s(FragmentedDevice());
+  ASSERT_OK(FragmentDevice(s));
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+    Result<ChunkAccess> big = s.residency->Access(ChunkId(4), Tier::kDevice);
+    EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().ToString();
+    EXPECT_EQ(s.residency->stats().compactions, 0u);
+  }
+  EXPECT_EQ(s.residency->tier(ChunkId(4)), Tier::kHost);
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
 TEST(ResidencyTest, ChunkMovedOnRequestCountsAsRecentlyUsed) {
   ResidencyStack s({});  // device holds 2
   ASSERT_OK(s.Fill(1, 1));                                            // used first, on the host
