@@ -38,6 +38,26 @@ namespace strata::offload {
 // The trace repeats, so both stages run over three iterations back to back
 // and keep the middle one: the first fills the device from cold, the third
 // gives the middle one its view of what comes next.
+//
+// Note [Host moments]
+// A moment computing on the host (a CPU optimizer update) needs its chunks
+// off the device: a chunk there is evicted when the moment begins (to the
+// host only; it is written to NVMe, its home or not, after the moment if
+// NVMe is its home), and may not come back before the moment ends. An
+// NVMe-homed chunk not on the device is read into host memory ahead of the
+// moment, as early as `host_staging_bytes` allows (the reads in flight and
+// waiting never hold more), after the chunk last left the device or was last
+// written back; each is written back when its moment ends.
+//
+// Note [Where updates run]
+// An update moment may run on the device. The plan with every update on the
+// host comes first; the device bytes it never uses at its peak are the
+// margin; updates are placed on the device in trace order while the chunks
+// they would add (those no device moment uses: the optimizer states) fit in
+// what is left of the margin; then the plan is made again, and kept if it
+// predicts a step no longer than the first. So a model whose states fit
+// beside everything else updates on the device, and a device that streams
+// its chunks keeps every byte of it for prefetching.
 
 namespace {
 
@@ -51,15 +71,23 @@ struct Unrolled {
   const PlannerInput& input;
   uint32_t period;
   uint64_t length;
-  std::vector<std::vector<uint64_t>> uses;  // by chunk: moments (unrolled) that need it, ascending
+  std::vector<std::vector<uint64_t>> uses;  // by chunk: moments (unrolled) that need it on the device, ascending
 
   explicit Unrolled(const PlannerInput& in)
       : input(in), period(static_cast<uint32_t>(in.trace.moments.size())), length(uint64_t{kCopies} * period) {
     uses.resize(in.chunk_bytes.size());
     for (uint64_t g = 0; g < length; ++g) {
-      for (ChunkId c : moment(g).chunks) uses[c.value()].push_back(g);
+      if (!on_host(g)) {
+        for (ChunkId c : moment(g).chunks) uses[c.value()].push_back(g);
+      }
     }
   }
+  bool on_host(uint64_t g) const { return moment(g).tier == Tier::kHost; }
+  bool host_chunk_at(ChunkId c, uint64_t g) const {
+    const std::vector<ChunkId>& chunks = moment(g).chunks;
+    return on_host(g) && std::find(chunks.begin(), chunks.end(), c) != chunks.end();
+  }
+  bool nvme_homed(ChunkId c) const { return input.home[c.value()] == Tier::kNvme; }
   const TraceMoment& moment(uint64_t g) const { return input.trace.moments[g % period]; }
   uint64_t size(ChunkId c) const { return input.chunk_bytes[c.value()]; }
   // The first use at or after g, kNever when none.
@@ -85,9 +113,18 @@ struct Fetch {
   uint64_t left_at = 0;  // the moment the chunk last left the device for non-model room (0: never)
 };
 
+// An NVMe-homed chunk read into host memory for a host moment.
+struct HostRead {
+  ChunkId chunk;
+  uint64_t needed = 0;
+  uint64_t issue = 0;
+  uint64_t lower = 0;  // not before: the chunk left the device, or was written back, before this
+};
+
 // Stage 1 (and the LRU baseline): demand fetches and their victims.
 struct Schedule {
   std::vector<Fetch> fetches;                      // in order of need
+  std::vector<HostRead> host_reads;                // in order of need
   std::vector<std::vector<ChunkId>> evictions_at;  // by unrolled moment: room for non-model memory
   std::vector<uint64_t> occupancy;                 // by unrolled moment: chunks resident + non-model
 };
@@ -99,6 +136,7 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
   std::vector<bool> resident(u.input.chunk_bytes.size(), false);
   std::vector<uint64_t> last_use(u.input.chunk_bytes.size(), 0);
   std::vector<uint64_t> left_for_room(u.input.chunk_bytes.size(), 0);
+  std::vector<uint64_t> last_left(u.input.chunk_bytes.size(), 0);  // off the device (or written back) from here
   uint64_t used = 0;
   Schedule schedule;
   schedule.evictions_at.resize(u.length);
@@ -106,7 +144,9 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
   for (uint64_t g = 0; g < u.length; ++g) {
     const TraceMoment& m = u.moment(g);
     std::vector<bool> needed_now(resident.size(), false);
-    for (ChunkId c : m.chunks) needed_now[c.value()] = true;
+    if (!u.on_host(g)) {
+      for (ChunkId c : m.chunks) needed_now[c.value()] = true;
+    }
     // The victim that makes room now: not needed by this moment. See Note
     // [Victims that leave room for a lead].
     const uint64_t far = g + u.period / 2;
@@ -133,7 +173,21 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
     const auto evict = [&](ChunkId v) {
       resident[v.value()] = false;
       used -= u.size(v);
+      last_left[v.value()] = g;
     };
+    // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
+    if (u.on_host(g)) {
+      for (ChunkId c : m.chunks) {
+        if (resident[c.value()]) {
+          evict(c);
+          schedule.evictions_at[g].push_back(c);
+        } else if (u.nvme_homed(c)) {
+          schedule.host_reads.push_back({.chunk = c, .needed = g, .issue = g, .lower = last_left[c.value()]});
+        }
+        left_for_room[c.value()] = g + 1;  // back on the device only after the moment
+        last_left[c.value()] = g + 1;      // written back as it ends
+      }
+    }
     // Room for this moment's non-model memory.
     while (used + m.non_model_bytes > capacity) {
       std::optional<ChunkId> victim = pick_victim();
@@ -143,7 +197,7 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
       left_for_room[victim->value()] = g;
     }
     for (ChunkId c : m.chunks) {
-      if (resident[c.value()]) continue;
+      if (u.on_host(g) || resident[c.value()]) continue;
       Fetch fetch{.chunk = c, .needed = g, .issue = g, .left_at = left_for_room[c.value()]};
       while (used + u.size(c) + m.non_model_bytes > capacity) {
         std::optional<ChunkId> victim = pick_victim();
@@ -155,7 +209,9 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
       used += u.size(c);
       schedule.fetches.push_back(std::move(fetch));
     }
-    for (ChunkId c : m.chunks) last_use[c.value()] = g;
+    if (!u.on_host(g)) {
+      for (ChunkId c : m.chunks) last_use[c.value()] = g;
+    }
     schedule.occupancy[g] = used + m.non_model_bytes;
   }
   return schedule;
@@ -187,13 +243,36 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
   }
 }
 
-// The fetches issued at each unrolled moment before `until`, in order.
-std::vector<std::vector<const Fetch*>> IssuedAt(const Schedule& schedule, uint64_t until) {
-  std::vector<std::vector<const Fetch*>> issued_at(until);
-  for (const Fetch& f : schedule.fetches) {
-    if (f.issue < until) issued_at[f.issue].push_back(&f);
+// Host reads as early as the staging memory allows, in order of need
+// (Note [Host moments]).
+void HoistHostReads(const Unrolled& u, Schedule& schedule) {
+  const uint64_t staging = u.input.host_staging_bytes;
+  std::vector<uint64_t> staged(u.length, 0);  // bytes read ahead and not yet used, by moment
+  uint64_t previous_issue = 0;
+  for (HostRead& r : schedule.host_reads) {
+    const uint64_t lower =
+        std::max({previous_issue, r.lower, r.needed >= u.period ? r.needed - u.period + 1 : 0});
+    const uint64_t size = u.size(r.chunk);
+    uint64_t issue = r.needed;
+    while (issue > lower && staged[issue - 1] + size <= staging) --issue;
+    for (uint64_t j = issue; j < r.needed; ++j) staged[j] += size;
+    r.issue = issue;
+    previous_issue = issue;
+  }
+}
+
+template <typename T>
+std::vector<std::vector<const T*>> ByIssue(const std::vector<T>& moves, uint64_t until) {
+  std::vector<std::vector<const T*>> issued_at(until);
+  for (const T& m : moves) {
+    if (m.issue < until) issued_at[m.issue].push_back(&m);
   }
   return issued_at;
+}
+
+// The fetches issued at each unrolled moment before `until`, in order.
+std::vector<std::vector<const Fetch*>> IssuedAt(const Schedule& schedule, uint64_t until) {
+  return ByIssue(schedule.fetches, until);
 }
 
 // The schedule, applied in issue order, has every chunk of every moment on
@@ -218,8 +297,9 @@ Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
       resident[f->chunk.value()] = true;
     }
     for (ChunkId c : u.moment(g).chunks) {
-      if (!resident[c.value()]) {
-        return Internal("planner: moment {} needs chunk {}, which the plan does not have on the device", g, c.value());
+      if (resident[c.value()] == u.on_host(g)) {
+        return Internal("planner: moment {} needs chunk {} {} the device, and the plan has it {}", g, c.value(),
+                        u.on_host(g) ? "off" : "on", u.on_host(g) ? "there" : "elsewhere");
       }
     }
   }
@@ -230,8 +310,11 @@ Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
 Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   const auto& bandwidth = u.input.links.bytes_per_second;
   std::array<double, kNumLinks> link_free = {};
-  std::vector<double> arrival(u.input.chunk_bytes.size(), 0.0);
+  std::vector<double> arrival(u.input.chunk_bytes.size(), 0.0);    // on the device
+  std::vector<double> host_ready(u.input.chunk_bytes.size(), 0.0);  // in host memory, for a host moment
+  std::vector<double> written(u.input.chunk_bytes.size(), 0.0);     // on NVMe, for a read after
   const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, u.length);
+  const std::vector<std::vector<const HostRead*>> reads_at = ByIssue(schedule.host_reads, u.length);
   Prediction p;
   const uint64_t first = u.period, last = 2 * uint64_t{u.period};  // the middle iteration
   const auto counted = [&](uint64_t g) { return g >= first && g < last; };
@@ -246,13 +329,20 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   // its room is free once it is off the device.
   const auto evict = [&](ChunkId v, double ready, uint64_t g) {
     const double off_device = transfer(Link::kDeviceToHost, ready, u.size(v), g);
-    if (u.input.home[v.value()] == Tier::kNvme) transfer(Link::kNvmeWrite, off_device, u.size(v), g);
+    host_ready[v.value()] = off_device;
+    if (u.nvme_homed(v) && !u.host_chunk_at(v, g)) {  // a host moment's chunk is written after it
+      written[v.value()] = transfer(Link::kNvmeWrite, off_device, u.size(v), g);
+    }
     return off_device;
+  };
+  const auto read = [&](ChunkId c, double ready, uint64_t g) {
+    return transfer(Link::kNvmeRead, std::max(ready, written[c.value()]), u.size(c), g);
   };
   double end = 0;  // end of the previous moment's compute
   double middle_start = 0, middle_end = 0;
   for (uint64_t g = 0; g < u.length; ++g) {
     const double requested = end;
+    for (const HostRead* r : reads_at[g]) host_ready[r->chunk.value()] = read(r->chunk, requested, g);
     // The moment's non-model memory waits for the chunks that make its room.
     double room_for_activations = requested;
     for (ChunkId v : schedule.evictions_at[g]) {
@@ -262,15 +352,20 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       double room = requested;
       for (ChunkId v : f->victims) room = std::max(room, evict(v, requested, g));
       double ready = requested;
-      if (u.input.home[f->chunk.value()] == Tier::kNvme) {
-        ready = transfer(Link::kNvmeRead, requested, u.size(f->chunk), g);
-      }
+      if (u.nvme_homed(f->chunk)) ready = read(f->chunk, requested, g);
       arrival[f->chunk.value()] = transfer(Link::kHostToDevice, std::max(ready, room), u.size(f->chunk), g);
       if (counted(g)) p.fetches++;
     }
     double start = room_for_activations;
-    for (ChunkId c : u.moment(g).chunks) start = std::max(start, arrival[c.value()]);
+    for (ChunkId c : u.moment(g).chunks) {
+      start = std::max(start, u.on_host(g) ? host_ready[c.value()] : arrival[c.value()]);
+    }
     end = start + u.moment(g).compute_seconds;
+    if (u.on_host(g)) {
+      for (ChunkId c : u.moment(g).chunks) {
+        if (u.nvme_homed(c)) written[c.value()] = transfer(Link::kNvmeWrite, end, u.size(c), g);
+      }
+    }
     if (counted(g)) {
       p.stall_seconds += start - requested;
       p.stall_per_moment.push_back(start - requested);
@@ -305,13 +400,24 @@ Status Validate(const PlannerInput& input) {
     if (!(moment.compute_seconds >= 0) || !std::isfinite(moment.compute_seconds)) {
       return InvalidArgument("planner: moment {} computes for {} s", m, moment.compute_seconds);
     }
+    if (moment.tier != Tier::kDevice && moment.tier != Tier::kHost) {
+      return InvalidArgument("planner: moment {} computes on {}; a moment computes on the device or the host", m,
+                             TierName(moment.tier));
+    }
+    if (moment.device_compute_seconds &&
+        (moment.tier != Tier::kHost || !(*moment.device_compute_seconds >= 0) ||
+         !std::isfinite(*moment.device_compute_seconds))) {
+      return InvalidArgument("planner: moment {} may move to the device ({} s there) but {}", m,
+                             *moment.device_compute_seconds,
+                             moment.tier != Tier::kHost ? "is not a host moment" : "that time is not >= 0");
+    }
     uint64_t bytes = moment.non_model_bytes;
     std::vector<bool> seen(chunks, false);
     for (ChunkId c : moment.chunks) {
       if (c.value() >= chunks) return InvalidArgument("planner: moment {} names chunk {} of {}", m, c.value(), chunks);
       if (seen[c.value()]) return InvalidArgument("planner: moment {} names chunk {} twice", m, c.value());
       seen[c.value()] = true;
-      bytes += input.chunk_bytes[c.value()];
+      if (moment.tier == Tier::kDevice) bytes += input.chunk_bytes[c.value()];
     }
     if (bytes > input.device_bytes) {
       return OutOfMemory("planner: moment {} needs {} on the device ({} of non-model memory and {} chunks), {} more "
@@ -341,11 +447,15 @@ uint64_t Prediction::bytes_moved() const {
   return total;
 }
 
-Result<Plan> BuildPlan(const PlannerInput& input) {
+namespace {
+
+// The plan for the trace as it is, every moment where it says.
+Result<Plan> PlanAsTraced(const PlannerInput& input) {
   STRATA_RETURN_IF_ERROR(Validate(input));
   const Unrolled unrolled(input);
   STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kFurthestNextUse));
   Hoist(unrolled, schedule);
+  HoistHostReads(unrolled, schedule);
   STRATA_RETURN_IF_ERROR(CheckSchedule(unrolled, schedule));
   Plan plan;
   plan.num_moments = unrolled.period;
@@ -360,6 +470,11 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
                                                             .victims = f.victims});
   }
   for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
+  plan.host_reads_at.resize(unrolled.period);
+  for (const HostRead& r : schedule.host_reads) {
+    if (r.issue >= first && r.issue < last) plan.host_reads_at[r.issue - first].push_back(r.chunk);
+  }
+  for (const TraceMoment& m : input.trace.moments) plan.compute_tier.push_back(m.tier);
   // The device as the middle iteration begins: every move issued before it.
   std::vector<bool> resident(input.chunk_bytes.size(), false);
   const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, first);
@@ -380,6 +495,39 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
   }
   plan.prediction = Replay(unrolled, schedule);
   return plan;
+}
+
+}  // namespace
+
+Result<Plan> BuildPlan(const PlannerInput& input) {
+  STRATA_ASSIGN_OR_RETURN(Plan on_host, PlanAsTraced(input));
+  // Note [Where updates run]
+  std::vector<bool> on_device(input.chunk_bytes.size(), false);
+  for (const TraceMoment& m : input.trace.moments) {
+    if (m.tier != Tier::kDevice) continue;
+    for (ChunkId c : m.chunks) on_device[c.value()] = true;
+  }
+  uint64_t margin = input.device_bytes - on_host.peak_device_bytes;
+  PlannerInput placed = input;
+  bool any = false;
+  for (TraceMoment& m : placed.trace.moments) {
+    if (!m.device_compute_seconds) continue;
+    uint64_t added = 0;
+    for (ChunkId c : m.chunks) {
+      if (!on_device[c.value()]) added += input.chunk_bytes[c.value()];
+    }
+    if (added > margin) continue;
+    margin -= added;
+    for (ChunkId c : m.chunks) on_device[c.value()] = true;
+    m.tier = Tier::kDevice;
+    m.compute_seconds = *m.device_compute_seconds;
+    m.device_compute_seconds.reset();
+    any = true;
+  }
+  if (!any) return on_host;
+  Result<Plan> on_device_plan = PlanAsTraced(placed);
+  if (!on_device_plan.ok() || on_device_plan->prediction.step_seconds > on_host.prediction.step_seconds) return on_host;
+  return on_device_plan;
 }
 
 Result<Prediction> PredictLru(const PlannerInput& input) {

@@ -26,6 +26,7 @@
 
 #include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -35,9 +36,17 @@
 namespace strata::offload {
 
 struct TraceMoment {
-  std::vector<ChunkId> chunks;   // needed on the device during this moment (no duplicates)
+  std::vector<ChunkId> chunks;   // needed on `tier` during this moment (no duplicates)
   uint64_t non_model_bytes = 0;  // device memory in use besides chunks
   double compute_seconds = 0;    // compute once the chunks are there
+  // Where the compute runs: the device, or the host (a CPU optimizer update:
+  // its chunks must be off the device, and read from NVMe first when that is
+  // their home; they are written back there after).
+  Tier tier = Tier::kDevice;
+  // Set on a host moment that may run on the device instead (an optimizer
+  // update): its compute time there. The planner places it (Note [Where
+  // updates run] in planner.cc).
+  std::optional<double> device_compute_seconds;
 };
 
 struct Trace {
@@ -59,6 +68,9 @@ struct PlannerInput {
   std::vector<Tier> home;             // by ChunkId: kHost or kNvme, where an evicted chunk goes
   uint64_t device_bytes = 0;          // device memory for chunks and non-model memory together
   LinkBandwidths links;
+  // Host memory for NVMe-homed chunks read ahead of a host moment (0: each
+  // is read when its moment begins).
+  uint64_t host_staging_bytes = 0;
 };
 
 // One fetch to the device, issued at the start of moment `issue` for the
@@ -94,6 +106,13 @@ struct Plan {
   // The most device memory (chunks resident or arriving, and non-model
   // memory) the plan uses at any moment; never above device_bytes.
   uint64_t peak_device_bytes = 0;
+  // By moment: where it computes (an update moment placed on the device
+  // runs there; every other moment where its trace says).
+  std::vector<Tier> compute_tier;
+  // NVMe-homed chunks of host moments read ahead, by issue moment, in order
+  // (on the NVMe read queue); each host moment writes its NVMe-homed chunks
+  // back when it ends.
+  std::vector<std::vector<ChunkId>> host_reads_at;
   // The chunks the plan has on the device (or arriving) when an iteration
   // begins, in the steady state: an executor whose device holds others puts
   // them right first, or the two drift apart.

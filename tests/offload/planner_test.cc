@@ -173,6 +173,69 @@ TEST(PlannerTest, MalformedInputsAreRejected) {
 // passes BuildPlan's own schedule check (each moment's chunks on the device,
 // no fetch of a chunk already there, no eviction of one that is not) and
 // never holds more than the device.
+TEST(PlannerTest, AHostMomentTakesItsChunkOffTheDeviceAndItComesBackAfter) {
+  // m0 uses chunk 0 on the device, m1 on the host (a CPU update): 1 s down
+  // before m1, 1 s up before the next m0 (not before m1 ends), 1 s of compute each.
+  PlannerInput input = UnitInput({{0}, {0}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[1].tier = Tier::kHost;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kHost}));
+  EXPECT_EQ(plan.evictions_at[1], std::vector<ChunkId>{ChunkId(0)});
+  ASSERT_EQ(plan.fetches_at[0].size(), 1u);
+  EXPECT_EQ(plan.fetches_at[0][0].chunk, ChunkId(0));
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kDeviceToHost)], 1000u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 1000u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 2.0);
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 4.0);
+  EXPECT_TRUE(plan.resident_at_start.empty());  // it left at m1 of the iteration before
+}
+
+// m0 and m1 compute on the device with chunks 0 and 1; m2 updates chunk 2,
+// homed on NVMe, on the host. Every link moves 1000 B/s, chunks are 1000 B.
+PlannerInput HostUpdate(uint64_t staging_bytes) {
+  PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].tier = Tier::kHost;
+  input.home[2] = Tier::kNvme;
+  input.host_staging_bytes = staging_bytes;
+  return input;
+}
+
+TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
+  // With room for one chunk the read starts at m0, right after the write of
+  // the iteration before (1 s each), and is done when m2 begins.
+  ASSERT_OK_AND_ASSIGN(Plan ahead, BuildPlan(HostUpdate(1000)));
+  EXPECT_EQ(ahead.host_reads_at[0], std::vector<ChunkId>{ChunkId(2)});
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 1000u);
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeWrite)], 1000u);
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+  EXPECT_DOUBLE_EQ(ahead.prediction.stall_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(ahead.prediction.step_seconds, 3.0);
+  // Without staging memory it is read when m2 begins: 1 s of stall.
+  ASSERT_OK_AND_ASSIGN(Plan late, BuildPlan(HostUpdate(0)));
+  EXPECT_EQ(late.host_reads_at[2], std::vector<ChunkId>{ChunkId(2)});
+  EXPECT_DOUBLE_EQ(late.prediction.stall_seconds, 1.0);
+  ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(HostUpdate(1000)));
+  EXPECT_DOUBLE_EQ(lru.stall_seconds, 1.0);  // no read-ahead without a plan
+}
+
+TEST(PlannerTest, AnUpdateRunsOnTheDeviceOnlyWhenItsStatesFitBesideEverythingElse) {
+  PlannerInput input = HostUpdate(0);
+  input.trace.moments[2].device_compute_seconds = 0.25;
+  // Three slots: chunks 0 and 1 stay, and chunk 2 fits beside them: it moves
+  // to the device once and stays; the update takes 0.25 s there.
+  input.device_bytes = 3000;
+  ASSERT_OK_AND_ASSIGN(Plan roomy, BuildPlan(input));
+  EXPECT_EQ(roomy.compute_tier[2], Tier::kDevice);
+  EXPECT_EQ(roomy.prediction.bytes_moved(), 0u);
+  EXPECT_DOUBLE_EQ(roomy.prediction.step_seconds, 2.25);
+  // Two slots: on the device it would push chunks 0 and 1 out every
+  // iteration; it stays on the host.
+  input.device_bytes = 2000;
+  ASSERT_OK_AND_ASSIGN(Plan tight, BuildPlan(input));
+  EXPECT_EQ(tight.compute_tier[2], Tier::kHost);
+  EXPECT_EQ(tight.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+}
+
 TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
   std::mt19937_64 rng(testing::TestSeed());
   for (int trial = 0; trial < 200; ++trial) {
@@ -185,6 +248,7 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
     }
     const uint64_t largest = *std::max_element(input.chunk_bytes.begin(), input.chunk_bytes.end());
     input.device_bytes = largest * (2 + rng() % 4);
+    input.host_staging_bytes = largest * (rng() % 3);
     const uint32_t moments = 1 + rng() % 20;
     for (uint32_t m = 0; m < moments; ++m) {
       TraceMoment moment{.compute_seconds = 1e-3 * static_cast<double>(rng() % 5)};
@@ -197,6 +261,10 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
         bytes += input.chunk_bytes[c.value()];
       }
       moment.non_model_bytes = rng() % (input.device_bytes - bytes + 1);
+      if (rng() % 4 == 0) {  // a CPU update, which the planner may move to the device
+        moment.tier = Tier::kHost;
+        if (rng() % 2 == 0) moment.device_compute_seconds = 1e-4 * static_cast<double>(rng() % 5);
+      }
       input.trace.moments.push_back(moment);
     }
     SCOPED_TRACE("trial " + std::to_string(trial));
