@@ -8,9 +8,11 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/chunk_layout.h"
+#include "offload/capacity_plan.h"
 #include "offload/pipeline.h"
 #include "src/selftest.h"
 #include "strata/engine.h"
+#include "strata/logging.h"
 #include "strata/options.h"
 
 namespace strata::bench {
@@ -18,38 +20,35 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-struct ReplayMoment {
-  std::vector<ChunkId> chunks;
-  uint64_t bytes = 0;
-  double compute_seconds = 0;
-};
+offload::ModelShape ShapeOf(const ReplayBenchConfig& c) {
+  return {.layers = c.layers, .hidden = c.hidden, .vocab = c.vocab, .sequence = c.sequence, .batch = c.batch,
+          .heads = c.heads};
+}
 
-// Forward over the groups (param chunks), backward in reverse (param and grad chunks).
-std::vector<ReplayMoment> Moments(const Engine& engine, const std::vector<TensorSpec>& specs, uint32_t layers) {
-  std::vector<std::vector<uint32_t>> groups(layers + 2);
-  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
-  // The output head is tied to the token embedding: the logits need it again.
-  for (uint32_t t = 0; t < specs.size(); ++t) {
-    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
+offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
+  offload::MachineSpec machine;
+  machine.pcie_gbps = c.pcie_gbps;
+  machine.gpu_tflops = c.gpu_tflops > 0 ? c.gpu_tflops : machine.gpu_tflops;
+  machine.cpu_adam_gparams = c.cpu_adam_gparams;
+  machine.gpu_adam_gparams = c.gpu_adam_gparams;
+  return machine;
+}
+
+// The step as the planner sees it (offload::GptStepTrace), with the compute
+// each moment busy-waits: FLOPs at --gpu-tflops, or 1.5 x its chunks' time
+// over the throttled link.
+offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
+                            const memory::ChunkLayout& layout) {
+  offload::GptStep step = offload::GptStepTrace(specs, layout, ShapeOf(config), MachineOf(config));
+  if (config.gpu_tflops > 0 && config.compute_ms <= 0) return step;
+  for (offload::TraceMoment& m : step.trace.moments) {
+    if (m.tier != Tier::kDevice) continue;  // the updates keep their rates
+    uint64_t bytes = 0;
+    for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
+    m.compute_seconds =
+        config.compute_ms > 0 ? config.compute_ms / 1e3 : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9);
   }
-  std::vector<ChunkInfo> info = engine.chunks();
-  const auto moment = [&](const std::vector<uint32_t>& tensors, bool backward) {
-    ReplayMoment m;
-    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
-      if (kind == ChunkKind::kGrad && !backward) continue;
-      for (uint32_t t : tensors) {
-        std::optional<ChunkId> c = engine.ChunkOf(TensorId(t), kind);
-        if (!c || std::find(m.chunks.begin(), m.chunks.end(), *c) != m.chunks.end()) continue;
-        m.chunks.push_back(*c);
-        m.bytes += info[c->value()].size_bytes;
-      }
-    }
-    return m;
-  };
-  std::vector<ReplayMoment> moments;
-  for (const auto& g : groups) moments.push_back(moment(g, false));
-  for (auto g = groups.rbegin(); g != groups.rend(); ++g) moments.push_back(moment(*g, true));
-  return moments;
+  return step;
 }
 
 void BusyFor(double seconds) {
@@ -65,11 +64,12 @@ struct RunResult {
   double planning_seconds = 0;
   double predicted_step_seconds = 0;
   uint64_t divergences = 0;
+  offload::LinkBandwidths links;  // as the pipeline measured them
+  uint32_t updates = 0, updates_on_device = 0;
 };
 
 Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
-                          const std::vector<TensorSpec>& specs, bool adaptive, std::vector<ReplayMoment>* moments_out,
-                          uint32_t* chunks_out) {
+                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool adaptive) {
   EngineSeams seams;
   if (config.dirs.empty()) {
     STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme_capacity_bytes));
@@ -77,26 +77,28 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
   for (const TensorSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine->RegisterTensor(spec).status());
   STRATA_RETURN_IF_ERROR(engine->Finalize());
-  std::vector<ReplayMoment> moments = Moments(*engine, specs, config.layers);
-  const double link = config.pcie_gbps * 1e9;
-  for (ReplayMoment& m : moments) {
-    m.compute_seconds = config.compute_ms > 0 ? config.compute_ms / 1e3 : 1.5 * static_cast<double>(m.bytes) / link;
-  }
   offload::PipelineOptions pipeline_options{.adaptive = adaptive};
+  const double link = config.pcie_gbps * 1e9;
   pipeline_options.links.bytes_per_second = {link, link, 0, 0};  // the throttle; NVMe measured in the warm-up
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Pipeline> pipeline,
                           offload::Pipeline::Create(*engine, pipeline_options));
   RunResult result;
   for (uint32_t it = 0; it <= config.iterations; ++it) {
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
-    for (const ReplayMoment& m : moments) {
-      STRATA_RETURN_IF_ERROR(pipeline->BeginMoment());
+    for (const offload::TraceMoment& m : step.moments) {
+      double compute = m.compute_seconds;
+      if (m.tier == Tier::kDevice) {
+        STRATA_RETURN_IF_ERROR(pipeline->BeginMoment(m.non_model_bytes));
+      } else {
+        STRATA_ASSIGN_OR_RETURN(Tier where, pipeline->BeginHostMoment(m.device_compute_seconds));
+        if (where == Tier::kDevice) compute = *m.device_compute_seconds;
+      }
       std::vector<ChunkAccess> held;
       for (ChunkId c : m.chunks) {
         STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline->Access(c));
         held.push_back(std::move(access));
       }
-      BusyFor(m.compute_seconds);
+      BusyFor(compute);
       held.clear();
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
     }
@@ -111,10 +113,17 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   const offload::PipelineStats s = pipeline->stats();
   result.planning_seconds = s.planning_seconds;
   result.divergences = s.divergences;
-  if (const offload::Plan* plan = pipeline->plan()) result.predicted_step_seconds = plan->prediction.step_seconds;
+  result.links = pipeline->links();
+  if (const offload::Plan* plan = pipeline->plan()) {
+    result.predicted_step_seconds = plan->prediction.step_seconds;
+    for (size_t k = 0; k < step.moments.size(); ++k) {
+      if (step.moments[k].device_compute_seconds) {
+        result.updates++;
+        if (plan->compute_tier[k] == Tier::kDevice) result.updates_on_device++;
+      }
+    }
+  }
   result.pipeline_json = pipeline->StatsJson();
-  if (moments_out != nullptr) *moments_out = moments;
-  if (chunks_out != nullptr) *chunks_out = static_cast<uint32_t>(engine->chunks().size());
   return result;
 }
 
@@ -131,7 +140,14 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --layers, --hidden, --vocab and --seq must be > 0");
   }
   if (config.iterations == 0) return InvalidArgument("bench replay: --iterations 0: at least one is measured");
-  if (!(config.pcie_gbps > 0)) return InvalidArgument("bench replay: --pcie-gbps {} must be > 0", config.pcie_gbps);
+  if (config.batch == 0) return InvalidArgument("bench replay: --batch must be > 0");
+  for (double rate : {config.pcie_gbps, config.cpu_adam_gparams, config.gpu_adam_gparams}) {
+    if (!(rate > 0)) {
+      return InvalidArgument("bench replay: --pcie-gbps, --cpu-adam-gparams and --gpu-adam-gparams must be > 0 (got {})",
+                             rate);
+    }
+  }
+  if (!(config.gpu_tflops >= 0)) return InvalidArgument("bench replay: --gpu-tflops {} must be >= 0", config.gpu_tflops);
   const SelftestConfig shape{.layers = config.layers, .hidden = config.hidden, .vocab = config.vocab,
                              .sequence = config.sequence};
   const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
@@ -147,13 +163,26 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   const uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());
+  const offload::GptStep step = ReplayStep(config, specs, layout);
   ReplayBenchReport report;
   report.config = config;
   report.model_states_bytes = total;
-  options.device_budget_bytes = config.device_budget_bytes > 0 ? config.device_budget_bytes
-                                                                : std::max<uint64_t>(total / 4, 4 * largest);
+  report.activation_peak_bytes = step.activation_peak_bytes;
+  report.chunks = static_cast<uint32_t>(layout.chunks().size());
+  report.moments = static_cast<uint32_t>(step.trace.moments.size());
+  for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;
+  options.device_budget_bytes =
+      config.device_budget_bytes > 0 ? config.device_budget_bytes
+                                     : std::max<uint64_t>(total / 4, 4 * largest + step.activation_peak_bytes);
+  // The host holds a CPU update's chunk group, pinned, beside what it homes.
+  uint64_t largest_group = 0;
+  for (const memory::ChunkGroup& group : layout.groups()) {
+    uint64_t bytes = 0;
+    for (const std::optional<ChunkId>& c : group.chunk_of_kind) bytes += c ? layout.chunk(*c).size_bytes() : 0;
+    largest_group = std::max(largest_group, bytes);
+  }
   options.host_budget_bytes = config.host_budget_bytes > 0 ? config.host_budget_bytes
-                                                            : std::max<uint64_t>(total / 2, 4 * largest);
+                                                            : std::max<uint64_t>(total / 2, 2 * largest_group);
   options.nvme_dirs = config.dirs;
   options.nvme_capacity_bytes = 2 * total + 4 * largest;
   report.device_budget_bytes = options.device_budget_bytes;
@@ -176,17 +205,40 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   } remove_files{created};
 
-  std::vector<ReplayMoment> moments;
-  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunOnce(config, options, specs, true, &moments, &report.chunks));
+  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunOnce(config, options, specs, step.trace, true));
   report.planned = planned.run;
   report.planning_seconds = planned.planning_seconds;
   report.predicted_step_seconds = planned.predicted_step_seconds;
   report.divergences = planned.divergences;
   report.pipeline_json = planned.pipeline_json;
-  report.moments = static_cast<uint32_t>(moments.size());
-  for (const ReplayMoment& m : moments) report.compute_seconds += m.compute_seconds;
+  report.updates = planned.updates;
+  report.updates_on_device = planned.updates_on_device;
+  // What `strata plan` predicts for this machine: the budgets as HBM (no
+  // reserve) and DRAM, the links as the warm-up measured them.
+  if (config.gpu_tflops > 0 && config.compute_ms <= 0) {
+    offload::MachineSpec machine = MachineOf(config);
+    machine.hbm_bytes = options.device_budget_bytes;
+    machine.hbm_reserve_fraction = 0;
+    machine.dram_bytes = options.host_budget_bytes;
+    machine.nvme_bytes = options.nvme_capacity_bytes;
+    machine.nvme_read_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
+    machine.nvme_write_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
+    Result<offload::CapacityPlan> predicted = offload::PlanCapacity(ShapeOf(config), machine);
+    if (predicted.ok()) {
+      report.strata_plan_step_seconds = predicted->step_seconds;
+      report.strata_plan_command = fmt::format(
+          "strata plan --layers {} --hidden {} --vocab {} --seq {} --batch {} --hbm {} --hbm-reserve 0 --dram {} "
+          "--nvme-capacity {} --pcie-gbps {} --nvme-read-gbps {:.3f} --nvme-write-gbps {:.3f} --gpu-tflops {} "
+          "--cpu-adam-gparams {} --gpu-adam-gparams {}",
+          config.layers, config.hidden, config.vocab, config.sequence, config.batch, machine.hbm_bytes,
+          machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps, machine.nvme_write_gbps,
+          config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams);
+    } else {
+      STRATA_LOG_WARNING("bench replay: strata plan refuses this machine: {}", predicted.status().ToString());
+    }
+  }
   if (config.baseline) {
-    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunOnce(config, options, specs, false, nullptr, nullptr));
+    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunOnce(config, options, specs, step.trace, false));
     report.lru = lru.run;
   }
   return report;
@@ -194,10 +246,12 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
 
 std::string FormatReplayBench(const ReplayBenchReport& r) {
   std::string out = fmt::format(
-      "strata bench replay: GPT, {} layers, hidden {}, vocab {}: {} of model states in {} chunks, {} moments\n"
-      "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration; {} measured "
-      "iterations after one warm-up\n",
-      r.config.layers, r.config.hidden, r.config.vocab, FormatSize(r.model_states_bytes), r.chunks, r.moments,
+      "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {} of model states in {} chunks, "
+      "{} moments, activations up to {}\n"
+      "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration (updates on the "
+      "CPU); {} measured iterations after one warm-up\n",
+      r.config.layers, r.config.hidden, r.config.vocab, r.config.sequence, r.config.batch,
+      FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
       FormatSize(r.device_budget_bytes), FormatSize(r.host_budget_bytes),
       r.config.dirs.empty() ? std::string("emulated in memory") : fmt::format("{}", fmt::join(r.config.dirs, ",")),
       r.config.pcie_gbps, 1e3 * r.compute_seconds, r.config.iterations);
@@ -216,6 +270,14 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
                      1e3 * r.planning_seconds, 100 * r.planning_seconds / std::max(r.planned.step_seconds, 1e-12),
                      1e3 * r.predicted_step_seconds,
                      100 * (r.predicted_step_seconds / std::max(r.planned.step_seconds, 1e-12) - 1), r.divergences);
+  out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU\n", r.updates_on_device,
+                     r.updates);
+  if (r.strata_plan_step_seconds > 0) {
+    out += fmt::format("strata plan predicts {:.2f} ms ({:+.1f}% from the replay): {}\n",
+                       1e3 * r.strata_plan_step_seconds,
+                       100 * (r.strata_plan_step_seconds / std::max(r.planned.step_seconds, 1e-12) - 1),
+                       r.strata_plan_command);
+  }
   return out;
 }
 
@@ -226,6 +288,10 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"hidden", r.config.hidden},
                  {"vocab", r.config.vocab},
                  {"seq", r.config.sequence},
+                 {"batch", r.config.batch},
+                 {"gpu_tflops", r.config.gpu_tflops},
+                 {"cpu_adam_gparams", r.config.cpu_adam_gparams},
+                 {"gpu_adam_gparams", r.config.gpu_adam_gparams},
                  {"device_budget_bytes", r.device_budget_bytes},
                  {"host_budget_bytes", r.host_budget_bytes},
                  {"dirs", r.config.dirs},
@@ -248,6 +314,13 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
   j["planning_fraction_of_step"] = r.planning_seconds / std::max(r.planned.step_seconds, 1e-12);
   j["predicted_step_seconds"] = r.predicted_step_seconds;
   j["divergences"] = r.divergences;
+  j["activation_peak_bytes"] = r.activation_peak_bytes;
+  j["updates"] = r.updates;
+  j["updates_on_device"] = r.updates_on_device;
+  if (r.strata_plan_step_seconds > 0) {
+    j["strata_plan_step_seconds"] = r.strata_plan_step_seconds;
+    j["strata_plan_command"] = r.strata_plan_command;
+  }
   j["pipeline"] = nlohmann::json::parse(r.pipeline_json);  // the last iteration, stalls per moment
   if (r.config.baseline) {
     j["lru_step_seconds"] = r.lru.step_seconds;

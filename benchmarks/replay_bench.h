@@ -1,17 +1,24 @@
-// `strata bench replay`: the access pattern of a GPT-style model's forward
-// and backward passes, replayed on the engine with the host-emulated device
+// `strata bench replay`: the access pattern of a GPT-style model's training
+// step (forward, backward, the optimizer update of each chunk group),
+// replayed on the engine with the host-emulated device
 // (its copies throttled to a PCIe-like bandwidth) and, with --dir, real NVMe
 // I/O, for several iterations after the warm-up; once with the planned
 // prefetch pipeline (offload/pipeline.h) and once without a plan (on demand,
 // least-recently-used eviction) as the reference, each on a fresh engine.
 //
-// Moments: forward = the embedding, each layer, the final norm (their param
-// chunks); backward = the same in reverse, with the grad chunks as well. Each
-// moment computes by busy work for --compute-ms (default: 1.5 x the time its
-// chunks take over the throttled link), so stalls are what remains of the
-// transfers. Reported per iteration after the warm-up: stall time / step
-// time, bytes per link, and the planner's time against a step.
-// The optimizer step is not replayed yet.
+// Moments: offload::GptStepTrace's (the same `strata plan` predicts from):
+// forward over the embedding, each layer and the tied head (param chunks,
+// the activation estimate as non-model memory), backward in reverse with the
+// grad chunks, then one update per chunk group (a host moment over all its
+// chunks, which the plan may move to the device). Each moment computes by
+// busy work: forward and backward for their FLOPs at --gpu-tflops, or when
+// that is 0 for --compute-ms, or by default 1.5 x the time its chunks take
+// over the throttled link; an update for its parameters at
+// --cpu-adam-gparams (on the host) or --gpu-adam-gparams (on the device).
+// So stalls are what remains of the transfers. Reported per iteration after
+// the warm-up: stall time / step time, bytes per link, the planner's time
+// against a step and, with --gpu-tflops, `strata plan`'s prediction for
+// the same machine.
 #pragma once
 
 #include <array>
@@ -28,12 +35,17 @@ struct ReplayBenchConfig {
   uint32_t layers = 8;
   uint32_t hidden = 512;
   uint32_t vocab = 8192;
-  uint32_t sequence = 512;
+  uint32_t sequence = 128;
+  uint32_t batch = 1;
+  uint32_t heads = 0;                // 0: hidden / 64
   uint64_t device_budget_bytes = 0;  // 0: a quarter of the model states
   uint64_t host_budget_bytes = 0;    // 0: half of the model states
   std::vector<std::string> dirs;     // NVMe directories; empty: NVMe emulated in memory
   double pcie_gbps = 2.0;            // the emulated device's copy bandwidth per direction
-  double compute_ms = 0;             // per moment; 0: 1.5 x its chunks' transfer time
+  double compute_ms = 0;             // per forward/backward moment; 0: see gpu_tflops
+  double gpu_tflops = 0;             // forward/backward FLOPs rate; 0: 1.5 x the moment's chunks' transfer time
+  double cpu_adam_gparams = 1.0;     // an update on the host: its parameters at this rate (G/s)
+  double gpu_adam_gparams = 100;     // on the device
   uint32_t iterations = 3;           // measured, after one warm-up
   bool baseline = true;              // also run without a plan
 };
@@ -53,7 +65,11 @@ struct ReplayBenchReport {
   uint64_t host_budget_bytes = 0;
   uint32_t chunks = 0;
   uint32_t moments = 0;
-  double compute_seconds = 0;  // per iteration, all moments
+  uint64_t activation_peak_bytes = 0;
+  double compute_seconds = 0;  // per iteration, all moments, updates on the CPU
+  uint32_t updates = 0, updates_on_device = 0;  // chunk-group updates, as the plan placed them
+  double strata_plan_step_seconds = 0;  // with gpu_tflops: `strata plan`'s prediction for this machine
+  std::string strata_plan_command;
   double planning_seconds = 0;
   double predicted_step_seconds = 0;
   uint64_t divergences = 0;

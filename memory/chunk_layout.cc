@@ -103,6 +103,31 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
 
 }  // namespace
 
+std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
+                                             uint64_t nvme_bytes) {
+  std::vector<std::optional<Tier>> homes(chunks.size());
+  for (bool states : {false, true}) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const ChunkKind kind = chunks[i].kind;
+      if ((kind != ChunkKind::kParam && kind != ChunkKind::kGrad) != states) continue;
+      const uint64_t size = chunks[i].size_bytes();
+      if (size <= host_bytes) {
+        homes[i] = Tier::kHost;
+        host_bytes -= size;
+      } else if (size <= nvme_bytes) {
+        homes[i] = Tier::kNvme;
+        nvme_bytes -= size;
+      }
+    }
+  }
+  return homes;
+}
+
+uint64_t HostStagingBytes(uint64_t total_bytes, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
+  constexpr uint64_t kShare = 8;
+  return total_bytes > host_bytes && nvme_bytes > 0 ? std::min(stream_ring, host_bytes / kShare) : 0;
+}
+
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
   return kind == ChunkKind::kParam || kind == ChunkKind::kGrad ? param_dtype : DType::kFloat32;
 }

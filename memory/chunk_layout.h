@@ -92,6 +92,21 @@ class ChunkLayout {
   LayoutReport report_;
 };
 
+// Home tiers as the engine gives them: first the chunks compute touches
+// every iteration (params and grads), then the optimizer states, each in
+// layout order, on the host while `host_bytes` lasts, then on NVMe while
+// `nvme_bytes` lasts; nullopt for a chunk that fits on neither. So the
+// states are what goes to NVMe (read and written once a step, by the
+// update), never the chunks forward and backward fetch.
+std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
+                                             uint64_t nvme_bytes);
+
+// Host memory kept free of homes for NVMe-homed chunks read ahead of their
+// CPU update: none when the host holds every chunk (`total_bytes`) or there
+// is no NVMe tier, else an eighth of the host tier, at most `stream_ring`
+// (option optimizer.stream_ring).
+uint64_t HostStagingBytes(uint64_t total_bytes, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
+
 // Element size of a chunk kind for a group whose params are `param_dtype`.
 DType ChunkKindDType(ChunkKind kind, DType param_dtype);
 

@@ -19,7 +19,8 @@ Status Validate(const ModelShape& m, const MachineSpec& x) {
   if (!(x.hbm_reserve_fraction >= 0 && x.hbm_reserve_fraction < 1)) {
     return InvalidArgument("plan: the HBM reserve {} must be in [0, 1)", x.hbm_reserve_fraction);
   }
-  for (double rate : {x.pcie_gbps, x.nvme_read_gbps, x.nvme_write_gbps, x.gpu_tflops, x.cpu_adam_gparams}) {
+  for (double rate : {x.pcie_gbps, x.nvme_read_gbps, x.nvme_write_gbps, x.gpu_tflops, x.cpu_adam_gparams,
+                      x.gpu_adam_gparams}) {
     if (!(rate > 0)) return InvalidArgument("plan: every bandwidth and rate must be > 0 (got {})", rate);
   }
   return Status::Ok();
@@ -27,54 +28,9 @@ Status Validate(const ModelShape& m, const MachineSpec& x) {
 
 }  // namespace
 
-Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
-  STRATA_RETURN_IF_ERROR(Validate(model, machine));
-  CapacityPlan plan;
-  plan.model = model;
-  plan.machine = machine;
-  const SelftestConfig shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
-                             .sequence = model.sequence};
-  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
-  const Options defaults;
-  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, 0, defaults.chunk_search_min_elems,
-                                                     defaults.chunk_search_max_elems));
-  for (const TensorSpec& spec : specs) {
-    if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
-  }
-
-  // Homes, as the engine gives them: host while DRAM lasts, then NVMe.
-  PlannerInput input;
-  uint64_t host_left = machine.dram_bytes, nvme_left = machine.nvme_bytes;
-  for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    const uint64_t size = chunk.size_bytes();
-    switch (chunk.kind) {
-      case ChunkKind::kParam: plan.param_bytes += size; break;
-      case ChunkKind::kGrad: plan.grad_bytes += size; break;
-      default: plan.state_bytes += size; break;
-    }
-    input.chunk_bytes.push_back(size);
-    if (size <= host_left) {
-      input.home.push_back(Tier::kHost);
-      host_left -= size;
-      plan.host_chunk_bytes += size;
-    } else if (size <= nvme_left) {
-      input.home.push_back(Tier::kNvme);
-      nvme_left -= size;
-      plan.nvme_chunk_bytes += size;
-      if (chunk.kind != ChunkKind::kParam && chunk.kind != ChunkKind::kGrad) plan.nvme_state_bytes += size;
-    } else {
-      const uint64_t total = layout.report().total_bytes;
-      return OutOfMemory("plan: the model states need {} but DRAM ({}) and NVMe ({}) hold {} ({} short); a {} chunk "
-                         "finds {} left in DRAM and {} on NVMe: raise --dram or give --nvme directories with more space",
-                         FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(machine.nvme_bytes),
-                         FormatSize(machine.dram_bytes + machine.nvme_bytes),
-                         FormatSize(total - std::min(total, machine.dram_bytes + machine.nvme_bytes)), FormatSize(size),
-                         FormatSize(host_left), FormatSize(nvme_left));
-    }
-  }
-
-  // Moments: forward over the groups, backward in reverse with the grads.
+GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
+                     const MachineSpec& machine) {
+  GptStep step;
   const double s = model.sequence, b = model.batch, h = model.hidden, v = model.vocab;
   const double heads = model.heads > 0 ? model.heads : std::max(1.0, h / 64);
   const uint64_t layer_activations = static_cast<uint64_t>(s * b * h * 34 + 5 * heads * s * s * b);
@@ -102,14 +58,75 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
     m.non_model_bytes = embed_activations + layers_alive * layer_activations + (g == model.layers + 1 ? logits : 0);
     const double flops = g == 0 ? 0 : g <= model.layers ? layer_flops : head_flops;
     m.compute_seconds = (backward ? 2 : 1) * flops / (machine.gpu_tflops * 1e12);
-    plan.model_flops += (backward ? 2 : 1) * flops;
-    plan.activation_peak_bytes = std::max(plan.activation_peak_bytes, m.non_model_bytes);
+    step.model_flops += (backward ? 2 : 1) * flops;
+    step.activation_peak_bytes = std::max(step.activation_peak_bytes, m.non_model_bytes);
     return m;
   };
-  for (uint32_t g = 0; g < groups.size(); ++g) input.trace.moments.push_back(moment(g, false));
-  for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) input.trace.moments.push_back(moment(g, true));
-  for (const TraceMoment& m : input.trace.moments) plan.compute_seconds += m.compute_seconds;
+  for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
+  for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
+  // The update of each trainable chunk group: every chunk of the group.
+  for (const memory::ChunkGroup& group : layout.groups()) {
+    if (!group.trainable) continue;
+    TraceMoment m{.tier = Tier::kHost};
+    uint64_t params = 0;
+    for (TensorId t : group.tensors) params += static_cast<uint64_t>(specs[t.value()].num_elements());
+    for (const std::optional<ChunkId>& c : group.chunk_of_kind) {
+      if (c) m.chunks.push_back(*c);
+    }
+    m.compute_seconds = static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+    m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+    step.trace.moments.push_back(std::move(m));
+  }
+  return step;
+}
 
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
+  STRATA_RETURN_IF_ERROR(Validate(model, machine));
+  CapacityPlan plan;
+  plan.model = model;
+  plan.machine = machine;
+  const SelftestConfig shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
+                             .sequence = model.sequence};
+  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+  const Options defaults;
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
+                          memory::ChunkLayout::Build(specs, 0, defaults.chunk_search_min_elems,
+                                                     defaults.chunk_search_max_elems));
+  for (const TensorSpec& spec : specs) {
+    if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
+  }
+  // Homes, as the engine gives them (memory::AssignHomes, with the same room
+  // kept for staging NVMe reads).
+  PlannerInput input;
+  const uint64_t total = layout.report().total_bytes;
+  input.host_staging_bytes =
+      memory::HostStagingBytes(total, machine.dram_bytes, machine.nvme_bytes, defaults.optimizer_stream_ring_bytes);
+  const std::vector<std::optional<Tier>> homes =
+      memory::AssignHomes(layout.chunks(), machine.dram_bytes - input.host_staging_bytes, machine.nvme_bytes);
+  for (size_t i = 0; i < homes.size(); ++i) {
+    const memory::ChunkDesc& chunk = layout.chunks()[i];
+    const uint64_t size = chunk.size_bytes();
+    const bool state = chunk.kind != ChunkKind::kParam && chunk.kind != ChunkKind::kGrad;
+    (chunk.kind == ChunkKind::kParam ? plan.param_bytes : chunk.kind == ChunkKind::kGrad ? plan.grad_bytes
+                                                                                          : plan.state_bytes) += size;
+    input.chunk_bytes.push_back(size);
+    if (!homes[i]) {
+      return OutOfMemory("plan: the model states need {} but DRAM ({}, {} of it kept for staging NVMe reads) and "
+                         "NVMe ({}) hold {} ({} short): raise --dram or give --nvme directories with more space",
+                         FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(input.host_staging_bytes),
+                         FormatSize(machine.nvme_bytes),
+                         FormatSize(machine.dram_bytes - input.host_staging_bytes + machine.nvme_bytes),
+                         FormatSize(total - std::min(total, machine.dram_bytes - input.host_staging_bytes +
+                                                                machine.nvme_bytes)));
+    }
+    input.home.push_back(*homes[i]);
+    (*homes[i] == Tier::kHost ? plan.host_chunk_bytes : plan.nvme_chunk_bytes) += size;
+    if (*homes[i] == Tier::kNvme && state) plan.nvme_state_bytes += size;
+  }
+  GptStep step = GptStepTrace(specs, layout, model, machine);
+  input.trace = std::move(step.trace);
+  plan.model_flops = step.model_flops;
+  plan.activation_peak_bytes = step.activation_peak_bytes;
   plan.device_bytes = static_cast<uint64_t>(static_cast<double>(machine.hbm_bytes) * (1 - machine.hbm_reserve_fraction));
   input.device_bytes = plan.device_bytes;
   input.links.bytes_per_second = {machine.pcie_gbps * 1e9, machine.pcie_gbps * 1e9, machine.nvme_read_gbps * 1e9,
@@ -123,29 +140,33 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
                               built.status().message()));
   }
   plan.prediction = built->prediction;
-
-  // The CPU optimizer step after backward, chunk group by chunk group, its
-  // three streams overlapped: Adam over every parameter; the gradients to
-  // the host and the updated bf16 parameters back over PCIe; the
-  // NVMe-resident states read and written back through the ring.
-  const double adam_seconds = static_cast<double>(plan.params) / (machine.cpu_adam_gparams * 1e9);
-  const double update_pcie_seconds =
-      static_cast<double>(std::max(plan.grad_bytes, plan.param_bytes)) / (machine.pcie_gbps * 1e9);
-  const double nvme_seconds = static_cast<double>(plan.nvme_state_bytes) / (machine.nvme_read_gbps * 1e9) +
-                              static_cast<double>(plan.nvme_state_bytes) / (machine.nvme_write_gbps * 1e9);
-  plan.optimizer_seconds = std::max({adam_seconds, update_pcie_seconds, nvme_seconds});
-  plan.step_seconds = plan.prediction.step_seconds + plan.optimizer_seconds;
-
-  // The bottleneck: the resource busy longest in a step.
+  plan.step_seconds = plan.prediction.step_seconds;
+  // Forward and backward against the updates, as placed; and how long each
+  // resource is busy in a step, the longest being the bottleneck.
+  double gpu_busy = 0, cpu_busy = 0;
+  for (size_t k = 0; k < input.trace.moments.size(); ++k) {
+    const TraceMoment& m = input.trace.moments[k];
+    const double stall = plan.prediction.stall_per_moment[k];
+    if (!m.device_compute_seconds) {
+      plan.compute_seconds += m.compute_seconds;
+      plan.forward_backward_seconds += m.compute_seconds + stall;
+      gpu_busy += m.compute_seconds;
+    } else if (built->compute_tier[k] == Tier::kDevice) {
+      plan.updates_on_device++;
+      plan.optimizer_seconds += *m.device_compute_seconds + stall;
+      gpu_busy += *m.device_compute_seconds;
+    } else {
+      plan.optimizer_seconds += m.compute_seconds + stall;
+      cpu_busy += m.compute_seconds;
+    }
+    if (m.device_compute_seconds) plan.updates++;
+  }
   const auto& bytes = plan.prediction.bytes;
-  const double pcie_seconds =
-      static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9) + update_pcie_seconds;
-  const double nvme_total = static_cast<double>(bytes[2]) / (machine.nvme_read_gbps * 1e9) +
-                            static_cast<double>(bytes[3]) / (machine.nvme_write_gbps * 1e9) + nvme_seconds;
-  const std::pair<double, const char*> busy[] = {{plan.compute_seconds, "compute"},
-                                                 {pcie_seconds, "pcie"},
-                                                 {nvme_total, "nvme"},
-                                                 {adam_seconds, "cpu optimizer"}};
+  const double pcie_seconds = static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9);
+  const double nvme_seconds = static_cast<double>(bytes[2]) / (machine.nvme_read_gbps * 1e9) +
+                              static_cast<double>(bytes[3]) / (machine.nvme_write_gbps * 1e9);
+  const std::pair<double, const char*> busy[] = {
+      {gpu_busy, "compute"}, {pcie_seconds, "pcie"}, {nvme_seconds, "nvme"}, {cpu_busy, "cpu optimizer"}};
   plan.bottleneck = std::max_element(std::begin(busy), std::end(busy))->second;
   return plan;
 }
@@ -161,17 +182,17 @@ std::string FormatCapacityPlan(const CapacityPlan& p) {
       "  DRAM  {} of chunks (of {})\n"
       "  NVMe  {} of chunks ({} of them optimizer states){}\n"
       "step (predicted):\n"
-      "  forward + backward {:.3f} s (compute {:.3f} s, waiting for chunks {:.3f} s); optimizer step {:.3f} s\n"
+      "  forward + backward {:.3f} s (compute {:.3f} s, the rest waiting for chunks); optimizer step {:.3f} s "
+      "({} of {} chunk-group updates on the GPU, the rest on the CPU)\n"
       "  step {:.3f} s, {:.1f} TFLOPS; bottleneck: {}\n"
-      "  moved per step: host->device {}, device->host {}, nvme read {}, nvme write {} (+ {} of states each way)\n",
+      "  moved per step: host->device {}, device->host {}, nvme read {}, nvme write {}\n",
       p.model.layers, p.model.hidden, p.model.vocab, p.model.sequence, p.model.batch,
       static_cast<double>(p.params) / 1e9, gib(p.param_bytes), gib(p.grad_bytes), gib(p.state_bytes),
       gib(p.activation_peak_bytes), gib(p.device_bytes), gib(p.machine.hbm_bytes), gib(p.host_chunk_bytes),
       gib(p.machine.dram_bytes), gib(p.nvme_chunk_bytes), gib(p.nvme_state_bytes),
-      p.machine.nvme_bytes == 0 ? " (no NVMe given)" : "", p.prediction.step_seconds, p.compute_seconds,
-      p.prediction.stall_seconds, p.optimizer_seconds, p.step_seconds, p.tflops(), p.bottleneck,
-      gib(p.prediction.bytes[0]), gib(p.prediction.bytes[1]), gib(p.prediction.bytes[2]), gib(p.prediction.bytes[3]),
-      gib(p.nvme_state_bytes));
+      p.machine.nvme_bytes == 0 ? " (no NVMe given)" : "", p.forward_backward_seconds, p.compute_seconds,
+      p.optimizer_seconds, p.updates_on_device, p.updates, p.step_seconds, p.tflops(), p.bottleneck,
+      gib(p.prediction.bytes[0]), gib(p.prediction.bytes[1]), gib(p.prediction.bytes[2]), gib(p.prediction.bytes[3]));
 }
 
 std::string CapacityPlanJson(const CapacityPlan& p) {
@@ -188,6 +209,9 @@ std::string CapacityPlanJson(const CapacityPlan& p) {
   j["nvme_chunk_bytes"] = p.nvme_chunk_bytes;
   j["nvme_state_bytes"] = p.nvme_state_bytes;
   j["compute_seconds"] = p.compute_seconds;
+  j["forward_backward_seconds"] = p.forward_backward_seconds;
+  j["updates"] = p.updates;
+  j["updates_on_device"] = p.updates_on_device;
   j["stall_seconds"] = p.prediction.stall_seconds;
   j["optimizer_seconds"] = p.optimizer_seconds;
   j["step_seconds"] = p.step_seconds;

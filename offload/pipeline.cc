@@ -6,7 +6,10 @@
 #include <cmath>
 #include <functional>
 #include <future>
+#include <condition_variable>
+#include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -17,6 +20,17 @@ namespace strata::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Note [Links measured as they are used]
+// The plan is only as good as its bandwidths. The warm-up measures each link
+// it used, but may not use all of them (optimizer states are first touched
+// in host memory, so nothing is read from NVMe) and assumed figures stand in.
+// So every replayed iteration measures again (a link's moves that used it
+// alone, at least kMinMeasuredBytes of them), and when a link differs from
+// the plan's figure by more than kBandwidthDrift the plan is made again from
+// the same trace with the new figure: no re-recording, one planner run.
+constexpr uint64_t kMinMeasuredBytes = 16 << 20;
+constexpr double kBandwidthDrift = 0.25;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -36,6 +50,7 @@ struct Pipeline::Impl {
     // Transfers not started yet return at once; the queues (destroyed
     // next, as the last members) then drain quickly.
     cancelled.store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+    staging_cv.notify_all();
   }
 
   Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
@@ -62,43 +77,127 @@ struct Pipeline::Impl {
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::vector<std::pair<ChunkId, std::shared_future<Status>>> evictions;  // not yet checked for an error
   std::atomic<bool> cancelled{false};
+  // Note [Staging memory at run time]
+  // The plan bounds the host memory held by chunks read ahead of host
+  // moments, at the granularity of moments; at run time a write-back may
+  // finish later than the plan's model says, and reads would then find the
+  // host full (and the residency manager evict homed chunks to make room).
+  // So the bound is kept at run time too: a read ahead waits until the
+  // chunks read ahead and not yet written back leave it room, or until the
+  // moment that needs it has begun (it must be read then in any case).
+  std::mutex staging_mu;  // guards staged_chunks and staged_bytes
+  std::condition_variable staging_cv;
+  std::unordered_set<uint32_t> staged_chunks;  // read ahead, not yet written back
+  uint64_t staged_bytes = 0;
+  uint64_t staging_budget = 0;          // the plan's host_staging_bytes
+  std::atomic<uint64_t> begun{0};       // moments begun since the pipeline was made
+  uint64_t moments_begun = 0;           // the same, for the training loop's thread
   uint32_t moment = 0;
   bool diverged = false;
   bool in_moment = false;
+  Tier moment_tier = Tier::kDevice;   // where the current moment computes
+  std::vector<ChunkId> host_accessed;  // by the current moment, on the host
   Clock::time_point iteration_start, moment_start;
   double moment_stall = 0;
   MemoryStats stats_at_start;
   PipelineStats stats;
   // Last: the queues' threads start after everything they touch exists, and
   // stop (finishing what is queued) before it goes.
-  TaskQueue nvme_read, device_to_host, host_to_device;  // one worker each: one link direction
+  TaskQueue nvme_read, nvme_write, device_to_host, host_to_device;  // one worker each: one link direction
+
+  // BeginMoment and BeginHostMoment: `traced` as the trace would record it.
+  Result<Tier> Begin(TraceMoment traced);
 
   Status Cancelled() const { return Internal("pipeline: cancelled (the pipeline is being destroyed)"); }
 
-  // Moves `chunk` off the device to its home, unless it is not there or in
-  // use (a caller still holds it: the plan's eviction is skipped).
-  Status Evict(ChunkId chunk) {
+  // Moves `chunk` from `from` to `to`, unless it is not on `from` or in use
+  // (a caller still holds it: the plan's move is skipped).
+  Status MoveOff(ChunkId chunk, Tier from, Tier to) {
     if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
     Result<Tier> tier = engine.ChunkTier(chunk);
-    if (!tier.ok() || *tier != Tier::kDevice) return Status::Ok();
-    Status moved = engine.MoveChunk(chunk, homes[chunk.value()]);
+    if (!tier.ok() || *tier != from) return Status::Ok();
+    Status moved = engine.MoveChunk(chunk, to);
     if (moved.code() == StatusCode::kInvalidArgument) return Status::Ok();  // pinned by the caller
     return moved;
   }
 
-  // Queues the eviction of `v`. Moves of one chunk happen in the order they
-  // are queued, across queues: the eviction waits for a fetch of the same
-  // chunk still under way, and a later fetch waits for the eviction.
-  std::shared_future<Status> QueueEviction(ChunkId v) {
+  // Queues the eviction of `v` off the device, to its home or to `to`. Moves
+  // of one chunk happen in the order they are queued, across queues: the
+  // eviction waits for a fetch of the same chunk still under way, and a
+  // later fetch waits for the eviction.
+  std::shared_future<Status> QueueEviction(ChunkId v, std::optional<Tier> to = std::nullopt) {
     std::optional<std::shared_future<Status>> arriving;
     if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
-    std::shared_future<Status> done = device_to_host.Push([this, v, arriving]() -> Status {
+    const Tier target = to.value_or(homes[v.value()]);
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target]() -> Status {
       if (arriving) arriving->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
-      return Evict(v);
+      return MoveOff(v, Tier::kDevice, target);
     });
     leaving[v.value()] = done;
     evictions.emplace_back(v, done);
     return done;
+  }
+
+  // Queues the read of NVMe-homed `r.chunk` into host memory for the host
+  // moment `r.needed`, after whatever was queued for it before (Note [Host
+  // moments] in planner.cc), once the staging memory has room for it or
+  // that moment has begun (Note [Staging memory at run time]).
+  void QueueHostRead(const PlannedRead& r) {
+    const ChunkId c = r.chunk;
+    std::optional<std::shared_future<Status>> before;
+    if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
+    const uint64_t due = moments_begun + (r.needed >= moment ? r.needed - moment : plan->num_moments - moment + r.needed);
+    pending[c.value()] = nvme_read.Push([this, c, before, due]() -> Status {
+      if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      {
+        std::unique_lock lock(staging_mu);
+        staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
+          return cancelled.load(std::memory_order_relaxed) || staged_bytes + chunk_bytes[c.value()] <= staging_budget ||
+                 begun.load(std::memory_order_relaxed) >= due;
+        });
+        if (staged_chunks.insert(c.value()).second) staged_bytes += chunk_bytes[c.value()];
+      }
+      Status read = MoveOff(c, Tier::kNvme, Tier::kHost);
+      if (!read.ok()) Unstage(c);
+      return read;
+    });
+  }
+
+  // Chunks read ahead that are no longer on the host (moved on by something
+  // else, after a divergence) stop counting against the staging memory.
+  void ForgetStagedElsewhere() {
+    std::vector<uint32_t> chunks;
+    {
+      std::lock_guard lock(staging_mu);
+      chunks.assign(staged_chunks.begin(), staged_chunks.end());
+    }
+    for (uint32_t c : chunks) {
+      Result<Tier> tier = engine.ChunkTier(ChunkId(c));
+      if (!tier.ok() || *tier != Tier::kHost) Unstage(ChunkId(c));
+    }
+  }
+
+  void Unstage(ChunkId c) {
+    {
+      std::lock_guard lock(staging_mu);
+      if (staged_chunks.erase(c.value()) > 0) staged_bytes -= chunk_bytes[c.value()];
+    }
+    staging_cv.notify_all();
+  }
+
+  // After a host moment: its NVMe-homed chunks go back to the drive.
+  void QueueWriteBacks() {
+    for (ChunkId c : host_accessed) {
+      if (homes[c.value()] != Tier::kNvme) continue;
+      std::shared_future<Status> done = nvme_write.Push([this, c]() -> Status {
+        Status written = MoveOff(c, Tier::kHost, Tier::kNvme);
+        Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
+        return written;
+      });
+      leaving[c.value()] = done;
+      evictions.emplace_back(c, done);
+    }
+    host_accessed.clear();
   }
 
   // Queues the fetch of `c` to the device after `room` (its victims leaving).
@@ -109,9 +208,7 @@ struct Pipeline::Impl {
       staged = nvme_read.Push([this, c, room]() -> Status {
         if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
         for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
-        Result<Tier> tier = engine.ChunkTier(c);
-        if (!tier.ok() || *tier != Tier::kNvme) return Status::Ok();
-        return engine.MoveChunk(c, Tier::kHost);
+        return MoveOff(c, Tier::kNvme, Tier::kHost);
       });
     }
     pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
@@ -129,7 +226,18 @@ struct Pipeline::Impl {
   // non-model memory, which the moment must wait for before it allocates.
   std::vector<std::shared_future<Status>> Issue(uint32_t k) {
     std::vector<std::shared_future<Status>> room_for_activations;
-    for (ChunkId v : plan->evictions_at[k]) room_for_activations.push_back(QueueEviction(v));
+    const std::vector<ChunkId>& traced = planned_trace.moments[k].chunks;
+    const bool on_host = plan->compute_tier[k] == Tier::kHost;
+    for (ChunkId v : plan->evictions_at[k]) {
+      // A host moment's own chunks stop on the host; the moment waits for them at its access.
+      const bool for_host = on_host && std::find(traced.begin(), traced.end(), v) != traced.end();
+      if (for_host) {
+        QueueEviction(v, Tier::kHost);
+      } else {
+        room_for_activations.push_back(QueueEviction(v));
+      }
+    }
+    for (const PlannedRead& r : plan->host_reads_at[k]) QueueHostRead(r);
     for (const PlannedFetch& f : plan->fetches_at[k]) {
       std::vector<std::shared_future<Status>> room;
       for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
@@ -202,7 +310,10 @@ struct Pipeline::Impl {
         moment, why);
   }
 
-  void MeasureLinks(const MemoryStats& now) {
+  // Sets stats.bytes and the links' bandwidths from the moves since the
+  // iteration began; true when a replayed iteration measured a link the
+  // plan had wrong (Note [Links measured as they are used]).
+  bool MeasureLinks(const MemoryStats& now) {
     const auto delta = [&](Tier from, Tier to) {
       const LinkStats& a = now.links[static_cast<int>(from)][static_cast<int>(to)];
       const LinkStats& b = stats_at_start.links[static_cast<int>(from)][static_cast<int>(to)];
@@ -218,16 +329,24 @@ struct Pipeline::Impl {
         {delta(Tier::kHost, Tier::kNvme), delta(Tier::kDevice, Tier::kNvme)},
     }};
     constexpr std::array<double, kNumLinks> kAssumed = {25e9, 25e9, 3e9, 2e9};
+    bool drifted = false;
     for (int l = 0; l < kNumLinks; ++l) {
       stats.bytes[l] = observed[l][0].bytes + observed[l][1].bytes;
       if (options.links.bytes_per_second[l] > 0) continue;  // given
       const LinkStats& alone = observed[l][0];
-      if (mode == Mode::kRecording && alone.bytes > 0 && alone.seconds > 0) {
-        links.bytes_per_second[l] = static_cast<double>(alone.bytes) / alone.seconds;
+      const double measured =
+          alone.bytes >= kMinMeasuredBytes && alone.seconds > 0 ? static_cast<double>(alone.bytes) / alone.seconds : 0;
+      if (mode == Mode::kRecording && measured > 0) {
+        links.bytes_per_second[l] = measured;
       } else if (links.bytes_per_second[l] <= 0) {
         links.bytes_per_second[l] = kAssumed[l];
+      } else if (mode == Mode::kReplaying && measured > 0 &&
+                 std::abs(measured / links.bytes_per_second[l] - 1) > kBandwidthDrift) {
+        links.bytes_per_second[l] = measured;
+        drifted = true;
       }
     }
+    return drifted;
   }
 
   void MakePlan() {
@@ -237,6 +356,12 @@ struct Pipeline::Impl {
     input.home = homes;
     input.device_bytes = options.device_bytes > 0 ? options.device_bytes : engine.options().device_budget_bytes;
     input.links = links;
+    input.host_staging_bytes =
+        options.host_staging_bytes > 0 ? options.host_staging_bytes : engine.host_staging_bytes();
+    {
+      std::lock_guard lock(staging_mu);
+      staging_budget = input.host_staging_bytes;
+    }
     const Clock::time_point start = Clock::now();
     Result<Plan> built = BuildPlan(input);
     stats.planning_seconds = SecondsSince(start);
@@ -277,6 +402,7 @@ Status Pipeline::BeginIteration() {
   p.stats.demand_fetches = 0;
   p.stats.reconciled = 0;
   p.DropFinishedFetches();
+  p.ForgetStagedElsewhere();
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
   if (!p.options.adaptive) {
@@ -292,17 +418,39 @@ Status Pipeline::BeginIteration() {
 }
 
 Status Pipeline::BeginMoment(uint64_t non_model_bytes) {
-  Impl& p = *impl_;
-  if (p.in_moment) return InvalidArgument("pipeline: BeginMoment inside a moment (EndMoment first)");
+  return impl_->Begin(TraceMoment{.non_model_bytes = non_model_bytes}).status();
+}
+
+Result<Tier> Pipeline::BeginHostMoment(std::optional<double> device_compute_seconds) {
+  if (device_compute_seconds && !(*device_compute_seconds >= 0 && std::isfinite(*device_compute_seconds))) {
+    return InvalidArgument("pipeline: BeginHostMoment with a device compute time of {} s; give >= 0",
+                           *device_compute_seconds);
+  }
+  return impl_->Begin(TraceMoment{.tier = Tier::kHost, .device_compute_seconds = device_compute_seconds});
+}
+
+Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
+  Impl& p = *this;
+  if (p.in_moment) return InvalidArgument("pipeline: a moment begins inside a moment (EndMoment first)");
   p.in_moment = true;
   p.moment_stall = 0;
   p.moment_start = Clock::now();
+  p.moment_tier = traced.tier;
+  p.moments_begun++;
+  p.begun.store(p.moments_begun, std::memory_order_relaxed);  // a count only: no data rides on it
+  p.staging_cv.notify_all();
   if (p.mode == Impl::Mode::kRecording) {
-    p.recording.moments.push_back(TraceMoment{.non_model_bytes = non_model_bytes});
+    p.recording.moments.push_back(std::move(traced));
   } else if (p.mode == Impl::Mode::kReplaying && !p.diverged) {
     if (p.moment >= p.plan->num_moments) {
       p.Diverge("more moments than the trace");
+    } else if (p.planned_trace.moments[p.moment].tier != traced.tier) {
+      p.Diverge(traced.tier == Tier::kHost ? "a host moment where the trace has a device one"
+                                           : "a device moment where the trace has a host one");
+    } else if (!traced.device_compute_seconds && p.plan->compute_tier[p.moment] != traced.tier) {
+      p.Diverge("a host moment that cannot run on the device, where the plan runs it");
     } else {
+      p.moment_tier = p.plan->compute_tier[p.moment];
       // The caller allocates the moment's non-model memory once this returns:
       // the chunks that make room for it must be off the device by then (a
       // failed eviction is reported at EndIteration; the wait is a stall).
@@ -312,7 +460,7 @@ Status Pipeline::BeginMoment(uint64_t non_model_bytes) {
       p.moment_stall += SecondsSince(p.moment_start);
     }
   }
-  return Status::Ok();
+  return p.moment_tier;
 }
 
 Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
@@ -326,18 +474,28 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     const std::vector<ChunkId>& planned = p.planned_trace.moments[p.moment].chunks;
     if (std::find(planned.begin(), planned.end(), chunk) == planned.end()) p.Diverge("an access the trace lacks");
   }
+  const Tier tier = p.moment_tier;
   Status prefetched = Status::Ok();
   if (auto it = p.pending.find(chunk.value()); it != p.pending.end()) {
     std::shared_future<Status> done = it->second;
     p.pending.erase(it);
     prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
   }
-  if (Result<Tier> tier = p.engine.ChunkTier(chunk); prefetched.ok() && tier.ok() && *tier != Tier::kDevice) {
+  if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
+    if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {
+      prefetched = WaitFor(it->second, p.options.wait_timeout_ms, chunk, "move off the device");
+    }
+  }
+  if (Result<Tier> now = p.engine.ChunkTier(chunk); prefetched.ok() && now.ok() && *now != tier) {
     p.stats.demand_fetches++;  // nothing brought it, or something took it away again
   }
   Result<ChunkAccess> access =
-      prefetched.ok() ? p.engine.AccessChunk(chunk, Tier::kDevice)
+      prefetched.ok() ? p.engine.AccessChunk(chunk, tier)
                       : Result<ChunkAccess>(prefetched.WithContext(fmt::format("prefetching chunk {}", chunk.value())));
+  if (tier == Tier::kHost && access.ok() &&
+      std::find(p.host_accessed.begin(), p.host_accessed.end(), chunk) == p.host_accessed.end()) {
+    p.host_accessed.push_back(chunk);
+  }
   p.moment_stall += SecondsSince(start);
   if (p.mode == Impl::Mode::kRecording) {
     std::vector<ChunkId>& chunks = p.recording.moments.back().chunks;
@@ -354,6 +512,11 @@ Status Pipeline::EndMoment() {
   if (p.mode == Impl::Mode::kRecording) {
     p.recording.moments.back().compute_seconds = std::max(0.0, duration - p.moment_stall);
   }
+  if (p.mode == Impl::Mode::kOnDemand) {
+    p.host_accessed.clear();  // on demand: they stay until the residency manager needs the room
+  } else {
+    p.QueueWriteBacks();
+  }
   p.stats.stall_per_moment.push_back(p.moment_stall);
   p.stats.stall_seconds += p.moment_stall;
   p.moment++;
@@ -367,7 +530,7 @@ Status Pipeline::EndIteration() {
   p.stats.iterations++;
   const MemoryStats now = p.engine.stats();
   p.stats.forced_evictions = now.evictions - p.stats_at_start.evictions;
-  p.MeasureLinks(now);
+  const bool drifted = p.MeasureLinks(now);
   switch (p.mode) {
     case Impl::Mode::kOnDemand:
       break;
@@ -381,6 +544,11 @@ Status Pipeline::EndIteration() {
         p.need_trace = true;
       } else {
         p.stats.planned_iterations++;
+        if (drifted) {
+          p.stats.replans++;
+          p.recording = p.planned_trace;
+          p.MakePlan();
+        }
       }
       break;
   }
@@ -400,6 +568,7 @@ std::string Pipeline::StatsJson() const {
   j["recordings"] = s.recordings;
   j["divergences"] = s.divergences;
   j["plan_failures"] = s.plan_failures;
+  j["replans"] = s.replans;
   j["planning_seconds"] = s.planning_seconds;
   j["step_seconds"] = s.step_seconds;
   j["stall_seconds"] = s.stall_seconds;

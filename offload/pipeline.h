@@ -12,7 +12,9 @@
 // The first iteration (warm-up) runs on demand and records the trace: the
 // chunks of each moment, the non-model memory the caller reports, the compute
 // time (the moment's duration less its waits), and the links' bandwidths.
-// At its end the planner (offload/planner.h) builds the plan. Later
+// At its end the planner (offload/planner.h) builds the plan; a replayed
+// iteration that measures a link more than 25% off the plan's figure has the
+// plan made again with it. Later
 // iterations replay it: at the start of each moment the planned evictions
 // and fetches for that moment are queued, and they run on three queues of
 // the pipeline's own, in parallel: NVMe reads (staging an NVMe-homed chunk
@@ -21,6 +23,12 @@
 // staging is done). An access waits only for its own chunk's transfer, and
 // an error of that transfer (a failed NVMe read) is returned by the access
 // that needs the chunk.
+//
+// Host moments (CPU optimizer updates): their chunks are evicted to the host
+// when the moment begins, NVMe-homed ones read ahead on the NVMe read queue
+// as the plan says, and written back on a fourth queue (NVMe writes) when
+// the moment ends. The plan may run an update on the device instead
+// (BeginHostMoment says where).
 //
 // Divergence: an access the plan does not have at that moment (evaluation,
 // dynamic control flow, recomputation), or a different number of moments,
@@ -60,6 +68,10 @@ struct PipelineOptions {
   // engine's device.budget.
   uint64_t device_bytes = 0;
   uint32_t wait_timeout_ms = 60'000;  // an access waiting for its chunk
+  // Host memory the plan may fill with NVMe-homed chunks read ahead of a
+  // host moment: 0 = what the engine keeps free for it
+  // (Engine::host_staging_bytes; with 0 there each is read when its moment begins).
+  uint64_t host_staging_bytes = 0;
 };
 
 struct PipelineStats {
@@ -68,6 +80,7 @@ struct PipelineStats {
   uint64_t recordings = 0;          // iterations that recorded a trace
   uint64_t divergences = 0;
   uint64_t plan_failures = 0;       // a trace the planner refused (the iteration after runs on demand)
+  uint64_t replans = 0;             // plans made again because a link's measured bandwidth drifted
   double planning_seconds = 0;      // the last plan
   // The last iteration:
   double step_seconds = 0;
@@ -88,11 +101,18 @@ class Pipeline {
   Pipeline& operator=(const Pipeline&) = delete;
 
   Status BeginIteration();
-  // `non_model_bytes`: device memory the moment uses besides chunks. When
-  // the plan makes room for it, this returns once that room is free.
+  // A moment computing on the device. `non_model_bytes`: device memory the
+  // moment uses besides chunks. When the plan makes room for it, this
+  // returns once that room is free.
   Status BeginMoment(uint64_t non_model_bytes = 0);
-  // Pins `chunk` on the device for the caller (release it before the moment
-  // that evicts it begins: an eviction of a chunk in use is skipped). Waits for its planned transfer, or moves it now.
+  // A moment computing on the host: a CPU optimizer update. With
+  // `device_compute_seconds` (how long it would take on the device) the
+  // plan may move it to the device. Returns where to run it: the host while
+  // recording or on demand, else where the plan put it.
+  Result<Tier> BeginHostMoment(std::optional<double> device_compute_seconds = std::nullopt);
+  // Pins `chunk` where the moment computes for the caller (release it before
+  // EndMoment: a move of a chunk in use is skipped). Waits for its planned
+  // transfer, or moves it now.
   Result<ChunkAccess> Access(ChunkId chunk);
   Status EndMoment();
   // Also returns the first error of a planned eviction (a failed NVMe

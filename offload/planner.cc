@@ -45,9 +45,10 @@ namespace strata::offload {
 // host only; it is written to NVMe, its home or not, after the moment if
 // NVMe is its home), and may not come back before the moment ends. An
 // NVMe-homed chunk not on the device is read into host memory ahead of the
-// moment, as early as `host_staging_bytes` allows (the reads in flight and
-// waiting never hold more), after the chunk last left the device or was last
-// written back; each is written back when its moment ends.
+// moment, as early as `host_staging_bytes` allows (chunks read ahead, in use
+// and being written back never hold more, except those a moment needs now),
+// after the chunk last left the device or was last written back; each is
+// written back when its moment ends.
 //
 // Note [Where updates run]
 // An update moment may run on the device. The plan with every update on the
@@ -255,7 +256,8 @@ void HoistHostReads(const Unrolled& u, Schedule& schedule) {
     const uint64_t size = u.size(r.chunk);
     uint64_t issue = r.needed;
     while (issue > lower && staged[issue - 1] + size <= staging) --issue;
-    for (uint64_t j = issue; j < r.needed; ++j) staged[j] += size;
+    // Held from its read until its write-back, which runs as the next moment does.
+    for (uint64_t j = issue; j <= std::min(r.needed + 1, u.length - 1); ++j) staged[j] += size;
     r.issue = issue;
     previous_issue = issue;
   }
@@ -472,7 +474,9 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
   for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
   plan.host_reads_at.resize(unrolled.period);
   for (const HostRead& r : schedule.host_reads) {
-    if (r.issue >= first && r.issue < last) plan.host_reads_at[r.issue - first].push_back(r.chunk);
+    if (r.issue >= first && r.issue < last) {
+      plan.host_reads_at[r.issue - first].push_back({r.chunk, static_cast<uint32_t>(r.needed % unrolled.period)});
+    }
   }
   for (const TraceMoment& m : input.trace.moments) plan.compute_tier.push_back(m.tier);
   // The device as the middle iteration begins: every move issued before it.

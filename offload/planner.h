@@ -84,6 +84,14 @@ struct PlannedFetch {
   std::vector<ChunkId> victims;
 };
 
+// A read of an NVMe-homed chunk into host memory for the host moment
+// `needed` (in the next iteration when below the issue moment).
+struct PlannedRead {
+  ChunkId chunk;
+  uint32_t needed = 0;
+  bool operator==(const PlannedRead&) const = default;
+};
+
 struct Prediction {
   double step_seconds = 0;     // one steady-state iteration
   double compute_seconds = 0;  // the trace's compute alone
@@ -112,7 +120,7 @@ struct Plan {
   // NVMe-homed chunks of host moments read ahead, by issue moment, in order
   // (on the NVMe read queue); each host moment writes its NVMe-homed chunks
   // back when it ends.
-  std::vector<std::vector<ChunkId>> host_reads_at;
+  std::vector<std::vector<PlannedRead>> host_reads_at;
   // The chunks the plan has on the device (or arriving) when an iteration
   // begins, in the steady state: an executor whose device holds others puts
   // them right first, or the two drift apart.

@@ -19,6 +19,7 @@ struct Engine::Impl {
   std::vector<TensorSpec> tensors;
   std::optional<memory::ChunkLayout> layout;
   std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
+  uint64_t host_staging_bytes = 0;                      // set by Finalize
 
   Status CheckFinalized(std::string_view what) const {
     if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
@@ -102,6 +103,8 @@ Result<TensorId> Engine::RegisterTensor(const TensorSpec& spec) {
 
 bool Engine::finalized() const { return impl_->residency != nullptr; }
 
+uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; }
+
 Status Engine::Finalize() {
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;
@@ -109,30 +112,33 @@ Status Engine::Finalize() {
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk_size_elems, o.chunk_search_min_elems,
                                                      o.chunk_search_max_elems));
 
-  // Homes: host while it has room, then NVMe. The device tier is a cache of
-  // what compute touches, so no chunk calls it home.
-  uint64_t host_left = impl_->host_pool->usage().capacity_bytes;
-  uint64_t nvme_left = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
+  // Homes: params and grads, then optimizer states; host while it has room,
+  // then NVMe (memory::AssignHomes). The device tier is a cache of what
+  // compute touches, so no chunk calls it home. When some chunks must live
+  // on NVMe, part of the host tier stays free of homes: room for NVMe-homed
+  // states read ahead of their CPU update.
+  const uint64_t host_capacity = impl_->host_pool->usage().capacity_bytes;
+  const uint64_t nvme_capacity = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
+  const uint64_t total_bytes = layout.report().total_bytes;
+  impl_->host_staging_bytes =
+      memory::HostStagingBytes(total_bytes, host_capacity, nvme_capacity, o.optimizer_stream_ring_bytes);
+  const std::vector<std::optional<Tier>> assigned =
+      memory::AssignHomes(layout.chunks(), host_capacity - impl_->host_staging_bytes, nvme_capacity);
   uint64_t largest_chunk = 0;
   std::vector<Tier> homes;
-  for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    uint64_t size = chunk.size_bytes();
-    largest_chunk = std::max(largest_chunk, size);
-    if (size <= host_left) {
-      homes.push_back(Tier::kHost);
-      host_left -= size;
-    } else if (size <= nvme_left) {
-      homes.push_back(Tier::kNvme);
-      nvme_left -= size;
-    } else {
+  for (size_t i = 0; i < assigned.size(); ++i) {
+    largest_chunk = std::max(largest_chunk, layout.chunks()[i].size_bytes());
+    if (!assigned[i]) {
       return OutOfMemory(
-          "model states need {} in {} chunks but the host tier holds {} (host.budget) and the NVMe tier {} "
+          "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
           "(nvme.capacity{}): raise a budget or add nvme.dirs",
-          FormatSize(layout.report().total_bytes), layout.chunks().size(),
-          FormatSize(impl_->host_pool->usage().capacity_bytes),
-          FormatSize(impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0),
-          impl_->nvme_pool ? "" : ", not configured");
+          FormatSize(total_bytes), layout.chunks().size(), FormatSize(host_capacity),
+          impl_->host_staging_bytes > 0
+              ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(impl_->host_staging_bytes))
+              : "",
+          FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured");
     }
+    homes.push_back(*assigned[i]);
   }
   if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
     return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "

@@ -74,6 +74,10 @@ class Engine {
   // exceed the host and NVMe capacity together.
   Status Finalize();
   bool finalized() const;
+  // Host memory Finalize kept free of homed chunks, for NVMe-homed chunks
+  // read ahead of a CPU update: 0 when every chunk has its home on the host,
+  // else an eighth of host.budget, at most optimizer.stream_ring.
+  uint64_t host_staging_bytes() const;
 
   // Pins `tensor`'s copy of `kind` on `tier` (device or host), moving its
   // chunk there first. A kind the tensor lacks (grad of a frozen tensor,

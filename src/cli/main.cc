@@ -355,7 +355,7 @@ int main(int argc, char** argv) {
 
   BenchReplayFlags bench_replay;
   CLI::App* bench_replay_command = bench_command->add_subcommand(
-      "replay", "a GPT's forward and backward replayed with the planned prefetch pipeline, against LRU on demand");
+      "replay", "a GPT's training step replayed with the planned prefetch pipeline, against LRU on demand");
   bench_replay_command->add_option("--model", bench_replay.model, "model family (gpt)")->capture_default_str();
   bench_replay_command->add_option("--layers", bench_replay.config.layers, "transformer layers")->capture_default_str();
   bench_replay_command->add_option("--hidden", bench_replay.config.hidden, "hidden size")->capture_default_str();
@@ -373,6 +373,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_replay_command->add_option("--compute-ms", bench_replay.config.compute_ms,
                                    "compute per moment (busy work); 0 = 1.5 x its chunks' transfer time")
+      ->capture_default_str();
+  bench_replay_command->add_option("--batch", bench_replay.config.batch, "sequences per step (activations, FLOPs)")
+      ->capture_default_str();
+  bench_replay_command->add_option("--heads", bench_replay.config.heads, "attention heads; 0 = hidden / 64")
+      ->capture_default_str();
+  bench_replay_command->add_option("--gpu-tflops", bench_replay.config.gpu_tflops,
+                                   "compute forward/backward for their FLOPs at this rate; 0 = see --compute-ms")
+      ->capture_default_str();
+  bench_replay_command->add_option("--cpu-adam-gparams", bench_replay.config.cpu_adam_gparams,
+                                   "an update on the CPU takes its parameters / this (G params/s)")
+      ->capture_default_str();
+  bench_replay_command->add_option("--gpu-adam-gparams", bench_replay.config.gpu_adam_gparams,
+                                   "an update on the device takes its parameters / this (G params/s)")
       ->capture_default_str();
   bench_replay_command->add_option("--iterations", bench_replay.config.iterations, "measured, after one warm-up")
       ->capture_default_str();
@@ -406,6 +419,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plan_command->add_option("--cpu-adam-gparams", plan_flags.machine.cpu_adam_gparams,
                            "CPU AdamW rate, G params/s (see strata bench optim)")->capture_default_str();
+  plan_command->add_option("--gpu-adam-gparams", plan_flags.machine.gpu_adam_gparams, "GPU AdamW rate, G params/s")
+      ->capture_default_str();
   plan_command->add_option("--json", plan_flags.json_path, "also write the plan as JSON to this file");
 
   app.add_subcommand("version", "print the version");

@@ -17,6 +17,9 @@ TEST(CapacityPlanTest, ASmallModelStaysOnTheGpuAndTheStepIsComputePlusOptimizer)
   EXPECT_EQ(plan.prediction.bytes_moved(), 0u);  // everything stays resident
   EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0);
   EXPECT_NEAR(plan.step_seconds, plan.compute_seconds + plan.optimizer_seconds, 1e-12);
+  // The states fit beside everything else: every update runs on the GPU.
+  EXPECT_GT(plan.updates, 0u);
+  EXPECT_EQ(plan.updates_on_device, plan.updates);
   // Master, exp_avg, exp_avg_sq (fp32) mirror the grad chunks (bf16): 6x.
   EXPECT_NEAR(static_cast<double>(plan.state_bytes) / static_cast<double>(plan.grad_bytes), 6.0, 0.06);
   nlohmann::json json = nlohmann::json::parse(CapacityPlanJson(plan));
@@ -25,13 +28,22 @@ TEST(CapacityPlanTest, ASmallModelStaysOnTheGpuAndTheStepIsComputePlusOptimizer)
 }
 
 TEST(CapacityPlanTest, StatesBeyondDramLiveOnNvmeAndTheOptimizerStreamsThem) {
-  MachineSpec machine{.hbm_bytes = uint64_t{8} << 30, .dram_bytes = 8 << 20, .nvme_bytes = uint64_t{1} << 30};
+  // HBM for params, grads and activations but not the states (41 MiB):
+  // the updates run on the CPU.
+  MachineSpec machine{.hbm_bytes = 40 << 20, .dram_bytes = 24 << 20, .nvme_bytes = uint64_t{1} << 30};
   ASSERT_OK_AND_ASSIGN(CapacityPlan plan, PlanCapacity(Small(), machine));
+  EXPECT_EQ(plan.updates_on_device, 0u);
   EXPECT_GT(plan.nvme_state_bytes, 0u);
+  EXPECT_EQ(plan.nvme_chunk_bytes, plan.nvme_state_bytes);  // params and grads stay in DRAM
   EXPECT_LE(plan.host_chunk_bytes, machine.dram_bytes);
-  // The same model with every state in DRAM: the optimizer step is shorter.
-  ASSERT_OK_AND_ASSIGN(CapacityPlan in_dram, PlanCapacity(Small(), MachineSpec{.hbm_bytes = uint64_t{8} << 30}));
+  EXPECT_GT(plan.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 0u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kNvmeWrite)],
+            plan.prediction.bytes[static_cast<int>(Link::kNvmeRead)]);
+  // The same with every state in DRAM: the optimizer step is shorter.
+  machine.dram_bytes = uint64_t{1} << 30;
+  ASSERT_OK_AND_ASSIGN(CapacityPlan in_dram, PlanCapacity(Small(), machine));
   EXPECT_EQ(in_dram.nvme_state_bytes, 0u);
+  EXPECT_EQ(in_dram.updates_on_device, 0u);
   EXPECT_GT(plan.optimizer_seconds, in_dram.optimizer_seconds);
 }
 

@@ -60,9 +60,32 @@ void BusyFor(std::chrono::microseconds how_long) {
   }
 }
 
-// One iteration: forward over the layers, backward in reverse; each access
-// checks the layer's bytes (written on the first iteration) and computes.
-Status RunIteration(Pipeline& pipeline, const LayerModel& model, bool first, const std::vector<uint32_t>* order = nullptr) {
+// Writes layer `l`'s pattern into its chunk, or checks it.
+Status WriteOrCheck(ChunkAccess& access, uint32_t l, bool write) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(access.data());
+  for (uint64_t i = 0; i < kChunkElems; i += write ? 1 : 997) {
+    const uint32_t expected = l * 100000 + static_cast<uint32_t>(i);
+    if (write) {
+      words[i] = expected;
+    } else if (words[i] != expected) {
+      return Internal("layer {} word {} holds {}, not {}", l, i, words[i], expected);
+    }
+  }
+  return Status::Ok();
+}
+
+// After forward and backward: one update (a host moment) per layer of
+// `layers`, which the plan may move to the device when `device_seconds` is set.
+struct Updates {
+  std::vector<uint32_t> layers;
+  std::optional<double> device_seconds;
+};
+
+// One iteration: forward over the layers, backward in reverse (or `order`);
+// then `updates`. Each access checks the layer's bytes (written on the first
+// iteration) and computes.
+Status RunIteration(Pipeline& pipeline, const LayerModel& model, bool first, const std::vector<uint32_t>* order = nullptr,
+                    const Updates* updates = nullptr) {
   STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
   std::vector<uint32_t> sequence;
   if (order != nullptr) {
@@ -75,21 +98,30 @@ Status RunIteration(Pipeline& pipeline, const LayerModel& model, bool first, con
   for (size_t m = 0; m < sequence.size(); ++m) {
     const uint32_t l = sequence[m];
     STRATA_RETURN_IF_ERROR(pipeline.BeginMoment(/*non_model_bytes=*/0));
-    Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
-    if (access.ok()) {
-      uint32_t* words = reinterpret_cast<uint32_t*>(access->data());
-      if (first && m < model.layers.size()) {
-        for (uint64_t i = 0; i < kChunkElems; ++i) words[i] = l * 100000 + static_cast<uint32_t>(i);
-      } else if (!first) {
-        for (uint64_t i = 0; i < kChunkElems; i += 997) {
-          if (words[i] != l * 100000 + static_cast<uint32_t>(i)) {
-            return Internal("layer {} word {} holds {}, not {}", l, i, words[i], l * 100000 + i);
-          }
-        }
+    {  // the access is released before EndMoment, as the pipeline asks
+      Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
+      if (access.ok()) {
+        if (!first || m < sequence.size() / 2) STRATA_RETURN_IF_ERROR(WriteOrCheck(*access, l, first));
+        BusyFor(std::chrono::microseconds(300));
+      } else if (first_error.ok()) {
+        first_error = access.status();
       }
-      BusyFor(std::chrono::microseconds(300));
-    } else if (first_error.ok()) {
-      first_error = access.status();
+    }
+    STRATA_RETURN_IF_ERROR(pipeline.EndMoment());
+  }
+  for (uint32_t l : updates != nullptr ? updates->layers : std::vector<uint32_t>{}) {
+    STRATA_ASSIGN_OR_RETURN(Tier where, pipeline.BeginHostMoment(updates->device_seconds));
+    {  // the access is released before EndMoment, as the pipeline asks
+      Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
+      if (access.ok()) {
+        if (Result<Tier> tier = model.engine->ChunkTier(model.layers[l]); !tier.ok() || *tier != where) {
+          return Internal("layer {} is updated on {} but its chunk is not there", l, TierName(where));
+        }
+        STRATA_RETURN_IF_ERROR(WriteOrCheck(*access, l, first));
+        BusyFor(std::chrono::microseconds(300));
+      } else if (first_error.ok()) {
+        first_error = access.status();
+      }
     }
     STRATA_RETURN_IF_ERROR(pipeline.EndMoment());
   }
@@ -121,6 +153,81 @@ TEST(PipelineTest, WarmUpRecordsThenIterationsFollowThePlan) {
   nlohmann::json json = nlohmann::json::parse(pipeline->StatsJson());
   EXPECT_EQ(json["planned_iterations"].get<uint64_t>(), 3u);
   EXPECT_TRUE(json.contains("stall_fraction"));
+}
+
+// 40 layers, a host of 32 (four of them kept for staging reads): layers
+// 0-27, homed on the host, run forward and backward on a 4-chunk device;
+// 28-39, homed on NVMe, are updated on the host after backward.
+struct StepModel {
+  LayerModel model{40, /*device_chunks=*/4, /*host_chunks=*/32, /*nvme=*/true};
+  std::vector<uint32_t> device_order;
+  Updates updates;
+  StepModel() {
+    for (uint32_t l = 0; l < 28; ++l) device_order.push_back(l);
+    for (uint32_t l = 28; l-- > 0;) device_order.push_back(l);
+    for (uint32_t l = 28; l < 40; ++l) updates.layers.push_back(l);
+  }
+  Status Run(Pipeline& pipeline, bool first) { return RunIteration(pipeline, model, first, &device_order, &updates); }
+};
+
+TEST(PipelineTest, HostUpdatesReadTheirNvmeChunksAheadAndWriteThemBack) {
+  StepModel step;
+  ASSERT_EQ(step.model.engine->host_staging_bytes(), 4 * kChunkElems * 4);
+  for (uint32_t l : step.updates.layers) ASSERT_EQ(*step.model.engine->ChunkHome(step.model.layers[l]), Tier::kNvme);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  const Plan* plan = pipeline->plan();
+  ASSERT_NE(plan, nullptr);
+  ASSERT_EQ(plan->num_moments, 56u + 12u);
+  // Each update's chunk is read once, before the moment that needs it.
+  uint32_t reads = 0, ahead = 0;
+  for (uint32_t k = 0; k < plan->num_moments; ++k) {
+    for (const PlannedRead& r : plan->host_reads_at[k]) {
+      reads++;
+      EXPECT_EQ(r.needed, 56 + (r.chunk.value() - step.model.layers[28].value()));
+      if (k < r.needed) ahead++;
+    }
+  }
+  EXPECT_EQ(reads, 12u);
+  EXPECT_GE(ahead, 6u);
+  for (int i = 0; i < 3; ++i) ASSERT_OK(step.Run(*pipeline, false));  // every byte checked
+  PipelineStats stats = pipeline->stats();
+  EXPECT_EQ(stats.planned_iterations, 3u);
+  EXPECT_EQ(stats.divergences, 0u);
+  EXPECT_EQ(stats.demand_fetches, 0u);
+  EXPECT_EQ(stats.forced_evictions, 0u);
+  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeRead)], 12 * kChunkElems * 4);
+  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeWrite)], 12 * kChunkElems * 4);
+}
+
+TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {
+  StepModel step;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  ASSERT_OK(step.Run(*pipeline, false));
+  step.model.faults->FailReads(EIO, 1);  // only the updates' chunks are read from NVMe
+  Status status = step.Run(*pipeline, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("prefetching chunk"), std::string::npos) << status.ToString();
+  ASSERT_OK(step.Run(*pipeline, false));  // nothing lost
+}
+
+TEST(PipelineTest, AnUpdateMovesToTheDeviceWhenItsChunksFitThere) {
+  LayerModel model(4, /*device_chunks=*/8);
+  const std::vector<uint32_t> order = {0, 1, 1, 0};
+  const Updates updates{.layers = {2, 3}, .device_seconds = 1e-4};
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true, &order, &updates));  // on the host while recording
+  EXPECT_EQ(pipeline->plan()->compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kDevice, Tier::kDevice,
+                                                                Tier::kDevice, Tier::kDevice, Tier::kDevice}));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(RunIteration(*pipeline, model, false, &order, &updates));  // checks the tier
+  EXPECT_EQ(pipeline->stats().divergences, 0u);
+  EXPECT_EQ(pipeline->stats().bytes[static_cast<int>(Link::kHostToDevice)], 0u);  // they stay there
+  // Without a device time the plan keeps them on the host.
+  const Updates host_only{.layers = {2, 3}};
+  ASSERT_OK(RunIteration(*pipeline, model, false, &order, &host_only));
+  ASSERT_OK(RunIteration(*pipeline, model, false, &order, &host_only));
+  EXPECT_EQ(pipeline->plan()->compute_tier[4], Tier::kHost);
 }
 
 TEST(PipelineTest, ADifferentSequenceFallsBackOnDemandAndIsRecordedAgain) {

@@ -201,10 +201,10 @@ PlannerInput HostUpdate(uint64_t staging_bytes) {
 }
 
 TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
-  // With room for one chunk the read starts at m0, right after the write of
-  // the iteration before (1 s each), and is done when m2 begins.
+  // With room for one chunk: the chunk is held through m0 while it is
+  // written back (1 s), so the read starts at m1 and is done (1 s) when m2 begins.
   ASSERT_OK_AND_ASSIGN(Plan ahead, BuildPlan(HostUpdate(1000)));
-  EXPECT_EQ(ahead.host_reads_at[0], std::vector<ChunkId>{ChunkId(2)});
+  EXPECT_EQ(ahead.host_reads_at[1], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 1000u);
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeWrite)], 1000u);
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
@@ -212,7 +212,7 @@ TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
   EXPECT_DOUBLE_EQ(ahead.prediction.step_seconds, 3.0);
   // Without staging memory it is read when m2 begins: 1 s of stall.
   ASSERT_OK_AND_ASSIGN(Plan late, BuildPlan(HostUpdate(0)));
-  EXPECT_EQ(late.host_reads_at[2], std::vector<ChunkId>{ChunkId(2)});
+  EXPECT_EQ(late.host_reads_at[2], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
   EXPECT_DOUBLE_EQ(late.prediction.stall_seconds, 1.0);
   ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(HostUpdate(1000)));
   EXPECT_DOUBLE_EQ(lru.stall_seconds, 1.0);  // no read-ahead without a plan
