@@ -123,9 +123,24 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
   return homes;
 }
 
-uint64_t HostStagingBytes(uint64_t total_bytes, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
-  constexpr uint64_t kShare = 8;
-  return total_bytes > host_bytes && nvme_bytes > 0 ? std::min(stream_ring, host_bytes / kShare) : 0;
+HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
+  if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
+  uint64_t largest_states = 0, largest_chunk = 0;
+  for (const ChunkGroup& group : layout.groups()) {
+    uint64_t states = 0;
+    for (int k = 0; k < kNumChunkKinds; ++k) {
+      const std::optional<ChunkId> c = group.chunk_of_kind[k];
+      if (!c) continue;
+      largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
+      const auto kind = static_cast<ChunkKind>(k);
+      if (kind != ChunkKind::kParam && kind != ChunkKind::kGrad) states += layout.chunk(*c).size_bytes();
+    }
+    largest_states = std::max(largest_states, states);
+  }
+  HostReserve reserve;
+  reserve.staging_bytes = std::min({stream_ring, host_bytes / 2, std::max(host_bytes / 8, 4 * largest_states)});
+  reserve.reserved_bytes = std::min(host_bytes, reserve.staging_bytes + 2 * largest_chunk);
+  return reserve;
 }
 
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {

@@ -101,11 +101,18 @@ class ChunkLayout {
 std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
                                              uint64_t nvme_bytes);
 
-// Host memory kept free of homes for NVMe-homed chunks read ahead of their
-// CPU update: none when the host holds every chunk (`total_bytes`) or there
-// is no NVMe tier, else an eighth of the host tier, at most `stream_ring`
-// (option optimizer.stream_ring).
-uint64_t HostStagingBytes(uint64_t total_bytes, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
+// Host memory kept free of homes when some chunks must live on NVMe: room
+// for NVMe-homed chunks read ahead of their CPU update (staging: four chunk
+// groups' optimizer states, one updated, one being written back, two read
+// ahead; at least an eighth of the host tier, at most half of it and at most
+// `stream_ring`, option optimizer.stream_ring), and two of the largest
+// chunks of slack, so that free space in pieces can be joined. Zero when
+// the host holds every chunk or there is no NVMe tier.
+struct HostReserve {
+  uint64_t staging_bytes = 0;
+  uint64_t reserved_bytes = 0;  // staging and slack: what homes may not use
+};
+HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
 
 // Element size of a chunk kind for a group whose params are `param_dtype`.
 DType ChunkKindDType(ChunkKind kind, DType param_dtype);

@@ -99,10 +99,12 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   // kept for staging NVMe reads).
   PlannerInput input;
   const uint64_t total = layout.report().total_bytes;
-  input.host_staging_bytes =
-      memory::HostStagingBytes(total, machine.dram_bytes, machine.nvme_bytes, defaults.optimizer_stream_ring_bytes);
+  const memory::HostReserve reserve =
+      memory::HostReserveFor(layout, machine.dram_bytes, machine.nvme_bytes, defaults.optimizer_stream_ring_bytes);
+  input.host_staging_bytes = reserve.staging_bytes;
+  const uint64_t dram_for_homes = machine.dram_bytes - reserve.reserved_bytes;
   const std::vector<std::optional<Tier>> homes =
-      memory::AssignHomes(layout.chunks(), machine.dram_bytes - input.host_staging_bytes, machine.nvme_bytes);
+      memory::AssignHomes(layout.chunks(), dram_for_homes, machine.nvme_bytes);
   for (size_t i = 0; i < homes.size(); ++i) {
     const memory::ChunkDesc& chunk = layout.chunks()[i];
     const uint64_t size = chunk.size_bytes();
@@ -113,11 +115,9 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
     if (!homes[i]) {
       return OutOfMemory("plan: the model states need {} but DRAM ({}, {} of it kept for staging NVMe reads) and "
                          "NVMe ({}) hold {} ({} short): raise --dram or give --nvme directories with more space",
-                         FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(input.host_staging_bytes),
-                         FormatSize(machine.nvme_bytes),
-                         FormatSize(machine.dram_bytes - input.host_staging_bytes + machine.nvme_bytes),
-                         FormatSize(total - std::min(total, machine.dram_bytes - input.host_staging_bytes +
-                                                                machine.nvme_bytes)));
+                         FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(reserve.reserved_bytes),
+                         FormatSize(machine.nvme_bytes), FormatSize(dram_for_homes + machine.nvme_bytes),
+                         FormatSize(total - std::min(total, dram_for_homes + machine.nvme_bytes)));
     }
     input.home.push_back(*homes[i]);
     (*homes[i] == Tier::kHost ? plan.host_chunk_bytes : plan.nvme_chunk_bytes) += size;

@@ -142,11 +142,11 @@ struct Pipeline::Impl {
   // moment `r.needed`, after whatever was queued for it before (Note [Host
   // moments] in planner.cc), once the staging memory has room for it or
   // that moment has begun (Note [Staging memory at run time]).
-  void QueueHostRead(const PlannedRead& r) {
+  // `due`: the count of moments begun (`begun`) once the moment that needs it has begun.
+  void QueueHostRead(const PlannedRead& r, uint64_t due) {
     const ChunkId c = r.chunk;
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    const uint64_t due = moments_begun + (r.needed >= moment ? r.needed - moment : plan->num_moments - moment + r.needed);
     pending[c.value()] = nvme_read.Push([this, c, before, due]() -> Status {
       if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
       {
@@ -237,12 +237,16 @@ struct Pipeline::Impl {
         room_for_activations.push_back(QueueEviction(v));
       }
     }
-    for (const PlannedRead& r : plan->host_reads_at[k]) QueueHostRead(r);
+    for (const PlannedRead& r : plan->host_reads_at[k]) {
+      QueueHostRead(r, moments_begun + (r.needed >= k ? r.needed - k : plan->num_moments - k + r.needed));
+    }
     for (const PlannedFetch& f : plan->fetches_at[k]) {
       std::vector<std::shared_future<Status>> room;
       for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
       QueueFetch(f.chunk, std::move(room));
     }
+    // Behind the fetches' victims: only a later host moment waits for them.
+    for (ChunkId c : plan->offloads_at[k]) QueueEviction(c, Tier::kHost);
     return room_for_activations;
   }
 
@@ -286,6 +290,16 @@ struct Pipeline::Impl {
       if (!tier.ok() || *tier != Tier::kDevice) continue;
       room.push_back(QueueEviction(ChunkId(c)));
       stats.reconciled++;
+    }
+    // Reads the plan issues in the iteration before for host moments of this one.
+    for (uint32_t k = 0; k < plan->num_moments; ++k) {
+      for (const PlannedRead& r : plan->host_reads_at[k]) {
+        if (r.needed >= k || pending.count(r.chunk.value()) > 0) continue;
+        Result<Tier> tier = engine.ChunkTier(r.chunk);
+        if (!tier.ok() || *tier != Tier::kNvme) continue;
+        QueueHostRead(r, moments_begun + 1 + r.needed);
+        stats.reconciled++;
+      }
     }
     std::vector<bool> queued(chunk_bytes.size(), false);
     for (const TraceMoment& m : planned_trace.moments) {

@@ -41,9 +41,11 @@ namespace strata::offload {
 //
 // Note [Host moments]
 // A moment computing on the host (a CPU optimizer update) needs its chunks
-// off the device: a chunk there is evicted when the moment begins (to the
-// host only; it is written to NVMe, its home or not, after the moment if
-// NVMe is its home), and may not come back before the moment ends. An
+// off the device, and they may not come back before the moment ends. A
+// host-homed chunk there goes to the host right after its last use on the
+// device (an offload: nothing waits for it but the host moment; its device
+// room is counted until the host moment all the same); an NVMe-homed one is
+// evicted to the host when the moment begins, and written to NVMe after it. An
 // NVMe-homed chunk not on the device is read into host memory ahead of the
 // moment, as early as `host_staging_bytes` allows (chunks read ahead, in use
 // and being written back never hold more, except those a moment needs now),
@@ -127,6 +129,7 @@ struct Schedule {
   std::vector<Fetch> fetches;                      // in order of need
   std::vector<HostRead> host_reads;                // in order of need
   std::vector<std::vector<ChunkId>> evictions_at;  // by unrolled moment: room for non-model memory
+  std::vector<std::vector<ChunkId>> offloads_at;   // by unrolled moment: off early for a host moment
   std::vector<uint64_t> occupancy;                 // by unrolled moment: chunks resident + non-model
 };
 
@@ -141,6 +144,7 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
   uint64_t used = 0;
   Schedule schedule;
   schedule.evictions_at.resize(u.length);
+  schedule.offloads_at.resize(u.length);
   schedule.occupancy.resize(u.length);
   for (uint64_t g = 0; g < u.length; ++g) {
     const TraceMoment& m = u.moment(g);
@@ -179,7 +183,12 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
     // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
     if (u.on_host(g)) {
       for (ChunkId c : m.chunks) {
-        if (resident[c.value()]) {
+        if (resident[c.value()] && !u.nvme_homed(c)) {
+          // Off to the host right after its last use on the device; its room
+          // is counted until this moment all the same.
+          evict(c);
+          schedule.offloads_at[std::min<uint64_t>(last_use[c.value()] + 1, g)].push_back(c);
+        } else if (resident[c.value()]) {
           evict(c);
           schedule.evictions_at[g].push_back(c);
         } else if (u.nvme_homed(c)) {
@@ -291,6 +300,7 @@ Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
   };
   for (uint64_t g = 0; g < u.length; ++g) {
     for (ChunkId v : schedule.evictions_at[g]) STRATA_RETURN_IF_ERROR(leave(v, g));
+    for (ChunkId v : schedule.offloads_at[g]) STRATA_RETURN_IF_ERROR(leave(v, g));
     for (const Fetch* f : issued_at[g]) {
       for (ChunkId v : f->victims) STRATA_RETURN_IF_ERROR(leave(v, g));
       if (resident[f->chunk.value()]) {
@@ -357,6 +367,10 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       if (u.nvme_homed(f->chunk)) ready = read(f->chunk, requested, g);
       arrival[f->chunk.value()] = transfer(Link::kHostToDevice, std::max(ready, room), u.size(f->chunk), g);
       if (counted(g)) p.fetches++;
+    }
+    // Behind the fetches' victims: nothing waits for them but their host moment.
+    for (ChunkId c : schedule.offloads_at[g]) {
+      host_ready[c.value()] = transfer(Link::kDeviceToHost, requested, u.size(c), g);
     }
     double start = room_for_activations;
     for (ChunkId c : u.moment(g).chunks) {
@@ -471,7 +485,11 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
                                                             .needed = static_cast<uint32_t>(f.needed % unrolled.period),
                                                             .victims = f.victims});
   }
-  for (uint64_t g = first; g < last; ++g) plan.evictions_at[g - first] = schedule.evictions_at[g];
+  plan.offloads_at.resize(unrolled.period);
+  for (uint64_t g = first; g < last; ++g) {
+    plan.evictions_at[g - first] = schedule.evictions_at[g];
+    plan.offloads_at[g - first] = schedule.offloads_at[g];
+  }
   plan.host_reads_at.resize(unrolled.period);
   for (const HostRead& r : schedule.host_reads) {
     if (r.issue >= first && r.issue < last) {
@@ -484,6 +502,7 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
   const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, first);
   for (uint64_t g = 0; g < first; ++g) {
     for (ChunkId v : schedule.evictions_at[g]) resident[v.value()] = false;
+    for (ChunkId v : schedule.offloads_at[g]) resident[v.value()] = false;
     for (const Fetch* f : issued_at[g]) {
       for (ChunkId v : f->victims) resident[v.value()] = false;
       resident[f->chunk.value()] = true;

@@ -114,6 +114,10 @@ struct Plan {
   // The most device memory (chunks resident or arriving, and non-model
   // memory) the plan uses at any moment; never above device_bytes.
   uint64_t peak_device_bytes = 0;
+  // Chunks a later host moment needs, sent to the host right after their
+  // last use on the device, by moment; nothing waits for them but that host
+  // moment.
+  std::vector<std::vector<ChunkId>> offloads_at;
   // By moment: where it computes (an update moment placed on the device
   // runs there; every other moment where its trace says).
   std::vector<Tier> compute_tier;

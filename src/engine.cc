@@ -120,10 +120,11 @@ Status Engine::Finalize() {
   const uint64_t host_capacity = impl_->host_pool->usage().capacity_bytes;
   const uint64_t nvme_capacity = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
   const uint64_t total_bytes = layout.report().total_bytes;
-  impl_->host_staging_bytes =
-      memory::HostStagingBytes(total_bytes, host_capacity, nvme_capacity, o.optimizer_stream_ring_bytes);
+  const memory::HostReserve reserve =
+      memory::HostReserveFor(layout, host_capacity, nvme_capacity, o.optimizer_stream_ring_bytes);
+  impl_->host_staging_bytes = reserve.staging_bytes;
   const std::vector<std::optional<Tier>> assigned =
-      memory::AssignHomes(layout.chunks(), host_capacity - impl_->host_staging_bytes, nvme_capacity);
+      memory::AssignHomes(layout.chunks(), host_capacity - reserve.reserved_bytes, nvme_capacity);
   uint64_t largest_chunk = 0;
   std::vector<Tier> homes;
   for (size_t i = 0; i < assigned.size(); ++i) {
@@ -133,8 +134,8 @@ Status Engine::Finalize() {
           "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
           "(nvme.capacity{}): raise a budget or add nvme.dirs",
           FormatSize(total_bytes), layout.chunks().size(), FormatSize(host_capacity),
-          impl_->host_staging_bytes > 0
-              ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(impl_->host_staging_bytes))
+          reserve.reserved_bytes > 0
+              ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(reserve.reserved_bytes))
               : "",
           FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured");
     }

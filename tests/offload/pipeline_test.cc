@@ -155,17 +155,18 @@ TEST(PipelineTest, WarmUpRecordsThenIterationsFollowThePlan) {
   EXPECT_TRUE(json.contains("stall_fraction"));
 }
 
-// 40 layers, a host of 32 (four of them kept for staging reads): layers
-// 0-27, homed on the host, run forward and backward on a 4-chunk device;
-// 28-39, homed on NVMe, are updated on the host after backward.
+// 40 layers, a host of 32 (four of them kept for staging reads, two as
+// slack): layers 0-25, homed on the host, run forward and backward on a
+// 4-chunk device; 26-39, homed on NVMe, are updated on the host after backward.
+constexpr uint32_t kStepDeviceLayers = 26, kStepLayers = 40, kStepUpdates = kStepLayers - kStepDeviceLayers;
 struct StepModel {
-  LayerModel model{40, /*device_chunks=*/4, /*host_chunks=*/32, /*nvme=*/true};
+  LayerModel model{kStepLayers, /*device_chunks=*/4, /*host_chunks=*/32, /*nvme=*/true};
   std::vector<uint32_t> device_order;
   Updates updates;
   StepModel() {
-    for (uint32_t l = 0; l < 28; ++l) device_order.push_back(l);
-    for (uint32_t l = 28; l-- > 0;) device_order.push_back(l);
-    for (uint32_t l = 28; l < 40; ++l) updates.layers.push_back(l);
+    for (uint32_t l = 0; l < kStepDeviceLayers; ++l) device_order.push_back(l);
+    for (uint32_t l = kStepDeviceLayers; l-- > 0;) device_order.push_back(l);
+    for (uint32_t l = kStepDeviceLayers; l < kStepLayers; ++l) updates.layers.push_back(l);
   }
   Status Run(Pipeline& pipeline, bool first) { return RunIteration(pipeline, model, first, &device_order, &updates); }
 };
@@ -178,26 +179,26 @@ TEST(PipelineTest, HostUpdatesReadTheirNvmeChunksAheadAndWriteThemBack) {
   ASSERT_OK(step.Run(*pipeline, true));
   const Plan* plan = pipeline->plan();
   ASSERT_NE(plan, nullptr);
-  ASSERT_EQ(plan->num_moments, 56u + 12u);
+  ASSERT_EQ(plan->num_moments, 2 * kStepDeviceLayers + kStepUpdates);
   // Each update's chunk is read once, before the moment that needs it.
   uint32_t reads = 0, ahead = 0;
   for (uint32_t k = 0; k < plan->num_moments; ++k) {
     for (const PlannedRead& r : plan->host_reads_at[k]) {
       reads++;
-      EXPECT_EQ(r.needed, 56 + (r.chunk.value() - step.model.layers[28].value()));
+      EXPECT_EQ(r.needed, 2 * kStepDeviceLayers + (r.chunk.value() - step.model.layers[kStepDeviceLayers].value()));
       if (k < r.needed) ahead++;
     }
   }
-  EXPECT_EQ(reads, 12u);
-  EXPECT_GE(ahead, 6u);
+  EXPECT_EQ(reads, kStepUpdates);
+  EXPECT_GE(ahead, kStepUpdates / 2);
   for (int i = 0; i < 3; ++i) ASSERT_OK(step.Run(*pipeline, false));  // every byte checked
   PipelineStats stats = pipeline->stats();
   EXPECT_EQ(stats.planned_iterations, 3u);
   EXPECT_EQ(stats.divergences, 0u);
   EXPECT_EQ(stats.demand_fetches, 0u);
   EXPECT_EQ(stats.forced_evictions, 0u);
-  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeRead)], 12 * kChunkElems * 4);
-  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeWrite)], 12 * kChunkElems * 4);
+  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeRead)], kStepUpdates * kChunkElems * 4);
+  EXPECT_EQ(stats.bytes[static_cast<int>(Link::kNvmeWrite)], kStepUpdates * kChunkElems * 4);
 }
 
 TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {

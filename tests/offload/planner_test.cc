@@ -174,20 +174,21 @@ TEST(PlannerTest, MalformedInputsAreRejected) {
 // no fetch of a chunk already there, no eviction of one that is not) and
 // never holds more than the device.
 TEST(PlannerTest, AHostMomentTakesItsChunkOffTheDeviceAndItComesBackAfter) {
-  // m0 uses chunk 0 on the device, m1 on the host (a CPU update): 1 s down
-  // before m1, 1 s up before the next m0 (not before m1 ends), 1 s of compute each.
-  PlannerInput input = UnitInput({{0}, {0}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
-  input.trace.moments[1].tier = Tier::kHost;
+  // m0 uses chunk 0 on the device, m1 chunk 1, m2 chunk 0 on the host (a CPU
+  // update). Chunk 0 goes down right after m0 (1 s, hidden by m1) and up
+  // again for the next m0, not before m2 ends: 1 s of stall there.
+  PlannerInput input = UnitInput({{0}, {1}, {0}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].tier = Tier::kHost;
   ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
-  EXPECT_EQ(plan.compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kHost}));
-  EXPECT_EQ(plan.evictions_at[1], std::vector<ChunkId>{ChunkId(0)});
+  EXPECT_EQ(plan.compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kDevice, Tier::kHost}));
+  EXPECT_EQ(plan.offloads_at[1], std::vector<ChunkId>{ChunkId(0)});
   ASSERT_EQ(plan.fetches_at[0].size(), 1u);
   EXPECT_EQ(plan.fetches_at[0][0].chunk, ChunkId(0));
   EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kDeviceToHost)], 1000u);
   EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 1000u);
-  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 2.0);
+  EXPECT_EQ(plan.prediction.stall_per_moment, (std::vector<double>{1.0, 0.0, 0.0}));
   EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 4.0);
-  EXPECT_TRUE(plan.resident_at_start.empty());  // it left at m1 of the iteration before
+  EXPECT_EQ(plan.resident_at_start, std::vector<ChunkId>{ChunkId(1)});  // 0 left for m2 before
 }
 
 // m0 and m1 compute on the device with chunks 0 and 1; m2 updates chunk 2,
