@@ -68,6 +68,9 @@ struct ReplayBenchReport {
   uint64_t activation_peak_bytes = 0;
   double compute_seconds = 0;  // per iteration, all moments, updates on the CPU
   uint32_t updates = 0, updates_on_device = 0;  // chunk-group updates, as the plan placed them
+  // Moments whose compute is at least their chunks' transfer time at the
+  // measured rates (the stall goal's premise; see ComputeCoversTransfer).
+  uint32_t moments_covered = 0;
   double strata_plan_step_seconds = 0;  // with gpu_tflops: `strata plan`'s prediction for this machine
   std::string strata_plan_command;
   double planning_seconds = 0;

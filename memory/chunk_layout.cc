@@ -125,7 +125,8 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
 
 HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
   if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
-  uint64_t largest_states = 0, largest_chunk = 0;
+  std::vector<uint64_t> group_states;
+  uint64_t largest_chunk = 0;
   for (const ChunkGroup& group : layout.groups()) {
     uint64_t states = 0;
     for (int k = 0; k < kNumChunkKinds; ++k) {
@@ -135,10 +136,13 @@ HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint6
       const auto kind = static_cast<ChunkKind>(k);
       if (kind != ChunkKind::kParam && kind != ChunkKind::kGrad) states += layout.chunk(*c).size_bytes();
     }
-    largest_states = std::max(largest_states, states);
+    group_states.push_back(states);
   }
+  // A typical group, not the largest: an embedding's group may be many times the others.
+  std::nth_element(group_states.begin(), group_states.begin() + group_states.size() / 2, group_states.end());
+  const uint64_t median_states = group_states.empty() ? 0 : group_states[group_states.size() / 2];
   HostReserve reserve;
-  reserve.staging_bytes = std::min({stream_ring, host_bytes / 2, std::max(host_bytes / 8, 4 * largest_states)});
+  reserve.staging_bytes = std::min({stream_ring, host_bytes / 4, std::max(host_bytes / 8, 4 * median_states)});
   reserve.reserved_bytes = std::min(host_bytes, reserve.staging_bytes + 2 * largest_chunk);
   return reserve;
 }

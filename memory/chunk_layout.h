@@ -102,12 +102,12 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
                                              uint64_t nvme_bytes);
 
 // Host memory kept free of homes when some chunks must live on NVMe: room
-// for NVMe-homed chunks read ahead of their CPU update (staging: four chunk
-// groups' optimizer states, one updated, one being written back, two read
-// ahead; at least an eighth of the host tier, at most half of it and at most
-// `stream_ring`, option optimizer.stream_ring), and two of the largest
-// chunks of slack, so that free space in pieces can be joined. Zero when
-// the host holds every chunk or there is no NVMe tier.
+// for NVMe-homed chunks read ahead of their CPU update (staging: four
+// typical (median) chunk groups' optimizer states, one updated, one being
+// written back, two read ahead; at least an eighth of the host tier, at most
+// a quarter of it and at most `stream_ring`, option optimizer.stream_ring),
+// and two of the largest chunks of slack, so that free space in pieces can
+// be joined. Zero when the host holds every chunk or there is no NVMe tier.
 struct HostReserve {
   uint64_t staging_bytes = 0;
   uint64_t reserved_bytes = 0;  // staging and slack: what homes may not use

@@ -64,8 +64,17 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
   };
   for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
   for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
-  // The update of each trainable chunk group: every chunk of the group.
-  for (const memory::ChunkGroup& group : layout.groups()) {
+  // The update of each trainable chunk group: every chunk of the group, in
+  // the order backward finishes with them (the last layers' first).
+  std::vector<size_t> last_use(layout.groups().size(), 0);
+  for (size_t k = 0; k < step.trace.moments.size(); ++k) {
+    for (ChunkId c : step.trace.moments[k].chunks) last_use[layout.chunk(c).group] = k;
+  }
+  std::vector<uint32_t> order(layout.groups().size());
+  for (uint32_t g = 0; g < order.size(); ++g) order[g] = g;
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return last_use[x] < last_use[y]; });
+  for (uint32_t g : order) {
+    const memory::ChunkGroup& group = layout.groups()[g];
     if (!group.trainable) continue;
     TraceMoment m{.tier = Tier::kHost};
     uint64_t params = 0;

@@ -77,7 +77,7 @@ class Engine {
   // Host memory Finalize kept free of homed chunks for NVMe-homed chunks
   // read ahead of a CPU update (memory::HostReserveFor): 0 when every chunk
   // has its home on the host, else room for four chunk groups' optimizer
-  // states, within [host.budget / 8, host.budget / 2] and at most
+  // states, within [host.budget / 8, host.budget / 4] and at most
   // optimizer.stream_ring. (Two chunks more are kept free as slack.)
   uint64_t host_staging_bytes() const;
 
