@@ -104,7 +104,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Pipeline> pipeline,
                           offload::Pipeline::Create(*engine, pipeline_options));
   RunResult result;
-  for (uint32_t it = 0; it <= config.iterations; ++it) {
+  for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
     for (const offload::TraceMoment& m : step.moments) {
       double compute = m.compute_seconds;
@@ -124,7 +124,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
     }
     STRATA_RETURN_IF_ERROR(pipeline->EndIteration());
-    if (it == 0) continue;  // the warm-up
+    if (it < config.warmup) continue;
     const offload::PipelineStats s = pipeline->stats();
     result.run.step_seconds += s.step_seconds / config.iterations;
     result.run.stall_seconds += s.stall_seconds / config.iterations;
@@ -162,6 +162,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --layers, --hidden, --vocab and --seq must be > 0");
   }
   if (config.iterations == 0) return InvalidArgument("bench replay: --iterations 0: at least one is measured");
+  if (config.warmup == 0) return InvalidArgument("bench replay: --warmup 0: the first iteration records the trace");
   if (config.batch == 0) return InvalidArgument("bench replay: --batch must be > 0");
   for (double rate : {config.pcie_gbps, config.cpu_adam_gparams, config.gpu_adam_gparams}) {
     if (!(rate > 0)) {
@@ -272,12 +273,12 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
       "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {} of model states in {} chunks, "
       "{} moments, activations up to {}\n"
       "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration (updates on the "
-      "CPU); {} measured iterations after one warm-up\n",
+      "CPU); {} measured iterations after {} of warm-up\n",
       r.config.layers, r.config.hidden, r.config.vocab, r.config.sequence, r.config.batch,
       FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
       FormatSize(r.device_budget_bytes), FormatSize(r.host_budget_bytes),
       r.config.dirs.empty() ? std::string("emulated in memory") : fmt::format("{}", fmt::join(r.config.dirs, ",")),
-      r.config.pcie_gbps, 1e3 * r.compute_seconds, r.config.iterations);
+      r.config.pcie_gbps, 1e3 * r.compute_seconds, r.config.iterations, r.config.warmup);
   out += fmt::format("{:<22} {:>10} {:>10} {:>8} {:>12} {:>12} {:>12} {:>12}\n", "", "step ms", "stall ms", "stall",
                      "host->dev", "dev->host", "nvme read", "nvme write");
   const auto row = [&](const char* name, const ReplayRun& run) {
@@ -320,7 +321,8 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"host_budget_bytes", r.host_budget_bytes},
                  {"dirs", r.config.dirs},
                  {"pcie_gbps", r.config.pcie_gbps},
-                 {"iterations", r.config.iterations}};
+                 {"iterations", r.config.iterations},
+                 {"warmup", r.config.warmup}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;

@@ -2,7 +2,7 @@
 // step (forward, backward, the optimizer update of each chunk group),
 // replayed on the engine with the host-emulated device
 // (its copies throttled to a PCIe-like bandwidth) and, with --dir, real NVMe
-// I/O, for several iterations after the warm-up; once with the planned
+// I/O, for several iterations after the warm-up (--warmup); once with the planned
 // prefetch pipeline (offload/pipeline.h) and once without a plan (on demand,
 // least-recently-used eviction) as the reference, each on a fresh engine.
 //
@@ -46,7 +46,12 @@ struct ReplayBenchConfig {
   double gpu_tflops = 0;             // forward/backward FLOPs rate; 0: 1.5 x the moment's chunks' transfer time
   double cpu_adam_gparams = 1.0;     // an update on the host: its parameters at this rate (G/s)
   double gpu_adam_gparams = 100;     // on the device
-  uint32_t iterations = 3;           // measured, after one warm-up
+  uint32_t iterations = 3;           // measured, after the warm-up
+  // Iterations before: the first records the trace (and measures the links
+  // it uses); the second follows the plan and measures the links the first
+  // could not (optimizer states are first touched in memory, so nothing is
+  // read from NVMe before it), re-planning if one was assumed wrong.
+  uint32_t warmup = 2;
   bool baseline = true;              // also run without a plan
 };
 

@@ -387,7 +387,10 @@ int main(int argc, char** argv) {
   bench_replay_command->add_option("--gpu-adam-gparams", bench_replay.config.gpu_adam_gparams,
                                    "an update on the device takes its parameters / this (G params/s)")
       ->capture_default_str();
-  bench_replay_command->add_option("--iterations", bench_replay.config.iterations, "measured, after one warm-up")
+  bench_replay_command->add_option("--warmup", bench_replay.config.warmup,
+                                   "iterations before the measured ones: the first records, the second calibrates")
+      ->capture_default_str();
+  bench_replay_command->add_option("--iterations", bench_replay.config.iterations, "measured, after the warm-up")
       ->capture_default_str();
   bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
   bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
