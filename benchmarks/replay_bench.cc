@@ -90,7 +90,7 @@ bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engi
 }
 
 Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
-                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool adaptive) {
+                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline) {
   EngineSeams seams;
   if (config.dirs.empty()) {
     STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme_capacity_bytes));
@@ -98,7 +98,8 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
   for (const TensorSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine->RegisterTensor(spec).status());
   STRATA_RETURN_IF_ERROR(engine->Finalize());
-  offload::PipelineOptions pipeline_options{.adaptive = adaptive};
+  offload::PipelineOptions pipeline_options = offload::PipelineOptionsOf(options);
+  if (baseline) pipeline_options.policy = offload::Policy::kOnDemand;
   const double link = config.pcie_gbps * 1e9;
   pipeline_options.links.bytes_per_second = {link, link, 0, 0};  // the throttle; NVMe measured in the warm-up
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Pipeline> pipeline,
@@ -135,15 +136,15 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   result.planning_seconds = s.planning_seconds;
   result.divergences = s.divergences;
   result.links = pipeline->links();
-  if (const offload::Plan* plan = pipeline->plan()) {
-    result.predicted_step_seconds = plan->prediction.step_seconds;
-    for (size_t k = 0; k < step.moments.size(); ++k) {
-      if (step.moments[k].device_compute_seconds) {
-        result.updates++;
-        if (plan->compute_tier[k] == Tier::kDevice) result.updates_on_device++;
-      }
-      result.moments_covered += ComputeCoversTransfer(step.moments[k], plan->compute_tier[k], *engine, result.links);
+  const offload::Plan* plan = pipeline->plan();
+  if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
+  for (size_t k = 0; k < step.moments.size(); ++k) {
+    const Tier where = plan != nullptr ? plan->compute_tier[k] : step.moments[k].tier;
+    if (step.moments[k].device_compute_seconds) {
+      result.updates++;
+      if (where == Tier::kDevice) result.updates_on_device++;
     }
+    result.moments_covered += ComputeCoversTransfer(step.moments[k], where, *engine, result.links);
   }
   result.pipeline_json = pipeline->StatsJson();
   return result;
@@ -207,6 +208,9 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   options.host_budget_bytes = config.host_budget_bytes > 0 ? config.host_budget_bytes
                                                             : std::max<uint64_t>(total / 2, 2 * largest_group);
   options.nvme_dirs = config.dirs;
+  options.placement_policy = config.policy;
+  options.placement_device_params = config.device_params;
+  options.placement_host_states = config.host_states;
   options.nvme_capacity_bytes = 2 * total + 4 * largest;
   report.device_budget_bytes = options.device_budget_bytes;
   report.host_budget_bytes = options.host_budget_bytes;
@@ -228,7 +232,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   } remove_files{created};
 
-  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunOnce(config, options, specs, step.trace, true));
+  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunOnce(config, options, specs, step.trace, /*baseline=*/false));
   report.planned = planned.run;
   report.planning_seconds = planned.planning_seconds;
   report.predicted_step_seconds = planned.predicted_step_seconds;
@@ -262,7 +266,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   }
   if (config.baseline) {
-    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunOnce(config, options, specs, step.trace, false));
+    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunOnce(config, options, specs, step.trace, /*baseline=*/true));
     report.lru = lru.run;
   }
   return report;
@@ -287,13 +291,15 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
                        FormatSize(run.bytes[0]), FormatSize(run.bytes[1]), FormatSize(run.bytes[2]),
                        FormatSize(run.bytes[3]));
   };
-  row("planned prefetch", r.planned);
+  row(r.config.policy == "static" ? "static placement" : "planned prefetch", r.planned);
   if (r.config.baseline) row("LRU, on demand", r.lru);
-  out += fmt::format("planning {:.2f} ms ({:.2f}% of a step); predicted step {:.2f} ms ({:+.1f}% from the replay); "
-                     "{} divergences\n",
-                     1e3 * r.planning_seconds, 100 * r.planning_seconds / std::max(r.planned.step_seconds, 1e-12),
-                     1e3 * r.predicted_step_seconds,
-                     100 * (r.predicted_step_seconds / std::max(r.planned.step_seconds, 1e-12) - 1), r.divergences);
+  if (r.predicted_step_seconds > 0) {
+    out += fmt::format(
+        "planning {:.2f} ms ({:.2f}% of a step); predicted step {:.2f} ms ({:+.1f}% from the replay); {} divergences\n",
+        1e3 * r.planning_seconds, 100 * r.planning_seconds / std::max(r.planned.step_seconds, 1e-12),
+        1e3 * r.predicted_step_seconds, 100 * (r.predicted_step_seconds / std::max(r.planned.step_seconds, 1e-12) - 1),
+        r.divergences);
+  }
   out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU; compute at least its chunks' "
                      "transfer time in {} of {} moments\n",
                      r.updates_on_device, r.updates, r.moments_covered, r.moments);
@@ -322,7 +328,10 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"dirs", r.config.dirs},
                  {"pcie_gbps", r.config.pcie_gbps},
                  {"iterations", r.config.iterations},
-                 {"warmup", r.config.warmup}};
+                 {"warmup", r.config.warmup},
+                 {"policy", r.config.policy},
+                 {"device_params", r.config.device_params},
+                 {"host_states", r.config.host_states}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;

@@ -53,6 +53,9 @@ struct ReplayBenchConfig {
   // read from NVMe before it), re-planning if one was assumed wrong.
   uint32_t warmup = 2;
   bool baseline = true;              // also run without a plan
+  std::string policy = "adaptive";   // placement.policy of the measured run: adaptive or static
+  double device_params = 0.5;        // placement.device_params (static)
+  double host_states = 1.0;          // placement.host_states (static)
 };
 
 struct ReplayRun {

@@ -104,16 +104,17 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
 }  // namespace
 
 std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes) {
+                                             uint64_t nvme_bytes, uint64_t max_host_state_bytes) {
   std::vector<std::optional<Tier>> homes(chunks.size());
   for (bool states : {false, true}) {
     for (size_t i = 0; i < chunks.size(); ++i) {
       const ChunkKind kind = chunks[i].kind;
       if ((kind != ChunkKind::kParam && kind != ChunkKind::kGrad) != states) continue;
       const uint64_t size = chunks[i].size_bytes();
-      if (size <= host_bytes) {
+      if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
         homes[i] = Tier::kHost;
         host_bytes -= size;
+        if (states) max_host_state_bytes -= size;
       } else if (size <= nvme_bytes) {
         homes[i] = Tier::kNvme;
         nvme_bytes -= size;

@@ -19,6 +19,7 @@
 
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -98,8 +99,11 @@ class ChunkLayout {
 // `nvme_bytes` lasts; nullopt for a chunk that fits on neither. So the
 // states are what goes to NVMe (read and written once a step, by the
 // update), never the chunks forward and backward fetch.
+// With `max_host_state_bytes`, optimizer states go to the host only up to
+// that many bytes (the static placement policy's share).
 std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes);
+                                             uint64_t nvme_bytes,
+                                             uint64_t max_host_state_bytes = std::numeric_limits<uint64_t>::max());
 
 // Host memory kept free of homes when some chunks must live on NVMe: room
 // for NVMe-homed chunks read ahead of their CPU update (staging: four

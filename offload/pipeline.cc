@@ -70,6 +70,10 @@ struct Pipeline::Impl {
 
   Mode mode = Mode::kOnDemand;
   bool need_trace = true;          // the next adaptive iteration records
+  // kStatic: the chunks kept on the device, and the pins that keep them
+  // there (none while a host moment has the chunk on the host).
+  std::vector<ChunkId> kept_on_device;
+  std::unordered_map<uint32_t, ChunkAccess> pins;
   std::optional<Plan> plan;
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
@@ -104,6 +108,18 @@ struct Pipeline::Impl {
   // Last: the queues' threads start after everything they touch exists, and
   // stop (finishing what is queued) before it goes.
   TaskQueue nvme_read, nvme_write, device_to_host, host_to_device;  // one worker each: one link direction
+
+  // kStatic: the chunks kept on the device are there and pinned.
+  Status PinStatic() {
+    for (ChunkId c : kept_on_device) {
+      if (pins.count(c.value()) > 0) continue;
+      Result<Tier> tier = engine.ChunkTier(c);
+      if (!tier.ok() || *tier != Tier::kDevice) stats.reconciled++;
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine.AccessChunk(c, Tier::kDevice));
+      pins.emplace(c.value(), std::move(pin));
+    }
+    return Status::Ok();
+  }
 
   // BeginMoment and BeginHostMoment: `traced` as the trace would record it.
   Result<Tier> Begin(TraceMoment traced);
@@ -400,7 +416,52 @@ Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const Pipelin
       return InvalidArgument("pipeline: a link bandwidth of {} B/s; give > 0, or 0 to measure it", b);
     }
   }
-  return std::unique_ptr<Pipeline>(new Pipeline(std::make_unique<Impl>(engine, options)));
+  if (!(options.static_device_params >= 0 && options.static_device_params <= 1)) {
+    return InvalidArgument("pipeline: placement.device_params {} is out of range: allowed 0..1",
+                           options.static_device_params);
+  }
+  auto impl = std::make_unique<Impl>(engine, options);
+  if (options.policy == Policy::kStatic) {
+    // The share, by bytes, of the param and grad chunks in model order.
+    uint64_t total = 0, largest = 0;
+    for (const ChunkInfo& chunk : engine.chunks()) {
+      largest = std::max(largest, chunk.size_bytes);
+      if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) total += chunk.size_bytes;
+    }
+    const uint64_t share = static_cast<uint64_t>(options.static_device_params * static_cast<double>(total));
+    uint64_t kept = 0;
+    for (const ChunkInfo& chunk : engine.chunks()) {
+      if (chunk.kind != ChunkKind::kParam && chunk.kind != ChunkKind::kGrad) continue;
+      if (kept + chunk.size_bytes > share) break;
+      impl->kept_on_device.push_back(chunk.id);
+      kept += chunk.size_bytes;
+    }
+    const uint64_t device = options.device_bytes > 0 ? options.device_bytes : engine.options().device_budget_bytes;
+    if (kept + 2 * largest > device) {
+      return InvalidArgument(
+          "pipeline: placement.device_params {} keeps {} of param and grad chunks on the device, which leaves less "
+          "than two {} chunks of the {} device (device.budget) to move the others through: lower "
+          "placement.device_params or raise device.budget",
+          options.static_device_params, FormatSize(kept), FormatSize(largest), FormatSize(device));
+    }
+  }
+  return std::unique_ptr<Pipeline>(new Pipeline(std::move(impl)));
+}
+
+std::string_view PolicyName(Policy policy) {
+  switch (policy) {
+    case Policy::kAdaptive: return "adaptive";
+    case Policy::kStatic: return "static";
+    case Policy::kOnDemand: return "on demand";
+  }
+  return "?";
+}
+
+PipelineOptions PipelineOptionsOf(const Options& options) {
+  PipelineOptions pipeline;
+  pipeline.policy = options.placement_policy == "static" ? Policy::kStatic : Policy::kAdaptive;
+  pipeline.static_device_params = options.placement_device_params;
+  return pipeline;
 }
 
 Pipeline::Pipeline(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
@@ -419,8 +480,9 @@ Status Pipeline::BeginIteration() {
   p.ForgetStagedElsewhere();
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
-  if (!p.options.adaptive) {
+  if (p.options.policy != Policy::kAdaptive) {
     p.mode = Impl::Mode::kOnDemand;
+    STRATA_RETURN_IF_ERROR(p.PinStatic());
   } else if (p.plan && !p.need_trace) {
     p.mode = Impl::Mode::kReplaying;
     p.Reconcile();
@@ -489,6 +551,7 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     if (std::find(planned.begin(), planned.end(), chunk) == planned.end()) p.Diverge("an access the trace lacks");
   }
   const Tier tier = p.moment_tier;
+  if (tier == Tier::kHost) p.pins.erase(chunk.value());  // kStatic: back on the device at EndMoment
   Status prefetched = Status::Ok();
   if (auto it = p.pending.find(chunk.value()); it != p.pending.end()) {
     std::shared_future<Status> done = it->second;
@@ -526,10 +589,17 @@ Status Pipeline::EndMoment() {
   if (p.mode == Impl::Mode::kRecording) {
     p.recording.moments.back().compute_seconds = std::max(0.0, duration - p.moment_stall);
   }
-  if (p.mode == Impl::Mode::kOnDemand) {
+  if (p.options.policy == Policy::kOnDemand) {
     p.host_accessed.clear();  // on demand: they stay until the residency manager needs the room
   } else {
     p.QueueWriteBacks();
+  }
+  if (p.options.policy == Policy::kStatic && p.moment_tier == Tier::kHost) {
+    const Clock::time_point start = Clock::now();
+    Status pinned = p.PinStatic();
+    p.stats.stall_per_moment.back() += SecondsSince(start);
+    p.stats.stall_seconds += SecondsSince(start);
+    STRATA_RETURN_IF_ERROR(pinned.WithContext("bringing the chunks the static policy keeps back to the device"));
   }
   p.stats.stall_per_moment.push_back(p.moment_stall);
   p.stats.stall_seconds += p.moment_stall;
@@ -577,6 +647,7 @@ PipelineStats Pipeline::stats() const { return impl_->stats; }
 std::string Pipeline::StatsJson() const {
   const PipelineStats& s = impl_->stats;
   nlohmann::json j;
+  j["policy"] = PolicyName(impl_->options.policy);
   j["iterations"] = s.iterations;
   j["planned_iterations"] = s.planned_iterations;
   j["recordings"] = s.recordings;

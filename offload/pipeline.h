@@ -35,9 +35,16 @@
 // stops the plan for the rest of the iteration (on-demand from there, no
 // error), is counted, and the next iteration records a new trace.
 //
-// With `adaptive` off the pipeline never plans: every iteration runs on
-// demand with the residency manager's least-recently-used eviction (the
-// baseline of `strata bench replay`).
+// Policies (PipelineOptions::policy, option placement.policy):
+//   adaptive  — the above;
+//   static    — no trace, no plan: a fixed share of the param and grad chunks
+//               (placement.device_params, by bytes in model order) stays on
+//               the device for the whole run (a host moment takes one to the
+//               host and EndMoment brings it back); every other chunk moves
+//               on demand; NVMe-homed chunks of host moments are written
+//               back after them. The same moves every iteration;
+//   on demand — every chunk on demand with the residency manager's
+//               least-recently-used eviction (the baseline of `strata bench replay`).
 //
 // Ownership: borrows the engine (which must outlive it). Thread-safety: the
 // Begin/Access/End calls come from one thread (the training loop); the
@@ -58,8 +65,12 @@
 
 namespace strata::offload {
 
+enum class Policy : uint8_t { kAdaptive, kStatic, kOnDemand };
+std::string_view PolicyName(Policy policy);
+
 struct PipelineOptions {
-  bool adaptive = true;
+  Policy policy = Policy::kAdaptive;
+  double static_device_params = 0.5;  // kStatic: share of param and grad chunk bytes kept on the device
   // Link bandwidths for the plan; a link with 0 is measured in the warm-up
   // iteration (the engine's link statistics), or assumed if nothing moved
   // over it (25 GB/s for host<->device, 3 GB/s read and 2 GB/s write for NVMe).
@@ -93,8 +104,14 @@ struct PipelineStats {
   double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
 };
 
+// The policy and share from placement.policy and placement.device_params;
+// the rest as PipelineOptions' defaults.
+PipelineOptions PipelineOptionsOf(const Options& options);
+
 class Pipeline {
  public:
+  // InvalidArgument for bad options, or (static) when the share kept on the
+  // device leaves it less than two chunks to move others through.
   static Result<std::unique_ptr<Pipeline>> Create(Engine& engine, const PipelineOptions& options);
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;

@@ -123,8 +123,19 @@ Status Engine::Finalize() {
   const memory::HostReserve reserve =
       memory::HostReserveFor(layout, host_capacity, nvme_capacity, o.optimizer_stream_ring_bytes);
   impl_->host_staging_bytes = reserve.staging_bytes;
+  // The static policy homes a fixed share of the optimizer states on the host.
+  const bool fixed = o.placement_policy == "static";
+  uint64_t state_bytes = 0, largest_state_chunk = 0;
+  for (const memory::ChunkDesc& chunk : layout.chunks()) {
+    if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) continue;
+    state_bytes += chunk.size_bytes();
+    largest_state_chunk = std::max(largest_state_chunk, chunk.size_bytes());
+  }
+  const uint64_t host_state_share =
+      static_cast<uint64_t>(o.placement_host_states * static_cast<double>(state_bytes));
   const std::vector<std::optional<Tier>> assigned =
-      memory::AssignHomes(layout.chunks(), host_capacity - reserve.reserved_bytes, nvme_capacity);
+      memory::AssignHomes(layout.chunks(), host_capacity - reserve.reserved_bytes, nvme_capacity,
+                          fixed ? host_state_share : std::numeric_limits<uint64_t>::max());
   uint64_t largest_chunk = 0;
   std::vector<Tier> homes;
   for (size_t i = 0; i < assigned.size(); ++i) {
@@ -140,6 +151,24 @@ Status Engine::Finalize() {
           FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured");
     }
     homes.push_back(*assigned[i]);
+  }
+  if (fixed) {
+    uint64_t host_states = 0;
+    for (size_t i = 0; i < homes.size(); ++i) {
+      const ChunkKind kind = layout.chunks()[i].kind;
+      if (homes[i] == Tier::kHost && kind != ChunkKind::kParam && kind != ChunkKind::kGrad) {
+        host_states += layout.chunks()[i].size_bytes();
+      }
+    }
+    if (host_states + largest_state_chunk < host_state_share) {
+      return OutOfMemory(
+          "placement.host_states {} asks for {} of the {} of optimizer states in host memory, but host.budget {} "
+          "holds only {} of them beside the params and grads{}: raise host.budget or lower placement.host_states",
+          o.placement_host_states, FormatSize(host_state_share), FormatSize(state_bytes), FormatSize(host_capacity),
+          FormatSize(host_states),
+          reserve.reserved_bytes > 0 ? fmt::format(" and {} kept for staging", FormatSize(reserve.reserved_bytes))
+                                     : std::string());
+    }
   }
   if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
     return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "

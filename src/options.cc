@@ -250,6 +250,18 @@ const std::vector<OptionEntry>& Table() {
                           "bytes of host memory that NVMe-resident optimizer states stream through (at least two "
                           "chunk groups' master and states)",
                           &Options::optimizer_stream_ring_bytes));
+    t.push_back(ChoiceEntry("placement.policy",
+                            "adaptive (homes by size; the planner moves chunks from a recorded warm-up iteration) or "
+                            "static (the fixed shares below; no planning)",
+                            &Options::placement_policy, {"adaptive", "static"}));
+    t.push_back(FloatEntry("placement.device_params",
+                           "static policy: share of the param and grad chunks (bytes, in model order) kept on the "
+                           "device for the whole run, 0..1; the rest move on demand",
+                           &Options::placement_device_params, 0, 1));
+    t.push_back(FloatEntry("placement.host_states",
+                           "static policy: share of the optimizer-state chunks (bytes, in model order) homed in host "
+                           "memory, 0..1; the rest on NVMe",
+                           &Options::placement_host_states, 0, 1));
     t.push_back(ChoiceEntry("loss_scale.mode",
                             "auto (dynamic when precision is fp16, else off), dynamic or off",
                             &Options::loss_scale_mode, {"auto", "dynamic", "off"}));

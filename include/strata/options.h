@@ -77,6 +77,12 @@ struct Options {
   uint32_t loss_scale_growth_interval = 2000;   // key loss_scale.growth_interval (good steps)
   double loss_scale_min = 1.0;                  // key loss_scale.min
   double loss_scale_max = 16777216.0;           // key loss_scale.max
+  // --- placement (offload/pipeline.h, Engine::Finalize) -------------------
+  // adaptive: homes by size (params and grads first), the planner moves
+  // chunks from the warm-up trace. static: fixed fractions, no planning.
+  std::string placement_policy = "adaptive";  // key placement.policy: adaptive or static
+  double placement_device_params = 0.5;       // key placement.device_params (static): share of param+grad chunks kept on the device
+  double placement_host_states = 1.0;         // key placement.host_states (static): share of optimizer states homed on the host
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
   LogLevel log_level = LogLevel::kInfo;  // key log.level

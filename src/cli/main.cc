@@ -387,6 +387,15 @@ int main(int argc, char** argv) {
   bench_replay_command->add_option("--gpu-adam-gparams", bench_replay.config.gpu_adam_gparams,
                                    "an update on the device takes its parameters / this (G params/s)")
       ->capture_default_str();
+  bench_replay_command->add_option("--policy", bench_replay.config.policy, "placement.policy: adaptive or static")
+      ->check(CLI::IsMember({"adaptive", "static"}))
+      ->capture_default_str();
+  bench_replay_command->add_option("--device-params", bench_replay.config.device_params,
+                                   "static: share of param and grad chunks kept on the device")
+      ->capture_default_str();
+  bench_replay_command->add_option("--host-states", bench_replay.config.host_states,
+                                   "static: share of optimizer states homed in host memory")
+      ->capture_default_str();
   bench_replay_command->add_option("--warmup", bench_replay.config.warmup,
                                    "iterations before the measured ones: the first records, the second calibrates")
       ->capture_default_str();

@@ -322,12 +322,46 @@ TEST(PipelineTest, ActivationsFindTheirRoomFreeWhenTheMomentBegins) {
 
 TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
   LayerModel model(6, 3);
-  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.adaptive = false}));
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.policy = Policy::kOnDemand}));
   ASSERT_OK(RunIteration(*pipeline, model, true));
   ASSERT_OK(RunIteration(*pipeline, model, false));
   EXPECT_EQ(pipeline->plan(), nullptr);
   EXPECT_EQ(pipeline->stats().recordings, 0u);
   EXPECT_EQ(pipeline->stats().planned_iterations, 0u);
+}
+
+TEST(PipelineTest, StaticPolicyKeepsItsShareOnTheDeviceAndMovesTheSameEveryIteration) {
+  LayerModel model(8, /*device_chunks=*/6);
+  const std::vector<uint32_t> order = {0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0};
+  const Updates updates{.layers = {1, 6}};  // a CPU update of a kept layer and of another
+  ASSERT_OK_AND_ASSIGN(auto pipeline,
+                       Pipeline::Create(*model.engine, {.policy = Policy::kStatic, .static_device_params = 0.5}));
+  std::vector<std::array<uint64_t, kNumLinks>> bytes;
+  for (int it = 0; it < 4; ++it) {
+    ASSERT_OK(RunIteration(*pipeline, model, it == 0, &order, &updates));  // layer 1 on the host while updated
+    for (uint32_t l = 0; l < 4; ++l) EXPECT_EQ(*model.engine->ChunkTier(model.layers[l]), Tier::kDevice) << l;
+    bytes.push_back(pipeline->stats().bytes);
+  }
+  EXPECT_EQ(pipeline->plan(), nullptr);
+  EXPECT_EQ(pipeline->stats().recordings, 0u);
+  EXPECT_EQ(bytes[2], bytes[3]);  // no surprises
+  // Layers 0-3 never leave but for layer 1's update: 1 down, 1 up per iteration;
+  // layers 4-7 (8 uses, 2 free slots) move on demand.
+  EXPECT_GE(bytes[3][static_cast<int>(Link::kHostToDevice)], 5 * kChunkElems * 4);
+  nlohmann::json json = nlohmann::json::parse(pipeline->StatsJson());
+  EXPECT_EQ(json["policy"].get<std::string>(), "static");
+  // A share that leaves no room to move the rest through is refused.
+  Result<std::unique_ptr<Pipeline>> greedy =
+      Pipeline::Create(*model.engine, {.policy = Policy::kStatic, .static_device_params = 0.9});
+  EXPECT_EQ(greedy.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(greedy.status().message().find("placement.device_params"), std::string::npos) << greedy.status().ToString();
+  // The options give the policy and the share.
+  Options options;
+  ASSERT_OK(SetOption(options, "placement.policy", "static"));
+  ASSERT_OK(SetOption(options, "placement.device_params", "0.25"));
+  EXPECT_EQ(PipelineOptionsOf(options).policy, Policy::kStatic);
+  EXPECT_EQ(PipelineOptionsOf(options).static_device_params, 0.25);
+  EXPECT_EQ(SetOption(options, "placement.policy", "lru").code(), StatusCode::kInvalidArgument);
 }
 
 TEST(PipelineTest, CallsOutOfOrderAreInvalidArgument) {

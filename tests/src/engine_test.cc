@@ -64,6 +64,62 @@ TEST(EngineTest, ChunkLargerThanDeviceFailsFinalize) {
   EXPECT_NE(status.message().find("device.budget"), std::string::npos) << status.ToString();
 }
 
+// Four trainable fp32 layers of one 64 KiB chunk each: per layer a param, a
+// grad, exp_avg and exp_avg_sq chunk (1 MiB in all), with an NVMe tier.
+Result<std::unique_ptr<Engine>> FourLayers(Options options) {
+  options.nvme_capacity_bytes = 4 << 20;
+  EngineSeams seams;
+  STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme_capacity_bytes));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
+  for (int l = 0; l < 4; ++l) {
+    STRATA_RETURN_IF_ERROR(
+        engine->RegisterTensor({"layer" + std::to_string(l), {16384}, DType::kFloat32, true, "l" + std::to_string(l)})
+            .status());
+  }
+  STRATA_RETURN_IF_ERROR(engine->Finalize());
+  return engine;
+}
+
+// Bytes of the chunks of these kinds homed on `tier`.
+uint64_t HomedBytes(const Engine& engine, Tier tier, bool states) {
+  uint64_t bytes = 0;
+  for (const ChunkInfo& c : engine.chunks()) {
+    const bool state = c.kind != ChunkKind::kParam && c.kind != ChunkKind::kGrad;
+    if (state == states && *engine.ChunkHome(c.id) == tier) bytes += c.size_bytes;
+  }
+  return bytes;
+}
+
+TEST(EngineTest, ParamsAndGradsAreHomedOnTheHostBeforeOptimizerStatesWithRoomKeptForStaging) {
+  Options options = SmallOptions();
+  options.host_budget_bytes = 768 << 10;
+  ASSERT_OK_AND_ASSIGN(auto engine, FourLayers(options));
+  // Staging: four groups' states (512 KiB) capped at a quarter of the host;
+  // two chunks of slack besides: 448 KiB for homes, the params and three grads.
+  EXPECT_EQ(engine->host_staging_bytes(), 192u << 10);
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/false), 7u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/true), 0u);
+  EXPECT_EQ(HomedBytes(*engine, Tier::kNvme, /*states=*/true), 8u * (64 << 10));
+}
+
+TEST(EngineTest, StaticPolicyHomesItsShareOfTheStatesOnTheHostOrSaysWhyNot) {
+  Options options = SmallOptions();
+  options.host_budget_bytes = 4 << 20;  // room for everything
+  options.placement_policy = "static";
+  options.placement_host_states = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto engine, FourLayers(options));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/true), 4u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kNvme, /*states=*/true), 4u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/false), 8u * (64 << 10));
+  // All states on a host that holds none of them beside the rest: refused, naming the keys.
+  options.host_budget_bytes = 768 << 10;
+  options.placement_host_states = 1.0;
+  Result<std::unique_ptr<Engine>> refused = FourLayers(options);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(refused.status().message().find("placement.host_states 1"), std::string::npos) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("host.budget"), std::string::npos);
+}
+
 TEST(EngineTest, LifecycleErrorsAreInvalidArgument) {
   ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
   ASSERT_OK_AND_ASSIGN(TensorId frozen, engine->RegisterTensor({"frozen", {100}, DType::kFloat32, false, "m"}));
