@@ -74,6 +74,7 @@ struct Pipeline::Impl {
   // there (none while a host moment has the chunk on the host).
   std::vector<ChunkId> kept_on_device;
   std::unordered_map<uint32_t, ChunkAccess> pins;
+  std::vector<std::shared_future<Status>> reconcile_room;  // evictions Reconcile queued; the first moment waits
   std::optional<Plan> plan;
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
@@ -307,6 +308,7 @@ struct Pipeline::Impl {
       room.push_back(QueueEviction(ChunkId(c)));
       stats.reconciled++;
     }
+    reconcile_room = room;  // the first moment waits for them too, before it allocates
     // Reads the plan issues in the iteration before for host moments of this one.
     for (uint32_t k = 0; k < plan->num_moments; ++k) {
       for (const PlannedRead& r : plan->host_reads_at[k]) {
@@ -530,9 +532,10 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
       // The caller allocates the moment's non-model memory once this returns:
       // the chunks that make room for it must be off the device by then (a
       // failed eviction is reported at EndIteration; the wait is a stall).
-      for (const std::shared_future<Status>& room : p.Issue(p.moment)) {
-        room.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
-      }
+      std::vector<std::shared_future<Status>> room = p.Issue(p.moment);
+      room.insert(room.end(), p.reconcile_room.begin(), p.reconcile_room.end());
+      p.reconcile_room.clear();
+      for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
       p.moment_stall += SecondsSince(p.moment_start);
     }
   }

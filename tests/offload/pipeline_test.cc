@@ -6,6 +6,7 @@
 #include <random>
 #include <thread>
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
@@ -396,6 +397,62 @@ TEST(PipelineTest, RandomSequencesKeepEveryByte) {
     ASSERT_OK(RunIteration(*pipeline, model, false, &sequence));
   }
   EXPECT_GE(pipeline->stats().planned_iterations, 6u);
+}
+
+// Random steps (device moments with activations, then CPU updates), each
+// repeated over several iterations: every byte kept, and whenever an
+// iteration follows its plan, a moment's chunks on the device and its
+// activations fit in the device budget when the moment begins.
+TEST(PipelineTest, RandomStepsKeepEveryByteAndTheDeviceBudget) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  LayerModel model(12, /*device_chunks=*/5, /*host_chunks=*/8, /*nvme=*/true);
+  const uint64_t chunk = kChunkElems * 4;
+  const uint64_t budget = model.engine->options().device_budget_bytes;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  std::vector<bool> written(model.layers.size(), false);
+  for (int round = 0; round < 4; ++round) {
+    struct Step {
+      uint32_t layer;
+      uint64_t activations;
+      bool on_host;
+    };
+    std::vector<Step> steps;
+    for (int m = 0; m < 12; ++m) {
+      steps.push_back({static_cast<uint32_t>(rng() % model.layers.size()), (rng() % 3) * chunk, false});
+    }
+    for (int m = 0; m < 3; ++m) steps.push_back({static_cast<uint32_t>(rng() % model.layers.size()), 0, true});
+    for (int it = 0; it < 4; ++it) {
+      SCOPED_TRACE("round " + std::to_string(round) + " iteration " + std::to_string(it));
+      ASSERT_OK(pipeline->BeginIteration());
+      const uint64_t planned = pipeline->stats().planned_iterations;
+      std::vector<std::string> over_budget;  // checked once the iteration says whether it followed a plan
+      for (size_t m = 0; m < steps.size(); ++m) {
+        const Step& step = steps[m];
+        if (step.on_host) {
+          ASSERT_OK(pipeline->BeginHostMoment().status());
+        } else {
+          ASSERT_OK(pipeline->BeginMoment(step.activations));
+          const uint64_t used = model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes;
+          if (used + step.activations > budget) {
+            over_budget.push_back(fmt::format("moment {}: {} of chunks and {} of activations", m, used, step.activations));
+          }
+        }
+        {
+          ASSERT_OK_AND_ASSIGN(ChunkAccess access, pipeline->Access(model.layers[step.layer]));
+          ASSERT_OK(WriteOrCheck(access, step.layer, !written[step.layer]));
+          written[step.layer] = true;
+        }
+        ASSERT_OK(pipeline->EndMoment());
+      }
+      ASSERT_OK(pipeline->EndIteration());
+      if (pipeline->stats().planned_iterations > planned) {
+        EXPECT_TRUE(over_budget.empty()) << fmt::format("{}", fmt::join(over_budget, "; "));
+      }
+      EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kHost)].peak_bytes,
+                model.engine->options().host_budget_bytes);
+    }
+  }
+  EXPECT_GE(pipeline->stats().planned_iterations, 8u);
 }
 
 }  // namespace
