@@ -89,10 +89,14 @@ struct Pipeline::Impl {
   // host full (and the residency manager evict homed chunks to make room).
   // So the bound is kept at run time too: a read ahead waits until the
   // chunks read ahead and not yet written back leave it room, or until the
-  // moment that needs it has begun (it must be read then in any case).
-  std::mutex staging_mu;  // guards staged_chunks and staged_bytes
+  // moment that needs it has begun and no chunk of an earlier moment is
+  // still being written back (then it must be read, even beyond the bound:
+  // a moment may need more than the bound holds). Reads are queued in the
+  // order they are needed, so the write-backs waited for never wait for them.
+  std::mutex staging_mu;  // guards staged_due, writing and staged_bytes
   std::condition_variable staging_cv;
-  std::unordered_set<uint32_t> staged_chunks;  // read ahead, not yet written back
+  std::unordered_map<uint32_t, uint64_t> staged_due;  // read ahead, not yet written back: when needed
+  std::unordered_set<uint32_t> writing;               // of those, the ones whose write-back is queued
   uint64_t staged_bytes = 0;
   uint64_t staging_budget = 0;          // the plan's host_staging_bytes
   std::atomic<uint64_t> begun{0};       // moments begun since the pipeline was made
@@ -108,7 +112,10 @@ struct Pipeline::Impl {
   PipelineStats stats;
   // Last: the queues' threads start after everything they touch exists, and
   // stop (finishing what is queued) before it goes.
-  TaskQueue nvme_read, nvme_write, device_to_host, host_to_device;  // one worker each: one link direction
+  // One worker each: a link direction. Reads ahead of host moments have a
+  // queue of their own: one waiting for staging room must not hold back a
+  // device fetch's read behind it.
+  TaskQueue nvme_read, host_read, nvme_write, device_to_host, host_to_device;
 
   // kStatic: the chunks kept on the device are there and pinned.
   Status PinStatic() {
@@ -164,15 +171,17 @@ struct Pipeline::Impl {
     const ChunkId c = r.chunk;
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    pending[c.value()] = nvme_read.Push([this, c, before, due]() -> Status {
+    pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
       if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
       {
         std::unique_lock lock(staging_mu);
         staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
-          return cancelled.load(std::memory_order_relaxed) || staged_bytes + chunk_bytes[c.value()] <= staging_budget ||
-                 begun.load(std::memory_order_relaxed) >= due;
+          if (cancelled.load(std::memory_order_relaxed)) return true;
+          if (staged_bytes + chunk_bytes[c.value()] <= staging_budget) return true;
+          if (begun.load(std::memory_order_relaxed) < due) return false;
+          return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
         });
-        if (staged_chunks.insert(c.value()).second) staged_bytes += chunk_bytes[c.value()];
+        if (staged_due.emplace(c.value(), due).second) staged_bytes += chunk_bytes[c.value()];
       }
       Status read = MoveOff(c, Tier::kNvme, Tier::kHost);
       if (!read.ok()) Unstage(c);
@@ -186,7 +195,7 @@ struct Pipeline::Impl {
     std::vector<uint32_t> chunks;
     {
       std::lock_guard lock(staging_mu);
-      chunks.assign(staged_chunks.begin(), staged_chunks.end());
+      for (const auto& [c, due] : staged_due) chunks.push_back(c);
     }
     for (uint32_t c : chunks) {
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));
@@ -197,7 +206,8 @@ struct Pipeline::Impl {
   void Unstage(ChunkId c) {
     {
       std::lock_guard lock(staging_mu);
-      if (staged_chunks.erase(c.value()) > 0) staged_bytes -= chunk_bytes[c.value()];
+      if (staged_due.erase(c.value()) > 0) staged_bytes -= chunk_bytes[c.value()];
+      writing.erase(c.value());
     }
     staging_cv.notify_all();
   }
@@ -206,6 +216,10 @@ struct Pipeline::Impl {
   void QueueWriteBacks() {
     for (ChunkId c : host_accessed) {
       if (homes[c.value()] != Tier::kNvme) continue;
+      {
+        std::lock_guard lock(staging_mu);
+        if (staged_due.count(c.value()) > 0) writing.insert(c.value());
+      }
       std::shared_future<Status> done = nvme_write.Push([this, c]() -> Status {
         Status written = MoveOff(c, Tier::kHost, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead

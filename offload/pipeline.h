@@ -14,21 +14,23 @@
 // time (the moment's duration less its waits), and the links' bandwidths.
 // At its end the planner (offload/planner.h) builds the plan; a replayed
 // iteration that measures a link more than 25% off the plan's figure has the
-// plan made again with it. Later
-// iterations replay it: at the start of each moment the planned evictions
-// and fetches for that moment are queued, and they run on three queues of
-// the pipeline's own, in parallel: NVMe reads (staging an NVMe-homed chunk
-// on the host), device->host (evictions, on to NVMe for NVMe-homed chunks)
-// and host->device (a fetch, after its victims are off the device and its
-// staging is done). An access waits only for its own chunk's transfer, and
-// an error of that transfer (a failed NVMe read) is returned by the access
-// that needs the chunk.
+// plan made again with it. Later iterations replay it: at the start of each
+// moment the planned evictions and fetches for that moment are queued, and
+// they run on queues of the pipeline's own, in parallel: NVMe reads
+// (staging an NVMe-homed chunk on the host), device->host (evictions, on to
+// NVMe for NVMe-homed chunks) and host->device (a fetch, after its victims
+// are off the device and its staging is done). An access waits only for its
+// own chunk's transfer, and an error of that transfer (a failed NVMe read)
+// is returned by the access that needs the chunk.
 //
-// Host moments (CPU optimizer updates): their chunks are evicted to the host
-// when the moment begins, NVMe-homed ones read ahead on the NVMe read queue
-// as the plan says, and written back on a fourth queue (NVMe writes) when
-// the moment ends. The plan may run an update on the device instead
-// (BeginHostMoment says where).
+// Host moments (CPU optimizer updates): a host-homed chunk they need goes to
+// the host right after its last use on the device; NVMe-homed ones are read
+// ahead on a queue of their own as the plan says, within the staging memory
+// (Engine::host_staging_bytes, kept at run time too), and written back on a
+// fifth queue (NVMe writes) when the moment ends. The plan may run an update
+// on the device instead (BeginHostMoment says where). The first moment of a
+// replayed iteration waits for the evictions that put the device as the plan
+// has it when an iteration begins.
 //
 // Divergence: an access the plan does not have at that moment (evaluation,
 // dynamic control flow, recomputation), or a different number of moments,
