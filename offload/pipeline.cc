@@ -78,7 +78,8 @@ struct Pipeline::Impl {
   std::optional<Plan> plan;
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
-  std::unordered_map<uint32_t, std::shared_future<Status>> pending;  // planned fetch by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::vector<std::pair<ChunkId, std::shared_future<Status>>> evictions;  // not yet checked for an error
   std::atomic<bool> cancelled{false};
@@ -171,7 +172,7 @@ struct Pipeline::Impl {
     const ChunkId c = r.chunk;
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
+    host_pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
       if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
       {
         std::unique_lock lock(staging_mu);
@@ -268,9 +269,6 @@ struct Pipeline::Impl {
         room_for_activations.push_back(QueueEviction(v));
       }
     }
-    for (const PlannedRead& r : plan->host_reads_at[k]) {
-      QueueHostRead(r, moments_begun + (r.needed >= k ? r.needed - k : plan->num_moments - k + r.needed));
-    }
     for (const PlannedFetch& f : plan->fetches_at[k]) {
       std::vector<std::shared_future<Status>> room;
       for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
@@ -278,6 +276,10 @@ struct Pipeline::Impl {
     }
     // Behind the fetches' victims: only a later host moment waits for them.
     for (ChunkId c : plan->offloads_at[k]) QueueEviction(c, Tier::kHost);
+    // After the evictions queued here, so that a read waits for its chunk's.
+    for (const PlannedRead& r : plan->host_reads_at[k]) {
+      QueueHostRead(r, moments_begun + (r.needed >= k ? r.needed - k : plan->num_moments - k + r.needed));
+    }
     return room_for_activations;
   }
 
@@ -303,9 +305,11 @@ struct Pipeline::Impl {
   // done ones are dropped, so they neither hold back reconciliation nor hand
   // their result to an unrelated access later.
   void DropFinishedFetches() {
-    std::erase_if(pending, [](const auto& entry) {
-      return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-    });
+    for (auto* moves : {&pending, &host_pending}) {
+      std::erase_if(*moves, [](const auto& entry) {
+        return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+      });
+    }
   }
 
   // The device as the plan has it when an iteration begins: chunks it does
@@ -326,7 +330,7 @@ struct Pipeline::Impl {
     // Reads the plan issues in the iteration before for host moments of this one.
     for (uint32_t k = 0; k < plan->num_moments; ++k) {
       for (const PlannedRead& r : plan->host_reads_at[k]) {
-        if (r.needed >= k || pending.count(r.chunk.value()) > 0) continue;
+        if (r.needed >= k || host_pending.count(r.chunk.value()) > 0) continue;
         Result<Tier> tier = engine.ChunkTier(r.chunk);
         if (!tier.ok() || *tier != Tier::kNvme) continue;
         QueueHostRead(r, moments_begun + 1 + r.needed);
@@ -570,10 +574,12 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
   const Tier tier = p.moment_tier;
   if (tier == Tier::kHost) p.pins.erase(chunk.value());  // kStatic: back on the device at EndMoment
   Status prefetched = Status::Ok();
-  if (auto it = p.pending.find(chunk.value()); it != p.pending.end()) {
-    std::shared_future<Status> done = it->second;
-    p.pending.erase(it);
-    prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
+  for (auto* moves : {&p.pending, &p.host_pending}) {  // whichever move was planned for it
+    if (auto it = moves->find(chunk.value()); it != moves->end()) {
+      std::shared_future<Status> done = it->second;
+      moves->erase(it);
+      if (prefetched.ok()) prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
+    }
   }
   if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
     if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {
