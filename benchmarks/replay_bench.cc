@@ -67,6 +67,7 @@ struct RunResult {
   offload::LinkBandwidths links;  // as the pipeline measured them
   uint32_t updates = 0, updates_on_device = 0;
   uint32_t moments_covered = 0;    // whose compute is at least their chunks' transfer time
+  std::string plan_error;          // why there is no plan, if the planner refused the trace
 };
 
 // Whether moment `m`'s compute (where the plan runs it) is at least the time
@@ -136,6 +137,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   result.planning_seconds = s.planning_seconds;
   result.divergences = s.divergences;
   result.links = pipeline->links();
+  result.plan_error = s.plan_error;
   const offload::Plan* plan = pipeline->plan();
   if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
   for (size_t k = 0; k < step.moments.size(); ++k) {
@@ -241,6 +243,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   report.updates = planned.updates;
   report.updates_on_device = planned.updates_on_device;
   report.moments_covered = planned.moments_covered;
+  report.plan_error = planned.plan_error;
   // What `strata plan` predicts for this machine: the budgets as HBM (no
   // reserve) and DRAM, the links as the warm-up measured them.
   if (config.gpu_tflops > 0 && config.compute_ms <= 0) {
@@ -293,6 +296,9 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
   };
   row(r.config.policy == "static" ? "static placement" : "planned prefetch", r.planned);
   if (r.config.baseline) row("LRU, on demand", r.lru);
+  if (!r.plan_error.empty()) {
+    out += fmt::format("no plan: the planner refused the trace ({}); the run above was on demand\n", r.plan_error);
+  }
   if (r.predicted_step_seconds > 0) {
     out += fmt::format(
         "planning {:.2f} ms ({:.2f}% of a step); predicted step {:.2f} ms ({:+.1f}% from the replay); {} divergences\n",

@@ -81,6 +81,7 @@ struct ReplayBenchReport {
   uint32_t moments_covered = 0;
   double strata_plan_step_seconds = 0;  // with gpu_tflops: `strata plan`'s prediction for this machine
   std::string strata_plan_command;
+  std::string plan_error;  // the planner's refusal, when the measured run had no plan
   double planning_seconds = 0;
   double predicted_step_seconds = 0;
   uint64_t divergences = 0;

@@ -97,8 +97,8 @@ class ChunkLayout {
 // every iteration (params and grads), then the optimizer states, each in
 // layout order, on the host while `host_bytes` lasts, then on NVMe while
 // `nvme_bytes` lasts; nullopt for a chunk that fits on neither. So the
-// states are what goes to NVMe (read and written once a step, by the
-// update), never the chunks forward and backward fetch.
+// states are what goes to NVMe first (read and written once a step, by the
+// update); params and grads only when the host cannot hold even them.
 // With `max_host_state_bytes`, optimizer states go to the host only up to
 // that many bytes (the static placement policy's share).
 std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,

@@ -161,7 +161,11 @@ void ResidencyManager::ReleaseAccess(ChunkId id) {
 
 Status ResidencyManager::Move(ChunkId id, Tier tier) { return MoveUnlessPinned(id, tier, /*skip_pinned=*/false); }
 
-Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned) {
+Status ResidencyManager::MoveIfOn(ChunkId id, Tier from, Tier to) {
+  return MoveUnlessPinned(id, to, /*skip_pinned=*/false, from);
+}
+
+Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned, std::optional<Tier> only_from) {
   if (id.value() >= chunks_.size()) {
     return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());
   }
@@ -173,6 +177,7 @@ Status ResidencyManager::MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinne
   STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
   Chunk& chunk = chunks_[id.value()];
   if (chunk.tier == tier) return Status::Ok();
+  if (only_from && chunk.tier != only_from) return Status::Ok();
   if (chunk.refs > 0) {
     if (skip_pinned) return Status::Ok();
     return InvalidArgument("chunk {}: in use on the {} tier ({} accesses); release them before moving it", id.value(),
@@ -392,9 +397,11 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
 // in hold, whose chunks are the fewest bytes; claim its free pieces so
 // nothing else lands there; move each of its chunks to a free slot outside
 // it (device to device: the device's own bandwidth, not the host link); then
-// give the window back and allocate. If a chunk of the window is taken
-// meanwhile, or has no slot to go to, the window is given back as it is and
-// the caller evicts instead. Every step leaves each chunk whole in one slot.
+// give the window back and allocate. Where the chunks of the window would not
+// all find a slot outside it, nothing moves; if one is taken meanwhile, or
+// its slot is taken, the window is given back as it is; either way the caller
+// evicts instead. A failed copy is an error (the chunk keeps its slot). Every
+// step leaves each chunk whole in one slot.
 Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, uint64_t size_bytes) {
   TierPool* target = pool(tier);
   const uint64_t size = (size_bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes * kSlotAlignmentBytes;
@@ -437,6 +444,22 @@ Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, u
   if (!best || best_cost == 0) return std::optional<Extent>();
   const uint64_t begin = pieces[best->first].offset;
   const uint64_t end = pieces[best->second].offset + pieces[best->second].size_bytes;
+  // Every chunk of the window must have a free slot outside it (first fit,
+  // as the allocator will place them), or nothing is moved at all.
+  {
+    std::vector<Extent> outside;
+    for (const Piece& p : pieces) {
+      if (!p.chunk && (p.offset + p.size_bytes <= begin || p.offset >= end)) outside.push_back({p.offset, p.size_bytes});
+    }
+    for (size_t k = best->first; k <= best->second; ++k) {
+      if (!pieces[k].chunk) continue;
+      auto fit = std::find_if(outside.begin(), outside.end(),
+                              [&](const Extent& e) { return e.size_bytes >= pieces[k].size_bytes; });
+      if (fit == outside.end()) return std::optional<Extent>();
+      fit->offset += pieces[k].size_bytes;
+      fit->size_bytes -= pieces[k].size_bytes;
+    }
+  }
 
   std::vector<Extent> claimed = target->ClaimFree(begin, end);
   auto give_back = [&] {
@@ -469,7 +492,14 @@ Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, u
     chunk.in_flight = false;
     moved_.notify_all();
     if (!copied.ok()) {
-      target->Free(*dst);
+      // The chunk keeps its slot. A copy that timed out may still be
+      // writing its destination: that slot is never handed out again.
+      if (copied.code() == StatusCode::kTimeout) {
+        STRATA_LOG_ERROR("chunk {}: a copy within the {} tier timed out; its {} destination is quarantined", id,
+                         TierName(tier), FormatSize(dst->size_bytes));
+      } else {
+        target->Free(*dst);
+      }
       give_back();
       return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
     }

@@ -78,6 +78,10 @@ class ResidencyManager final : public AccessOwner {
   // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
   // there as zeros). Synchronous, and on a transfer worker.
   Status Move(ChunkId id, Tier tier);
+  // Move(), only if the chunk is on `from` when the move would begin (checked
+  // under the lock, so nothing moves it between the check and the move);
+  // otherwise nothing happens.
+  Status MoveIfOn(ChunkId id, Tier from, Tier to);
   std::shared_future<Status> MoveAsync(ChunkId id, Tier tier);
 
   // Copies a chunk's bytes, wherever they are, into host memory at `dst`
@@ -117,7 +121,7 @@ class ResidencyManager final : public AccessOwner {
   std::optional<Tier> TierBelow(Tier tier) const;
   Status WaitNotInFlight(Lock& lock, ChunkId id);
   // Move(), but a chunk pinned meanwhile is skipped rather than an error.
-  Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned);
+  Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned, std::optional<Tier> only_from = std::nullopt);
   // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.
   // `chain`: the chunks whose moves are waiting, in this thread, for this one
   // (see Note [Waiting for room] in residency.cc).

@@ -49,7 +49,10 @@ struct Pipeline::Impl {
   ~Impl() {
     // Transfers not started yet return at once; the queues (destroyed
     // next, as the last members) then drain quickly.
-    cancelled.store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+    {
+      std::lock_guard lock(staging_mu);  // so that a waiting read cannot miss the change
+      cancelled.store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+    }
     staging_cv.notify_all();
   }
 
@@ -81,7 +84,12 @@ struct Pipeline::Impl {
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
-  std::vector<std::pair<ChunkId, std::shared_future<Status>>> evictions;  // not yet checked for an error
+  struct QueuedMove {
+    ChunkId chunk;
+    const char* what;  // "evicting chunk {} from the device" and the like
+    std::shared_future<Status> done;
+  };
+  std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
   std::atomic<bool> cancelled{false};
   // Note [Staging memory at run time]
   // The plan bounds the host memory held by chunks read ahead of host
@@ -139,9 +147,7 @@ struct Pipeline::Impl {
   // (a caller still holds it: the plan's move is skipped).
   Status MoveOff(ChunkId chunk, Tier from, Tier to) {
     if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
-    Result<Tier> tier = engine.ChunkTier(chunk);
-    if (!tier.ok() || *tier != from) return Status::Ok();
-    Status moved = engine.MoveChunk(chunk, to);
+    Status moved = engine.MoveChunkIfOn(chunk, from, to);
     if (moved.code() == StatusCode::kInvalidArgument) return Status::Ok();  // pinned by the caller
     return moved;
   }
@@ -159,7 +165,9 @@ struct Pipeline::Impl {
       return MoveOff(v, Tier::kDevice, target);
     });
     leaving[v.value()] = done;
-    evictions.emplace_back(v, done);
+    evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
+                                                  : "evicting chunk {} from the device",
+                         done});
     return done;
   }
 
@@ -190,17 +198,21 @@ struct Pipeline::Impl {
     });
   }
 
-  // Chunks read ahead that are no longer on the host (moved on by something
-  // else, after a divergence) stop counting against the staging memory.
+  // Chunks read ahead that no longer hold staging memory stop counting
+  // against it: moved on by something else, or left on the host by a host
+  // moment that never came (its moment a whole iteration past). A read still
+  // under way (in host_pending after DropFinishedFetches) keeps its place.
   void ForgetStagedElsewhere() {
-    std::vector<uint32_t> chunks;
+    std::vector<std::pair<uint32_t, uint64_t>> chunks;
     {
       std::lock_guard lock(staging_mu);
-      for (const auto& [c, due] : staged_due) chunks.push_back(c);
+      for (const auto& [c, due] : staged_due) chunks.emplace_back(c, due);
     }
-    for (uint32_t c : chunks) {
+    const uint64_t period = plan ? plan->num_moments : 0;
+    for (const auto& [c, due] : chunks) {
+      if (host_pending.count(c) > 0) continue;
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));
-      if (!tier.ok() || *tier != Tier::kHost) Unstage(ChunkId(c));
+      if (!tier.ok() || *tier != Tier::kHost || due + period < moments_begun) Unstage(ChunkId(c));
     }
   }
 
@@ -217,6 +229,8 @@ struct Pipeline::Impl {
   void QueueWriteBacks() {
     for (ChunkId c : host_accessed) {
       if (homes[c.value()] != Tier::kNvme) continue;
+      // kStatic: a chunk kept on the device goes back there, not to its home.
+      if (std::find(kept_on_device.begin(), kept_on_device.end(), c) != kept_on_device.end()) continue;
       {
         std::lock_guard lock(staging_mu);
         if (staged_due.count(c.value()) > 0) writing.insert(c.value());
@@ -227,7 +241,7 @@ struct Pipeline::Impl {
         return written;
       });
       leaving[c.value()] = done;
-      evictions.emplace_back(c, done);
+      evictions.push_back({c, "writing chunk {} back to NVMe after its host moment", done});
     }
     host_accessed.clear();
   }
@@ -287,11 +301,11 @@ struct Pipeline::Impl {
   // running are checked later.
   Status TakeEvictionError() {
     Status first;
-    std::erase_if(evictions, [&](const std::pair<ChunkId, std::shared_future<Status>>& e) {
-      if (e.second.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
-      Status status = e.second.get();
+    std::erase_if(evictions, [&](const QueuedMove& e) {
+      if (e.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+      Status status = e.done.get();
       if (!status.ok() && first.ok()) {
-        first = status.WithContext(fmt::format("evicting chunk {} from the device", e.first.value()));
+        first = status.WithContext(fmt::format(fmt::runtime(e.what), e.chunk.value()));
       }
       return true;
     });
@@ -415,8 +429,10 @@ struct Pipeline::Impl {
     const Clock::time_point start = Clock::now();
     Result<Plan> built = BuildPlan(input);
     stats.planning_seconds = SecondsSince(start);
+    stats.plan_error.clear();
     if (!built.ok()) {
       stats.plan_failures++;
+      stats.plan_error = built.status().ToString();
       plan.reset();
       STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
                          built.status().ToString());
@@ -533,7 +549,10 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
   p.moment_start = Clock::now();
   p.moment_tier = traced.tier;
   p.moments_begun++;
-  p.begun.store(p.moments_begun, std::memory_order_relaxed);  // a count only: no data rides on it
+  {
+    std::lock_guard lock(p.staging_mu);  // so that a waiting read cannot miss the change
+    p.begun.store(p.moments_begun, std::memory_order_relaxed);  // a count only: no data rides on it
+  }
   p.staging_cv.notify_all();
   if (p.mode == Impl::Mode::kRecording) {
     p.recording.moments.push_back(std::move(traced));
@@ -617,17 +636,16 @@ Status Pipeline::EndMoment() {
   } else {
     p.QueueWriteBacks();
   }
+  Status pinned = Status::Ok();
   if (p.options.policy == Policy::kStatic && p.moment_tier == Tier::kHost) {
     const Clock::time_point start = Clock::now();
-    Status pinned = p.PinStatic();
-    p.stats.stall_per_moment.back() += SecondsSince(start);
-    p.stats.stall_seconds += SecondsSince(start);
-    STRATA_RETURN_IF_ERROR(pinned.WithContext("bringing the chunks the static policy keeps back to the device"));
+    pinned = p.PinStatic().WithContext("bringing the chunks the static policy keeps back to the device");
+    p.moment_stall += SecondsSince(start);
   }
   p.stats.stall_per_moment.push_back(p.moment_stall);
   p.stats.stall_seconds += p.moment_stall;
   p.moment++;
-  return Status::Ok();
+  return pinned;
 }
 
 Status Pipeline::EndIteration() {
@@ -677,6 +695,7 @@ std::string Pipeline::StatsJson() const {
   j["divergences"] = s.divergences;
   j["plan_failures"] = s.plan_failures;
   j["replans"] = s.replans;
+  if (!s.plan_error.empty()) j["plan_error"] = s.plan_error;
   j["planning_seconds"] = s.planning_seconds;
   j["step_seconds"] = s.step_seconds;
   j["stall_seconds"] = s.stall_seconds;

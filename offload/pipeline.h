@@ -94,6 +94,7 @@ struct PipelineStats {
   uint64_t divergences = 0;
   uint64_t plan_failures = 0;       // a trace the planner refused (the iteration after runs on demand)
   uint64_t replans = 0;             // plans made again because a link's measured bandwidth drifted
+  std::string plan_error;           // why the planner refused the last trace (empty: it did not)
   double planning_seconds = 0;      // the last plan
   // The last iteration:
   double step_seconds = 0;

@@ -286,13 +286,18 @@ std::vector<std::vector<const Fetch*>> IssuedAt(const Schedule& schedule, uint64
   return ByIssue(schedule.fetches, until);
 }
 
-// The schedule, applied in issue order, has every chunk of every moment on
-// the device when the moment computes, fetches only chunks that are not
-// there and evicts only chunks that are: Internal naming the first breach
-// (a planner bug, never the caller's).
+// The schedule, applied in issue order, has every chunk of every device
+// moment on the device when the moment computes and every chunk of a host
+// moment off it (NVMe-homed ones read for it, within their bounds, or
+// evicted to the host by it), fetches only chunks that are not there and
+// evicts only chunks that are: Internal naming the first breach (a planner
+// bug, never the caller's).
 Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
   std::vector<bool> resident(u.input.chunk_bytes.size(), false);
+  // NVMe-homed chunks of host moments: the moment they are read for (kNever: none pending).
+  std::vector<uint64_t> read_for(u.input.chunk_bytes.size(), kNever);
   const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, u.length);
+  const std::vector<std::vector<const HostRead*>> reads_at = ByIssue(schedule.host_reads, u.length);
   const auto leave = [&](ChunkId v, uint64_t g) -> Status {
     if (!resident[v.value()]) return Internal("planner: moment {} evicts chunk {}, which is not on the device", g, v.value());
     resident[v.value()] = false;
@@ -303,16 +308,32 @@ Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
     for (ChunkId v : schedule.offloads_at[g]) STRATA_RETURN_IF_ERROR(leave(v, g));
     for (const Fetch* f : issued_at[g]) {
       for (ChunkId v : f->victims) STRATA_RETURN_IF_ERROR(leave(v, g));
-      if (resident[f->chunk.value()]) {
-        return Internal("planner: moment {} fetches chunk {}, which is already on the device", g, f->chunk.value());
+      if (resident[f->chunk.value()] || read_for[f->chunk.value()] != kNever) {
+        return Internal("planner: moment {} fetches chunk {}, which is already on the device or read for the host", g,
+                        f->chunk.value());
       }
       resident[f->chunk.value()] = true;
+    }
+    for (const HostRead* r : reads_at[g]) {
+      if (resident[r->chunk.value()] || r->issue < r->lower || r->issue > r->needed) {
+        return Internal("planner: moment {} reads chunk {} for moment {} (not before {}) while it is {}", g,
+                        r->chunk.value(), r->needed, r->lower, resident[r->chunk.value()] ? "on the device" : "early");
+      }
+      read_for[r->chunk.value()] = r->needed;
     }
     for (ChunkId c : u.moment(g).chunks) {
       if (resident[c.value()] == u.on_host(g)) {
         return Internal("planner: moment {} needs chunk {} {} the device, and the plan has it {}", g, c.value(),
                         u.on_host(g) ? "off" : "on", u.on_host(g) ? "there" : "elsewhere");
       }
+      if (!u.on_host(g) || !u.nvme_homed(c)) continue;
+      // An NVMe-homed chunk of a host moment is read for it, or evicted to the host by it.
+      const auto& evicted = schedule.evictions_at[g];
+      if (read_for[c.value()] != g && std::find(evicted.begin(), evicted.end(), c) == evicted.end()) {
+        return Internal("planner: host moment {} needs NVMe-homed chunk {}, which the plan neither reads nor evicts "
+                        "to the host for it", g, c.value());
+      }
+      read_for[c.value()] = kNever;
     }
   }
   return Status::Ok();
@@ -354,7 +375,6 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   double middle_start = 0, middle_end = 0;
   for (uint64_t g = 0; g < u.length; ++g) {
     const double requested = end;
-    for (const HostRead* r : reads_at[g]) host_ready[r->chunk.value()] = read(r->chunk, requested, g);
     // The moment's non-model memory waits for the chunks that make its room.
     double room_for_activations = requested;
     for (ChunkId v : schedule.evictions_at[g]) {
@@ -372,6 +392,9 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
     for (ChunkId c : schedule.offloads_at[g]) {
       host_ready[c.value()] = transfer(Link::kDeviceToHost, requested, u.size(c), g);
     }
+    // After this moment's evictions, as the pipeline queues them: a read of a
+    // chunk evicted here follows its write.
+    for (const HostRead* r : reads_at[g]) host_ready[r->chunk.value()] = read(r->chunk, requested, g);
     double start = room_for_activations;
     for (ChunkId c : u.moment(g).chunks) {
       start = std::max(start, u.on_host(g) ? host_ready[c.value()] : arrival[c.value()]);

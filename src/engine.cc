@@ -143,12 +143,15 @@ Status Engine::Finalize() {
     if (!assigned[i]) {
       return OutOfMemory(
           "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
-          "(nvme.capacity{}): raise a budget or add nvme.dirs",
+          "(nvme.capacity{}): raise a budget or add nvme.dirs{}",
           FormatSize(total_bytes), layout.chunks().size(), FormatSize(host_capacity),
           reserve.reserved_bytes > 0
               ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(reserve.reserved_bytes))
               : "",
-          FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured");
+          FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured",
+          fixed ? fmt::format(", or raise placement.host_states ({}: the rest of the states go to NVMe)",
+                              o.placement_host_states)
+                : std::string());
     }
     homes.push_back(*assigned[i]);
   }
@@ -221,6 +224,11 @@ Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
 Status Engine::MoveChunk(ChunkId chunk, Tier tier) {
   STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
   return impl_->residency->Move(chunk, tier);
+}
+
+Status Engine::MoveChunkIfOn(ChunkId chunk, Tier from, Tier to) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->MoveIfOn(chunk, from, to);
 }
 
 std::shared_future<Status> Engine::MoveChunkAsync(ChunkId chunk, Tier tier) {

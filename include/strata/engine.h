@@ -75,10 +75,10 @@ class Engine {
   Status Finalize();
   bool finalized() const;
   // Host memory Finalize kept free of homed chunks for NVMe-homed chunks
-  // read ahead of a CPU update (memory::HostReserveFor): 0 when every chunk
-  // has its home on the host, else room for four chunk groups' optimizer
-  // states, within [host.budget / 8, host.budget / 4] and at most
-  // optimizer.stream_ring. (Two chunks more are kept free as slack.)
+  // read ahead of a CPU update (memory::HostReserveFor): 0 when the host
+  // could hold every chunk or there is no NVMe tier, else room for four
+  // chunk groups' optimizer states, within [host.budget / 8, host.budget / 4]
+  // and at most optimizer.stream_ring. (Two chunks more are kept free as slack.)
   uint64_t host_staging_bytes() const;
 
   // Pins `tensor`'s copy of `kind` on `tier` (device or host), moving its
@@ -88,6 +88,8 @@ class Engine {
   Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
   // Moves a chunk that is not pinned; synchronous or on a transfer worker.
   Status MoveChunk(ChunkId chunk, Tier tier);
+  // MoveChunk, only if the chunk is on `from` as the move begins (else nothing happens).
+  Status MoveChunkIfOn(ChunkId chunk, Tier from, Tier to);
   std::shared_future<Status> MoveChunkAsync(ChunkId chunk, Tier tier);
   // Copies a chunk's bytes into host memory at `dst` (ChunkInfo::size_bytes,
   // 4096-aligned) from wherever the chunk is, without moving it.

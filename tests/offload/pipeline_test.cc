@@ -192,13 +192,14 @@ TEST(PipelineTest, HostUpdatesReadTheirNvmeChunksAheadAndWriteThemBack) {
   }
   EXPECT_EQ(reads, kStepUpdates);
   EXPECT_GE(ahead, kStepUpdates / 2);
+  ASSERT_OK(step.Run(*pipeline, false));  // the first replayed iteration: the device and host put in step
   std::array<uint64_t, kNumLinks> moved = {};
   for (int i = 0; i < 3; ++i) {
     ASSERT_OK(step.Run(*pipeline, false));  // every byte checked
     for (int l = 0; l < kNumLinks; ++l) moved[l] += pipeline->stats().bytes[l];
   }
   PipelineStats stats = pipeline->stats();
-  EXPECT_EQ(stats.planned_iterations, 3u);
+  EXPECT_EQ(stats.planned_iterations, 4u);
   EXPECT_EQ(stats.divergences, 0u);
   EXPECT_EQ(stats.demand_fetches, 0u);
   EXPECT_EQ(stats.forced_evictions, 0u);
