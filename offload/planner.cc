@@ -47,10 +47,11 @@ namespace strata::offload {
 // room is counted until the host moment all the same); an NVMe-homed one is
 // evicted to the host when the moment begins, and written to NVMe after it. An
 // NVMe-homed chunk not on the device is read into host memory ahead of the
-// moment, as early as `host_staging_bytes` allows (chunks read ahead, in use
-// and being written back never hold more, except those a moment needs now),
-// after the chunk last left the device or was last written back; each is
-// written back when its moment ends.
+// moment, as early as `host_staging_bytes` allows (chunks read ahead and in
+// use never hold more, except those a moment needs now; one being written
+// back holds its room until the write ends, which the pipeline waits for at
+// run time), after the chunk last left the device or was last written back;
+// each is written back when its moment ends.
 //
 // Note [Where updates run]
 // An update moment may run on the device. The plan with every update on the
@@ -265,8 +266,10 @@ void HoistHostReads(const Unrolled& u, Schedule& schedule) {
     const uint64_t size = u.size(r.chunk);
     uint64_t issue = r.needed;
     while (issue > lower && staged[issue - 1] + size <= staging) --issue;
-    // Held from its read until its write-back, which runs as the next moment does.
-    for (uint64_t j = issue; j <= std::min(r.needed + 1, u.length - 1); ++j) staged[j] += size;
+    // Held from its read until its write-back, which runs as the next moment
+    // begins; the read of a later chunk may count on that room (at run time
+    // it waits for the write to end: Note [Staging memory at run time]).
+    for (uint64_t j = issue; j <= r.needed; ++j) staged[j] += size;
     r.issue = issue;
     previous_issue = issue;
   }

@@ -202,10 +202,11 @@ PlannerInput HostUpdate(uint64_t staging_bytes) {
 }
 
 TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
-  // With room for one chunk: the chunk is held through m0 while it is
-  // written back (1 s), so the read starts at m1 and is done (1 s) when m2 begins.
+  // With room for one chunk: the read is issued at m0, and waits there for
+  // the write-back of the iteration before (1 s); then 1 s of reading, done
+  // when m2 begins.
   ASSERT_OK_AND_ASSIGN(Plan ahead, BuildPlan(HostUpdate(1000)));
-  EXPECT_EQ(ahead.host_reads_at[1], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
+  EXPECT_EQ(ahead.host_reads_at[0], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 1000u);
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeWrite)], 1000u);
   EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
