@@ -4,9 +4,9 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <functional>
 #include <future>
-#include <condition_variable>
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>

@@ -16,6 +16,12 @@
 //      hoisted to the earliest moment at which its victims are no longer
 //      needed and device memory holds it at every moment until its use, in
 //      the order the chunks are needed (the link is a queue).
+// Host moments (CPU optimizer updates) need their chunks off the device:
+// host-homed ones leave right after their last device use, NVMe-homed ones
+// are read ahead within `host_staging_bytes` and written back after. An
+// update that may run on the device is placed there when its states fit in
+// the device memory the all-host plan leaves at its peak, and the plan with
+// it there is no slower (Note [Host moments], Note [Where updates run]).
 // The prediction replays the plan on a model of the links: one queue per
 // direction (host->device, device->host, NVMe read, NVMe write), each at its
 // measured bandwidth; a moment starts when its compute is requested and
