@@ -509,6 +509,7 @@ Status Pipeline::BeginIteration() {
   p.moment = 0;
   p.diverged = false;
   p.stats.stall_per_moment.clear();
+  p.stats.stall_per_link = {};
   p.stats.stall_seconds = 0;
   p.stats.demand_fetches = 0;
   p.stats.reconciled = 0;
@@ -574,6 +575,7 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
       p.reconcile_room.clear();
       for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
       p.moment_stall += SecondsSince(p.moment_start);
+      p.stats.stall_per_link[static_cast<int>(Link::kDeviceToHost)] += SecondsSince(p.moment_start);  // evictions
     }
   }
   return p.moment_tier;
@@ -592,25 +594,43 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
   }
   const Tier tier = p.moment_tier;
   if (tier == Tier::kHost) p.pins.erase(chunk.value());  // kStatic: back on the device at EndMoment
+  // Each wait is charged to the link whose transfer it waited for.
+  const auto charge = [&](Link link, Clock::time_point since) {
+    p.stats.stall_per_link[static_cast<int>(link)] += SecondsSince(since);
+  };
   Status prefetched = Status::Ok();
-  for (auto* moves : {&p.pending, &p.host_pending}) {  // whichever move was planned for it
+  const std::pair<std::unordered_map<uint32_t, std::shared_future<Status>>*, Link> planned_moves[] = {
+      {&p.pending, Link::kHostToDevice}, {&p.host_pending, Link::kNvmeRead}};
+  for (const auto& [moves, link] : planned_moves) {  // whichever move was planned for it
     if (auto it = moves->find(chunk.value()); it != moves->end()) {
       std::shared_future<Status> done = it->second;
       moves->erase(it);
+      const Clock::time_point wait = Clock::now();
       if (prefetched.ok()) prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
+      charge(link, wait);
     }
   }
   if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
     if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {
+      const Clock::time_point wait = Clock::now();
       prefetched = WaitFor(it->second, p.options.wait_timeout_ms, chunk, "move off the device");
+      charge(Link::kDeviceToHost, wait);
     }
   }
-  if (Result<Tier> now = p.engine.ChunkTier(chunk); prefetched.ok() && now.ok() && *now != tier) {
+  Result<Tier> now = p.engine.ChunkTier(chunk);
+  if (prefetched.ok() && now.ok() && *now != tier) {
     p.stats.demand_fetches++;  // nothing brought it, or something took it away again
   }
+  const Clock::time_point demand = Clock::now();
   Result<ChunkAccess> access =
       prefetched.ok() ? p.engine.AccessChunk(chunk, tier)
                       : Result<ChunkAccess>(prefetched.WithContext(fmt::format("prefetching chunk {}", chunk.value())));
+  if (now.ok() && *now != tier) {  // moved now: charged to the link it came over last
+    charge(*now == Tier::kNvme && tier == Tier::kHost  ? Link::kNvmeRead
+           : *now == Tier::kDevice                       ? Link::kDeviceToHost
+                                                         : Link::kHostToDevice,
+           demand);
+  }
   if (tier == Tier::kHost && access.ok() &&
       std::find(p.host_accessed.begin(), p.host_accessed.end(), chunk) == p.host_accessed.end()) {
     p.host_accessed.push_back(chunk);
@@ -641,6 +661,7 @@ Status Pipeline::EndMoment() {
     const Clock::time_point start = Clock::now();
     pinned = p.PinStatic().WithContext("bringing the chunks the static policy keeps back to the device");
     p.moment_stall += SecondsSince(start);
+    p.stats.stall_per_link[static_cast<int>(Link::kHostToDevice)] += SecondsSince(start);
   }
   p.stats.stall_per_moment.push_back(p.moment_stall);
   p.stats.stall_seconds += p.moment_stall;
@@ -707,6 +728,7 @@ std::string Pipeline::StatsJson() const {
   for (int l = 0; l < kNumLinks; ++l) {
     const std::string name(LinkName(static_cast<Link>(l)));
     j["bytes_moved"][name] = s.bytes[l];
+    j["stall_seconds_per_link"][name] = s.stall_per_link[l];
     j["link_bytes_per_second"][name] = impl_->links.bytes_per_second[l];
   }
   if (impl_->plan) {

@@ -103,6 +103,11 @@ struct PipelineStats {
   uint64_t reconciled = 0;      // chunks moved at the iteration's start to match the plan
   uint64_t forced_evictions = 0;  // made by the residency manager itself (LRU) to find room
   std::vector<double> stall_per_moment;
+  // Stall by the link whose transfer an access waited for (a planned fetch:
+  // host->device; a read for a host moment: NVMe read; room or a chunk
+  // leaving the device: device->host; a move on demand: the link it came
+  // over last).
+  std::array<double, kNumLinks> stall_per_link = {};
   std::array<uint64_t, kNumLinks> bytes = {};  // moved over each link
   double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
 };

@@ -339,6 +339,14 @@ TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
   EXPECT_EQ(pipeline->plan(), nullptr);
   EXPECT_EQ(pipeline->stats().recordings, 0u);
   EXPECT_EQ(pipeline->stats().planned_iterations, 0u);
+  // Every access moved its layer on demand: the stall is the host->device link's.
+  const PipelineStats stats = pipeline->stats();
+  EXPECT_GT(stats.demand_fetches, 0u);
+  EXPECT_GT(stats.stall_per_link[static_cast<int>(Link::kHostToDevice)], 0);
+  double charged = 0;
+  for (double seconds : stats.stall_per_link) charged += seconds;
+  EXPECT_LE(charged, stats.stall_seconds + 1e-9);
+  EXPECT_TRUE(nlohmann::json::parse(pipeline->StatsJson()).contains("stall_seconds_per_link"));
 }
 
 TEST(PipelineTest, StaticPolicyKeepsItsShareOnTheDeviceAndMovesTheSameEveryIteration) {
