@@ -224,6 +224,20 @@ TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {
   ASSERT_OK(step.Run(*pipeline, false));  // nothing lost
 }
 
+TEST(PipelineTest, FailedWriteBackAfterAnUpdateIsReportedAndLosesNothing) {
+  StepModel step;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  ASSERT_OK(step.Run(*pipeline, false));
+  // Only the updates' chunks are written to NVMe: the first write-back fails.
+  step.model.faults->FailWrites(EIO, 1);
+  Status status = step.Run(*pipeline, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("back to NVMe after its host moment"), std::string::npos) << status.ToString();
+  ASSERT_OK(step.Run(*pipeline, false));  // the chunk kept its update on the host: every byte checks
+  ASSERT_OK(step.Run(*pipeline, false));
+}
+
 TEST(PipelineTest, AnUpdateMovesToTheDeviceWhenItsChunksFitThere) {
   LayerModel model(4, /*device_chunks=*/8);
   const std::vector<uint32_t> order = {0, 1, 1, 0};
