@@ -11,6 +11,7 @@ packages=(
   nlohmann-json3-dev libfmt-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fio  # the reference of `strata bench io --compare-fio`
+  python3-dev pybind11-dev python3-pytest  # the Python package (python/) and its tests
 )
 
 missing=()

@@ -1,0 +1,86 @@
+"""Configurations: a dict, or the path of a JSON file, read into the engine's options.
+
+Keys are the engine's (``strata options`` lists them; nested objects and dotted
+keys both work) plus the adapter's own:
+
+- ``optimizer``: ``type`` (adamw, adam or sgd), ``lr``, ``betas`` ([beta1, beta2]),
+  ``eps``, ``weight_decay``, ``momentum``, and the engine's other ``optimizer.*`` keys;
+- ``gradient_accumulation_steps``: micro-batches per optimizer step (an int >= 1);
+- ``gradient_clipping``: the global norm gradients are clipped to (0: none).
+
+An unknown key or a bad value raises ValueError naming the key and what is allowed.
+"""
+
+import json
+import os
+from dataclasses import dataclass, field
+
+from ._strata import Options
+
+
+@dataclass
+class Config:
+    options: Options = field(default_factory=Options)
+    gradient_accumulation_steps: int = 1
+
+    def describe(self):
+        values = dict(self.options.describe())
+        values["gradient_accumulation_steps"] = str(self.gradient_accumulation_steps)
+        return values
+
+
+def _text(value):
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_text(v) for v in value)
+    return str(value)
+
+
+def _flatten(prefix, value, out):
+    if isinstance(value, dict):
+        for key, inner in value.items():
+            if not isinstance(key, str):
+                raise ValueError(f"config: key {key!r} under {prefix or 'the top level'!r} is not a string")
+            _flatten(f"{prefix}.{key}" if prefix else key, inner, out)
+    else:
+        out.append((prefix, value))
+
+
+def load_config(config=None):
+    """Reads `config` (a dict, a path to a JSON file, or None for the defaults) into a Config."""
+    if config is None:
+        config = {}
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except OSError as error:
+            raise ValueError(f"config: cannot read {path}: {error.strerror}") from None
+        except json.JSONDecodeError as error:
+            raise ValueError(f"config: {path} is not JSON: {error}") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"config: expected a dict or the path of a JSON file, got {type(config).__name__}")
+
+    result = Config()
+    pairs = []
+    _flatten("", config, pairs)
+    for key, value in pairs:
+        if key == "gradient_accumulation_steps":
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"config: gradient_accumulation_steps {value!r} must be an int >= 1")
+            result.gradient_accumulation_steps = value
+        elif key == "gradient_clipping":
+            result.options.set("optimizer.max_grad_norm", _text(value))
+        elif key == "optimizer.type":
+            result.options.set("optimizer.kind", _text(value))
+        elif key == "optimizer.betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise ValueError(f"config: optimizer.betas {value!r} must be two numbers [beta1, beta2]")
+            result.options.set("optimizer.beta1", _text(value[0]))
+            result.options.set("optimizer.beta2", _text(value[1]))
+        else:
+            result.options.set(key, _text(value))
+    result.options.validate()
+    return result
