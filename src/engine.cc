@@ -1,6 +1,7 @@
 #include "strata/engine.h"
 
 #include <optional>
+#include <unordered_set>
 
 #include "memory/chunk_layout.h"
 #include "memory/residency.h"
@@ -17,6 +18,7 @@ struct Engine::Impl {
   std::unique_ptr<memory::MemoryTierPool> host_pool;
   std::unique_ptr<memory::NvmeTierPool> nvme_pool;
   std::vector<TensorSpec> tensors;
+  std::unordered_set<std::string> tensor_names;
   std::optional<memory::ChunkLayout> layout;
   std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
   uint64_t host_staging_bytes = 0;                      // set by Finalize
@@ -96,6 +98,16 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
 Result<TensorId> Engine::RegisterTensor(const TensorSpec& spec) {
   if (impl_->residency) {
     return InvalidArgument("tensor '{}': cannot register after Finalize(): register every tensor first", spec.name);
+  }
+  if (spec.name.empty()) return InvalidArgument("a tensor needs a name (tensor {} has none)", impl_->tensors.size());
+  for (size_t d = 0; d < spec.shape.size(); ++d) {
+    if (spec.shape[d] <= 0) {
+      return InvalidArgument("tensor '{}': dimension {} is {}; every dimension must be > 0", spec.name, d,
+                             spec.shape[d]);
+    }
+  }
+  if (!impl_->tensor_names.insert(spec.name).second) {
+    return InvalidArgument("tensor '{}' is registered already: names must be unique", spec.name);
   }
   impl_->tensors.push_back(spec);
   return TensorId(static_cast<uint32_t>(impl_->tensors.size() - 1));

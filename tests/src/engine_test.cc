@@ -120,6 +120,18 @@ TEST(EngineTest, StaticPolicyHomesItsShareOfTheStatesOnTheHostOrSaysWhyNot) {
   EXPECT_NE(refused.status().message().find("host.budget"), std::string::npos);
 }
 
+TEST(EngineTest, TensorsWithoutANameWithTheSameNameOrAnEmptyDimensionAreRefused) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK(engine->RegisterTensor({"w", {4, 4}}).status());
+  Status twice = engine->RegisterTensor({"w", {4}}).status();
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.message().find("'w' is registered already"), std::string::npos) << twice.ToString();
+  EXPECT_EQ(engine->RegisterTensor({"", {4}}).status().code(), StatusCode::kInvalidArgument);
+  Status empty = engine->RegisterTensor({"v", {4, 0}}).status();
+  EXPECT_NE(empty.message().find("dimension 1 is 0"), std::string::npos) << empty.ToString();
+  EXPECT_EQ(engine->tensors().size(), 1u);  // nothing refused was kept
+}
+
 TEST(EngineTest, LifecycleErrorsAreInvalidArgument) {
   ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
   ASSERT_OK_AND_ASSIGN(TensorId frozen, engine->RegisterTensor({"frozen", {100}, DType::kFloat32, false, "m"}));
