@@ -20,11 +20,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-offload::ModelShape ShapeOf(const ReplayBenchConfig& c) {
-  return {.layers = c.layers, .hidden = c.hidden, .vocab = c.vocab, .sequence = c.sequence, .batch = c.batch,
-          .heads = c.heads};
-}
-
 offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   offload::MachineSpec machine;
   machine.pcie_gbps = c.pcie_gbps;
@@ -39,7 +34,7 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
 // over the throttled link.
 offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
                             const memory::ChunkLayout& layout) {
-  offload::GptStep step = offload::GptStepTrace(specs, layout, ShapeOf(config), MachineOf(config));
+  offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config));
   if (config.gpu_tflops > 0 && config.compute_ms <= 0) return step;
   for (offload::TraceMoment& m : step.trace.moments) {
     if (m.tier != Tier::kDevice) continue;  // the updates keep their rates
@@ -161,12 +156,12 @@ uint64_t ReplayRun::bytes_moved() const {
 }
 
 Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
-  if (config.layers == 0 || config.hidden == 0 || config.vocab == 0 || config.sequence == 0) {
+  if (config.model.layers == 0 || config.model.hidden == 0 || config.model.vocab == 0 || config.model.sequence == 0) {
     return InvalidArgument("bench replay: --layers, --hidden, --vocab and --seq must be > 0");
   }
   if (config.iterations == 0) return InvalidArgument("bench replay: --iterations 0: at least one is measured");
   if (config.warmup == 0) return InvalidArgument("bench replay: --warmup 0: the first iteration records the trace");
-  if (config.batch == 0) return InvalidArgument("bench replay: --batch must be > 0");
+  if (config.model.batch == 0) return InvalidArgument("bench replay: --batch must be > 0");
   for (double rate : {config.pcie_gbps, config.cpu_adam_gparams, config.gpu_adam_gparams}) {
     if (!(rate > 0)) {
       return InvalidArgument("bench replay: --pcie-gbps, --cpu-adam-gparams and --gpu-adam-gparams must be > 0 (got {})",
@@ -174,8 +169,8 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   }
   if (!(config.gpu_tflops >= 0)) return InvalidArgument("bench replay: --gpu-tflops {} must be >= 0", config.gpu_tflops);
-  const SelftestConfig shape{.layers = config.layers, .hidden = config.hidden, .vocab = config.vocab,
-                             .sequence = config.sequence};
+  const SelftestConfig shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
+                             .sequence = config.model.sequence};
   const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
 
   Options options;
@@ -254,14 +249,14 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     machine.nvme_bytes = options.nvme_capacity_bytes;
     machine.nvme_read_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
     machine.nvme_write_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
-    Result<offload::CapacityPlan> predicted = offload::PlanCapacity(ShapeOf(config), machine);
+    Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine);
     if (predicted.ok()) {
       report.strata_plan_step_seconds = predicted->step_seconds;
       report.strata_plan_command = fmt::format(
           "strata plan --layers {} --hidden {} --vocab {} --seq {} --batch {} --hbm {} --hbm-reserve 0 --dram {} "
           "--nvme-capacity {} --pcie-gbps {} --nvme-read-gbps {:.3f} --nvme-write-gbps {:.3f} --gpu-tflops {} "
           "--cpu-adam-gparams {} --gpu-adam-gparams {}",
-          config.layers, config.hidden, config.vocab, config.sequence, config.batch, machine.hbm_bytes,
+          config.model.layers, config.model.hidden, config.model.vocab, config.model.sequence, config.model.batch, machine.hbm_bytes,
           machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps, machine.nvme_write_gbps,
           config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams);
     } else {
@@ -281,7 +276,7 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
       "{} moments, activations up to {}\n"
       "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration (updates on the "
       "CPU); {} measured iterations after {} of warm-up\n",
-      r.config.layers, r.config.hidden, r.config.vocab, r.config.sequence, r.config.batch,
+      r.config.model.layers, r.config.model.hidden, r.config.model.vocab, r.config.model.sequence, r.config.model.batch,
       FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
       FormatSize(r.device_budget_bytes), FormatSize(r.host_budget_bytes),
       r.config.dirs.empty() ? std::string("emulated in memory") : fmt::format("{}", fmt::join(r.config.dirs, ",")),
@@ -321,11 +316,11 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
 std::string ReplayBenchJson(const ReplayBenchReport& r) {
   nlohmann::json j;
   j["config"] = {{"model", "gpt"},
-                 {"layers", r.config.layers},
-                 {"hidden", r.config.hidden},
-                 {"vocab", r.config.vocab},
-                 {"seq", r.config.sequence},
-                 {"batch", r.config.batch},
+                 {"layers", r.config.model.layers},
+                 {"hidden", r.config.model.hidden},
+                 {"vocab", r.config.model.vocab},
+                 {"seq", r.config.model.sequence},
+                 {"batch", r.config.model.batch},
                  {"gpu_tflops", r.config.gpu_tflops},
                  {"cpu_adam_gparams", r.config.cpu_adam_gparams},
                  {"gpu_adam_gparams", r.config.gpu_adam_gparams},

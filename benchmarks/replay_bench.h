@@ -26,18 +26,15 @@
 #include <string>
 #include <vector>
 
+#include "offload/capacity_plan.h"
 #include "offload/planner.h"
 #include "strata/status.h"
 
 namespace strata::bench {
 
 struct ReplayBenchConfig {
-  uint32_t layers = 8;
-  uint32_t hidden = 512;
-  uint32_t vocab = 8192;
-  uint32_t sequence = 128;
-  uint32_t batch = 1;
-  uint32_t heads = 0;                // 0: hidden / 64
+  // The GPT: layers, hidden, vocab, sequence, batch, heads (0: hidden / 64).
+  offload::ModelShape model{.layers = 8, .hidden = 512, .vocab = 8192, .sequence = 128, .batch = 1, .heads = 0};
   uint64_t device_budget_bytes = 0;  // 0: a quarter of the model states
   uint64_t host_budget_bytes = 0;    // 0: half of the model states
   std::vector<std::string> dirs;     // NVMe directories; empty: NVMe emulated in memory

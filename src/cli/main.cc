@@ -357,10 +357,10 @@ int main(int argc, char** argv) {
   CLI::App* bench_replay_command = bench_command->add_subcommand(
       "replay", "a GPT's training step replayed with the planned prefetch pipeline, against LRU on demand");
   bench_replay_command->add_option("--model", bench_replay.model, "model family (gpt)")->capture_default_str();
-  bench_replay_command->add_option("--layers", bench_replay.config.layers, "transformer layers")->capture_default_str();
-  bench_replay_command->add_option("--hidden", bench_replay.config.hidden, "hidden size")->capture_default_str();
-  bench_replay_command->add_option("--vocab", bench_replay.config.vocab, "vocabulary")->capture_default_str();
-  bench_replay_command->add_option("--seq", bench_replay.config.sequence, "sequence length (position embedding rows)")
+  bench_replay_command->add_option("--layers", bench_replay.config.model.layers, "transformer layers")->capture_default_str();
+  bench_replay_command->add_option("--hidden", bench_replay.config.model.hidden, "hidden size")->capture_default_str();
+  bench_replay_command->add_option("--vocab", bench_replay.config.model.vocab, "vocabulary")->capture_default_str();
+  bench_replay_command->add_option("--seq", bench_replay.config.model.sequence, "sequence length (position embedding rows)")
       ->capture_default_str();
   bench_replay_command->add_option("--device-budget", bench_replay.device_budget,
                                    "device memory for chunks; 0 = a quarter of the model states")->capture_default_str();
@@ -374,9 +374,9 @@ int main(int argc, char** argv) {
   bench_replay_command->add_option("--compute-ms", bench_replay.config.compute_ms,
                                    "compute per moment (busy work); 0 = 1.5 x its chunks' transfer time")
       ->capture_default_str();
-  bench_replay_command->add_option("--batch", bench_replay.config.batch, "sequences per step (activations, FLOPs)")
+  bench_replay_command->add_option("--batch", bench_replay.config.model.batch, "sequences per step (activations, FLOPs)")
       ->capture_default_str();
-  bench_replay_command->add_option("--heads", bench_replay.config.heads, "attention heads; 0 = hidden / 64")
+  bench_replay_command->add_option("--heads", bench_replay.config.model.heads, "attention heads; 0 = hidden / 64")
       ->capture_default_str();
   bench_replay_command->add_option("--gpu-tflops", bench_replay.config.gpu_tflops,
                                    "compute forward/backward for their FLOPs at this rate; 0 = see --compute-ms")

@@ -9,15 +9,15 @@ namespace {
 
 TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
   ReplayBenchConfig config;
-  config.layers = 3;
-  config.hidden = 256;
-  config.vocab = 1024;
-  config.sequence = 64;
+  config.model.layers = 3;
+  config.model.hidden = 256;
+  config.model.vocab = 1024;
+  config.model.sequence = 64;
   config.iterations = 2;
   config.pcie_gbps = 8;
   ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   EXPECT_GT(report.updates, 0u);
-  EXPECT_EQ(report.moments, 2u * (config.layers + 2) + report.updates);
+  EXPECT_EQ(report.moments, 2u * (config.model.layers + 2) + report.updates);
   EXPECT_GT(report.planned.step_seconds, 0);
   EXPECT_GT(report.lru.step_seconds, 0);
   EXPECT_GE(report.planned.step_seconds, report.compute_seconds * 0.99);
@@ -38,9 +38,9 @@ TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
 
 TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
   ReplayBenchConfig config;
-  config.layers = 0;
+  config.model.layers = 0;
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
-  config.layers = 2;
+  config.model.layers = 2;
   config.pcie_gbps = 0;
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
   config.pcie_gbps = 2;
