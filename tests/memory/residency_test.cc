@@ -156,8 +156,9 @@ TEST(ResidencyTest, NvmeReadErrorReachesTheCaller) {
 }
 
 TEST(ResidencyTest, StuckCopyIsTimeoutAndChunkStaysIntact) {
-  // 64 KiB at 0.001 GB/s takes ~65 ms; the manager waits 10 ms.
-  ResidencyStack s({.bandwidth_gbps = 0.001, .timeout_ms = 10});
+  // 64 KiB at 0.0001 GB/s takes ~650 ms; the manager waits 10 ms. (At ~65 ms
+  // a loaded CI machine once woke the waiter after the copy had ended.)
+  ResidencyStack s({.bandwidth_gbps = 0.0001, .timeout_ms = 10});
   ASSERT_OK(s.Fill(0, 5));
   Status status = s.residency->Move(ChunkId(0), Tier::kDevice);
   EXPECT_EQ(status.code(), StatusCode::kTimeout) << status.ToString();
