@@ -10,9 +10,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+
 #include <string>
 #include <vector>
 
+#include "offload/pipeline.h"
+#include "offload/train_step.h"
+#include "optim/optimizer.h"
+#include "strata/buffer.h"
 #include "strata/engine.h"
 #include "strata/options.h"
 #include "strata/status.h"
@@ -35,6 +43,54 @@ template <typename T>
 T ValueOrThrow(strata::Result<T> result) {
   ThrowIfError(result.status());
   return std::move(result).value();
+}
+
+py::dict TierUsageDict(const strata::TierUsage& usage) {
+  py::dict d;
+  d["capacity_bytes"] = usage.capacity_bytes;
+  d["used_bytes"] = usage.used_bytes;
+  d["peak_bytes"] = usage.peak_bytes;
+  return d;
+}
+
+// Engine::stats() as a dict: tiers (present ones) and links ("host->device", ...).
+py::dict StatsDict(const strata::MemoryStats& stats) {
+  py::dict tiers, links;
+  for (int t = 0; t < strata::kNumTiers; ++t) {
+    if (!stats.tier_present[t]) continue;
+    tiers[py::str(std::string(strata::TierName(static_cast<strata::Tier>(t))))] = TierUsageDict(stats.tiers[t]);
+  }
+  for (int from = 0; from < strata::kNumTiers; ++from) {
+    for (int to = 0; to < strata::kNumTiers; ++to) {
+      const strata::LinkStats& link = stats.links[from][to];
+      if (link.moves == 0) continue;
+      py::dict d;
+      d["moves"] = link.moves;
+      d["bytes"] = link.bytes;
+      d["seconds"] = link.seconds;
+      const std::string name = std::string(strata::TierName(static_cast<strata::Tier>(from))) + "->" +
+                               std::string(strata::TierName(static_cast<strata::Tier>(to)));
+      links[py::str(name)] = d;
+    }
+  }
+  py::dict d;
+  d["tiers"] = tiers;
+  d["links"] = links;
+  d["evictions"] = stats.evictions;
+  d["compactions"] = stats.compactions;
+  return d;
+}
+
+// Runs `f` with the GIL released (the engine's waits must not block other
+// Python threads); errors are raised after, with the GIL held again.
+template <typename F>
+auto Unlocked(F f) {
+  py::gil_scoped_release unlocked;
+  return f();
+}
+
+std::unique_ptr<strata::ChunkAccess> Held(strata::ChunkAccess access) {
+  return std::make_unique<strata::ChunkAccess>(std::move(access));
 }
 
 }  // namespace
@@ -93,12 +149,111 @@ PYBIND11_MODULE(_strata, m) {
               std::vector<uint32_t> tensors;
               for (strata::TensorId t : chunk.tensors) tensors.push_back(t.value());
               d["tensors"] = tensors;
+              d["tensor_offsets"] = chunk.tensor_offsets_bytes;
               chunks.append(d);
             }
             return chunks;
           },
           "after finalize: every chunk (id, kind, dtype, group, size_bytes, used_bytes, home, tensors)")
-      .def_property_readonly("host_staging_bytes", &strata::Engine::host_staging_bytes);
+      .def_property_readonly("host_staging_bytes", &strata::Engine::host_staging_bytes)
+      .def(
+          "access_chunk",
+          [](strata::Engine& engine, uint32_t chunk, const std::string& tier) {
+            const strata::Tier parsed = ValueOrThrow(strata::ParseTier(tier));
+            return Held(ValueOrThrow(Unlocked([&] { return engine.AccessChunk(strata::ChunkId(chunk), parsed); })));
+          },
+          py::arg("chunk"), py::arg("tier"), "pins a chunk on a tier (device or host), moving it there first")
+      .def(
+          "read_chunk",
+          [](strata::Engine& engine, uint32_t chunk) {
+            const uint64_t size = engine.chunks().at(chunk).size_bytes;
+            strata::Buffer buffer = strata::AllocateAlignedHost(size, 4096);
+            ThrowIfError(Unlocked([&] { return engine.ReadChunk(strata::ChunkId(chunk), buffer.data()); }));
+            return py::bytearray(reinterpret_cast<const char*>(buffer.data()), size);
+          },
+          py::arg("chunk"), "a copy of a chunk's bytes from wherever it lives (nothing moves)")
+      .def(
+          "chunk_tier",
+          [](const strata::Engine& engine, uint32_t chunk) -> py::object {
+            const strata::Result<strata::Tier> tier = engine.ChunkTier(strata::ChunkId(chunk));
+            if (!tier.ok()) return py::none();  // free: no payload yet
+            return py::str(std::string(strata::TierName(*tier)));
+          },
+          py::arg("chunk"), "where a chunk is now (None before it has a payload)")
+      .def("stats", [](const strata::Engine& engine) { return StatsDict(engine.stats()); },
+           "tiers (capacity, used, peak bytes) and links (moves, bytes, seconds)")
+      .def("describe_backends", &strata::Engine::DescribeBackends);
+
+  py::class_<strata::ChunkAccess, std::unique_ptr<strata::ChunkAccess>>(
+      m, "ChunkAccess", py::buffer_protocol(),
+      "a chunk pinned on a tier until release(); its bytes through the buffer protocol (host-addressable tiers)")
+      .def_buffer([](strata::ChunkAccess& access) {
+        if (!access.valid()) throw std::runtime_error("ChunkAccess: released");
+        return py::buffer_info(access.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(access.size_bytes())}, {1}, false);
+      })
+      .def_property_readonly("chunk", [](const strata::ChunkAccess& a) { return a.id().value(); })
+      .def_property_readonly("tier", [](const strata::ChunkAccess& a) { return std::string(strata::TierName(a.tier())); })
+      .def_property_readonly("address", [](const strata::ChunkAccess& a) { return reinterpret_cast<uintptr_t>(a.data()); })
+      .def_property_readonly("size_bytes", &strata::ChunkAccess::size_bytes)
+      .def_property_readonly("valid", &strata::ChunkAccess::valid)
+      .def("release", &strata::ChunkAccess::Release, "unpins the chunk");
+
+  py::class_<strata::optim::Optimizer, std::unique_ptr<strata::optim::Optimizer>>(
+      m, "Optimizer", "strata's optimizer over chunk groups, from the optimizer.* and loss_scale.* keys")
+      .def(py::init([](const strata::Options& options) {
+             const strata::optim::OptimizerConfig config =
+                 ValueOrThrow(strata::optim::OptimizerConfigFromOptions(options));
+             return ValueOrThrow(
+                 strata::optim::Optimizer::Create(config, strata::optim::LossScalerConfigFromOptions(options)));
+           }),
+           py::arg("options"))
+      .def_property_readonly("loss_scale", &strata::optim::Optimizer::loss_scale)
+      .def_property_readonly("steps_taken", &strata::optim::Optimizer::steps_taken);
+
+  py::class_<strata::offload::Pipeline, std::unique_ptr<strata::offload::Pipeline>>(
+      m, "Pipeline", "the prefetch pipeline: moments of an iteration, traced, planned and replayed")
+      .def(py::init([](strata::Engine& engine) {
+             return ValueOrThrow(strata::offload::Pipeline::Create(engine, strata::offload::PipelineOptionsOf(engine.options())));
+           }),
+           py::arg("engine"), py::keep_alive<1, 2>())
+      .def("begin_iteration", [](strata::offload::Pipeline& p) { ThrowIfError(p.BeginIteration()); })
+      .def(
+          "begin_moment",
+          [](strata::offload::Pipeline& p, uint64_t non_model_bytes) {
+            ThrowIfError(Unlocked([&] { return p.BeginMoment(non_model_bytes); }));
+          },
+          py::arg("non_model_bytes") = 0)
+      .def(
+          "access",
+          [](strata::offload::Pipeline& p, uint32_t chunk) {
+            return Held(ValueOrThrow(Unlocked([&] { return p.Access(strata::ChunkId(chunk)); })));
+          },
+          py::arg("chunk"), "pins a chunk where the moment computes; waits for its planned transfer")
+      .def("end_moment", [](strata::offload::Pipeline& p) { ThrowIfError(p.EndMoment()); })
+      .def("end_iteration",
+           [](strata::offload::Pipeline& p) {
+             ThrowIfError(Unlocked([&] { return p.EndIteration(); }));
+           })
+      .def("stats_json", &strata::offload::Pipeline::StatsJson);
+
+  m.def(
+      "train_step",
+      [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer) {
+        const strata::offload::TrainStepReport report =
+            ValueOrThrow(Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer); }));
+        py::dict d;
+        d["skipped"] = report.plan.skip;
+        d["step"] = report.plan.step;
+        d["grad_norm"] = report.plan.grad_norm;
+        d["loss_scale"] = report.plan.loss_scale;
+        d["stats_seconds"] = report.stats_seconds;
+        d["update_seconds"] = report.update_seconds;
+        d["groups"] = report.groups;
+        return d;
+      },
+      py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"),
+      "the optimizer step over every trainable chunk group, in host moments of the open iteration");
 
   m.def(
       "option_keys",

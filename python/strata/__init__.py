@@ -1,11 +1,18 @@
 """strata: heterogeneous-memory offload for training large models.
 
-So far the package reads configurations (``load_config``) with the engine's
-own checks and drives the engine as far as packing tensors into chunks
-(``Engine``); the PyTorch adapter (``strata.initialize``) is being built on it.
+    engine = strata.initialize(model, config)   # any torch.nn.Module; config: dict or JSON path
+    loss = engine(batch)
+    engine.backward(loss)
+    engine.step()
+    engine.stats()
+
+``initialize`` (strata.training) moves the model's parameters, gradients and
+optimizer states into strata's chunks; ``load_config`` reads configurations
+with the engine's own checks; ``Engine`` is the C++ engine itself.
 """
 
 from ._strata import Engine, Options, option_keys
 from .config import Config, load_config
+from .training import TrainingEngine, initialize
 
-__all__ = ["Config", "Engine", "Options", "load_config", "option_keys"]
+__all__ = ["Config", "Engine", "Options", "TrainingEngine", "initialize", "load_config", "option_keys"]

@@ -1,0 +1,40 @@
+// The optimizer step of a training loop that runs its forward and backward
+// through a Pipeline (the PyTorch adapter's engine.step()).
+//
+//   1. gradient statistics: every grad chunk is read where it lives (a copy
+//      into one host buffer; nothing moves), for the global norm, clipping
+//      and the inf/NaN skip (Optimizer::PlanStep);
+//   2. one host moment per trainable chunk group, in layout order: its grad,
+//      master (bf16/fp16 only), optimizer states and param chunk are
+//      accessed through the pipeline (so the plan reads NVMe-homed states
+//      ahead and writes them back after), updated in one fused pass, and the
+//      grad chunk is zeroed for the next accumulation;
+//   3. Optimizer::FinishStep.
+// A step the plan skips (inf/NaN) still zeroes the grads.
+//
+// An error (a failed or corrupt NVMe read of a state chunk) ends the step
+// with it; groups updated before it keep their update, the step is not
+// counted, and the engine keeps every chunk (nothing is freed).
+//
+// Thread-safety: the pipeline's thread (the training loop).
+#pragma once
+
+#include "offload/pipeline.h"
+#include "optim/optimizer.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+struct TrainStepReport {
+  optim::StepPlan plan;
+  double stats_seconds = 0;   // reading the grads for their norm
+  double update_seconds = 0;  // the host moments
+  uint32_t groups = 0;        // updated (or zeroed, when skipped)
+};
+
+// Needs an open pipeline iteration and no open moment; leaves the iteration
+// open (the caller ends it).
+Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer);
+
+}  // namespace strata::offload

@@ -1,0 +1,521 @@
+"""The PyTorch adapter: an unmodified ``torch.nn.Module`` whose parameters,
+gradients and optimizer states live in strata's chunks.
+
+    engine = strata.initialize(model, config)
+    loss = engine(batch)          # or model(batch): the hooks are on the model
+    engine.backward(loss)
+    engine.step()                 # optimizer step (every gradient_accumulation_steps micro-batches)
+
+How it works (one training iteration = forward and backward of every
+micro-batch, then the step, is one iteration of the engine's pipeline):
+
+- At ``initialize`` every parameter is registered (shared ones once, frozen
+  ones as frozen), its values are copied into its param chunk (and into the
+  fp32 master chunk under bf16/fp16), and its ``.data`` becomes an empty
+  placeholder: the model holds no parameter storage of its own.
+- Forward: each module with parameters of its own begins a moment of the
+  pipeline; its parameters' ``.data`` become views of their chunk on the
+  device tier (pinned while the module runs; a parent's stay pinned through
+  its children's moments, accessed again in each) and go back to the
+  placeholder when the module returns.
+- Backward: the module's outputs carry an identity autograd function whose
+  backward begins the module's backward moment and pins its parameters again
+  (torch 1.13 has no module backward pre-hook). Tensors autograd saves that
+  are parameters or views of them are saved as (parameter, shape, strides,
+  offset) and rebuilt on the chunk's current address when backward unpacks
+  them, pinning it on demand if it is not; a chunk may move between forward
+  and backward without a stale pointer anywhere.
+- Gradients: when autograd has accumulated a parameter's gradient, it is
+  added into the parameter's slot of its grad chunk and ``.grad`` is dropped.
+- Step: gradient norm over the grad chunks, then one host moment per chunk
+  group (strata's optimizer, where the group's states are), grads zeroed.
+
+Evaluation and ``torch.no_grad()`` forwards outside training pin chunks
+directly, outside the pipeline, so they do not disturb the plan.
+"""
+
+import contextlib
+import time
+
+import torch
+
+from . import _strata
+from .config import load_config
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Param:
+    """One registered parameter: where its copies live, and whether it is pinned now."""
+
+    __slots__ = ("param", "name", "tensor_id", "shape", "numel", "trainable", "chunk", "offset", "grad_chunk",
+                 "grad_offset", "master_chunk", "master_offset", "pins", "for_backward", "grad_arrived")
+
+    def __init__(self, param, name, tensor_id):
+        self.param = param
+        self.name = name
+        self.tensor_id = tensor_id
+        self.shape = tuple(param.shape)
+        self.numel = param.numel()
+        self.trainable = param.requires_grad
+        self.chunk = self.offset = None
+        self.grad_chunk = self.grad_offset = None
+        self.master_chunk = self.master_offset = None
+        self.pins = 0               # materializations alive (forward nesting, backward)
+        self.for_backward = False   # one of the pins is backward's
+        self.grad_arrived = False   # since it was pinned for backward
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's output; its backward begins the module's backward moment."""
+
+    @staticmethod
+    def forward(ctx, engine, module_index, tensor):
+        ctx.engine = engine
+        ctx.module_index = module_index
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.engine._pre_backward(ctx.module_index)
+        return None, None, grad
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def initialize(model, config=None):
+    """Moves `model`'s parameters into strata's chunks and returns the Engine that trains it.
+
+    `config`: a dict, the path of a JSON file, or None for the defaults (see strata.load_config).
+    """
+    return TrainingEngine(model, config)
+
+
+class TrainingEngine:
+    """A model whose states live in strata's tiers: forward, backward, step, stats."""
+
+    def __init__(self, model, config=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = load_config(config)
+        options = self.config.options.describe()
+        self.precision = options["precision"]
+        self.dtype = _TORCH_DTYPES[self.precision]
+        self.module = model
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
+        self._engine = _strata.Engine(self.config.options)
+        self._emulated = "emulated" in self._engine.describe_backends()
+        self._params = []
+        self._by_param = {}  # id(nn.Parameter) -> _Param
+        self._register(model)
+        self._pipeline = _strata.Pipeline(self._engine)
+        self._optimizer = _strata.Optimizer(self.config.options)
+
+        self._held = {}            # chunk id -> [ChunkAccess, params pinned in it]
+        self._moment_chunks = {}   # chunk id -> ChunkAccess, grad chunks of the open moment
+        self._in_iteration = False
+        self._in_moment = False
+        self._direct = False       # an evaluation forward: chunks pinned outside the pipeline
+        self._active = []          # forward: stack of module indices running
+        self._backward_params = []
+        self._backward_pending = set()  # module indices whose outputs wait for their backward
+        self._end_queued = False
+        self._saved_hooks = []     # saved_tensors_hooks contexts entered by running modules
+        self._saved_bytes = 0      # activations autograd holds (non-model memory estimate)
+        self._micro_steps = 0
+        self._timeline = []        # tier bytes at each moment of the current iteration
+        self._last_timeline = []
+        self._last_step = {}
+        self._step_times = []
+        self._hooks = []
+        self._install_hooks(model)
+
+    # --- set-up ------------------------------------------------------------
+
+    def _register(self, model):
+        owner = {}
+        for module_name, module in model.named_modules():
+            for name, p in module.named_parameters(recurse=False):
+                owner.setdefault(id(p), (module_name, f"{module_name}.{name}" if module_name else name))
+        if not owner:
+            raise ValueError("strata.initialize: the model has no parameters")
+        for _, p in model.named_parameters():
+            module_name, full_name = owner[id(p)]
+            if not p.dtype.is_floating_point:
+                raise ValueError(f"strata.initialize: parameter {full_name} has dtype {p.dtype}; "
+                                 "strata trains floating-point parameters only")
+            shape = list(p.shape) if p.dim() > 0 else []
+            tensor_id = self._engine.register_tensor(full_name, shape, self.precision, p.requires_grad, module_name)
+            record = _Param(p, full_name, tensor_id)
+            self._params.append(record)
+            self._by_param[id(p)] = record
+        self._engine.finalize()
+
+        where = {}  # (tensor id, kind) -> (chunk, offset)
+        self._chunks = self._engine.chunks()
+        for chunk in self._chunks:
+            for tensor, offset in zip(chunk["tensors"], chunk["tensor_offsets"]):
+                where[(tensor, chunk["kind"])] = (chunk["id"], offset)
+        for record in self._params:
+            record.chunk, record.offset = where[(record.tensor_id, "param")]
+            if record.trainable:
+                record.grad_chunk, record.grad_offset = where[(record.tensor_id, "grad")]
+            if (record.tensor_id, "master") in where:
+                record.master_chunk, record.master_offset = where[(record.tensor_id, "master")]
+        self._copy_in()
+
+    def _copy_in(self):
+        """Writes the model's values into their chunks (on the host) and drops the model's storage."""
+        targets = {}
+        for record in self._params:
+            targets.setdefault(record.chunk, []).append((record, record.offset, self.dtype))
+            if record.master_chunk is not None:
+                targets.setdefault(record.master_chunk, []).append((record, record.master_offset, torch.float32))
+        with torch.no_grad():
+            for chunk, entries in targets.items():
+                access = self._engine.access_chunk(chunk, "host")
+                try:
+                    for record, offset, dtype in entries:
+                        view = torch.frombuffer(access, dtype=dtype, count=record.numel, offset=offset)
+                        view.copy_(record.param.detach().reshape(-1))
+                finally:
+                    access.release()
+        self._placeholder = torch.empty(0, dtype=self.dtype)
+        self._accumulators = []
+        for record in self._params:
+            self._hook_param(record)
+
+    def _hook_param(self, record):
+        with torch.enable_grad():
+            p = record.param
+            if record.trainable:
+                # The AccumulateGrad node, kept alive so that its hook stays.
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_hook(self._grad_hook(record))
+                p.register_hook(self._grad_pre_hook(record))
+                self._accumulators.append(accumulator)
+        p.data = self._placeholder
+        p.grad = None
+
+    def _install_hooks(self, model):
+        self._modules = []
+        self._module_params = []
+        self._hooks.append(model.register_forward_pre_hook(self._root_pre_hook))
+        for module in model.modules():
+            own = [self._by_param[id(p)] for _, p in module.named_parameters(recurse=False)]
+            if not own:
+                continue
+            index = len(self._modules)
+            self._modules.append(module)
+            self._module_params.append(own)
+            self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
+            self._hooks.append(module.register_forward_hook(self._post_forward_hook(index)))
+        self._hooks.append(model.register_forward_hook(self._root_post_hook))
+
+    # --- the public API ----------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def backward(self, loss):
+        """Backward of `loss` (scaled by 1 / gradient_accumulation_steps, and by the loss scale under fp16)."""
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward: loss must be a tensor with one element")
+        scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
+        (loss if scale == 1.0 else loss * scale).backward()
+        self._end_backward()
+        self._micro_steps += 1
+
+    def step(self):
+        """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped."""
+        self._end_backward()
+        if self._micro_steps < self.gradient_accumulation_steps:
+            return False
+        if not self._in_iteration:
+            raise RuntimeError("engine.step: no training forward and backward since the last step")
+        start = time.perf_counter()
+        self._end_moment()
+        try:
+            self._last_step = _strata.train_step(self._engine, self._pipeline, self._optimizer)
+        finally:
+            self._end_iteration()
+        self._last_step["seconds"] = time.perf_counter() - start
+        self._micro_steps = 0
+        return True
+
+    def stats(self):
+        """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step."""
+        import json
+        stats = self._engine.stats()
+        pipeline = json.loads(self._pipeline.stats_json())
+        stats["pipeline"] = pipeline
+        stats["stall_seconds"] = pipeline.get("stall_seconds", 0.0)
+        stats["last_step"] = dict(self._last_step)
+        stats["steps"] = self._optimizer.steps_taken
+        stats["loss_scale"] = self._optimizer.loss_scale
+        stats["timeline"] = list(self._last_timeline)
+        stats["chunk_tiers"] = self.chunk_tiers()
+        return stats
+
+    def chunk_tiers(self):
+        """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
+        out = {}
+        for chunk in self._chunks:
+            tier = self._engine.chunk_tier(chunk["id"]) or self._engine_home(chunk)
+            kinds = out.setdefault(chunk["kind"], {})
+            kinds[tier] = kinds.get(tier, 0) + chunk["size_bytes"]
+        return out
+
+    @staticmethod
+    def _engine_home(chunk):
+        return chunk["home"]
+
+    def state_dict(self, master=False):
+        """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16).
+
+        Read from wherever each chunk is, without moving it.
+        """
+        copies = {}
+        out = {}
+        for record in self._params:
+            chunk, offset, dtype = record.chunk, record.offset, self.dtype
+            if master and record.master_chunk is not None:
+                chunk, offset, dtype = record.master_chunk, record.master_offset, torch.float32
+            if chunk not in copies:
+                copies[chunk] = self._engine.read_chunk(chunk)
+            view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
+            out[record.name] = view.clone().reshape(record.shape)
+        return out
+
+    def parameters_of(self, name):
+        return self.state_dict()[name]
+
+    @property
+    def engine(self):
+        """The C++ engine (strata._strata.Engine): chunks, tiers."""
+        return self._engine
+
+    # --- moments -----------------------------------------------------------
+
+    def _non_model_bytes(self):
+        if not self._emulated and torch.cuda.is_available():
+            return torch.cuda.memory_allocated()
+        return self._saved_bytes
+
+    def _begin_moment(self):
+        """Ends the open moment and begins the next; chunks still pinned are accessed again in it."""
+        if not self._in_iteration:
+            self._pipeline.begin_iteration()
+            self._in_iteration = True
+            self._timeline = []
+        self._end_moment()
+        self._pipeline.begin_moment(self._non_model_bytes())
+        self._in_moment = True
+        for chunk, entry in self._held.items():
+            again = self._pipeline.access(chunk)
+            if again.address != entry[0].address:
+                raise RuntimeError(f"strata: chunk {chunk} moved while pinned")
+            entry[0].release()
+            entry[0] = again
+        tiers = self._engine.stats()["tiers"]
+        self._timeline.append({tier: usage["used_bytes"] for tier, usage in tiers.items()})
+
+    def _end_moment(self):
+        if not self._in_moment:
+            return
+        for access in self._moment_chunks.values():
+            access.release()
+        self._moment_chunks.clear()
+        self._in_moment = False
+        self._pipeline.end_moment()
+
+    def _end_iteration(self):
+        self._end_moment()
+        if self._in_iteration:
+            self._in_iteration = False
+            self._last_timeline = self._timeline
+            self._pipeline.end_iteration()
+
+    def _pin_chunk(self, chunk):
+        if self._direct:
+            return self._engine.access_chunk(chunk, "device")
+        if not self._in_moment:
+            self._begin_moment()
+        return self._pipeline.access(chunk)
+
+    # --- parameters --------------------------------------------------------
+
+    def _materialize(self, record):
+        if record.pins == 0:
+            entry = self._held.get(record.chunk)
+            if entry is None:
+                entry = self._held[record.chunk] = [self._pin_chunk(record.chunk), 0]
+            entry[1] += 1
+            view = torch.frombuffer(entry[0], dtype=self.dtype, count=record.numel, offset=record.offset)
+            record.param.data = view.view(record.shape)
+        record.pins += 1
+
+    def _release(self, record):
+        record.pins -= 1
+        if record.pins > 0:
+            return
+        record.param.data = self._placeholder
+        entry = self._held[record.chunk]
+        entry[1] -= 1
+        if entry[1] == 0:
+            entry[0].release()
+            del self._held[record.chunk]
+
+    # --- forward hooks -----------------------------------------------------
+
+    def _root_pre_hook(self, module, args):
+        if not self._active:
+            self._direct = not (module.training and torch.is_grad_enabled())
+            if self._direct:
+                self._end_moment()
+
+    def _root_post_hook(self, module, args, output):
+        if not self._active:
+            self._direct = False
+        return None
+
+    def _pre_forward_hook(self, index):
+        def hook(module, args):
+            if not self._direct:
+                self._begin_moment()
+                if torch.is_grad_enabled():
+                    context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                    context.__enter__()
+                    self._saved_hooks.append((index, context))
+            self._active.append(index)
+            for record in self._module_params[index]:
+                self._materialize(record)
+        return hook
+
+    def _post_forward_hook(self, index):
+        def hook(module, args, output):
+            if self._active and self._active[-1] == index:
+                self._active.pop()
+            for record in self._module_params[index]:
+                self._release(record)
+            if self._saved_hooks and self._saved_hooks[-1][0] == index:
+                self._saved_hooks.pop()[1].__exit__(None, None, None)
+            if self._direct or not torch.is_grad_enabled():
+                return None
+            self._backward_pending.add(index)
+
+            def wrap(t):
+                if t.requires_grad and t.is_floating_point():
+                    return _PreBackward.apply(self, index, t)
+                return t
+            return _map_tensors(output, wrap)
+        return hook
+
+    # --- saved tensors ------------------------------------------------------
+
+    def _pack(self, tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        record = self._by_param.get(id(base))
+        if record is None or base is not record.param:
+            self._saved_bytes += tensor.numel() * tensor.element_size()
+            return tensor
+        return (record, tensor.size(), tensor.stride(), tensor.storage_offset() - record.param.storage_offset())
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            self._saved_bytes = max(0, self._saved_bytes - packed.numel() * packed.element_size())
+            return packed
+        record, size, stride, offset = packed
+        if record.pins == 0:
+            self._pin_for_backward(record)
+        data = record.param.data
+        return data.as_strided(size, stride, data.storage_offset() + offset)
+
+    # --- backward ------------------------------------------------------------
+
+    def _pin_for_backward(self, record):
+        if record.for_backward:
+            return
+        self._materialize(record)
+        record.for_backward = True
+        record.grad_arrived = False
+        self._backward_params.append(record)
+
+    def _pre_backward(self, index):
+        if index not in self._backward_pending:
+            return  # another output of the same module: its moment has begun
+        self._backward_pending.discard(index)
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self._begin_moment()
+        # Parameters whose gradient is in, or frozen ones of modules done, are let go.
+        own = self._module_params[index]
+        keep = []
+        for record in self._backward_params:
+            done = record.grad_arrived if record.trainable else record not in own
+            if done:
+                record.for_backward = False
+                self._release(record)
+            else:
+                keep.append(record)
+        self._backward_params = keep
+        for record in own:
+            self._pin_for_backward(record)
+
+    def _grad_pre_hook(self, record):
+        def hook(grad):
+            # AccumulateGrad shapes .grad like the parameter: pin it if backward has not.
+            if record.pins == 0:
+                self._pin_for_backward(record)
+            return None
+        return hook
+
+    def _grad_hook(self, record):
+        def hook(*_):
+            grad = record.param.grad
+            if grad is None:
+                return
+            record.param.grad = None
+            access = self._grad_access(record.grad_chunk)
+            target = torch.frombuffer(access, dtype=self.dtype, count=record.numel, offset=record.grad_offset)
+            with torch.no_grad():
+                target.add_(grad.reshape(-1))
+            record.grad_arrived = True
+        return hook
+
+    def _grad_access(self, chunk):
+        if self._direct:
+            raise RuntimeError("strata: a gradient arrived during an evaluation forward (model.eval() or no_grad)")
+        if not self._in_moment:
+            self._begin_moment()
+        access = self._moment_chunks.get(chunk)
+        if access is None:
+            access = self._moment_chunks[chunk] = self._pipeline.access(chunk)
+        return access
+
+    def _end_backward(self):
+        self._end_queued = False
+        for record in self._backward_params:
+            record.for_backward = False
+            self._release(record)
+        self._backward_params = []
+        self._backward_pending.clear()
+        self._saved_bytes = 0
