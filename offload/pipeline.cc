@@ -512,6 +512,7 @@ Status Pipeline::BeginIteration() {
   p.stats.stall_per_link = {};
   p.stats.stall_seconds = 0;
   p.stats.demand_fetches = 0;
+  p.stats.prefetch_retries = 0;
   p.stats.reconciled = 0;
   p.DropFinishedFetches();
   p.ForgetStagedElsewhere();
@@ -616,6 +617,12 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
       prefetched = WaitFor(it->second, p.options.wait_timeout_ms, chunk, "move off the device");
       charge(Link::kDeviceToHost, wait);
     }
+  }
+  if (prefetched.code() == StatusCode::kOutOfMemory) {
+    // The planned move found no room when it ran (the device in pieces
+    // around chunks in use then): nothing moved, so it is made now, on demand.
+    p.stats.prefetch_retries++;
+    prefetched = Status::Ok();
   }
   Result<Tier> now = p.engine.ChunkTier(chunk);
   if (prefetched.ok() && now.ok() && *now != tier) {
@@ -723,6 +730,7 @@ std::string Pipeline::StatsJson() const {
   j["stall_fraction"] = s.stall_fraction();
   j["stall_per_moment"] = s.stall_per_moment;
   j["demand_fetches"] = s.demand_fetches;
+  j["prefetch_retries"] = s.prefetch_retries;
   j["reconciled"] = s.reconciled;
   j["forced_evictions"] = s.forced_evictions;
   for (int l = 0; l < kNumLinks; ++l) {

@@ -21,7 +21,9 @@
 // NVMe for NVMe-homed chunks) and host->device (a fetch, after its victims
 // are off the device and its staging is done). An access waits only for its
 // own chunk's transfer, and an error of that transfer (a failed NVMe read)
-// is returned by the access that needs the chunk.
+// is returned by the access that needs the chunk; a transfer that found no
+// room on its tier (free space in pieces around chunks in use) moved
+// nothing and is made again by the access, on demand.
 //
 // Host moments (CPU optimizer updates): a host-homed chunk they need goes to
 // the host right after its last use on the device; NVMe-homed ones are read
@@ -100,6 +102,7 @@ struct PipelineStats {
   double step_seconds = 0;
   double stall_seconds = 0;  // accesses waiting for their chunk
   uint64_t demand_fetches = 0;  // accesses whose chunk was neither on the device nor on its way
+  uint64_t prefetch_retries = 0;  // planned moves that found no room and were made again at the access
   uint64_t reconciled = 0;      // chunks moved at the iteration's start to match the plan
   uint64_t forced_evictions = 0;  // made by the residency manager itself (LRU) to find room
   std::vector<double> stall_per_moment;

@@ -1,12 +1,14 @@
 // strata._strata: the C++ engine's Python binding (pybind11).
 //
-// So far: the engine's options, set key by key from their text form with the
+// The engine's options, set key by key from their text form with the
 // engine's own parsing and checks, so that a bad key or value is the same
-// error, naming the key, in Python as on the command line; and the engine
-// itself as far as registering tensors, packing them into chunks and saying
-// where each chunk lives. Errors: InvalidArgument -> ValueError,
-// OutOfMemory -> MemoryError, the rest -> RuntimeError; the message is the
-// engine's.
+// error, naming the key, in Python as on the command line; the engine
+// (register, finalize, chunks, pinned chunk accesses whose bytes Python sees
+// through the buffer protocol, stats); the pipeline's moments; the optimizer
+// and one training step over them (offload/train_step.h). The PyTorch side
+// is python/strata/training.py. Errors: InvalidArgument -> ValueError,
+// OutOfMemory -> MemoryError, Corruption -> CorruptionError (a
+// RuntimeError), the rest -> RuntimeError; the message is the engine's.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -29,11 +31,15 @@ namespace py = pybind11;
 
 namespace {
 
+// strata._strata.CorruptionError (a RuntimeError): stored bytes that do not match their CRC.
+PyObject* corruption_error = nullptr;
+
 // Raises the Python exception for a failed status (see the top).
 void ThrowIfError(const strata::Status& status) {
   if (status.ok()) return;
   PyObject* type = status.code() == strata::StatusCode::kInvalidArgument ? PyExc_ValueError
                    : status.code() == strata::StatusCode::kOutOfMemory   ? PyExc_MemoryError
+                   : status.code() == strata::StatusCode::kCorruption    ? corruption_error
                                                                          : PyExc_RuntimeError;
   PyErr_SetString(type, status.ToString().c_str());
   throw py::error_already_set();
@@ -97,6 +103,10 @@ std::unique_ptr<strata::ChunkAccess> Held(strata::ChunkAccess access) {
 
 PYBIND11_MODULE(_strata, m) {
   m.doc() = "strata's C++ engine (the Python package is strata)";
+  corruption_error = PyErr_NewExceptionWithDoc("strata._strata.CorruptionError",
+                                               "stored bytes (an NVMe slot) that do not match their CRC32C",
+                                               PyExc_RuntimeError, nullptr);
+  m.attr("CorruptionError") = py::handle(corruption_error);
 
   py::class_<strata::Options>(m, "Options", "the engine's settings; every key of `strata options`")
       .def(py::init<>())
@@ -254,6 +264,10 @@ PYBIND11_MODULE(_strata, m) {
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"),
       "the optimizer step over every trainable chunk group, in host moments of the open iteration");
+
+  m.def(
+      "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),
+      "'64MiB', '1.5GiB', '4096', '2GB' -> bytes; ValueError otherwise");
 
   m.def(
       "option_keys",

@@ -11,8 +11,8 @@ optimizer states into strata's chunks; ``load_config`` reads configurations
 with the engine's own checks; ``Engine`` is the C++ engine itself.
 """
 
-from ._strata import Engine, Options, option_keys
+from ._strata import CorruptionError, Engine, Options, option_keys
 from .config import Config, load_config
 from .training import TrainingEngine, initialize
 
-__all__ = ["Config", "Engine", "Options", "TrainingEngine", "initialize", "load_config", "option_keys"]
+__all__ = ["Config", "CorruptionError", "Engine", "Options", "TrainingEngine", "initialize", "load_config", "option_keys"]

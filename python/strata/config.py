@@ -6,7 +6,11 @@ keys both work) plus the adapter's own:
 - ``optimizer``: ``type`` (adamw, adam or sgd), ``lr``, ``betas`` ([beta1, beta2]),
   ``eps``, ``weight_decay``, ``momentum``, and the engine's other ``optimizer.*`` keys;
 - ``gradient_accumulation_steps``: micro-batches per optimizer step (an int >= 1);
-- ``gradient_clipping``: the global norm gradients are clipped to (0: none).
+- ``gradient_clipping``: the global norm gradients are clipped to (0: none);
+- ``non_model_memory``: device memory each moment uses besides chunks, for the
+  planner: ``"measured"`` (default: ``torch.cuda.memory_allocated()`` on a GPU;
+  on the host-emulated device the bytes autograd holds for backward), or a
+  size (bytes, or a string like ``"64MiB"``) taken as the same at every moment.
 
 An unknown key or a bad value raises ValueError naming the key and what is allowed.
 """
@@ -15,17 +19,19 @@ import json
 import os
 from dataclasses import dataclass, field
 
-from ._strata import Options
+from ._strata import Options, parse_size
 
 
 @dataclass
 class Config:
     options: Options = field(default_factory=Options)
     gradient_accumulation_steps: int = 1
+    non_model_memory: object = None  # None: measured; else bytes
 
     def describe(self):
         values = dict(self.options.describe())
         values["gradient_accumulation_steps"] = str(self.gradient_accumulation_steps)
+        values["non_model_memory"] = "measured" if self.non_model_memory is None else str(self.non_model_memory)
         return values
 
 
@@ -45,6 +51,19 @@ def _flatten(prefix, value, out):
             _flatten(f"{prefix}.{key}" if prefix else key, inner, out)
     else:
         out.append((prefix, value))
+
+
+def _non_model_memory(value):
+    if value == "measured":
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value < 0):
+        raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")")
+    if isinstance(value, int):
+        return value
+    try:
+        return parse_size(value)
+    except ValueError:
+        raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")") from None
 
 
 def load_config(config=None):
@@ -71,6 +90,8 @@ def load_config(config=None):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config: gradient_accumulation_steps {value!r} must be an int >= 1")
             result.gradient_accumulation_steps = value
+        elif key == "non_model_memory":
+            result.non_model_memory = _non_model_memory(value)
         elif key == "gradient_clipping":
             result.options.set("optimizer.max_grad_norm", _text(value))
         elif key == "optimizer.type":

@@ -34,7 +34,8 @@ Evaluation and ``torch.no_grad()`` forwards outside training pin chunks
 directly, outside the pipeline, so they do not disturb the plan.
 """
 
-import contextlib
+import json
+import re
 import time
 
 import torch
@@ -198,8 +199,13 @@ class TrainingEngine:
     def _hook_param(self, record):
         with torch.enable_grad():
             p = record.param
+            # In the compute dtype first: a change of dtype would drop the
+            # AccumulateGrad node (and its hook) made below.
+            p.data = p.data.to(self.dtype)
             if record.trainable:
-                # The AccumulateGrad node, kept alive so that its hook stays.
+                # The AccumulateGrad node, kept alive so that its hook stays
+                # (made while .data has the parameter's shape: autograd checks
+                # gradients against it).
                 accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
                 accumulator.register_hook(self._grad_hook(record))
                 p.register_hook(self._grad_pre_hook(record))
@@ -253,8 +259,9 @@ class TrainingEngine:
         start = time.perf_counter()
         self._end_moment()
         try:
-            self._last_step = _strata.train_step(self._engine, self._pipeline, self._optimizer)
+            self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer)
         finally:
+            self._record_tiers()
             self._end_iteration()
         self._last_step["seconds"] = time.perf_counter() - start
         self._micro_steps = 0
@@ -262,7 +269,6 @@ class TrainingEngine:
 
     def stats(self):
         """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step."""
-        import json
         stats = self._engine.stats()
         pipeline = json.loads(self._pipeline.stats_json())
         stats["pipeline"] = pipeline
@@ -315,6 +321,8 @@ class TrainingEngine:
     # --- moments -----------------------------------------------------------
 
     def _non_model_bytes(self):
+        if self.config.non_model_memory is not None:
+            return self.config.non_model_memory
         if not self._emulated and torch.cuda.is_available():
             return torch.cuda.memory_allocated()
         return self._saved_bytes
@@ -329,11 +337,14 @@ class TrainingEngine:
         self._pipeline.begin_moment(self._non_model_bytes())
         self._in_moment = True
         for chunk, entry in self._held.items():
-            again = self._pipeline.access(chunk)
+            again = self._checked(self._pipeline.access, chunk)
             if again.address != entry[0].address:
                 raise RuntimeError(f"strata: chunk {chunk} moved while pinned")
             entry[0].release()
             entry[0] = again
+        self._record_tiers()
+
+    def _record_tiers(self):
         tiers = self._engine.stats()["tiers"]
         self._timeline.append({tier: usage["used_bytes"] for tier, usage in tiers.items()})
 
@@ -358,7 +369,25 @@ class TrainingEngine:
             return self._engine.access_chunk(chunk, "device")
         if not self._in_moment:
             self._begin_moment()
-        return self._pipeline.access(chunk)
+        return self._checked(self._pipeline.access, chunk)
+
+    def _checked(self, call, *args):
+        """`call(*args)`, with a CorruptionError saying what the chunk holds."""
+        try:
+            return call(*args)
+        except _strata.CorruptionError as error:
+            raise _strata.CorruptionError(f"{error} [{self._describe_chunks(str(error))}]") from None
+
+    def _describe_chunks(self, message):
+        names = {record.tensor_id: record.name for record in self._params}
+        described = []
+        for chunk_id in sorted({int(m) for m in re.findall(r"chunk (\d+)", message)}):
+            if chunk_id < len(self._chunks):
+                chunk = self._chunks[chunk_id]
+                tensors = ", ".join(names.get(t, str(t)) for t in chunk["tensors"][:4])
+                more = "" if len(chunk["tensors"]) <= 4 else f" and {len(chunk['tensors']) - 4} more"
+                described.append(f"chunk {chunk_id} holds the {chunk['kind']} of {tensors}{more}")
+        return "; ".join(described) or "no chunk named"
 
     # --- parameters --------------------------------------------------------
 
@@ -508,7 +537,7 @@ class TrainingEngine:
             self._begin_moment()
         access = self._moment_chunks.get(chunk)
         if access is None:
-            access = self._moment_chunks[chunk] = self._pipeline.access(chunk)
+            access = self._moment_chunks[chunk] = self._checked(self._pipeline.access, chunk)
         return access
 
     def _end_backward(self):
