@@ -429,13 +429,15 @@ struct Pipeline::Impl {
     const Clock::time_point start = Clock::now();
     Result<Plan> built = BuildPlan(input);
     stats.planning_seconds = SecondsSince(start);
-    stats.plan_error.clear();
+    const std::string previous_error = std::exchange(stats.plan_error, "");
     if (!built.ok()) {
       stats.plan_failures++;
       stats.plan_error = built.status().ToString();
       plan.reset();
-      STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
-                         built.status().ToString());
+      if (stats.plan_error != previous_error) {  // once, not every iteration it repeats
+        STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
+                           stats.plan_error);
+      }
       return;
     }
     plan = std::move(built).value();

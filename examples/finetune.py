@@ -1,0 +1,258 @@
+"""Fine-tune a GPT-style decoder with strata, its states spread over device, host and NVMe.
+
+    /usr/bin/python3 examples/finetune.py [--steps 30] [--out build/demo] [--init state_dict.pt]
+
+The model is plain PyTorch (examples/gpt.py); strata.initialize moves its
+parameters, gradients and AdamW states into chunks. By default the device
+budget is 20% of the model states (less than the parameters alone), the host
+budget 90% of the optimizer states, and the rest lives on NVMe under
+OUT/nvme. The corpus is strata's own sources and docs, as bytes.
+
+At the end the same model trains with plain PyTorch (everything in memory,
+torch.optim.AdamW) from the same weights on the same batches for a few
+steps, and OUT gets report.json, memory.png (bytes per tier across the
+moments of one iteration) and loss.png.
+"""
+
+import argparse
+import copy
+import glob
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpt import GPT  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.path.join(ROOT, "build", "demo"), help="output directory (default build/demo)")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps with strata (default 30)")
+    p.add_argument("--baseline-steps", type=int, default=6, help="steps of plain PyTorch at the end (default 6; 0: none)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--hidden", type=int, default=384)
+    p.add_argument("--heads", type=int, default=6)
+    p.add_argument("--seq", type=int, default=128, help="tokens per sequence (bytes of the corpus)")
+    p.add_argument("--batch", type=int, default=4, help="sequences per step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device-budget", help="bytes or e.g. 48MiB (default: 20%% of the model states)")
+    p.add_argument("--host-budget", help="bytes or e.g. 96MiB (default: 90%% of the optimizer states)")
+    p.add_argument("--nvme-dir", help="directory of the NVMe tier (default OUT/nvme)")
+    p.add_argument("--init", help="a saved state dict (torch.save) to start from")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--short", action="store_true", help="a tiny model and a few steps (the test suite's run)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
+    args = p.parse_args(argv)
+    if args.short:
+        args.layers, args.hidden, args.heads, args.seq, args.batch = 2, 64, 2, 32, 4
+        args.steps, args.baseline_steps = min(args.steps, 6), min(args.baseline_steps, 3)
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    return args
+
+
+def corpus():
+    """strata's own sources and docs, as one tensor of bytes."""
+    patterns = ["README.md", "docs/*.md", "include/strata/*.h", "src/*.cc", "memory/*.cc", "offload/*.cc",
+                "optim/*.cc", "examples/*.py", "python/strata/*.py"]
+    data = bytearray()
+    for pattern in patterns:
+        for path in sorted(glob.glob(os.path.join(ROOT, pattern))):
+            with open(path, "rb") as f:
+                data += f.read()
+    if len(data) < 4096:
+        raise SystemExit(f"finetune: the corpus under {ROOT} has {len(data)} bytes; run from a strata checkout")
+    return torch.frombuffer(data, dtype=torch.uint8).long()
+
+
+def make_batches(text, steps, batch, seq, seed):
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(text) - seq - 1, (steps, batch), generator=generator)
+    return [torch.stack([text[s:s + seq + 1] for s in row.tolist()]) for row in starts]
+
+
+def model_state_bytes(model, precision):
+    """Parameters, gradients and optimizer states (AdamW), and the optimizer states alone."""
+    n = sum(p.numel() for p in model.parameters())
+    if precision == "fp32":
+        return 16 * n, 8 * n   # param, grad, exp_avg, exp_avg_sq; the last two
+    return 16 * n, 12 * n      # bf16 param and grad; fp32 master, exp_avg, exp_avg_sq
+
+
+def size(text, default):
+    import strata
+    return default if text is None else strata.parse_size(text)
+
+
+def plain_pytorch(model, batches, lr):
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    losses, times = [], []
+    for tokens in batches:
+        start = time.perf_counter()
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+    return losses, times
+
+
+def steady(times):
+    """The median step time after the first two (warm-up: the trace and the first plan)."""
+    return statistics.median(times[2:] if len(times) > 3 else times)
+
+
+def plots(out, report, timeline):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for tier, color in (("device", "tab:green"), ("host", "tab:blue"), ("nvme", "tab:red")):
+        if timeline and tier in timeline[0]:
+            ax.plot([m[tier] / 2**20 for m in timeline], label=f"{tier} used", color=color)
+            ax.axhline(report["tier_budget_bytes"][tier] / 2**20, color=color, linestyle="--", linewidth=0.8,
+                       label=f"{tier} budget" if tier != "nvme" else "nvme capacity")
+    ax.set_xlabel("moment of the last iteration (forward, backward, then the step)")
+    ax.set_ylabel("MiB")
+    ax.set_title("strata: bytes per tier across one iteration")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "memory.png"), dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(range(1, len(report["loss"]) + 1), report["loss"], label="strata")
+    if report["baseline_loss"]:
+        ax.plot(range(1, len(report["baseline_loss"]) + 1), report["baseline_loss"], "o", label="plain PyTorch")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "loss.png"), dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import strata  # after argument parsing: --help works without the build
+
+    os.makedirs(args.out, exist_ok=True)
+    nvme_dir = args.nvme_dir or os.path.join(args.out, "nvme")
+    os.makedirs(nvme_dir, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model = GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
+    if args.init:
+        model.load_state_dict(torch.load(args.init, map_location="cpu"))
+    initial = copy.deepcopy(model.state_dict()) if args.baseline_steps else None
+    states, optimizer_states = model_state_bytes(model, args.precision)
+    device_budget = size(args.device_budget, states // 5)
+    host_budget = size(args.host_budget, optimizer_states * 9 // 10)
+    params = sum(p.numel() for p in model.parameters())
+    config = {
+        "precision": args.precision,
+        "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
+        "device": {"backend": "emulated", "budget": device_budget},
+        "host": {"budget": host_budget},
+        "nvme": {"dirs": [nvme_dir], "capacity": max(4 * states, 64 << 20)},
+        # Chunks small enough that the device holds a dozen fp32 ones.
+        "chunk": {"search_min_elems": min(1 << 20, device_budget // 48), "search_max_elems": device_budget // 48},
+        # The emulated device holds chunks only: activations stay in process
+        # memory, outside its budget. (On a GPU the adapter measures them.)
+        "non_model_memory": 0,
+        "log": {"level": "warning"},
+    }
+    engine = strata.initialize(model, config)
+    homes = {}
+    for chunk in engine.engine.chunks():
+        homes[chunk["home"]] = homes.get(chunk["home"], 0) + chunk["size_bytes"]
+    mib = lambda b: f"{b / 2**20:.0f}MiB"  # noqa: E731
+    print(f"model: {params / 1e6:.1f}M parameters, model states {mib(states)} "
+          f"(optimizer states {mib(optimizer_states)}); budgets: device {mib(device_budget)}, "
+          f"host {mib(host_budget)}, NVMe under {nvme_dir}")
+    print("homes: " + ", ".join(f"{tier} {mib(b)}" for tier, b in sorted(homes.items())))
+
+    text = corpus()
+    batches = make_batches(text, args.steps, args.batch, args.seq, args.seed + 1)
+    tokens_per_step = args.batch * args.seq
+    losses, times = [], []
+    progress = None
+    if not args.no_progress:
+        from tqdm import tqdm
+        progress = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
+    for step, tokens in enumerate(batches, 1):
+        start = time.perf_counter()
+        loss = engine(tokens[:, :-1], tokens[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        times.append(time.perf_counter() - start)
+        losses.append(loss.item())
+        tiers = engine.stats()["tiers"]
+        where = " ".join(f"{t[:3]}={u['used_bytes'] / 2**20:.0f}M" for t, u in tiers.items())
+        status = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / times[-1]:.0f}", "tiers": where}
+        if progress is not None:
+            progress.set_postfix(status)
+            progress.update(1)
+        else:
+            print(f"step {step}/{args.steps} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
+    if progress is not None:
+        progress.close()
+    stats = engine.stats()
+
+    baseline_losses, baseline_times = [], []
+    if args.baseline_steps:
+        print(f"plain PyTorch, everything in memory, {args.baseline_steps} steps on the same batches...")
+        torch.manual_seed(args.seed)
+        baseline = GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
+        baseline.load_state_dict(initial)
+        if args.precision == "bf16":
+            baseline = baseline.to(torch.bfloat16)
+        baseline_losses, baseline_times = plain_pytorch(baseline, batches[:args.baseline_steps], args.lr)
+
+    pipeline = stats["pipeline"]
+    report = {
+        "model": {"parameters": params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+                  "seq": args.seq, "batch": args.batch, "precision": args.precision},
+        "model_state_bytes": states,
+        "loss": losses,
+        "step_time_s": times,
+        "baseline_loss": baseline_losses,
+        "baseline_step_time_s": steady(baseline_times) if baseline_times else None,
+        "baseline_step_times_s": baseline_times,
+        "step_time_over_baseline": steady(times) / steady(baseline_times) if baseline_times else None,
+        "tokens_per_second": tokens_per_step / steady(times),
+        "tier_budget_bytes": {t: u["capacity_bytes"] for t, u in stats["tiers"].items()},
+        "tier_peak_bytes": {t: u["peak_bytes"] for t, u in stats["tiers"].items()},
+        "tier_home_bytes": homes,
+        "bytes_moved": {link: v["bytes"] for link, v in stats["links"].items()},
+        "stall_fraction_last_step": pipeline.get("stall_fraction"),
+        "planned_iterations": pipeline.get("planned_iterations"),
+        "timeline": stats["timeline"],
+    }
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    plots(args.out, report, stats["timeline"])
+    print(f"strata: {steady(times):.3f} s/step ({report['tokens_per_second']:.0f} tokens/s), loss "
+          f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+    if baseline_times:
+        same = max(abs(a - b) / abs(b) for a, b in zip(losses, baseline_losses))
+        print(f"plain PyTorch: {steady(baseline_times):.3f} s/step; strata / PyTorch = "
+              f"{report['step_time_over_baseline']:.2f}; largest relative loss difference over "
+              f"{len(baseline_losses)} steps {same:.1e}")
+    print("peaks: " + ", ".join(f"{t} {mib(report['tier_peak_bytes'][t])} of {mib(report['tier_budget_bytes'][t])}"
+                                for t in report["tier_peak_bytes"]))
+    print(f"wrote {args.out}/report.json, memory.png, loss.png")
+    return report
+
+
+if __name__ == "__main__":
+    main()
