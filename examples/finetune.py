@@ -120,8 +120,9 @@ def plots(out, report, timeline):
     for tier, color in (("device", "tab:green"), ("host", "tab:blue"), ("nvme", "tab:red")):
         if timeline and tier in timeline[0]:
             ax.plot([m[tier] / 2**20 for m in timeline], label=f"{tier} used", color=color)
-            ax.axhline(report["tier_budget_bytes"][tier] / 2**20, color=color, linestyle="--", linewidth=0.8,
-                       label=f"{tier} budget" if tier != "nvme" else "nvme capacity")
+            if tier != "nvme":  # NVMe's capacity would flatten the rest
+                ax.axhline(report["tier_budget_bytes"][tier] / 2**20, color=color, linestyle="--", linewidth=0.8,
+                           label=f"{tier} budget")
     ax.set_xlabel("moment of the last iteration (forward, backward, then the step)")
     ax.set_ylabel("MiB")
     ax.set_title("strata: bytes per tier across one iteration")
@@ -164,8 +165,9 @@ def main(argv=None):
         "device": {"backend": "emulated", "budget": device_budget},
         "host": {"budget": host_budget},
         "nvme": {"dirs": [nvme_dir], "capacity": max(4 * states, 64 << 20)},
-        # Chunks small enough that the device holds a dozen fp32 ones.
-        "chunk": {"search_min_elems": min(1 << 20, device_budget // 48), "search_max_elems": device_budget // 48},
+        # Chunks small enough that the device holds a dozen fp32 ones or more
+        # (the size with the least padding is searched below that).
+        "chunk": {"search_min_elems": device_budget // 256, "search_max_elems": device_budget // 48},
         # The emulated device holds chunks only: activations stay in process
         # memory, outside its budget. (On a GPU the adapter measures them.)
         "non_model_memory": 0,

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # The main job on its default settings: installs what is needed, builds into
-# build/, and runs `strata selftest`, which pushes a GPT-style set of tensors
-# through device, host and NVMe under small budgets and verifies every byte.
-# Extra arguments go to `strata selftest` (see `build/bin/strata selftest --help`).
+# build/, and fine-tunes a GPT-style decoder (examples/finetune.py) whose
+# states do not fit the device and host budgets: device, host and NVMe (under
+# build/demo/nvme) all hold some. Then the same model trains with plain
+# PyTorch for comparison; build/demo/ gets report.json, memory.png, loss.png.
+# Extra arguments go to examples/finetune.py (--help lists them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/build.sh build
-nvme_dir=${STRATA_NVME_DIR:-build/selftest-nvme}
-mkdir -p "$nvme_dir"
-exec build/bin/strata selftest --nvme-dir "$nvme_dir" --json build/selftest.json "$@"
+export PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}"
+exec /usr/bin/python3 examples/finetune.py --out build/demo "$@"

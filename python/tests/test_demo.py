@@ -1,0 +1,32 @@
+"""The main job (examples/finetune.py) in its short mode, as scripts/demo.sh runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
+
+
+def test_demo_short_run_writes_its_report(tmp_path):
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune.py"), "--short", "--no-progress",
+                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "report.json").read_text())
+    steps = len(report["loss"])
+    assert steps == 6 and len(report["step_time_s"]) == steps
+    assert report["baseline_step_time_s"] > 0
+    # Plain PyTorch from the same weights on the same batches: the same losses.
+    for ours, theirs in zip(report["loss"], report["baseline_loss"]):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+    assert set(report["tier_budget_bytes"]) == {"device", "host", "nvme"}
+    for tier in ("device", "host"):
+        assert 0 < report["tier_peak_bytes"][tier] <= report["tier_budget_bytes"][tier]
+    # All three tiers hold model states: the device below the parameters, the host below the optimizer states.
+    assert report["tier_peak_bytes"]["nvme"] > 0
+    assert report["tier_budget_bytes"]["device"] < report["model_state_bytes"] / 4
+    assert report["bytes_moved"]["nvme->host"] > 0
+    for image in ("memory.png", "loss.png"):
+        assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "strata / PyTorch" in run.stdout
