@@ -14,8 +14,15 @@ from gpt import GPT  # noqa: E402
 TinyGPT = functools.partial(GPT, vocab=64, hidden=32, layers=2, heads=2, seq=16)
 
 def batches(steps, batch=4, seq=16, vocab=64, seed=1):
+    """Learnable sequences: a random first token, then t -> (5t + 3) mod vocab."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (batch, seq + 1), generator=generator) for _ in range(steps)]
+    out = []
+    for _ in range(steps):
+        tokens = [torch.randint(0, vocab, (batch,), generator=generator)]
+        for _ in range(seq):
+            tokens.append((tokens[-1] * 5 + 3) % vocab)
+        out.append(torch.stack(tokens, dim=1))
+    return out
 
 
 def torch_losses(model, data, lr=1e-2, weight_decay=0.01, accumulation=1, optimizer="adamw"):
