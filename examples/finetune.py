@@ -43,6 +43,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--device", choices=["emulated", "cuda"], default="emulated",
+                   help="the device tier: host memory standing in for a GPU (default), or CUDA")
     p.add_argument("--device-budget", help="bytes or e.g. 48MiB (default: 20%% of the model states)")
     p.add_argument("--host-budget", help="bytes or e.g. 96MiB (default: 90%% of the optimizer states)")
     p.add_argument("--nvme-dir", help="directory of the NVMe tier (default OUT/nvme)")
@@ -101,8 +103,8 @@ def plain_pytorch(model, batches, lr):
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())  # waits for the GPU, if any
         times.append(time.perf_counter() - start)
-        losses.append(loss.item())
     return losses, times
 
 
@@ -162,15 +164,15 @@ def main(argv=None):
     config = {
         "precision": args.precision,
         "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
-        "device": {"backend": "emulated", "budget": device_budget},
+        "device": {"backend": args.device, "budget": device_budget},
         "host": {"budget": host_budget},
         "nvme": {"dirs": [nvme_dir], "capacity": max(4 * states, 64 << 20)},
         # Chunks small enough that the device holds a dozen fp32 ones or more
         # (the size with the least padding is searched below that).
         "chunk": {"search_min_elems": device_budget // 256, "search_max_elems": device_budget // 48},
         # The emulated device holds chunks only: activations stay in process
-        # memory, outside its budget. (On a GPU the adapter measures them.)
-        "non_model_memory": 0,
+        # memory, outside its budget. On a GPU the adapter measures them.
+        "non_model_memory": 0 if args.device == "emulated" else "measured",
         "log": {"level": "warning"},
     }
     engine = strata.initialize(model, config)
@@ -193,11 +195,12 @@ def main(argv=None):
         progress = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
     for step, tokens in enumerate(batches, 1):
         start = time.perf_counter()
+        tokens = tokens.to(engine.device)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()
-        times.append(time.perf_counter() - start)
         losses.append(loss.item())
+        times.append(time.perf_counter() - start)
         tiers = engine.stats()["tiers"]
         where = " ".join(f"{t[:3]}={u['used_bytes'] / 2**20:.0f}M" for t, u in tiers.items())
         status = {"loss": f"{losses[-1]:.3f}", "tok/s": f"{tokens_per_step / times[-1]:.0f}", "tiers": where}
@@ -211,14 +214,21 @@ def main(argv=None):
     stats = engine.stats()
 
     baseline_losses, baseline_times = [], []
+    strata_hbm = baseline_hbm = None
+    if engine.device.type == "cuda":  # strata's chunks, and PyTorch's activations and workspace
+        strata_hbm = stats["tiers"]["device"]["peak_bytes"] + torch.cuda.max_memory_allocated()
     if args.baseline_steps:
         print(f"plain PyTorch, everything in memory, {args.baseline_steps} steps on the same batches...")
         torch.manual_seed(args.seed)
         baseline = GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
         baseline.load_state_dict(initial)
-        if args.precision == "bf16":
-            baseline = baseline.to(torch.bfloat16)
-        baseline_losses, baseline_times = plain_pytorch(baseline, batches[:args.baseline_steps], args.lr)
+        baseline = baseline.to(device=engine.device, dtype=torch.bfloat16 if args.precision == "bf16" else None)
+        if engine.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        baseline_batches = [t.to(engine.device) for t in batches[:args.baseline_steps]]
+        baseline_losses, baseline_times = plain_pytorch(baseline, baseline_batches, args.lr)
+        if engine.device.type == "cuda":
+            baseline_hbm = torch.cuda.max_memory_allocated()
 
     pipeline = stats["pipeline"]
     report = {
@@ -239,6 +249,8 @@ def main(argv=None):
         "stall_fraction_last_step": pipeline.get("stall_fraction"),
         "planned_iterations": pipeline.get("planned_iterations"),
         "timeline": stats["timeline"],
+        "peak_hbm_bytes": strata_hbm,
+        "baseline_peak_hbm_bytes": baseline_hbm,
     }
     with open(os.path.join(args.out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)

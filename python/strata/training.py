@@ -67,6 +67,18 @@ class _Param:
         self.grad_arrived = False   # since it was pinned for backward
 
 
+class _CudaBytes:
+    """A chunk pinned in GPU memory, as CUDA array interface bytes (kept alive by the tensor)."""
+
+    def __init__(self, access):
+        self.access = access
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.access.size_bytes,), "typestr": "|u1", "data": (self.access.address, False),
+                "version": 2}
+
+
 class _PreBackward(torch.autograd.Function):
     """Identity on a module's output; its backward begins the module's backward moment."""
 
@@ -116,6 +128,9 @@ class TrainingEngine:
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         self._engine = _strata.Engine(self.config.options)
         self._emulated = "emulated" in self._engine.describe_backends()
+        # Where the model computes: the CPU for the emulated device (its memory is the host's).
+        self.device = torch.device("cpu") if self._emulated else torch.device(
+            "cuda", int(self.config.options.describe()["device.index"]))
         self._params = []
         self._by_param = {}  # id(nn.Parameter) -> _Param
         self._register(model)
@@ -191,7 +206,7 @@ class TrainingEngine:
                         view.copy_(record.param.detach().reshape(-1))
                 finally:
                     access.release()
-        self._placeholder = torch.empty(0, dtype=self.dtype)
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
         self._accumulators = []
         for record in self._params:
             self._hook_param(record)
@@ -199,9 +214,9 @@ class TrainingEngine:
     def _hook_param(self, record):
         with torch.enable_grad():
             p = record.param
-            # In the compute dtype first: a change of dtype would drop the
-            # AccumulateGrad node (and its hook) made below.
-            p.data = p.data.to(self.dtype)
+            # In the compute dtype and on the compute device first: a change
+            # of either would drop the AccumulateGrad node (and its hook) made below.
+            p.data = p.data.to(device=self.device, dtype=self.dtype)
             if record.trainable:
                 # The AccumulateGrad node, kept alive so that its hook stays
                 # (made while .data has the parameter's shape: autograd checks
@@ -389,6 +404,13 @@ class TrainingEngine:
                 described.append(f"chunk {chunk_id} holds the {chunk['kind']} of {tensors}{more}")
         return "; ".join(described) or "no chunk named"
 
+    def _view(self, access, dtype, count, offset):
+        """`count` elements at byte `offset` of a pinned chunk, as a tensor where the chunk is."""
+        if self._emulated or access.tier != "device":
+            return torch.frombuffer(access, dtype=dtype, count=count, offset=offset)
+        size = count * torch.tensor([], dtype=dtype).element_size()
+        return torch.as_tensor(_CudaBytes(access), device=self.device)[offset:offset + size].view(dtype)
+
     # --- parameters --------------------------------------------------------
 
     def _materialize(self, record):
@@ -397,7 +419,7 @@ class TrainingEngine:
             if entry is None:
                 entry = self._held[record.chunk] = [self._pin_chunk(record.chunk), 0]
             entry[1] += 1
-            view = torch.frombuffer(entry[0], dtype=self.dtype, count=record.numel, offset=record.offset)
+            view = self._view(entry[0], self.dtype, record.numel, record.offset)
             record.param.data = view.view(record.shape)
         record.pins += 1
 
@@ -524,7 +546,7 @@ class TrainingEngine:
                 return
             record.param.grad = None
             access = self._grad_access(record.grad_chunk)
-            target = torch.frombuffer(access, dtype=self.dtype, count=record.numel, offset=record.grad_offset)
+            target = self._view(access, self.dtype, record.numel, record.grad_offset)
             with torch.no_grad():
                 target.add_(grad.reshape(-1))
             record.grad_arrived = True
