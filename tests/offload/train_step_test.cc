@@ -1,0 +1,169 @@
+// RunTrainStep: the optimizer step over every trainable group, in host
+// moments of a pipeline iteration, against the optimizer run on plain arrays.
+#include "offload/train_step.h"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <vector>
+
+#include "strata/storage.h"
+#include "tests/test_util.h"
+
+namespace strata::offload {
+namespace {
+
+constexpr uint64_t kChunkElems = 4096;
+constexpr int kLayers = 6;
+
+// Six trainable layers of one chunk each and a frozen one, fp32; the host
+// holds a few chunks, the rest (the optimizer states first) live on NVMe
+// behind a fault injector.
+struct Model {
+  FaultInjectingStorage* faults = nullptr;
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<Pipeline> pipeline;
+  std::unique_ptr<optim::Optimizer> optimizer;
+
+  explicit Model(double max_grad_norm = 0.0) {
+    Options options;
+    options.device_backend = DeviceBackendKind::kEmulated;
+    options.device_budget_bytes = 4 * kChunkElems * 4;
+    options.host_budget_bytes = 16 * kChunkElems * 4;
+    options.chunk_size_elems = kChunkElems;
+    options.log_level = LogLevel::kWarning;
+    options.optimizer_weight_decay = 0.01;
+    options.optimizer_max_grad_norm = max_grad_norm;
+    auto memory = CreateMemoryStorage(uint64_t{64} << 20);
+    STRATA_CHECK(memory.ok());
+    auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
+    faults = wrapped.get();
+    options.nvme_capacity_bytes = uint64_t{64} << 20;
+    auto created = Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped)});
+    STRATA_CHECK(created.ok(), "{}", created.status().ToString());
+    engine = std::move(created).value();
+    for (int l = 0; l < kLayers; ++l) {
+      const std::string name = "layer" + std::to_string(l);
+      STRATA_CHECK(engine->RegisterTensor({name, {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, name}).ok());
+    }
+    STRATA_CHECK(engine->RegisterTensor({"frozen", {64}, DType::kFloat32, false, "frozen"}).ok());
+    STRATA_CHECK(engine->Finalize().ok());
+    auto made = Pipeline::Create(*engine, {});
+    STRATA_CHECK(made.ok(), "{}", made.status().ToString());
+    pipeline = std::move(made).value();
+    auto config = optim::OptimizerConfigFromOptions(options);
+    STRATA_CHECK(config.ok());
+    auto opt = optim::Optimizer::Create(*config);
+    STRATA_CHECK(opt.ok());
+    optimizer = std::move(opt).value();
+  }
+
+  std::vector<float> Read(int tensor, ChunkKind kind) {
+    auto access = engine->Access(TensorId(tensor), kind, Tier::kHost);
+    STRATA_CHECK(access.ok(), "{}", access.status().ToString());
+    const float* data = static_cast<const float*>(access->data());
+    return std::vector<float>(data, data + access->num_elements());
+  }
+  void Write(int tensor, ChunkKind kind, const std::vector<float>& values) {
+    auto access = engine->Access(TensorId(tensor), kind, Tier::kHost);
+    STRATA_CHECK(access.ok(), "{}", access.status().ToString());
+    std::memcpy(access->data(), values.data(), values.size() * sizeof(float));
+  }
+  // One iteration: a device moment per layer (as backward would), then the step.
+  Result<TrainStepReport> Iteration() {
+    STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+    Status backward = Status::Ok();
+    for (int l = kLayers - 1; l >= 0 && backward.ok(); --l) {
+      STRATA_RETURN_IF_ERROR(pipeline->BeginMoment());
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+        if (backward.ok()) backward = pipeline->Access(*engine->ChunkOf(TensorId(l), kind)).status();
+      }
+      STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
+    }
+    Result<TrainStepReport> report =
+        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer) : Result<TrainStepReport>(backward);
+    const Status ended = pipeline->EndIteration();
+    if (!report.ok()) return report;
+    STRATA_RETURN_IF_ERROR(ended);
+    return report;
+  }
+};
+
+std::vector<float> Random(std::mt19937& rng, float scale) {
+  std::normal_distribution<float> normal(0.0f, scale);
+  std::vector<float> v(kChunkElems);
+  for (float& x : v) x = normal(rng);
+  return v;
+}
+
+TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) {
+  Model model(/*max_grad_norm=*/1.0);
+  Model reference_config(1.0);  // only for a second optimizer with the same settings
+  std::mt19937 rng(7);
+  std::vector<std::vector<float>> w(kLayers), m(kLayers), v(kLayers);
+  std::vector<optim::ChunkTensors> arrays(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    w[l] = Random(rng, 1.0f);
+    model.Write(l, ChunkKind::kParam, w[l]);
+    m[l].assign(kChunkElems, 0.0f);
+    v[l].assign(kChunkElems, 0.0f);
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<std::vector<float>> grads(kLayers);
+    for (int l = 0; l < kLayers; ++l) {
+      grads[l] = Random(rng, 0.1f);
+      model.Write(l, ChunkKind::kGrad, grads[l]);
+      arrays[l] = {.n = kChunkElems, .master = w[l].data(), .grad = grads[l].data(),
+                   .state = {m[l].data(), v[l].data()}};
+    }
+    ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+    ASSERT_OK_AND_ASSIGN(optim::StepPlan plan, reference_config.optimizer->Step(arrays));
+    EXPECT_EQ(report.groups, static_cast<uint32_t>(kLayers));  // the frozen tensor has no group to update
+    EXPECT_EQ(report.plan.step, step);
+    EXPECT_NEAR(report.plan.grad_norm, plan.grad_norm, 1e-9 * plan.grad_norm);
+    EXPECT_LT(report.plan.clip_coefficient, 1.0f);  // the norm is above 1: clipped
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(model.Read(l, ChunkKind::kParam), w[l]) << "layer " << l << " step " << step;
+      EXPECT_EQ(model.Read(l, ChunkKind::kExpAvgSq), v[l]) << "layer " << l << " step " << step;
+      EXPECT_EQ(model.Read(l, ChunkKind::kGrad), std::vector<float>(kChunkElems, 0.0f)) << "layer " << l;
+    }
+  }
+  EXPECT_EQ(model.optimizer->steps_taken(), 3);
+  // The states did not all fit the host: some groups were read from NVMe and written back.
+  EXPECT_GT(model.engine->stats().links[static_cast<int>(Tier::kNvme)][static_cast<int>(Tier::kHost)].bytes, 0u);
+}
+
+TEST(TrainStepTest, ACorruptStateOnNvmeEndsTheStepUncountedAndNamesTheChunk) {
+  Model model;
+  std::mt19937 rng(3);
+  for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  ASSERT_OK(model.Iteration().status());
+  for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  model.faults->CorruptReads(1);
+  Result<TrainStepReport> failed = model.Iteration();
+  ASSERT_EQ(failed.status().code(), StatusCode::kCorruption) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("chunk"), std::string::npos) << failed.status().ToString();
+  EXPECT_EQ(model.optimizer->steps_taken(), 1);  // not counted
+  // The pipeline and the engine go on: the next step runs (the corrupt read left the slot as it was).
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+  EXPECT_EQ(report.plan.step, 2);
+}
+
+TEST(TrainStepTest, InfiniteGradientsSkipTheUpdateButStillZeroTheGrads) {
+  Model model;
+  const std::vector<float> before = model.Read(0, ChunkKind::kParam);
+  std::vector<float> grad(kChunkElems, 0.5f);
+  grad[17] = std::numeric_limits<float>::infinity();
+  model.Write(0, ChunkKind::kGrad, grad);
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+  EXPECT_TRUE(report.plan.skip);
+  EXPECT_EQ(model.Read(0, ChunkKind::kParam), before);
+  EXPECT_EQ(model.Read(0, ChunkKind::kGrad), std::vector<float>(kChunkElems, 0.0f));
+  EXPECT_EQ(model.optimizer->steps_taken(), 0);
+}
+
+}  // namespace
+}  // namespace strata::offload
