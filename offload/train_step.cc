@@ -1,5 +1,6 @@
 #include "offload/train_step.h"
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cstring>
@@ -51,7 +52,8 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
 
 // Accesses group `g`'s chunks in the open host moment (into `held`),
 // updates them and zeroes the grad chunk.
-Status UpdateGroup(Pipeline& pipeline, const optim::Optimizer& optimizer, const optim::StepPlan& plan, const Group& g,
+Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimizer& optimizer,
+                   const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip,
                    std::array<ChunkAccess, kNumChunkKinds>& held) {
   const auto access = [&](ChunkKind kind) -> Result<std::byte*> {
     STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
@@ -78,14 +80,32 @@ Status UpdateGroup(Pipeline& pipeline, const optim::Optimizer& optimizer, const 
     STRATA_ASSIGN_OR_RETURN(std::byte* state, access(state_kinds[s]));
     t.state[s] = reinterpret_cast<float*>(state);
   }
-  STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, t));
+  const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
+  if (std::none_of(param.tensors.begin(), param.tensors.end(), skipped)) {
+    STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, t));
+  } else {  // each tensor that is not skipped on its own
+    for (size_t i = 0; i < param.tensors.size(); ++i) {
+      if (skipped(param.tensors[i])) continue;
+      const uint64_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
+      optim::ChunkTensors part = t;
+      part.n = static_cast<size_t>(engine.tensors()[param.tensors[i].value()].num_elements());
+      part.master = t.master + at;
+      if (t.param != nullptr) part.param = static_cast<std::byte*>(t.param) + at * DTypeSizeBytes(t.param_dtype);
+      part.grad = static_cast<const std::byte*>(t.grad) + at * DTypeSizeBytes(t.grad_dtype);
+      for (float*& state : part.state) {
+        if (state != nullptr) state += at;
+      }
+      STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, part));
+    }
+  }
   std::memset(grad_data, 0, grad.used_bytes);
   return Status::Ok();
 }
 
 }  // namespace
 
-Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer) {
+Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                                     const std::vector<bool>& skip) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
   Clock::time_point start = Clock::now();
@@ -98,7 +118,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     STRATA_RETURN_IF_ERROR(pipeline.BeginHostMoment().status());
     // Released before EndMoment, so the plan's write-backs may take them.
     std::array<ChunkAccess, kNumChunkKinds> held;
-    const Status updated = UpdateGroup(pipeline, optimizer, report.plan, g, held);
+    const Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, held);
     for (ChunkAccess& a : held) a.Release();
     const Status ended = pipeline.EndMoment();
     STRATA_RETURN_IF_ERROR(updated);

@@ -19,6 +19,8 @@
 // Thread-safety: the pipeline's thread (the training loop).
 #pragma once
 
+#include <vector>
+
 #include "offload/pipeline.h"
 #include "optim/optimizer.h"
 #include "strata/engine.h"
@@ -34,7 +36,10 @@ struct TrainStepReport {
 };
 
 // Needs an open pipeline iteration and no open moment; leaves the iteration
-// open (the caller ends it).
-Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer);
+// open (the caller ends it). `skip[tensor id]`: tensors left as they are
+// this step (no gradient reached them: torch.optim skips a parameter whose
+// .grad is None, its weight decay and moments included).
+Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                                     const std::vector<bool>& skip = {});
 
 }  // namespace strata::offload

@@ -95,8 +95,18 @@ auto Unlocked(F f) {
   return f();
 }
 
-std::unique_ptr<strata::ChunkAccess> Held(strata::ChunkAccess access) {
-  return std::make_unique<strata::ChunkAccess>(std::move(access));
+// A pinned chunk as Python holds it: its bytes are seen through the buffer
+// protocol only where the host can address them (the host tier, or the
+// emulated device); elsewhere (CUDA memory) and once released, the buffer is
+// empty, so that a view of it fails in Python instead of reading a stray address.
+struct PyAccess {
+  strata::ChunkAccess access;
+  bool host_addressable = false;
+};
+
+std::unique_ptr<PyAccess> Held(strata::Engine& engine, strata::ChunkAccess access) {
+  const bool host = access.tier() == strata::Tier::kHost || engine.device().host_accessible();
+  return std::make_unique<PyAccess>(PyAccess{std::move(access), host});
 }
 
 }  // namespace
@@ -170,9 +180,11 @@ PYBIND11_MODULE(_strata, m) {
           "access_chunk",
           [](strata::Engine& engine, uint32_t chunk, const std::string& tier) {
             const strata::Tier parsed = ValueOrThrow(strata::ParseTier(tier));
-            return Held(ValueOrThrow(Unlocked([&] { return engine.AccessChunk(strata::ChunkId(chunk), parsed); })));
+            return Held(engine,
+                        ValueOrThrow(Unlocked([&] { return engine.AccessChunk(strata::ChunkId(chunk), parsed); })));
           },
-          py::arg("chunk"), py::arg("tier"), "pins a chunk on a tier (device or host), moving it there first")
+          py::arg("chunk"), py::arg("tier"), py::keep_alive<0, 1>(),
+          "pins a chunk on a tier (device or host), moving it there first")
       .def(
           "read_chunk",
           [](strata::Engine& engine, uint32_t chunk) {
@@ -194,20 +206,22 @@ PYBIND11_MODULE(_strata, m) {
            "tiers (capacity, used, peak bytes) and links (moves, bytes, seconds)")
       .def("describe_backends", &strata::Engine::DescribeBackends);
 
-  py::class_<strata::ChunkAccess, std::unique_ptr<strata::ChunkAccess>>(
+  py::class_<PyAccess, std::unique_ptr<PyAccess>>(
       m, "ChunkAccess", py::buffer_protocol(),
-      "a chunk pinned on a tier until release(); its bytes through the buffer protocol (host-addressable tiers)")
-      .def_buffer([](strata::ChunkAccess& access) {
-        if (!access.valid()) throw std::runtime_error("ChunkAccess: released");
-        return py::buffer_info(access.data(), 1, py::format_descriptor<uint8_t>::format(), 1,
-                               {static_cast<py::ssize_t>(access.size_bytes())}, {1}, false);
+      "a chunk pinned on a tier until release(); its bytes through the buffer protocol where the host can "
+      "address them (else an empty buffer; `address` is the device pointer)")
+      .def_buffer([](PyAccess& a) {
+        const bool readable = a.access.valid() && a.host_addressable;
+        return py::buffer_info(readable ? a.access.data() : nullptr, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(readable ? a.access.size_bytes() : 0)}, {1}, false);
       })
-      .def_property_readonly("chunk", [](const strata::ChunkAccess& a) { return a.id().value(); })
-      .def_property_readonly("tier", [](const strata::ChunkAccess& a) { return std::string(strata::TierName(a.tier())); })
-      .def_property_readonly("address", [](const strata::ChunkAccess& a) { return reinterpret_cast<uintptr_t>(a.data()); })
-      .def_property_readonly("size_bytes", &strata::ChunkAccess::size_bytes)
-      .def_property_readonly("valid", &strata::ChunkAccess::valid)
-      .def("release", &strata::ChunkAccess::Release, "unpins the chunk");
+      .def_property_readonly("chunk", [](const PyAccess& a) { return a.access.id().value(); })
+      .def_property_readonly("tier", [](const PyAccess& a) { return std::string(strata::TierName(a.access.tier())); })
+      .def_property_readonly("address", [](const PyAccess& a) { return reinterpret_cast<uintptr_t>(a.access.data()); })
+      .def_property_readonly("size_bytes", [](const PyAccess& a) { return a.access.size_bytes(); })
+      .def_property_readonly("valid", [](const PyAccess& a) { return a.access.valid(); })
+      .def_readonly("host_addressable", &PyAccess::host_addressable)
+      .def("release", [](PyAccess& a) { a.access.Release(); }, "unpins the chunk");
 
   py::class_<strata::optim::Optimizer, std::unique_ptr<strata::optim::Optimizer>>(
       m, "Optimizer", "strata's optimizer over chunk groups, from the optimizer.* and loss_scale.* keys")
@@ -236,10 +250,11 @@ PYBIND11_MODULE(_strata, m) {
           py::arg("non_model_bytes") = 0)
       .def(
           "access",
-          [](strata::offload::Pipeline& p, uint32_t chunk) {
-            return Held(ValueOrThrow(Unlocked([&] { return p.Access(strata::ChunkId(chunk)); })));
+          [](strata::offload::Pipeline& p, strata::Engine& engine, uint32_t chunk) {
+            return Held(engine, ValueOrThrow(Unlocked([&] { return p.Access(strata::ChunkId(chunk)); })));
           },
-          py::arg("chunk"), "pins a chunk where the moment computes; waits for its planned transfer")
+          py::arg("engine"), py::arg("chunk"), py::keep_alive<0, 1>(),
+          "pins a chunk where the moment computes (the pipeline's engine); waits for its planned transfer")
       .def("end_moment", [](strata::offload::Pipeline& p) { ThrowIfError(p.EndMoment()); })
       .def("end_iteration",
            [](strata::offload::Pipeline& p) {
@@ -249,9 +264,12 @@ PYBIND11_MODULE(_strata, m) {
 
   m.def(
       "train_step",
-      [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer) {
-        const strata::offload::TrainStepReport report =
-            ValueOrThrow(Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer); }));
+      [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer,
+         const std::vector<uint32_t>& skip_tensors) {
+        std::vector<bool> skip(engine.tensors().size(), false);
+        for (uint32_t t : skip_tensors) skip.at(t) = true;
+        const strata::offload::TrainStepReport report = ValueOrThrow(
+            Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip); }));
         py::dict d;
         d["skipped"] = report.plan.skip;
         d["step"] = report.plan.step;
@@ -262,8 +280,9 @@ PYBIND11_MODULE(_strata, m) {
         d["groups"] = report.groups;
         return d;
       },
-      py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"),
-      "the optimizer step over every trainable chunk group, in host moments of the open iteration");
+      py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
+      "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
+      "skip_tensors (ids) are left as they are");
 
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),

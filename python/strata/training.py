@@ -37,6 +37,7 @@ directly, outside the pipeline, so they do not disturb the plan.
 import json
 import re
 import time
+import weakref
 
 import torch
 
@@ -50,7 +51,7 @@ class _Param:
     """One registered parameter: where its copies live, and whether it is pinned now."""
 
     __slots__ = ("param", "name", "tensor_id", "shape", "numel", "trainable", "chunk", "offset", "grad_chunk",
-                 "grad_offset", "master_chunk", "master_offset", "pins", "for_backward", "grad_arrived")
+                 "grad_offset", "master_chunk", "master_offset", "pins", "for_backward", "grad_arrived", "stepped")
 
     def __init__(self, param, name, tensor_id):
         self.param = param
@@ -65,6 +66,7 @@ class _Param:
         self.pins = 0               # materializations alive (forward nesting, backward)
         self.for_backward = False   # one of the pins is backward's
         self.grad_arrived = False   # since it was pinned for backward
+        self.stepped = False        # a gradient arrived since the last step
 
 
 class _CudaBytes:
@@ -86,7 +88,8 @@ class _PreBackward(torch.autograd.Function):
     def forward(ctx, engine, module_index, tensor):
         ctx.engine = engine
         ctx.module_index = module_index
-        return tensor.view_as(tensor)
+        # Not a view: the caller may change the output in place (ReLU(inplace=True)).
+        return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
@@ -104,6 +107,21 @@ def _map_tensors(value, fn):
     if isinstance(value, dict) and type(value) is dict:
         return {k: _map_tensors(v, fn) for k, v in value.items()}
     return value
+
+
+def _grad_pre_hook(engine, record):
+    def hook(grad):
+        # AccumulateGrad shapes .grad like the parameter: pin it if backward has not.
+        if record.pins == 0:
+            engine._pin_for_backward(record)
+        return None
+    return hook
+
+
+def _grad_hook(engine, record):
+    def hook(*_):
+        engine._grad_ready(record)
+    return hook
 
 
 def initialize(model, config=None):
@@ -134,8 +152,12 @@ class TrainingEngine:
         self._params = []
         self._by_param = {}  # id(nn.Parameter) -> _Param
         self._register(model)
+        # Everything that can refuse the configuration before the model is touched.
         self._pipeline = _strata.Pipeline(self._engine)
         self._optimizer = _strata.Optimizer(self.config.options)
+        self._copy_in()
+        for buffer in model.buffers():
+            buffer.data = buffer.data.to(self.device)
 
         self._held = {}            # chunk id -> [ChunkAccess, params pinned in it]
         self._moment_chunks = {}   # chunk id -> ChunkAccess, grad chunks of the open moment
@@ -152,7 +174,7 @@ class TrainingEngine:
         self._timeline = []        # tier bytes at each moment of the current iteration
         self._last_timeline = []
         self._last_step = {}
-        self._step_times = []
+        self._broken = None        # why training cannot go on (a step or backward that failed part way)
         self._hooks = []
         self._install_hooks(model)
 
@@ -188,7 +210,6 @@ class TrainingEngine:
                 record.grad_chunk, record.grad_offset = where[(record.tensor_id, "grad")]
             if (record.tensor_id, "master") in where:
                 record.master_chunk, record.master_offset = where[(record.tensor_id, "master")]
-        self._copy_in()
 
     def _copy_in(self):
         """Writes the model's values into their chunks (on the host) and drops the model's storage."""
@@ -212,6 +233,9 @@ class TrainingEngine:
             self._hook_param(record)
 
     def _hook_param(self, record):
+        # The AccumulateGrad node holds its hooks in C++, out of the garbage
+        # collector's sight: they reach the engine through a weak reference.
+        engine = weakref.proxy(self)
         with torch.enable_grad():
             p = record.param
             # In the compute dtype and on the compute device first: a change
@@ -222,8 +246,8 @@ class TrainingEngine:
                 # (made while .data has the parameter's shape: autograd checks
                 # gradients against it).
                 accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
-                accumulator.register_hook(self._grad_hook(record))
-                p.register_hook(self._grad_pre_hook(record))
+                accumulator.register_hook(_grad_hook(engine, record))
+                p.register_hook(_grad_pre_hook(engine, record))
                 self._accumulators.append(accumulator)
         p.data = self._placeholder
         p.grad = None
@@ -242,11 +266,23 @@ class TrainingEngine:
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._hooks.append(module.register_forward_hook(self._post_forward_hook(index)))
         self._hooks.append(model.register_forward_hook(self._root_post_hook))
+        # A forward that raises skips the post-hooks: its pins and saved-tensor
+        # hooks are let go as the exception leaves the model.
+        original, engine = model.forward, weakref.proxy(self)
+
+        def forward(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                engine._recover()
+                engine._saved_bytes = 0  # its graph is gone
+                raise
+        model.forward = forward
 
     # --- the public API ----------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self.module(*args, **kwargs)  # an exception in it is cleaned up by the root hooks' _recover
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -257,30 +293,50 @@ class TrainingEngine:
 
     def backward(self, loss):
         """Backward of `loss` (scaled by 1 / gradient_accumulation_steps, and by the loss scale under fp16)."""
+        self._check_usable()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
-        (loss if scale == 1.0 else loss * scale).backward()
+        try:
+            (loss if scale == 1.0 else loss * scale).backward()
+        except BaseException as error:
+            self._recover()
+            self._broken = f"a backward failed part way ({type(error).__name__}: {error}); the gradients are partial"
+            raise
         self._end_backward()
         self._micro_steps += 1
 
     def step(self):
         """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped."""
+        self._check_usable()
         self._end_backward()
         if self._micro_steps < self.gradient_accumulation_steps:
             return False
         if not self._in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
         start = time.perf_counter()
+        self._synchronize()
         self._end_moment()
+        skip = [r.tensor_id for r in self._params if r.trainable and not r.stepped]
         try:
-            self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer)
+            self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip)
+        except BaseException as error:
+            self._broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk groups are "
+                            "updated and others not")
+            raise
         finally:
             self._record_tiers()
             self._end_iteration()
+        for record in self._params:
+            record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
         self._micro_steps = 0
         return True
+
+    def _check_usable(self):
+        if self._broken is not None:
+            raise RuntimeError(f"strata: training cannot go on: {self._broken}. Start again from the model's "
+                               "initial or saved state")
 
     def stats(self):
         """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step."""
@@ -352,7 +408,7 @@ class TrainingEngine:
         self._pipeline.begin_moment(self._non_model_bytes())
         self._in_moment = True
         for chunk, entry in self._held.items():
-            again = self._checked(self._pipeline.access, chunk)
+            again = self._checked(self._pipeline.access, self._engine, chunk)
             if again.address != entry[0].address:
                 raise RuntimeError(f"strata: chunk {chunk} moved while pinned")
             entry[0].release()
@@ -363,9 +419,15 @@ class TrainingEngine:
         tiers = self._engine.stats()["tiers"]
         self._timeline.append({tier: usage["used_bytes"] for tier, usage in tiers.items()})
 
+    def _synchronize(self):
+        """On a GPU: the kernels queued on torch's stream are done before a chunk they use is let go."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
     def _end_moment(self):
         if not self._in_moment:
             return
+        self._synchronize()
         for access in self._moment_chunks.values():
             access.release()
         self._moment_chunks.clear()
@@ -384,7 +446,7 @@ class TrainingEngine:
             return self._engine.access_chunk(chunk, "device")
         if not self._in_moment:
             self._begin_moment()
-        return self._checked(self._pipeline.access, chunk)
+        return self._checked(self._pipeline.access, self._engine, chunk)
 
     def _checked(self, call, *args):
         """`call(*args)`, with a CorruptionError saying what the chunk holds."""
@@ -431,21 +493,35 @@ class TrainingEngine:
         entry = self._held[record.chunk]
         entry[1] -= 1
         if entry[1] == 0:
+            self._synchronize()
             entry[0].release()
             del self._held[record.chunk]
 
     # --- forward hooks -----------------------------------------------------
 
     def _root_pre_hook(self, module, args):
-        if not self._active:
-            self._direct = not (module.training and torch.is_grad_enabled())
-            if self._direct:
-                self._end_moment()
+        self._check_usable()
+        self._recover()  # what a forward that raised left behind
+        # Without autograd there is no backward: chunks are pinned outside the pipeline.
+        self._direct = not torch.is_grad_enabled()
+        if self._direct:
+            self._end_moment()
 
     def _root_post_hook(self, module, args, output):
         if not self._active:
             self._direct = False
         return None
+
+    def _recover(self):
+        """Lets go of every pin of forwards that did not return, and of their saved-tensor hooks."""
+        while self._saved_hooks:
+            self._saved_hooks.pop()[1].__exit__(None, None, None)
+        self._active = []
+        self._direct = False
+        for record in self._params:
+            if record.pins > 0 and not record.for_backward:
+                record.pins = 1
+                self._release(record)
 
     def _pre_forward_hook(self, index):
         def hook(module, args):
@@ -462,6 +538,9 @@ class TrainingEngine:
 
     def _post_forward_hook(self, index):
         def hook(module, args, output):
+            # A parameter, or a view of one, returned by the module outlives
+            # it: copied while its chunk is still pinned.
+            output = _map_tensors(output, self._unalias)
             if self._active and self._active[-1] == index:
                 self._active.pop()
             for record in self._module_params[index]:
@@ -469,7 +548,7 @@ class TrainingEngine:
             if self._saved_hooks and self._saved_hooks[-1][0] == index:
                 self._saved_hooks.pop()[1].__exit__(None, None, None)
             if self._direct or not torch.is_grad_enabled():
-                return None
+                return output
             self._backward_pending.add(index)
 
             def wrap(t):
@@ -478,6 +557,10 @@ class TrainingEngine:
                 return t
             return _map_tensors(output, wrap)
         return hook
+
+    def _unalias(self, t):
+        base = t._base if t._base is not None else t
+        return t.clone() if id(base) in self._by_param else t
 
     # --- saved tensors ------------------------------------------------------
 
@@ -531,26 +614,17 @@ class TrainingEngine:
         for record in own:
             self._pin_for_backward(record)
 
-    def _grad_pre_hook(self, record):
-        def hook(grad):
-            # AccumulateGrad shapes .grad like the parameter: pin it if backward has not.
-            if record.pins == 0:
-                self._pin_for_backward(record)
-            return None
-        return hook
-
-    def _grad_hook(self, record):
-        def hook(*_):
-            grad = record.param.grad
-            if grad is None:
-                return
-            record.param.grad = None
-            access = self._grad_access(record.grad_chunk)
-            target = self._view(access, self.dtype, record.numel, record.grad_offset)
-            with torch.no_grad():
-                target.add_(grad.reshape(-1))
-            record.grad_arrived = True
-        return hook
+    def _grad_ready(self, record):
+        grad = record.param.grad
+        if grad is None:
+            return
+        record.param.grad = None
+        access = self._grad_access(record.grad_chunk)
+        target = self._view(access, self.dtype, record.numel, record.grad_offset)
+        with torch.no_grad():
+            target.add_(grad.reshape(-1))
+        record.grad_arrived = True
+        record.stepped = True
 
     def _grad_access(self, chunk):
         if self._direct:
@@ -559,7 +633,7 @@ class TrainingEngine:
             self._begin_moment()
         access = self._moment_chunks.get(chunk)
         if access is None:
-            access = self._moment_chunks[chunk] = self._checked(self._pipeline.access, chunk)
+            access = self._moment_chunks[chunk] = self._checked(self._pipeline.access, self._engine, chunk)
         return access
 
     def _end_backward(self):

@@ -301,3 +301,109 @@ def test_a_corrupt_nvme_slot_is_an_exception_naming_the_chunk(tmp_path):
         f.write(b"\x5a" * (used + 1024 * 1024))
     with pytest.raises(strata.CorruptionError, match=r"chunk \d+ holds the \w+ of"):
         strata_losses(engine, data[2:])
+    # Still corrupt (a forward's read), or part of the model updated and part
+    # not (a step's): either way no silent training on.
+    with pytest.raises(RuntimeError, match="Corruption|cannot go on"):
+        strata_losses(engine, data[2:])
+
+
+class Positions(torch.nn.Module):
+    """Returns a slice of its own parameter: the output is a view of chunk memory."""
+
+    def __init__(self, seq, hidden):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(seq, hidden) * 0.02)
+
+    def forward(self, t):
+        return self.table[:t]
+
+
+class Odd(torch.nn.Module):
+    """Modules the adapter must not trip on: an in-place ReLU on a Linear's output, a module
+    returning a view of its parameter, a parameter no step ever reaches."""
+
+    def __init__(self, vocab=64, hidden=32, seq=16):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.positions = Positions(seq, hidden)
+        self.fc = torch.nn.Linear(hidden, hidden)
+        self.act = torch.nn.ReLU(inplace=True)
+        self.out = torch.nn.Linear(hidden, vocab)
+        self.unused = torch.nn.Linear(hidden, hidden)
+
+    def forward(self, tokens, targets):
+        x = self.embed(tokens) + self.positions(tokens.shape[1])
+        logits = self.out(self.act(self.fc(x)))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def test_in_place_outputs_parameter_views_and_unused_parameters_match_torch(tmp_path):
+    torch.manual_seed(0)
+    model = Odd()
+    reference = copy.deepcopy(model)
+    unused = model.unused.weight.detach().clone()
+    # A device of two chunks: the positions' chunk is gone before their output is used.
+    engine = strata.initialize(model, three_tiers(tmp_path, device={"budget": "32KiB"}, chunk={"size_elems": 2048}))
+    data = batches(6)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+    # torch.optim leaves a parameter without a gradient alone (no decay, no moments): so does strata.
+    assert torch.equal(engine.state_dict()["unused.weight"], unused)
+
+
+def test_training_in_eval_mode_matches_torch(tmp_path):
+    model, reference = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path)).eval()
+    data = batches(4)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference.eval(), data))) <= 1e-5
+
+
+def test_an_exception_in_forward_leaves_nothing_behind(tmp_path):
+    model, reference = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    data = batches(4)
+
+    def fail(module, args):
+        raise KeyError("from a user hook")
+    handle = model.blocks[1].ln2.register_forward_pre_hook(fail)
+    with pytest.raises(KeyError):
+        engine(data[0][:, :-1], data[0][:, 1:])
+    handle.remove()
+    assert all(p.numel() == 0 for p in model.parameters())  # nothing left pinned
+    # No saved-tensor hook of strata's is left on: another model's forward and backward are its own.
+    other = torch.nn.Linear(4, 4)
+    other(torch.randn(2, 4)).sum().backward()
+    assert engine._saved_bytes == 0
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+
+
+def test_a_configuration_refused_at_initialize_leaves_the_model_as_it_was(tmp_path):
+    model, _ = pair()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    config = three_tiers(tmp_path, placement={"policy": "static", "device_params": 1.0}, host={"budget": "4MiB"})
+    with pytest.raises(ValueError, match="placement.device_params"):
+        strata.initialize(model, config)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+
+
+def test_an_engine_is_freed_with_its_model(tmp_path):
+    import gc
+    import weakref
+    model, _ = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    strata_losses(engine, batches(2))
+    alive = weakref.ref(engine)
+    del engine, model
+    gc.collect()
+    assert alive() is None
+
+
+def test_a_released_access_is_an_empty_buffer(tmp_path):
+    model, _ = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    access = engine.engine.access_chunk(0, "host")
+    assert memoryview(access).nbytes == access.size_bytes > 0
+    access.release()
+    assert memoryview(access).nbytes == 0
+    with pytest.raises(ValueError):
+        torch.frombuffer(access, dtype=torch.float32, count=4)

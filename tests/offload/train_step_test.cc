@@ -167,3 +167,33 @@ TEST(TrainStepTest, InfiniteGradientsSkipTheUpdateButStillZeroTheGrads) {
 
 }  // namespace
 }  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+TEST(TrainStepTest, SkippedTensorsAreLeftAsTheyAreAndTheOthersUpdated) {
+  Model model;
+  std::mt19937 rng(5);
+  std::vector<std::vector<float>> before(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    before[l] = Random(rng, 1.0f);
+    model.Write(l, ChunkKind::kParam, before[l]);
+    model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  }
+  std::vector<bool> skip(kLayers + 1, false);
+  skip[2] = true;
+  ASSERT_OK(model.pipeline->BeginIteration());
+  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, skip).status());
+  ASSERT_OK(model.pipeline->EndIteration());
+  for (int l = 0; l < kLayers; ++l) {
+    if (l == 2) {
+      EXPECT_EQ(model.Read(l, ChunkKind::kParam), before[l]);
+      EXPECT_EQ(model.Read(l, ChunkKind::kExpAvg), std::vector<float>(kChunkElems, 0.0f));
+    } else {
+      EXPECT_NE(model.Read(l, ChunkKind::kParam), before[l]) << "layer " << l;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::offload
