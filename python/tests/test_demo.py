@@ -30,3 +30,25 @@ def test_demo_short_run_writes_its_report(tmp_path):
     for image in ("memory.png", "loss.png"):
         assert (out / image).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "strata / PyTorch" in run.stdout
+
+
+def test_demo_starts_from_a_saved_state_dict(tmp_path):
+    import torch
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt import GPT
+    torch.manual_seed(123)
+    state = GPT(vocab=256, hidden=64, layers=2, heads=2, seq=32).state_dict()  # the --short shape
+    for value in state.values():
+        value.mul_(0.5)
+    torch.save(state, tmp_path / "init.pt")
+    losses = []
+    for extra in ([], ["--init", str(tmp_path / "init.pt")]):
+        out = tmp_path / ("init" if extra else "fresh")
+        run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune.py"), "--short",
+                              "--no-progress", "--out", str(out)] + extra, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stdout + run.stderr
+        report = json.loads((out / "report.json").read_text())
+        losses.append(report["loss"])
+        # The plain PyTorch run starts from the same weights.
+        assert abs(report["loss"][0] - report["baseline_loss"][0]) <= 1e-5 * report["baseline_loss"][0]
+    assert losses[0][0] != losses[1][0]
