@@ -282,7 +282,7 @@ class TrainingEngine:
     # --- the public API ----------------------------------------------------
 
     def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)  # an exception in it is cleaned up by the root hooks' _recover
+        return self.module(*args, **kwargs)
 
     def train(self, mode=True):
         self.module.train(mode)
@@ -301,6 +301,7 @@ class TrainingEngine:
             (loss if scale == 1.0 else loss * scale).backward()
         except BaseException as error:
             self._recover()
+            self._end_backward()
             self._broken = f"a backward failed part way ({type(error).__name__}: {error}); the gradients are partial"
             raise
         self._end_backward()
@@ -355,14 +356,10 @@ class TrainingEngine:
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
         out = {}
         for chunk in self._chunks:
-            tier = self._engine.chunk_tier(chunk["id"]) or self._engine_home(chunk)
+            tier = self._engine.chunk_tier(chunk["id"]) or chunk["home"]  # home: no payload yet
             kinds = out.setdefault(chunk["kind"], {})
             kinds[tier] = kinds.get(tier, 0) + chunk["size_bytes"]
         return out
-
-    @staticmethod
-    def _engine_home(chunk):
-        return chunk["home"]
 
     def state_dict(self, master=False):
         """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16).
@@ -380,9 +377,6 @@ class TrainingEngine:
             view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
             out[record.name] = view.clone().reshape(record.shape)
         return out
-
-    def parameters_of(self, name):
-        return self.state_dict()[name]
 
     @property
     def engine(self):
