@@ -35,7 +35,8 @@ class Block(torch.nn.Module):
 class GPT(torch.nn.Module):
     """A decoder with tied input/output embeddings and a position table held by the root itself.
 
-    `checkpoint`: recompute each block in backward (torch.utils.checkpoint).
+    `checkpoint`: recompute each block in backward (torch.utils.checkpoint): True for the
+    reentrant form, "non_reentrant" for the other.
     """
 
     def __init__(self, vocab=256, hidden=384, layers=8, heads=6, seq=128, checkpoint=False):
@@ -53,7 +54,7 @@ class GPT(torch.nn.Module):
         x = self.wte(tokens) + self.wpe[: tokens.shape[1]]
         for block in self.blocks:
             if self.checkpoint and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x)
+                x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=self.checkpoint != "non_reentrant")
             else:
                 x = block(x)
         logits = self.head(self.ln_f(x))

@@ -153,8 +153,9 @@ def test_gradient_accumulation_matches_torch(tmp_path):
     assert max(relative_errors(ours, torch_losses(reference, data, accumulation=4))) <= 1e-5
 
 
-def test_activation_checkpointing_matches_torch(tmp_path):
-    model, reference = pair(checkpoint=True)
+@pytest.mark.parametrize("checkpoint", [True, "non_reentrant"])
+def test_activation_checkpointing_matches_torch(tmp_path, checkpoint):
+    model, reference = pair(checkpoint=checkpoint)
     engine = strata.initialize(model, three_tiers(tmp_path))
     data = batches(6)
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
@@ -407,3 +408,47 @@ def test_a_released_access_is_an_empty_buffer(tmp_path):
     assert memoryview(access).nbytes == 0
     with pytest.raises(ValueError):
         torch.frombuffer(access, dtype=torch.float32, count=4)
+
+
+class Fit(torch.nn.Module):
+    """Elementwise only: what torch 1.13 computes in fp16 on a CPU."""
+
+    def __init__(self, n=4096):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(n))
+
+    def forward(self, x, t):
+        return ((x * self.w - t) ** 2).float().mean()
+
+
+def test_fp16_with_dynamic_loss_scaling_skips_overflowing_steps_then_trains(tmp_path):
+    torch.manual_seed(0)
+    target = torch.randn(4096)
+    inputs = [torch.randn(4096) for _ in range(30)]
+    model = Fit()
+    reference = copy.deepcopy(model)
+    config = three_tiers(tmp_path, precision="fp16", optimizer={"type": "adamw", "lr": 0.05, "weight_decay": 0.0},
+                         loss_scale={"init": 2.0 ** 40, "max": 2.0 ** 40, "growth_interval": 1000})
+    engine = strata.initialize(model, config)
+    opt = torch.optim.AdamW(reference.parameters(), lr=0.05, weight_decay=0.0)
+    skipped, ours, theirs = 0, [], []
+    for x in inputs:
+        loss = engine(x.half(), (x * target).half())
+        engine.backward(loss)  # scaled by 2^40 at first: the fp16 gradients overflow
+        engine.step()
+        last = engine.stats()["last_step"]
+        if last["skipped"]:
+            skipped += 1
+            assert torch.equal(engine.state_dict(master=True)["w"], reference.w.detach())  # nothing moved
+            continue
+        ours.append(loss.item())
+        ref = reference(x, x * target)
+        ref.backward()
+        opt.step()
+        opt.zero_grad()
+        theirs.append(ref.item())
+    assert skipped >= 1 and engine.stats()["loss_scale"] < 2.0 ** 40  # backed off
+    assert engine.stats()["steps"] == len(inputs) - skipped
+    # The good steps follow fp32 training: fp16 keeps 11 significant bits.
+    assert max(relative_errors(ours, theirs)) <= 1e-2, (ours, theirs)
+    assert ours[-1] < 0.8 * ours[0]
