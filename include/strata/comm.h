@@ -1,0 +1,69 @@
+// The communicator seam: the collectives data parallelism needs, over one
+// group of ranks.
+//
+// Implementations: an in-process loopback (ranks as threads; how tests and
+// `strata bench comm --backend loopback` run several ranks in one process),
+// and MPI over MPI_COMM_WORLD (src/comm/mpi_comm.cc, the only file that
+// includes <mpi.h>; host buffers). NCCL for GPU buffers joins them on a GPU
+// machine.
+//
+// Contract: every rank of the group calls the same collectives in the same
+// order with the same sizes. A collective that does not complete within
+// CommOptions::timeout_ms (a rank that died or never came) is Timeout on
+// every rank that waited, naming the collective and the ranks missing where
+// the backend knows them; after any failure the communicator is broken and
+// every later call is CommError at once, so that no rank hangs on a group
+// that cannot complete. Thread-safety: one thread per communicator.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/status.h"
+
+namespace strata {
+
+struct CommOptions {
+  uint32_t timeout_ms = 60'000;  // a collective waiting for its ranks
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  virtual std::string Describe() const = 0;
+
+  // `recv` (world_size * bytes_per_rank) gets rank r's `send` at r * bytes_per_rank.
+  virtual Status AllGather(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  // `send` holds world_size slices of `count_per_rank` floats; `recv` gets
+  // the sum over ranks of slice rank().
+  virtual Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) = 0;
+  // In place: every rank ends with the element-wise sum.
+  virtual Status AllReduceSum(std::span<double> values) = 0;
+  virtual Status Broadcast(void* data, size_t bytes, int root) = 0;
+  virtual Status Barrier() = 0;
+};
+
+// `world_size` communicators of one in-process group: give each to its own
+// thread. InvalidArgument for world_size < 1.
+Result<std::vector<std::unique_ptr<Communicator>>> CreateLoopbackGroup(int world_size, CommOptions options = {});
+
+// MPI_COMM_WORLD (initializing MPI with thread support if nobody has).
+// NotSupported when strata was built without MPI.
+Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options = {});
+// Whether this process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE or PMI_SIZE).
+bool LaunchedByMpi();
+
+// Checks that every rank passes the same `value` (a configuration, a model's
+// layout): InvalidArgument on every rank naming `what` and the ranks that
+// differ from rank 0, so that a mismatch is found at start, not as a hang
+// or wrong numbers later.
+Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::string_view value);
+
+}  // namespace strata

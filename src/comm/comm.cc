@@ -1,0 +1,47 @@
+// What every communicator shares: the configuration check across ranks, and
+// whether an MPI launcher started this process.
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "strata/comm.h"
+#include "strata/crc32c.h"
+
+namespace strata {
+
+bool LaunchedByMpi() {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {
+    if (std::getenv(name) != nullptr) return true;
+  }
+  return false;
+}
+
+Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::string_view value) {
+  // Each rank's (length, CRC32C) of the value: enough to tell them apart, and one small all-gather.
+  const uint64_t mine[2] = {value.size(), Crc32c(value.data(), value.size())};
+  std::vector<uint64_t> all(2 * static_cast<size_t>(comm.world_size()));
+  STRATA_RETURN_IF_ERROR(comm.AllGather(mine, all.data(), sizeof(mine)).WithContext(
+      fmt::format("checking that every rank has the same {}", what)));
+  std::vector<int> differ;
+  for (int r = 1; r < comm.world_size(); ++r) {
+    if (all[2 * r] != all[0] || all[2 * r + 1] != all[1]) differ.push_back(r);
+  }
+  if (differ.empty()) return Status::Ok();
+  return InvalidArgument("the {} of rank(s) {} differ(s) from rank 0's: every rank must start with the same {}{}", what,
+                         fmt::join(differ, ", "), what,
+                         comm.rank() == 0 || std::find(differ.begin(), differ.end(), comm.rank()) == differ.end()
+                             ? std::string()
+                             : fmt::format(" (this is rank {}: {})", comm.rank(), value));
+}
+
+#if !defined(STRATA_WITH_MPI)
+Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions) {
+  return NotSupported("MPI: strata was built without it (install libopenmpi-dev and rebuild)");
+}
+#endif
+
+}  // namespace strata

@@ -1,0 +1,173 @@
+// The in-process loopback communicator: ranks are threads sharing one group.
+//
+// Each collective is two barriers. At the first, every rank leaves the
+// addresses of its buffers; once all are there, each rank computes its own
+// result from the others' buffers into a private copy. At the second, every
+// rank has finished reading, so each writes its result where it asked (which
+// may be its own send buffer: in-place collectives work). A rank that does
+// not arrive within the timeout makes the collective Timeout on the ranks
+// that waited, naming the missing ranks, and breaks the group.
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "strata/comm.h"
+
+namespace strata {
+namespace {
+
+struct Group {
+  Group(int world_size, CommOptions comm_options)
+      : world(world_size), options(comm_options), sends(world_size), present(world_size) {}
+
+  const int world;
+  const CommOptions options;
+  std::mutex mu;
+  std::condition_variable cv;
+  uint64_t generation = 0;  // collectives completed
+  int arrived = 0;
+  int departed = 0;
+  std::string op;            // the collective this generation runs, and its size
+  size_t bytes = 0;
+  std::vector<const std::byte*> sends;
+  std::vector<bool> present;
+  std::string broken;        // why the group cannot go on (empty: it can)
+};
+
+class LoopbackCommunicator final : public Communicator {
+ public:
+  LoopbackCommunicator(std::shared_ptr<Group> group, int rank) : group_(std::move(group)), rank_(rank) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return group_->world; }
+  std::string Describe() const override {
+    return fmt::format("loopback, rank {} of {} (threads in one process)", rank_, group_->world);
+  }
+
+  Status AllGather(const void* send, void* recv, size_t bytes_per_rank) override {
+    return Collective("all-gather", send, bytes_per_rank, recv, group_->world * bytes_per_rank,
+                      [&](const std::vector<const std::byte*>& sends, std::byte* out) {
+                        for (int r = 0; r < group_->world; ++r) {
+                          std::memcpy(out + r * bytes_per_rank, sends[r], bytes_per_rank);
+                        }
+                      });
+  }
+
+  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+    return Collective("reduce-scatter", send, group_->world * count_per_rank * sizeof(float), recv,
+                      count_per_rank * sizeof(float), [&](const std::vector<const std::byte*>& sends, std::byte* out) {
+                        float* sum = reinterpret_cast<float*>(out);
+                        std::fill(sum, sum + count_per_rank, 0.0f);
+                        for (int r = 0; r < group_->world; ++r) {  // in rank order: the same sum on every rank
+                          const float* slice = reinterpret_cast<const float*>(sends[r]) + rank_ * count_per_rank;
+                          for (size_t i = 0; i < count_per_rank; ++i) sum[i] += slice[i];
+                        }
+                      });
+  }
+
+  Status AllReduceSum(std::span<double> values) override {
+    const size_t bytes = values.size_bytes();
+    return Collective("all-reduce", values.data(), bytes, values.data(), bytes,
+                      [&](const std::vector<const std::byte*>& sends, std::byte* out) {
+                        double* sum = reinterpret_cast<double*>(out);
+                        std::fill(sum, sum + values.size(), 0.0);
+                        for (int r = 0; r < group_->world; ++r) {
+                          const double* v = reinterpret_cast<const double*>(sends[r]);
+                          for (size_t i = 0; i < values.size(); ++i) sum[i] += v[i];
+                        }
+                      });
+  }
+
+  Status Broadcast(void* data, size_t bytes, int root) override {
+    if (root < 0 || root >= group_->world) {
+      return InvalidArgument("broadcast: root {} is not a rank of this group of {}", root, group_->world);
+    }
+    return Collective(fmt::format("broadcast from {}", root), data, bytes, data, bytes,
+                      [&](const std::vector<const std::byte*>& sends, std::byte* out) {
+                        std::memcpy(out, sends[root], bytes);
+                      });
+  }
+
+  Status Barrier() override {
+    return Collective("barrier", nullptr, 0, nullptr, 0, [](const std::vector<const std::byte*>&, std::byte*) {});
+  }
+
+ private:
+  template <typename Compute>
+  Status Collective(const std::string& op, const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
+                    Compute compute) {
+    Group& g = *group_;
+    std::vector<std::byte> result(recv_bytes);
+    std::unique_lock lock(g.mu);
+    if (!g.broken.empty()) return CommError("{} on rank {}: the group is broken: {}", op, rank_, g.broken);
+    if (g.arrived == 0) {
+      g.op = op;
+      g.bytes = send_bytes;
+    } else if (g.op != op || g.bytes != send_bytes) {
+      Break(g, fmt::format("rank {} called {} of {} bytes where the others called {} of {} bytes", rank_, op,
+                           send_bytes, g.op, g.bytes));
+      return CommError("{}", g.broken);
+    }
+    g.sends[rank_] = static_cast<const std::byte*>(send);
+    g.present[rank_] = true;
+    g.arrived++;
+    const uint64_t generation = g.generation;
+    g.cv.notify_all();
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(g.options.timeout_ms);
+    if (!g.cv.wait_until(lock, deadline, [&] { return g.arrived == g.world || !g.broken.empty(); })) {
+      std::vector<int> missing;
+      for (int r = 0; r < g.world; ++r) {
+        if (!g.present[r]) missing.push_back(r);
+      }
+      Break(g, fmt::format("{} timed out after {} ms on rank {}: rank(s) {} never joined", op, g.options.timeout_ms,
+                           rank_, fmt::join(missing, ", ")));
+      return Timeout("{}", g.broken);
+    }
+    if (!g.broken.empty()) return CommError("{} on rank {}: {}", op, rank_, g.broken);
+    lock.unlock();
+    compute(g.sends, result.data());  // the others' buffers stay untouched until everyone departs
+    lock.lock();
+    g.departed++;
+    if (g.departed == g.world) {
+      g.arrived = g.departed = 0;
+      std::fill(g.present.begin(), g.present.end(), false);
+      g.generation++;
+      g.cv.notify_all();
+    } else if (!g.cv.wait_until(lock, deadline, [&] { return g.generation != generation || !g.broken.empty(); })) {
+      Break(g, fmt::format("{} timed out after {} ms on rank {} while the others read its buffers", op,
+                           g.options.timeout_ms, rank_));
+      return Timeout("{}", g.broken);
+    }
+    if (g.generation == generation) return CommError("{} on rank {}: {}", op, rank_, g.broken);
+    lock.unlock();
+    if (recv_bytes > 0) std::memcpy(recv, result.data(), recv_bytes);
+    return Status::Ok();
+  }
+
+  static void Break(Group& g, std::string why) {
+    if (g.broken.empty()) g.broken = std::move(why);
+    g.cv.notify_all();
+  }
+
+  std::shared_ptr<Group> group_;
+  const int rank_;
+};
+
+}  // namespace
+
+Result<std::vector<std::unique_ptr<Communicator>>> CreateLoopbackGroup(int world_size, CommOptions options) {
+  if (world_size < 1) return InvalidArgument("loopback group: world size {} must be >= 1", world_size);
+  if (options.timeout_ms == 0) return InvalidArgument("loopback group: timeout_ms must be > 0");
+  auto group = std::make_shared<Group>(world_size, options);
+  std::vector<std::unique_ptr<Communicator>> ranks;
+  for (int r = 0; r < world_size; ++r) ranks.push_back(std::make_unique<LoopbackCommunicator>(group, r));
+  return ranks;
+}
+
+}  // namespace strata

@@ -1,0 +1,144 @@
+// The MPI communicator over MPI_COMM_WORLD, host buffers.
+//
+// Every collective is the non-blocking MPI call polled with MPI_Test until
+// it completes or the timeout passes, so a rank that died or never came is a
+// Timeout here, not a hang (MPI has no way to cancel a collective: the
+// communicator is broken after it, and the process should end). MPI errors
+// return (MPI_ERRORS_RETURN) and become CommError with MPI's text.
+// The C API only: OpenMPI and MPICH would pull in their deprecated C++ bindings.
+#define OMPI_SKIP_MPICXX 1
+#define MPICH_SKIP_MPICXX 1
+#include <mpi.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <limits>
+#include <thread>
+
+#include <fmt/format.h>
+
+#include "strata/comm.h"
+
+namespace strata {
+namespace {
+
+std::string MpiErrorText(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, static_cast<size_t>(length));
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(CommOptions options, int rank, int world) : options_(options), rank_(rank), world_(world) {}
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string Describe() const override {
+    char version[MPI_MAX_LIBRARY_VERSION_STRING];
+    int length = 0;
+    MPI_Get_library_version(version, &length);
+    std::string name(version, static_cast<size_t>(length));
+    if (const size_t end = name.find_first_of(",\n"); end != std::string::npos) name.resize(end);
+    return fmt::format("MPI ({}), rank {} of {}", name, rank_, world_);
+  }
+
+  Status AllGather(const void* send, void* recv, size_t bytes_per_rank) override {
+    return Run("all-gather", [&](MPI_Request* request) {
+      return MPI_Iallgather(send, Count(bytes_per_rank), MPI_BYTE, recv, Count(bytes_per_rank), MPI_BYTE,
+                            MPI_COMM_WORLD, request);
+    });
+  }
+
+  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+    return Run("reduce-scatter", [&](MPI_Request* request) {
+      return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, request);
+    });
+  }
+
+  Status AllReduceSum(std::span<double> values) override {
+    return Run("all-reduce", [&](MPI_Request* request) {
+      return MPI_Iallreduce(MPI_IN_PLACE, values.data(), Count(values.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD,
+                            request);
+    });
+  }
+
+  Status Broadcast(void* data, size_t bytes, int root) override {
+    if (root < 0 || root >= world_) return InvalidArgument("broadcast: root {} is not a rank of {}", root, world_);
+    return Run("broadcast", [&](MPI_Request* request) {
+      return MPI_Ibcast(data, Count(bytes), MPI_BYTE, root, MPI_COMM_WORLD, request);
+    });
+  }
+
+  Status Barrier() override {
+    return Run("barrier", [&](MPI_Request* request) { return MPI_Ibarrier(MPI_COMM_WORLD, request); });
+  }
+
+ private:
+  // MPI counts are ints: sizes beyond 2^31 - 1 are split by the callers (a chunk never is that large).
+  static int Count(size_t n) {
+    STRATA_CHECK(n <= static_cast<size_t>(std::numeric_limits<int>::max()), "MPI message of {} elements", n);
+    return static_cast<int>(n);
+  }
+
+  template <typename Start>
+  Status Run(const char* op, Start start) {
+    if (!broken_.empty()) return CommError("MPI {} on rank {}: the communicator is broken: {}", op, rank_, broken_);
+    MPI_Request request = MPI_REQUEST_NULL;
+    if (const int code = start(&request); code != MPI_SUCCESS) {
+      broken_ = fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code));
+      return CommError("{}", broken_);
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(options_.timeout_ms);
+    auto pause = std::chrono::microseconds(1);
+    for (;;) {
+      int done = 0;
+      if (const int code = MPI_Test(&request, &done, MPI_STATUS_IGNORE); code != MPI_SUCCESS) {
+        broken_ = fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code));
+        return CommError("{}", broken_);
+      }
+      if (done) return Status::Ok();
+      if (std::chrono::steady_clock::now() > deadline) {
+        broken_ = fmt::format("MPI {} timed out after {} ms on rank {} of {}: a rank died or never joined", op,
+                              options_.timeout_ms, rank_, world_);
+        return Timeout("{}", broken_);
+      }
+      std::this_thread::sleep_for(pause);  // short at first (small messages), up to 1 ms
+      pause = std::min(pause * 2, std::chrono::microseconds(1000));
+    }
+  }
+
+  const CommOptions options_;
+  const int rank_;
+  const int world_;
+  std::string broken_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options) {
+  if (options.timeout_ms == 0) return InvalidArgument("MPI communicator: timeout_ms must be > 0");
+  int initialized = 0;
+  MPI_Initialized(&initialized);
+  if (!initialized) {
+    int provided = 0;
+    if (const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided); code != MPI_SUCCESS) {
+      return CommError("MPI_Init_thread: {}", MpiErrorText(code));
+    }
+    // Finalized at exit, after every communicator is gone.
+    std::atexit([] {
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (!finalized) MPI_Finalize();
+    });
+  }
+  MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+  int rank = 0, world = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  return std::unique_ptr<Communicator>(std::make_unique<MpiCommunicator>(options, rank, world));
+}
+
+}  // namespace strata
