@@ -20,6 +20,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "benchmarks/comm_bench.h"
 #include "benchmarks/io_bench.h"
 #include "benchmarks/optim_bench.h"
 #include "benchmarks/replay_bench.h"
@@ -168,6 +169,27 @@ int RunBenchIo(const BenchIoFlags& flags) {
   strata::Status written = WriteJsonFile(flags.json_path, strata::bench::IoBenchJson(*report));
   if (!written.ok()) return Fail(written);
   return 0;
+}
+
+struct BenchCommFlags {
+  strata::bench::CommBenchConfig config;
+  std::vector<std::string> sizes = {"1MiB", "4MiB", "16MiB"};
+  std::string json_path;
+};
+
+int RunBenchComm(BenchCommFlags flags) {
+  flags.config.sizes.clear();
+  for (const std::string& text : flags.sizes) {
+    strata::Result<size_t> size = strata::ParseSize(text);
+    if (!size.ok()) return Fail(strata::InvalidArgument("--sizes: {}", size.status().message()));
+    flags.config.sizes.push_back(*size);
+  }
+  strata::Result<strata::bench::CommBenchReport> report = strata::bench::RunCommBench(flags.config);
+  if (!report.ok()) return Fail(report.status());
+  if (report->rank != 0) return 0;  // under mpirun: rank 0 reports
+  std::fputs(strata::bench::FormatCommBench(*report).c_str(), stdout);
+  strata::Status written = WriteJsonFile(flags.json_path, strata::bench::CommBenchJson(*report));
+  return written.ok() ? 0 : Fail(written);
 }
 
 struct BenchOptimFlags {
@@ -335,6 +357,19 @@ int main(int argc, char** argv) {
                                "with --dest device: auto, cuda or emulated (device.backend)")->capture_default_str();
   bench_io_command->add_option("--json", bench_io.json_path, "also write the results as JSON to this file");
 
+  BenchCommFlags bench_comm;
+  CLI::App* bench_comm_command = bench_command->add_subcommand(
+      "comm", "all-gather and reduce-scatter of chunk-sized messages against the backend's raw collectives");
+  bench_comm_command->add_option("--backend", bench_comm.config.backend, "auto (mpi under mpirun, else loopback), loopback or mpi")
+      ->capture_default_str();
+  bench_comm_command->add_option("--ranks", bench_comm.config.ranks, "loopback: ranks (threads)")->capture_default_str();
+  bench_comm_command->add_option("--sizes", bench_comm.sizes, "whole-chunk sizes (fp32), comma separated")
+      ->delimiter(',')
+      ->capture_default_str();
+  bench_comm_command->add_option("--iterations", bench_comm.config.iterations, "timed calls per figure")
+      ->capture_default_str();
+  bench_comm_command->add_option("--json", bench_comm.json_path, "also write the results as JSON to this file");
+
   BenchOptimFlags bench_optim;
   CLI::App* bench_optim_command = bench_command->add_subcommand(
       "optim", "CPU AdamW step against the memory-bandwidth bound, or with its states streamed from NVMe");
@@ -446,6 +481,7 @@ int main(int argc, char** argv) {
   if (options_command->parsed()) return RunOptions(options_flags);
   if (selftest_command->parsed()) return RunSelftestCommand(selftest_flags, selftest, nvme_dir, json_path);
   if (bench_io_command->parsed()) return RunBenchIo(bench_io);
+  if (bench_comm_command->parsed()) return RunBenchComm(bench_comm);
   if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
   if (bench_replay_command->parsed()) return RunBenchReplay(bench_replay);
   if (plan_command->parsed()) return RunPlan(plan_flags);

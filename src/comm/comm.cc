@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "src/comm/raw_collectives.h"
 #include "strata/comm.h"
 #include "strata/crc32c.h"
 
@@ -42,6 +43,10 @@ Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::strin
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions) {
   return NotSupported("MPI: strata was built without it (install libopenmpi-dev and rebuild)");
 }
+namespace comm {
+Status MpiRawAllGather(const void*, void*, size_t) { return NotSupported("MPI: strata was built without it"); }
+Status MpiRawReduceScatterSum(const float*, float*, size_t) { return NotSupported("MPI: strata was built without it"); }
+}  // namespace comm
 #endif
 
 }  // namespace strata

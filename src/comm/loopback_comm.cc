@@ -2,15 +2,16 @@
 //
 // Each collective is two barriers. At the first, every rank leaves the
 // addresses of its buffers; once all are there, each rank computes its own
-// result from the others' buffers into a private copy. At the second, every
-// rank has finished reading, so each writes its result where it asked (which
-// may be its own send buffer: in-place collectives work). A rank that does
+// result from the others' buffers, into its receive buffer, or into a
+// private copy when that is some rank's send buffer (in place). At the
+// second, every rank has finished reading, and the copies are written back. A rank that does
 // not arrive within the timeout makes the collective Timeout on the ranks
 // that waited, naming the missing ranks, and breaks the group.
 #include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <vector>
 
@@ -103,7 +104,6 @@ class LoopbackCommunicator final : public Communicator {
   Status Collective(const std::string& op, const void* send, size_t send_bytes, void* recv, size_t recv_bytes,
                     Compute compute) {
     Group& g = *group_;
-    std::vector<std::byte> result(recv_bytes);
     std::unique_lock lock(g.mu);
     if (!g.broken.empty()) return CommError("{} on rank {}: the group is broken: {}", op, rank_, g.broken);
     if (g.arrived == 0) {
@@ -131,7 +131,19 @@ class LoopbackCommunicator final : public Communicator {
     }
     if (!g.broken.empty()) return CommError("{} on rank {}: {}", op, rank_, g.broken);
     lock.unlock();
-    compute(g.sends, result.data());  // the others' buffers stay untouched until everyone departs
+    // The others' buffers stay untouched until everyone departs: the result
+    // goes straight into `recv` unless `recv` is some rank's send buffer (in
+    // place), where it waits in a copy until then.
+    std::byte* out = static_cast<std::byte*>(recv);
+    std::unique_ptr<std::byte[]> copy;
+    const auto overlaps = [&](const std::byte* s) {
+      return s != nullptr && recv_bytes > 0 && s < out + recv_bytes && out < s + std::max<size_t>(send_bytes, 1);
+    };
+    if (std::any_of(g.sends.begin(), g.sends.end(), overlaps)) {
+      copy.reset(new std::byte[recv_bytes]);
+      out = copy.get();
+    }
+    compute(g.sends, out);
     lock.lock();
     g.departed++;
     if (g.departed == g.world) {
@@ -146,7 +158,7 @@ class LoopbackCommunicator final : public Communicator {
     }
     if (g.generation == generation) return CommError("{} on rank {}: {}", op, rank_, g.broken);
     lock.unlock();
-    if (recv_bytes > 0) std::memcpy(recv, result.data(), recv_bytes);
+    if (copy != nullptr && recv != nullptr) std::memcpy(recv, copy.get(), recv_bytes);
     return Status::Ok();
   }
 
