@@ -2,20 +2,25 @@
 //
 // Every collective is the non-blocking MPI call polled with MPI_Test (as
 // fast as MPI's own blocking calls poll for 100 ms, then every millisecond)
-// until it completes or the timeout passes, so a rank that died or never came is a
-// Timeout here, not a hang (MPI has no way to cancel a collective: the
-// communicator is broken after it, and the process should end). MPI errors
-// return (MPI_ERRORS_RETURN) and become CommError with MPI's text.
+// until it completes or the timeout passes, so a rank that died or never
+// came is a Timeout here, not a hang. MPI has no way to cancel a collective: the
+// communicator is broken after it, and at exit the process gives the
+// abandoned collectives two seconds to complete (a late peer) and otherwise
+// ends through MPI_Abort rather than wait in MPI_Finalize for a dead rank.
+// MPI errors return (MPI_ERRORS_RETURN) and become CommError with MPI's text.
+
 // The C API only: OpenMPI and MPICH would pull in their deprecated C++ bindings.
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
 #include <mpi.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <limits>
 #include <thread>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -24,6 +29,28 @@
 
 namespace strata {
 namespace {
+
+// What a broken communicator leaves behind for the exit: the requests of
+// collectives that timed out (a peer may be gone, so MPI_Finalize could
+// wait for ever), and whether an MPI call itself failed. At exit they are
+// given a moment to complete (a late peer); if they do not, the process ends
+// through MPI_Abort instead of hanging in MPI_Finalize.
+std::vector<MPI_Request> abandoned_requests;
+std::atomic<bool> call_failed{false};
+
+void FinalizeAtExit() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+  int done = abandoned_requests.empty() ? 1 : 0;
+  while (!done && std::chrono::steady_clock::now() < deadline) {
+    MPI_Testall(static_cast<int>(abandoned_requests.size()), abandoned_requests.data(), &done, MPI_STATUSES_IGNORE);
+    if (!done) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  if (!done || call_failed) MPI_Abort(MPI_COMM_WORLD, 1);
+  MPI_Finalize();
+}
 
 std::string MpiErrorText(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -90,7 +117,8 @@ class MpiCommunicator final : public Communicator {
     if (!broken_.empty()) return CommError("MPI {} on rank {}: the communicator is broken: {}", op, rank_, broken_);
     MPI_Request request = MPI_REQUEST_NULL;
     if (const int code = start(&request); code != MPI_SUCCESS) {
-      broken_ = fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code));
+      call_failed = true;
+      Break(fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code)));
       return CommError("{}", broken_);
     }
     const auto began = std::chrono::steady_clock::now();
@@ -98,13 +126,15 @@ class MpiCommunicator final : public Communicator {
     for (;;) {
       int done = 0;
       if (const int code = MPI_Test(&request, &done, MPI_STATUS_IGNORE); code != MPI_SUCCESS) {
-        broken_ = fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code));
+        call_failed = true;
+        Break(fmt::format("MPI {} failed on rank {}: {}", op, rank_, MpiErrorText(code)));
         return CommError("{}", broken_);
       }
       if (done) return Status::Ok();
       if (std::chrono::steady_clock::now() > deadline) {
-        broken_ = fmt::format("MPI {} timed out after {} ms on rank {} of {}: a rank died or never joined", op,
-                              options_.timeout_ms, rank_, world_);
+        abandoned_requests.push_back(request);
+        Break(fmt::format("MPI {} timed out after {} ms on rank {} of {}: a rank died or never joined", op,
+                          options_.timeout_ms, rank_, world_));
         return Timeout("{}", broken_);
       }
       // Polled as MPI's blocking calls poll for the first 100 ms (a chunk's
@@ -116,6 +146,8 @@ class MpiCommunicator final : public Communicator {
       }
     }
   }
+
+  void Break(std::string why) { broken_ = std::move(why); }
 
   const CommOptions options_;
   const int rank_;
@@ -150,12 +182,8 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options)
     if (const int code = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided); code != MPI_SUCCESS) {
       return CommError("MPI_Init_thread: {}", MpiErrorText(code));
     }
-    // Finalized at exit, after every communicator is gone.
-    std::atexit([] {
-      int finalized = 0;
-      MPI_Finalized(&finalized);
-      if (!finalized) MPI_Finalize();
-    });
+    // Finalized at exit (or aborted: see abandoned_requests).
+    std::atexit(FinalizeAtExit);
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   int rank = 0, world = 0;
