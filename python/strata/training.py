@@ -30,8 +30,9 @@ micro-batch, then the step, is one iteration of the engine's pipeline):
 - Step: gradient norm over the grad chunks, then one host moment per chunk
   group (strata's optimizer, where the group's states are), grads zeroed.
 
-Evaluation and ``torch.no_grad()`` forwards outside training pin chunks
-directly, outside the pipeline, so they do not disturb the plan.
+Forwards without autograd (``torch.no_grad()``: evaluation, generation) pin
+chunks directly, outside the pipeline, so they do not disturb the plan; an
+``eval()`` forward with autograd on is a training-like pass and goes through it.
 """
 
 import json
