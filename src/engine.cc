@@ -1,7 +1,12 @@
 #include "strata/engine.h"
 
+#include <filesystem>
 #include <optional>
+#include <string>
 #include <unordered_set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "memory/chunk_layout.h"
 #include "memory/residency.h"
@@ -22,6 +27,7 @@ struct Engine::Impl {
   std::optional<memory::ChunkLayout> layout;
   std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
   uint64_t host_staging_bytes = 0;                      // set by Finalize
+  Communicator* comm = nullptr;                         // the data-parallel group, or null
 
   Status CheckFinalized(std::string_view what) const {
     if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
@@ -50,12 +56,38 @@ Engine::~Engine() {
   impl_->device.reset();
 }
 
+namespace {
+
+// The options every rank of a group must share: all but those that name
+// this rank's own resources (its GPU, its drives) or its logging.
+std::string RankIndependentOptions(const Options& options) {
+  std::string text;
+  for (const auto& [key, value] : DescribeOptions(options)) {
+    if (key == "device.index" || key == "nvme.dirs" || key == "log.level") continue;
+    text += key + "=" + value + "\n";
+  }
+  return text;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSeams seams) {
   STRATA_RETURN_IF_ERROR(ValidateOptions(options));
   SetLogLevel(options.log_level);
   SetHugePagesEnabled(options.host_huge_pages);
   auto impl = std::make_unique<Impl>();
   impl->options = options;
+  impl->comm = seams.comm;
+  std::vector<std::string> nvme_dirs = options.nvme_dirs;
+  if (seams.comm != nullptr && seams.comm->world_size() > 1) {
+    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
+    for (std::string& dir : nvme_dirs) {
+      dir = (std::filesystem::path(dir) / fmt::format("rank{}", seams.comm->rank())).string();
+      std::error_code error;
+      std::filesystem::create_directories(dir, error);
+      if (error) return IoError("nvme.dirs: cannot create this rank's directory {}: {}", dir, error.message());
+    }
+  }
 
   if (seams.device) {
     impl->device = std::move(seams.device);
@@ -66,7 +98,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
     impl->storage = std::move(seams.storage);
   } else if (!options.nvme_dirs.empty()) {
     UringStorageOptions storage_options;
-    storage_options.dirs = options.nvme_dirs;
+    storage_options.dirs = nvme_dirs;
     storage_options.capacity_bytes = options.nvme_capacity_bytes;
     storage_options.block_size_bytes = options.nvme_block_size_bytes;
     storage_options.queue_depth = options.nvme_queue_depth;
@@ -120,6 +152,13 @@ uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; 
 Status Engine::Finalize() {
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;
+  if (impl_->comm != nullptr && impl_->comm->world_size() > 1) {
+    std::string model;
+    for (const TensorSpec& t : impl_->tensors) {
+      model += fmt::format("{}:{}:{}:{}:{};", t.name, fmt::join(t.shape, "x"), DTypeName(t.dtype), t.trainable, t.module);
+    }
+    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*impl_->comm, "registered tensors", model));
+  }
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk_size_elems, o.chunk_search_min_elems,
                                                      o.chunk_search_max_elems));
@@ -324,9 +363,10 @@ MemoryStats Engine::stats() const {
 Device& Engine::device() { return *impl_->device; }
 
 std::string Engine::DescribeBackends() const {
-  return fmt::format("device: {}; host: {} pinned; nvme: {}", impl_->device->Describe(),
+  return fmt::format("device: {}; host: {} pinned; nvme: {}{}", impl_->device->Describe(),
                      FormatSize(impl_->host_pool->usage().capacity_bytes),
-                     impl_->storage ? impl_->storage->Describe() : "none (option nvme.dirs)");
+                     impl_->storage ? impl_->storage->Describe() : "none (option nvme.dirs)",
+                     impl_->comm != nullptr ? "; " + impl_->comm->Describe() : "");
 }
 
 }  // namespace strata

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "strata/access.h"
+#include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/options.h"
 #include "strata/stats.h"
@@ -37,6 +38,15 @@ namespace strata {
 struct EngineSeams {
   std::unique_ptr<Device> device;    // null: CreateDevice(options)
   std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme_dirs (if any)
+  // The data-parallel group this engine is one rank of (borrowed: it must
+  // outlive the engine; null: a single rank). With more than one rank,
+  // Create checks that every rank has the same options (but device.index,
+  // nvme.dirs and log.level, which may differ) and Finalize that every rank
+  // registered the same tensors, each an InvalidArgument on every rank
+  // naming the ranks that differ; and each rank's NVMe files go into a
+  // subdirectory `rank<r>` of every nvme.dirs entry, so ranks sharing a
+  // drive never collide.
+  Communicator* comm = nullptr;
 };
 
 // One chunk as the API describes it.
