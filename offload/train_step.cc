@@ -8,6 +8,9 @@
 #include <optional>
 #include <vector>
 
+#include <fmt/format.h>
+
+#include "optim/half.h"
 #include "strata/buffer.h"
 
 namespace strata::offload {
@@ -50,24 +53,71 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
   return stats;
 }
 
+size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
+
+// Elements [r * shard, (r + 1) * shard) of a group of n elements are rank r's
+// to update; the last rank's range may be short or empty.
+size_t ShardElems(size_t n, int world) { return (n + world - 1) / world; }
+
+float ToFloat(const std::byte* data, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kFloat32: return reinterpret_cast<const float*>(data)[i];
+    case DType::kBFloat16: return optim::FloatFromBf16(reinterpret_cast<const uint16_t*>(data)[i]);
+    default: return optim::FloatFromFp16(reinterpret_cast<const uint16_t*>(data)[i]);
+  }
+}
+
+// Data parallel: every group's gradients, summed over the ranks by a
+// reduce-scatter and divided by their number (the mean, as DDP takes it),
+// this rank's range of each group in fp32. The norm's sum of squares is
+// this rank's part: the optimizer's all-reduce hook adds the others'.
+Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Communicator& comm,
+                                                           const std::vector<Group>& groups,
+                                                           optim::GradStats& stats) {
+  const int world = comm.world_size();
+  std::vector<std::vector<float>> shards;
+  for (const Group& g : groups) {
+    const ChunkInfo& grad = g[ChunkKind::kGrad];
+    const size_t n = UsedElems(grad), shard = ShardElems(n, world);
+    Buffer raw = AllocateAlignedHost(grad.size_bytes, 4096);
+    STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, raw.data()).WithContext("reading gradients to reduce"));
+    std::vector<float> full(shard * world, 0.0f);
+    for (size_t i = 0; i < n; ++i) full[i] = ToFloat(raw.bytes(), grad.dtype, i);
+    std::vector<float> mine(shard);
+    STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(full.data(), mine.data(), shard)
+                               .WithContext(fmt::format("reduce-scatter of the gradients of chunk {}", grad.id.value())));
+    const float mean = 1.0f / static_cast<float>(world);
+    for (float& x : mine) x *= mean;
+    const size_t lo = std::min(n, comm.rank() * shard), hi = std::min(n, lo + shard);
+    stats.Add(mine.data(), DType::kFloat32, hi - lo);
+    shards.push_back(std::move(mine));
+  }
+  return shards;
+}
+
+// Where one group's update reads its gradients: the grad chunk itself
+// (a single rank), or this rank's reduced fp32 range (data parallel).
+struct GradSource {
+  const std::byte* data = nullptr;  // element `lo` of the range updated
+  DType dtype = DType::kFloat32;
+};
+
 // Accesses group `g`'s chunks in the open host moment (into `held`),
-// updates them and zeroes the grad chunk.
+// updates elements [lo, hi) but the skipped tensors', and zeroes the grad
+// chunk. `grads`: null to read the grad chunk; else the reduced range.
 Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimizer& optimizer,
-                   const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip,
-                   std::array<ChunkAccess, kNumChunkKinds>& held) {
+                   const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip, size_t lo, size_t hi,
+                   const float* reduced, std::array<ChunkAccess, kNumChunkKinds>& held) {
   const auto access = [&](ChunkKind kind) -> Result<std::byte*> {
     STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
     return held[static_cast<int>(kind)].data();
   };
   const ChunkInfo& param = g[ChunkKind::kParam];
   const ChunkInfo& grad = g[ChunkKind::kGrad];
-  optim::ChunkTensors t;
-  t.n = param.used_bytes / DTypeSizeBytes(param.dtype);
-  t.param_dtype = param.dtype;
-  t.grad_dtype = grad.dtype;
   STRATA_ASSIGN_OR_RETURN(std::byte* grad_data, access(ChunkKind::kGrad));
-  t.grad = grad_data;
   STRATA_ASSIGN_OR_RETURN(std::byte* param_data, access(ChunkKind::kParam));
+  optim::ChunkTensors t;  // the whole chunk; parts of it are updated below
+  t.param_dtype = param.dtype;
   if (g.has(ChunkKind::kMaster)) {
     STRATA_ASSIGN_OR_RETURN(std::byte* master, access(ChunkKind::kMaster));
     t.master = reinterpret_cast<float*>(master);
@@ -80,45 +130,93 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
     STRATA_ASSIGN_OR_RETURN(std::byte* state, access(state_kinds[s]));
     t.state[s] = reinterpret_cast<float*>(state);
   }
+  // The element ranges to update: [lo, hi), less the skipped tensors.
+  std::vector<std::pair<size_t, size_t>> ranges;
   const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
   if (std::none_of(param.tensors.begin(), param.tensors.end(), skipped)) {
-    STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, t));
-  } else {  // each tensor that is not skipped on its own
+    ranges.emplace_back(lo, hi);
+  } else {
     for (size_t i = 0; i < param.tensors.size(); ++i) {
       if (skipped(param.tensors[i])) continue;
-      const uint64_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
-      optim::ChunkTensors part = t;
-      part.n = static_cast<size_t>(engine.tensors()[param.tensors[i].value()].num_elements());
-      part.master = t.master + at;
-      if (t.param != nullptr) part.param = static_cast<std::byte*>(t.param) + at * DTypeSizeBytes(t.param_dtype);
-      part.grad = static_cast<const std::byte*>(t.grad) + at * DTypeSizeBytes(t.grad_dtype);
-      for (float*& state : part.state) {
-        if (state != nullptr) state += at;
-      }
-      STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, part));
+      const size_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
+      const size_t end = at + static_cast<size_t>(engine.tensors()[param.tensors[i].value()].num_elements());
+      if (std::max(at, lo) < std::min(end, hi)) ranges.emplace_back(std::max(at, lo), std::min(end, hi));
     }
   }
+  for (const auto& [a, b] : ranges) {
+    optim::ChunkTensors part = t;
+    part.n = b - a;
+    part.master = t.master + a;
+    if (t.param != nullptr) part.param = static_cast<std::byte*>(t.param) + a * DTypeSizeBytes(t.param_dtype);
+    if (reduced != nullptr) {
+      part.grad = reduced + (a - lo);
+      part.grad_dtype = DType::kFloat32;
+    } else {
+      part.grad = grad_data + a * DTypeSizeBytes(grad.dtype);
+      part.grad_dtype = grad.dtype;
+    }
+    for (float*& state : part.state) {
+      if (state != nullptr) state += a;
+    }
+    STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, part));
+  }
   std::memset(grad_data, 0, grad.used_bytes);
+  return Status::Ok();
+}
+
+// Data parallel: every rank's updated range of the param chunk (pinned in
+// `param_data`) to every rank.
+Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param_data) {
+  const int world = comm.world_size();
+  const size_t n = UsedElems(param), shard = ShardElems(n, world), width = DTypeSizeBytes(param.dtype);
+  const size_t lo = std::min(n, comm.rank() * shard), hi = std::min(n, lo + shard);
+  std::vector<std::byte> mine(shard * width), all(shard * width * world);
+  std::memcpy(mine.data(), param_data + lo * width, (hi - lo) * width);
+  STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), shard * width)
+                             .WithContext(fmt::format("all-gather of the updated chunk {}", param.id.value())));
+  std::memcpy(param_data, all.data(), n * width);
   return Status::Ok();
 }
 
 }  // namespace
 
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip) {
+                                     const std::vector<bool>& skip, Communicator* comm) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
+  const bool parallel = comm != nullptr && comm->world_size() > 1;
   Clock::time_point start = Clock::now();
-  STRATA_ASSIGN_OR_RETURN(optim::GradStats stats, ReadGradStats(engine, groups));
+  optim::GradStats stats;
+  std::vector<std::vector<float>> reduced;
+  if (parallel) {
+    STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(engine, *comm, groups, stats));
+    optimizer.SetAllReduceHook(
+        [comm](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
+  } else {
+    STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine, groups));
+    optimizer.SetAllReduceHook(nullptr);
+  }
   STRATA_ASSIGN_OR_RETURN(report.plan, optimizer.PlanStep(stats));
   report.stats_seconds = SecondsSince(start);
 
   start = Clock::now();
-  for (const Group& g : groups) {
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const Group& g = groups[k];
+    const size_t n = UsedElems(g[ChunkKind::kParam]);
+    size_t lo = 0, hi = n;
+    if (parallel) {
+      const size_t shard = ShardElems(n, comm->world_size());
+      lo = std::min(n, comm->rank() * shard);
+      hi = std::min(n, lo + shard);
+    }
     STRATA_RETURN_IF_ERROR(pipeline.BeginHostMoment().status());
     // Released before EndMoment, so the plan's write-backs may take them.
     std::array<ChunkAccess, kNumChunkKinds> held;
-    const Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, held);
+    Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, lo, hi,
+                                 parallel ? reduced[k].data() : nullptr, held);
+    if (updated.ok() && parallel) {
+      updated = GatherParams(*comm, g[ChunkKind::kParam], held[static_cast<int>(ChunkKind::kParam)].data());
+    }
     for (ChunkAccess& a : held) a.Release();
     const Status ended = pipeline.EndMoment();
     STRATA_RETURN_IF_ERROR(updated);

@@ -23,6 +23,7 @@
 
 #include "offload/pipeline.h"
 #include "optim/optimizer.h"
+#include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/status.h"
 
@@ -39,7 +40,16 @@ struct TrainStepReport {
 // open (the caller ends it). `skip[tensor id]`: tensors left as they are
 // this step (no gradient reached them: torch.optim skips a parameter whose
 // .grad is None, its weight decay and moments included).
+//
+// With `comm` (more than one rank; every rank calls this with the same
+// layout): data parallel. Each group's gradients are reduce-scattered
+// (summed, then divided by the number of ranks: the mean), the norm's sum of
+// squares all-reduced (the optimizer's all-reduce hook), each rank updates
+// its 1/W range of every group, and the updated param chunk is all-gathered.
+// So every rank ends with the same parameters as one rank stepping the mean
+// gradient. (The states are still allocated whole on every rank; only this
+// rank's range of them is used.)
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip = {});
+                                     const std::vector<bool>& skip = {}, Communicator* comm = nullptr);
 
 }  // namespace strata::offload

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include "strata/storage.h"
@@ -73,7 +74,7 @@ struct Model {
     std::memcpy(access->data(), values.data(), values.size() * sizeof(float));
   }
   // One iteration: a device moment per layer (as backward would), then the step.
-  Result<TrainStepReport> Iteration() {
+  Result<TrainStepReport> Iteration(Communicator* comm = nullptr) {
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
     Status backward = Status::Ok();
     for (int l = kLayers - 1; l >= 0 && backward.ok(); --l) {
@@ -84,7 +85,7 @@ struct Model {
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
     }
     Result<TrainStepReport> report =
-        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer) : Result<TrainStepReport>(backward);
+        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm) : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
     STRATA_RETURN_IF_ERROR(ended);
@@ -194,6 +195,82 @@ TEST(TrainStepTest, SkippedTensorsAreLeftAsTheyAreAndTheOthersUpdated) {
     }
   }
 }
+
+}  // namespace
+}  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+// Rank r's gradient for layer l at step k (the same on every call).
+std::vector<float> RankGrad(int rank, int layer, int step) {
+  std::mt19937 rng(static_cast<uint32_t>(1000 * rank + 10 * layer + step));
+  return Random(rng, 0.1f);
+}
+
+// Two ranks (threads) with their own gradients against one rank stepping
+// their mean: the same parameters, bit for bit, on every rank.
+void RunDataParallel(double max_grad_norm, bool exact) {
+  constexpr int kWorld = 2, kSteps = 3;
+  std::mt19937 rng(11);
+  std::vector<std::vector<float>> initial(kLayers);
+  for (auto& w : initial) w = Random(rng, 1.0f);
+
+  Model single(max_grad_norm);
+  for (int l = 0; l < kLayers; ++l) single.Write(l, ChunkKind::kParam, initial[l]);
+  std::vector<double> single_norms;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> mean(kChunkElems);
+      const std::vector<float> g0 = RankGrad(0, l, step), g1 = RankGrad(1, l, step);
+      for (size_t i = 0; i < kChunkElems; ++i) mean[i] = (0.0f + g0[i] + g1[i]) * (1.0f / kWorld);
+      single.Write(l, ChunkKind::kGrad, mean);
+    }
+    ASSERT_OK_AND_ASSIGN(TrainStepReport report, single.Iteration());
+    single_norms.push_back(report.plan.grad_norm);
+  }
+
+  auto group = CreateLoopbackGroup(kWorld, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<std::vector<std::vector<float>>> params(kWorld);
+  std::vector<std::vector<double>> norms(kWorld);
+  std::vector<Status> results(kWorld, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < kWorld; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(max_grad_norm);
+      for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial[l]);
+      for (int step = 0; step < kSteps && results[r].ok(); ++step) {
+        for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
+        Result<TrainStepReport> report = rank.Iteration((*group)[r].get());
+        results[r] = report.status();
+        if (report.ok()) norms[r].push_back(report->plan.grad_norm);
+      }
+      for (int l = 0; l < kLayers; ++l) params[r].push_back(rank.Read(l, ChunkKind::kParam));
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < kWorld; ++r) ASSERT_OK(results[r]);
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<float> reference = single.Read(l, ChunkKind::kParam);
+    EXPECT_EQ(params[0][l], params[1][l]) << "layer " << l << ": the ranks disagree";
+    if (exact) {
+      EXPECT_EQ(params[0][l], reference) << "layer " << l;
+    } else {
+      for (size_t i = 0; i < kChunkElems; ++i) {
+        ASSERT_NEAR(params[0][l][i], reference[i], 1e-6f * std::max(1.0f, std::abs(reference[i]))) << l << " " << i;
+      }
+    }
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    EXPECT_EQ(norms[0][step], norms[1][step]);
+    EXPECT_NEAR(norms[0][step], single_norms[step], 1e-9 * single_norms[step]);
+  }
+}
+
+TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) { RunDataParallel(0.0, /*exact=*/true); }
+
+TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(0.5, /*exact=*/false); }
 
 }  // namespace
 }  // namespace strata::offload
