@@ -23,6 +23,7 @@
 #include "offload/train_step.h"
 #include "optim/optimizer.h"
 #include "strata/buffer.h"
+#include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/options.h"
 #include "strata/status.h"
@@ -137,10 +138,42 @@ PYBIND11_MODULE(_strata, m) {
           },
           "every key and its value, as text");
 
+  py::class_<strata::Communicator, std::unique_ptr<strata::Communicator>>(
+      m, "Communicator", "a data-parallel group's collectives (strata/comm.h)")
+      .def_property_readonly("rank", &strata::Communicator::rank)
+      .def_property_readonly("world_size", &strata::Communicator::world_size)
+      .def("describe", &strata::Communicator::Describe)
+      .def("barrier", [](strata::Communicator& c) { ThrowIfError(Unlocked([&] { return c.Barrier(); })); })
+      .def(
+          "broadcast",
+          [](strata::Communicator& c, py::buffer buffer, int root) {
+            py::buffer_info info = buffer.request(/*writable=*/true);
+            const size_t bytes = static_cast<size_t>(info.size * info.itemsize);
+            ThrowIfError(Unlocked([&] { return c.Broadcast(info.ptr, bytes, root); }));
+          },
+          py::arg("buffer"), py::arg("root") = 0, "root's bytes of `buffer` (writable) into every rank's")
+      .def(
+          "all_reduce_sum",
+          [](strata::Communicator& c, std::vector<double> values) {
+            ThrowIfError(Unlocked([&] { return c.AllReduceSum(values); }));
+            return values;
+          },
+          py::arg("values"), "the element-wise sum of `values` (a list of numbers) over the ranks");
+  m.def(
+      "mpi_communicator",
+      [](uint32_t timeout_ms) { return ValueOrThrow(strata::CreateMpiCommunicator({.timeout_ms = timeout_ms})); },
+      py::arg("timeout_ms") = 60'000, "MPI_COMM_WORLD (this process was started by mpirun)");
+  m.def("launched_by_mpi", &strata::LaunchedByMpi, "whether mpirun started this process");
+
   py::class_<strata::Engine, std::unique_ptr<strata::Engine>>(m, "Engine",
                                                                "the engine: tensors in chunks on three tiers")
-      .def(py::init([](const strata::Options& options) { return ValueOrThrow(strata::Engine::Create(options)); }),
-           py::arg("options"))
+      .def(py::init([](const strata::Options& options, strata::Communicator* comm) {
+             strata::EngineSeams seams;
+             seams.comm = comm;
+             return ValueOrThrow(strata::Engine::Create(options, std::move(seams)));
+           }),
+           py::arg("options"), py::arg("comm") = nullptr, py::keep_alive<1, 3>(),
+           "with `comm`: one rank of a data-parallel group (options and tensors checked alike on every rank)")
       .def(
           "register_tensor",
           [](strata::Engine& engine, const std::string& name, const std::vector<int64_t>& shape,
@@ -265,11 +298,11 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "train_step",
       [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer,
-         const std::vector<uint32_t>& skip_tensors) {
+         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         const strata::offload::TrainStepReport report = ValueOrThrow(
-            Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip); }));
+            Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm); }));
         py::dict d;
         d["skipped"] = report.plan.skip;
         d["step"] = report.plan.step;
@@ -281,6 +314,7 @@ PYBIND11_MODULE(_strata, m) {
         return d;
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
+      py::arg("comm") = nullptr,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are");
 

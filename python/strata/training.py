@@ -145,7 +145,12 @@ class TrainingEngine:
         self.dtype = _TORCH_DTYPES[self.precision]
         self.module = model
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
-        self._engine = _strata.Engine(self.config.options)
+        # Data parallel when mpirun started the process: each rank trains on
+        # its own batches, gradients are averaged over the ranks in step().
+        self.comm = _strata.mpi_communicator() if _strata.launched_by_mpi() else None
+        self.rank = self.comm.rank if self.comm else 0
+        self.world_size = self.comm.world_size if self.comm else 1
+        self._engine = _strata.Engine(self.config.options, self.comm)
         self._emulated = "emulated" in self._engine.describe_backends()
         # Where the model computes: the CPU for the emulated device (its memory is the host's).
         self.device = torch.device("cpu") if self._emulated else torch.device(
@@ -226,6 +231,8 @@ class TrainingEngine:
                     for record, offset, dtype in entries:
                         view = torch.frombuffer(access, dtype=dtype, count=record.numel, offset=offset)
                         view.copy_(record.param.detach().reshape(-1))
+                    if self.world_size > 1:  # every rank starts from rank 0's values
+                        self.comm.broadcast(access, 0)
                 finally:
                     access.release()
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -319,9 +326,13 @@ class TrainingEngine:
         start = time.perf_counter()
         self._synchronize()
         self._end_moment()
-        skip = [r.tensor_id for r in self._params if r.trainable and not r.stepped]
+        stepped = [float(r.stepped) for r in self._params]
+        if self.world_size > 1:  # a parameter is skipped when no rank's backward reached it
+            stepped = self.comm.all_reduce_sum(stepped)
+        skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
         try:
-            self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip)
+            self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
+                                            self.comm)
         except BaseException as error:
             self._broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk groups are "
                             "updated and others not")
