@@ -82,9 +82,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   if (seams.comm != nullptr && seams.comm->world_size() > 1) {
     STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
     for (std::string& dir : nvme_dirs) {
+      // Only the rank's own level is created: a drive that is not mounted
+      // stays an error, not a directory on whatever is below it.
+      if (!std::filesystem::is_directory(dir)) {
+        return IoError("nvme.dirs: {} is not a directory: create it (a directory on the drive) first", dir);
+      }
       dir = (std::filesystem::path(dir) / fmt::format("rank{}", seams.comm->rank())).string();
       std::error_code error;
-      std::filesystem::create_directories(dir, error);
+      std::filesystem::create_directory(dir, error);
       if (error) return IoError("nvme.dirs: cannot create this rank's directory {}: {}", dir, error.message());
     }
   }

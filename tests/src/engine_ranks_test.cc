@@ -121,3 +121,24 @@ TEST(EngineRanksTest, DifferentModelsFailFinalizeOnEveryRank) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+TEST(EngineRanksTest, AMissingNvmeDirectoryIsAnErrorNotCreatedForTheRanks) {
+  testing::ScratchDir dir("ranks-missing");
+  const std::string missing = dir.path() + "/not-mounted";
+  const std::vector<Status> results = OnTwoRanks([&](Communicator& comm) -> Status {
+    EngineSeams seams;
+    seams.comm = &comm;
+    return Engine::Create(RankOptions(missing), std::move(seams)).status();
+  });
+  for (const Status& status : results) {
+    EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+    EXPECT_NE(status.message().find("not-mounted is not a directory"), std::string::npos) << status.ToString();
+  }
+  EXPECT_FALSE(std::filesystem::exists(missing));
+}
+
+}  // namespace
+}  // namespace strata
