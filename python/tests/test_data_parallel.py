@@ -19,6 +19,7 @@ MPIRUN = shutil.which("mpirun")
 def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, world):
     steps, batch = 20, 8
     out = str(tmp_path / "rank0")
+    (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     run = subprocess.run([MPIRUN, "-np", str(world), "--oversubscribe", sys.executable,
                           os.path.join(os.path.dirname(__file__), "dp_worker.py"), out, str(tmp_path / "nvme"),
