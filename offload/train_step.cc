@@ -76,10 +76,12 @@ Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Commu
                                                            optim::GradStats& stats) {
   const int world = comm.world_size();
   std::vector<std::vector<float>> shards;
+  uint64_t largest = 0;
+  for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
+  Buffer raw = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
   for (const Group& g : groups) {
     const ChunkInfo& grad = g[ChunkKind::kGrad];
     const size_t n = UsedElems(grad), shard = ShardElems(n, world);
-    Buffer raw = AllocateAlignedHost(grad.size_bytes, 4096);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, raw.data()).WithContext("reading gradients to reduce"));
     std::vector<float> full(shard * world, 0.0f);
     for (size_t i = 0; i < n; ++i) full[i] = ToFloat(raw.bytes(), grad.dtype, i);
