@@ -59,14 +59,6 @@ size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBy
 // to update; the last rank's range may be short or empty.
 size_t ShardElems(size_t n, int world) { return (n + world - 1) / world; }
 
-float ToFloat(const std::byte* data, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return reinterpret_cast<const float*>(data)[i];
-    case DType::kBFloat16: return optim::FloatFromBf16(reinterpret_cast<const uint16_t*>(data)[i]);
-    default: return optim::FloatFromFp16(reinterpret_cast<const uint16_t*>(data)[i]);
-  }
-}
-
 // Data parallel: every group's gradients, summed over the ranks by a
 // reduce-scatter and divided by their number (the mean, as DDP takes it),
 // this rank's range of each group in fp32. The norm's sum of squares is
@@ -84,7 +76,7 @@ Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Commu
     const size_t n = UsedElems(grad), shard = ShardElems(n, world);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, raw.data()).WithContext("reading gradients to reduce"));
     std::vector<float> full(shard * world, 0.0f);
-    for (size_t i = 0; i < n; ++i) full[i] = ToFloat(raw.bytes(), grad.dtype, i);
+    for (size_t i = 0; i < n; ++i) full[i] = optim::FloatAt(raw.data(), grad.dtype, i);
     std::vector<float> mine(shard);
     STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(full.data(), mine.data(), shard)
                                .WithContext(fmt::format("reduce-scatter of the gradients of chunk {}", grad.id.value())));
@@ -97,16 +89,10 @@ Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Commu
   return shards;
 }
 
-// Where one group's update reads its gradients: the grad chunk itself
-// (a single rank), or this rank's reduced fp32 range (data parallel).
-struct GradSource {
-  const std::byte* data = nullptr;  // element `lo` of the range updated
-  DType dtype = DType::kFloat32;
-};
-
 // Accesses group `g`'s chunks in the open host moment (into `held`),
 // updates elements [lo, hi) but the skipped tensors', and zeroes the grad
-// chunk. `grads`: null to read the grad chunk; else the reduced range.
+// chunk. `reduced`: null to read the grad chunk (one rank); else this rank's
+// reduced fp32 gradients of [lo, hi) (data parallel).
 Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimizer& optimizer,
                    const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip, size_t lo, size_t hi,
                    const float* reduced, std::array<ChunkAccess, kNumChunkKinds>& held) {

@@ -10,15 +10,6 @@
 namespace strata::optim::scalar {
 namespace {
 
-float LoadGrad(const void* grad, DType dtype, size_t i) {
-  switch (dtype) {
-    case DType::kFloat32: return static_cast<const float*>(grad)[i];
-    case DType::kBFloat16: return FloatFromBf16(static_cast<const uint16_t*>(grad)[i]);
-    case DType::kFloat16: return FloatFromFp16(static_cast<const uint16_t*>(grad)[i]);
-  }
-  return 0;
-}
-
 // The compute copy of the updated master weight, when there is one.
 void StoreParam(const ChunkTensors& t, size_t i, float master) {
   if (t.param == nullptr) return;
@@ -31,7 +22,7 @@ void AdamRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, si
   float* exp_avg_sq = t.state[1];
   for (size_t i = begin; i < end; ++i) {
     // Unscale and clip; Adam (L2) adds the decay to the gradient ...
-    float grad = LoadGrad(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
+    float grad = FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
     const float weight = t.master[i];
     float m = c.beta1 * exp_avg[i] + c.one_minus_beta1 * grad;
     float v = c.beta2 * exp_avg_sq[i] + c.one_minus_beta2 * grad * grad;
@@ -54,7 +45,7 @@ void AdamRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, si
 void SgdRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
   float* buffer = t.state[0];  // null without momentum
   for (size_t i = begin; i < end; ++i) {
-    float d = LoadGrad(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
+    float d = FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
     if (buffer != nullptr) {
       float b = c.first_step ? d : c.momentum * buffer[i] + c.one_minus_dampening * d;
       buffer[i] = b;
@@ -79,7 +70,7 @@ void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t beg
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) {
   double sum = 0;
   for (size_t i = begin; i < end; ++i) {
-    const double g = LoadGrad(grad, dtype, i);
+    const double g = FloatAt(grad, dtype, i);
     sum += g * g;
   }
   return sum;

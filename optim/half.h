@@ -21,7 +21,10 @@
 
 #include <bit>
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
+
+#include "strata/types.h"
 
 namespace strata::optim {
 
@@ -78,6 +81,16 @@ inline float FloatFromFp16(uint16_t value) {
     bits = ((exponent + 112u) << 23) | (mantissa << 13);
   }
   return std::bit_cast<float>(sign | bits);
+}
+
+// Element i of an fp32, bf16 or fp16 array, in fp32 (exact).
+inline float FloatAt(const void* data, DType dtype, size_t i) {
+  switch (dtype) {
+    case DType::kFloat32: return static_cast<const float*>(data)[i];
+    case DType::kBFloat16: return FloatFromBf16(static_cast<const uint16_t*>(data)[i]);
+    case DType::kFloat16: return FloatFromFp16(static_cast<const uint16_t*>(data)[i]);
+  }
+  return 0;
 }
 
 }  // namespace strata::optim

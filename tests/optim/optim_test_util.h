@@ -34,12 +34,7 @@ struct ChunkArrays {
   }
   // The gradient as the kernels read it, in fp32.
   float grad(size_t i) const {
-    switch (grad_dtype) {
-      case DType::kFloat32: return grad32[i];
-      case DType::kBFloat16: return FloatFromBf16(grad16[i]);
-      case DType::kFloat16: return FloatFromFp16(grad16[i]);
-    }
-    return 0;
+    return FloatAt(grad_dtype == DType::kFloat32 ? static_cast<const void*>(grad32.data()) : grad16.data(), grad_dtype, i);
   }
   void set_grad(size_t i, float g) {
     if (grad_dtype == DType::kFloat32) {
