@@ -109,7 +109,7 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
   for (bool states : {false, true}) {
     for (size_t i = 0; i < chunks.size(); ++i) {
       const ChunkKind kind = chunks[i].kind;
-      if ((kind != ChunkKind::kParam && kind != ChunkKind::kGrad) != states) continue;
+      if (IsOptimizerState(kind) != states) continue;
       const uint64_t size = chunks[i].size_bytes();
       if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
         homes[i] = Tier::kHost;
@@ -135,7 +135,7 @@ HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint6
       if (!c) continue;
       largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
       const auto kind = static_cast<ChunkKind>(k);
-      if (kind != ChunkKind::kParam && kind != ChunkKind::kGrad) states += layout.chunk(*c).size_bytes();
+      if (IsOptimizerState(kind)) states += layout.chunk(*c).size_bytes();
     }
     group_states.push_back(states);
   }
@@ -149,7 +149,15 @@ HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint6
 }
 
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
-  return kind == ChunkKind::kParam || kind == ChunkKind::kGrad ? param_dtype : DType::kFloat32;
+  return IsOptimizerState(kind) ? DType::kFloat32 : param_dtype;
+}
+
+ShardRange ShardOf(uint64_t n, int rank, int world) {
+  ShardRange range;
+  range.elems = AlignElems((n + static_cast<uint64_t>(world) - 1) / static_cast<uint64_t>(world));
+  range.begin = std::min(n, static_cast<uint64_t>(rank) * range.elems);
+  range.end = std::min(n, range.begin + range.elems);
+  return range;
 }
 
 uint64_t ChunkDesc::size_bytes() const {
@@ -158,11 +166,16 @@ uint64_t ChunkDesc::size_bytes() const {
 }
 
 Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
-                                       uint64_t search_min_elems, uint64_t search_max_elems) {
+                                       uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard) {
   STRATA_RETURN_IF_ERROR(ValidateTensors(tensors));
   if (tensors.empty()) return InvalidArgument("chunk layout: no tensors registered: register at least one tensor");
+  if (shard.world < 1 || shard.rank < 0 || shard.rank >= shard.world) {
+    return InvalidArgument("chunk layout: rank {} of {} ranks is not allowed: expected 0 <= rank < world", shard.rank,
+                           shard.world);
+  }
 
   ChunkLayout layout;
+  layout.shard_ = shard;
   uint64_t tensor_elems = 0;
   for (const TensorSpec& t : tensors) tensor_elems += static_cast<uint64_t>(t.num_elements());
 
@@ -211,6 +224,13 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
       if (!exists) continue;
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, ChunkKindDType(kind, p.dtype), g,
                      p.capacity_elems, p.used_elems};
+      if (shard.world > 1 && IsOptimizerState(kind)) {
+        const ShardRange range = ShardOf(p.used_elems, shard.rank, shard.world);
+        desc.capacity_elems = range.elems;
+        desc.used_elems = range.end - range.begin;
+        desc.shard_begin_elems = range.begin;
+        desc.sharded = true;
+      }
       group.chunk_of_kind[k] = desc.id;
       layout.report_.total_bytes += desc.size_bytes();
       layout.report_.chunks_of_kind[k]++;

@@ -10,6 +10,12 @@
 // time: grad (param dtype), master (fp32, only when the param dtype is not
 // fp32), exp_avg and exp_avg_sq (fp32). Frozen tensors get param chunks only.
 //
+// Data parallel (a ShardSpec of more than one rank): a group's master and
+// optimizer-state chunks hold only this rank's shard of the group — elements
+// ShardOf(used, rank, world) of the param chunk's element space — so each
+// rank stores 1/W of them; param and grad chunks stay whole. Every rank's
+// layout has the same chunks of the same sizes.
+//
 // The chunk size (in elements) is given, or searched between two bounds for
 // the least padding waste; sizes within one percentage point of the least
 // waste count as equal, and the largest of them wins (fewer transfers).
@@ -41,13 +47,34 @@ struct TensorPlacement {
   uint64_t num_elems = 0;
 };
 
+// Rank `rank`'s shard of a group of `n` elements shared by `world` ranks:
+// elements [begin, end). Every rank's shard is `elems` long (a multiple of
+// kTensorAlignmentElems, so shards start aligned); the last ranks' ranges
+// may be short or empty.
+struct ShardRange {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  uint64_t elems = 0;
+};
+ShardRange ShardOf(uint64_t n, int rank, int world);
+
+struct ShardSpec {
+  int rank = 0;
+  int world = 1;
+};
+
 struct ChunkDesc {
   ChunkId id;
   ChunkKind kind = ChunkKind::kParam;
   DType dtype = DType::kFloat32;
   uint32_t group = 0;
-  uint64_t capacity_elems = 0;  // chunk size, or the tensor's size for an oversized tensor
-  uint64_t used_elems = 0;      // end of the last tensor
+  uint64_t capacity_elems = 0;  // chunk size, or the tensor's size for an oversized tensor (a shard's size when sharded)
+  uint64_t used_elems = 0;      // end of the last tensor (of this rank's range when sharded)
+  // Sharded chunks: the element of the group's param-chunk space this chunk
+  // starts at (its elements are [shard_begin_elems, shard_begin_elems +
+  // used_elems) of that space); 0 for whole chunks.
+  uint64_t shard_begin_elems = 0;
+  bool sharded = false;
   uint64_t size_bytes() const;  // capacity in bytes, rounded up to the 4KiB slot alignment
 };
 
@@ -74,8 +101,9 @@ struct LayoutReport {
 class ChunkLayout {
  public:
   // chunk_size_elems == 0 searches [search_min_elems, search_max_elems].
+  // The chunk size search and the packing are the same for every shard.
   static Result<ChunkLayout> Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
-                                   uint64_t search_min_elems, uint64_t search_max_elems);
+                                   uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard = {});
 
   const std::vector<ChunkDesc>& chunks() const { return chunks_; }
   const std::vector<ChunkGroup>& groups() const { return groups_; }
@@ -85,12 +113,14 @@ class ChunkLayout {
   // when that kind does not exist for the tensor (frozen, or fp32 master).
   std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
   const LayoutReport& report() const { return report_; }
+  const ShardSpec& shard() const { return shard_; }
 
  private:
   std::vector<ChunkDesc> chunks_;
   std::vector<ChunkGroup> groups_;
   std::vector<TensorPlacement> placements_;
   LayoutReport report_;
+  ShardSpec shard_;
 };
 
 // Home tiers as the engine gives them: first the chunks compute touches

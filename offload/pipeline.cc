@@ -464,12 +464,12 @@ Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const Pipelin
     uint64_t total = 0, largest = 0;
     for (const ChunkInfo& chunk : engine.chunks()) {
       largest = std::max(largest, chunk.size_bytes);
-      if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) total += chunk.size_bytes;
+      if (!IsOptimizerState(chunk.kind)) total += chunk.size_bytes;
     }
     const uint64_t share = static_cast<uint64_t>(options.static_device_params * static_cast<double>(total));
     uint64_t kept = 0;
     for (const ChunkInfo& chunk : engine.chunks()) {
-      if (chunk.kind != ChunkKind::kParam && chunk.kind != ChunkKind::kGrad) continue;
+      if (IsOptimizerState(chunk.kind)) continue;
       if (kept + chunk.size_bytes > share) break;
       impl->kept_on_device.push_back(chunk.id);
       kept += chunk.size_bytes;

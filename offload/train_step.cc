@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 
+#include "memory/chunk_layout.h"
 #include "optim/half.h"
 #include "strata/buffer.h"
 
@@ -55,9 +56,11 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
 
 size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
 
-// Elements [r * shard, (r + 1) * shard) of a group of n elements are rank r's
-// to update; the last rank's range may be short or empty.
-size_t ShardElems(size_t n, int world) { return (n + world - 1) / world; }
+// This rank's range of a group of n elements: the range its sharded state
+// chunks hold.
+memory::ShardRange RankShard(size_t n, const Communicator& comm) {
+  return memory::ShardOf(n, comm.rank(), comm.world_size());
+}
 
 // Data parallel: every group's gradients, summed over the ranks by a
 // reduce-scatter and divided by their number (the mean, as DDP takes it),
@@ -73,51 +76,47 @@ Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Commu
   Buffer raw = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
   for (const Group& g : groups) {
     const ChunkInfo& grad = g[ChunkKind::kGrad];
-    const size_t n = UsedElems(grad), shard = ShardElems(n, world);
+    const size_t n = UsedElems(grad);
+    const memory::ShardRange range = RankShard(n, comm);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, raw.data()).WithContext("reading gradients to reduce"));
-    std::vector<float> full(shard * world, 0.0f);
+    std::vector<float> full(range.elems * world, 0.0f);
     for (size_t i = 0; i < n; ++i) full[i] = optim::FloatAt(raw.data(), grad.dtype, i);
-    std::vector<float> mine(shard);
-    STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(full.data(), mine.data(), shard)
+    std::vector<float> mine(range.elems);
+    STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(full.data(), mine.data(), range.elems)
                                .WithContext(fmt::format("reduce-scatter of the gradients of chunk {}", grad.id.value())));
     const float mean = 1.0f / static_cast<float>(world);
     for (float& x : mine) x *= mean;
-    const size_t lo = std::min(n, comm.rank() * shard), hi = std::min(n, lo + shard);
-    stats.Add(mine.data(), DType::kFloat32, hi - lo);
+    stats.Add(mine.data(), DType::kFloat32, range.end - range.begin);
     shards.push_back(std::move(mine));
   }
   return shards;
 }
 
 // Accesses group `g`'s chunks in the open host moment (into `held`),
-// updates elements [lo, hi) but the skipped tensors', and zeroes the grad
-// chunk. `reduced`: null to read the grad chunk (one rank); else this rank's
-// reduced fp32 gradients of [lo, hi) (data parallel).
+// updates elements [lo, hi) but the skipped tensors' (this rank's sharded
+// chunks hold that range), and zeroes the grad chunk. `reduced`: null to
+// read the grad chunk (one rank); else this rank's reduced fp32 gradients
+// of [lo, hi) (data parallel).
 Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimizer& optimizer,
                    const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip, size_t lo, size_t hi,
                    const float* reduced, std::array<ChunkAccess, kNumChunkKinds>& held) {
-  const auto access = [&](ChunkKind kind) -> Result<std::byte*> {
-    STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
-    return held[static_cast<int>(kind)].data();
+  for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg,
+                         ChunkKind::kExpAvgSq}) {
+    const bool used = kind == ChunkKind::kExpAvg     ? optimizer.num_states() >= 1
+                      : kind == ChunkKind::kExpAvgSq ? optimizer.num_states() >= 2
+                                                     : g.has(kind);
+    if (used) {
+      STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
+    }
+  }
+  // Element `i` of the group's whole chunk in `kind`'s chunk (a sharded
+  // chunk holds only this rank's range, which covers [lo, hi)).
+  const auto element = [&](ChunkKind kind, size_t i) {
+    const ChunkInfo& chunk = g[kind];
+    return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
   };
   const ChunkInfo& param = g[ChunkKind::kParam];
   const ChunkInfo& grad = g[ChunkKind::kGrad];
-  STRATA_ASSIGN_OR_RETURN(std::byte* grad_data, access(ChunkKind::kGrad));
-  STRATA_ASSIGN_OR_RETURN(std::byte* param_data, access(ChunkKind::kParam));
-  optim::ChunkTensors t;  // the whole chunk; parts of it are updated below
-  t.param_dtype = param.dtype;
-  if (g.has(ChunkKind::kMaster)) {
-    STRATA_ASSIGN_OR_RETURN(std::byte* master, access(ChunkKind::kMaster));
-    t.master = reinterpret_cast<float*>(master);
-    t.param = param_data;
-  } else {
-    t.master = reinterpret_cast<float*>(param_data);
-  }
-  const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
-  for (int s = 0; s < optimizer.num_states(); ++s) {
-    STRATA_ASSIGN_OR_RETURN(std::byte* state, access(state_kinds[s]));
-    t.state[s] = reinterpret_cast<float*>(state);
-  }
   // The element ranges to update: [lo, hi), less the skipped tensors.
   std::vector<std::pair<size_t, size_t>> ranges;
   const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
@@ -131,36 +130,41 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
       if (std::max(at, lo) < std::min(end, hi)) ranges.emplace_back(std::max(at, lo), std::min(end, hi));
     }
   }
+  const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
   for (const auto& [a, b] : ranges) {
-    optim::ChunkTensors part = t;
+    optim::ChunkTensors part;
     part.n = b - a;
-    part.master = t.master + a;
-    if (t.param != nullptr) part.param = static_cast<std::byte*>(t.param) + a * DTypeSizeBytes(t.param_dtype);
+    part.param_dtype = param.dtype;
+    if (g.has(ChunkKind::kMaster)) {
+      part.master = reinterpret_cast<float*>(element(ChunkKind::kMaster, a));
+      part.param = element(ChunkKind::kParam, a);
+    } else {
+      part.master = reinterpret_cast<float*>(element(ChunkKind::kParam, a));
+    }
     if (reduced != nullptr) {
       part.grad = reduced + (a - lo);
       part.grad_dtype = DType::kFloat32;
     } else {
-      part.grad = grad_data + a * DTypeSizeBytes(grad.dtype);
+      part.grad = element(ChunkKind::kGrad, a);
       part.grad_dtype = grad.dtype;
     }
-    for (float*& state : part.state) {
-      if (state != nullptr) state += a;
+    for (int k = 0; k < optimizer.num_states(); ++k) {
+      part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
     }
     STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, part));
   }
-  std::memset(grad_data, 0, grad.used_bytes);
+  std::memset(held[static_cast<int>(ChunkKind::kGrad)].data(), 0, grad.used_bytes);
   return Status::Ok();
 }
 
 // Data parallel: every rank's updated range of the param chunk (pinned in
 // `param_data`) to every rank.
 Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param_data) {
-  const int world = comm.world_size();
-  const size_t n = UsedElems(param), shard = ShardElems(n, world), width = DTypeSizeBytes(param.dtype);
-  const size_t lo = std::min(n, comm.rank() * shard), hi = std::min(n, lo + shard);
-  std::vector<std::byte> mine(shard * width), all(shard * width * world);
-  std::memcpy(mine.data(), param_data + lo * width, (hi - lo) * width);
-  STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), shard * width)
+  const size_t n = UsedElems(param), width = DTypeSizeBytes(param.dtype);
+  const memory::ShardRange range = RankShard(n, comm);
+  std::vector<std::byte> mine(range.elems * width), all(range.elems * width * comm.world_size());
+  std::memcpy(mine.data(), param_data + range.begin * width, (range.end - range.begin) * width);
+  STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), range.elems * width)
                              .WithContext(fmt::format("all-gather of the updated chunk {}", param.id.value())));
   std::memcpy(param_data, all.data(), n * width);
   return Status::Ok();
@@ -173,6 +177,14 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
   const bool parallel = comm != nullptr && comm->world_size() > 1;
+  const int world = parallel ? comm->world_size() : 1;
+  if (world != engine.world_size() || (parallel && comm->rank() != engine.rank())) {
+    return InvalidArgument(
+        "train step: the engine is rank {} of {} (its states are sharded that way) but the step was given {}: pass "
+        "the communicator the engine was created with (EngineSeams::comm)",
+        engine.rank(), engine.world_size(),
+        parallel ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
+  }
   Clock::time_point start = Clock::now();
   optim::GradStats stats;
   std::vector<std::vector<float>> reduced;
@@ -193,9 +205,9 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     const size_t n = UsedElems(g[ChunkKind::kParam]);
     size_t lo = 0, hi = n;
     if (parallel) {
-      const size_t shard = ShardElems(n, comm->world_size());
-      lo = std::min(n, comm->rank() * shard);
-      hi = std::min(n, lo + shard);
+      const memory::ShardRange range = RankShard(n, *comm);
+      lo = range.begin;
+      hi = range.end;
     }
     STRATA_RETURN_IF_ERROR(pipeline.BeginHostMoment().status());
     // Released before EndMoment, so the plan's write-backs may take them.

@@ -47,8 +47,9 @@ struct TrainStepReport {
 // squares all-reduced (the optimizer's all-reduce hook), each rank updates
 // its 1/W range of every group, and the updated param chunk is all-gathered.
 // So every rank ends with the same parameters as one rank stepping the mean
-// gradient. (The states are still allocated whole on every rank; only this
-// rank's range of them is used.)
+// gradient. Each rank's master and state chunks hold just its range
+// (memory::ShardOf). `comm` must be the engine's own (EngineSeams::comm):
+// any other (or none for a sharded engine) is InvalidArgument.
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
                                      const std::vector<bool>& skip = {}, Communicator* comm = nullptr);
 

@@ -166,7 +166,7 @@ Status Engine::Finalize() {
   }
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk_size_elems, o.chunk_search_min_elems,
-                                                     o.chunk_search_max_elems));
+                                                     o.chunk_search_max_elems, {rank(), world_size()}));
 
   // Homes: params and grads, then optimizer states; host while it has room,
   // then NVMe (memory::AssignHomes). The device tier is a cache of what
@@ -183,7 +183,7 @@ Status Engine::Finalize() {
   const bool fixed = o.placement_policy == "static";
   uint64_t state_bytes = 0, largest_state_chunk = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) continue;
+    if (!IsOptimizerState(chunk.kind)) continue;
     state_bytes += chunk.size_bytes();
     largest_state_chunk = std::max(largest_state_chunk, chunk.size_bytes());
   }
@@ -215,7 +215,7 @@ Status Engine::Finalize() {
     uint64_t host_states = 0;
     for (size_t i = 0; i < homes.size(); ++i) {
       const ChunkKind kind = layout.chunks()[i].kind;
-      if (homes[i] == Tier::kHost && kind != ChunkKind::kParam && kind != ChunkKind::kGrad) {
+      if (homes[i] == Tier::kHost && IsOptimizerState(kind)) {
         host_states += layout.chunks()[i].size_bytes();
       }
     }
@@ -265,11 +265,20 @@ Result<TensorAccess> Engine::Access(TensorId tensor, ChunkKind kind, Tier tier) 
     return InvalidArgument("tensor '{}' has no {} copy ({})", spec.name, ChunkKindName(kind),
                            spec.trainable ? "its params are fp32, so params are the master copy" : "it is frozen");
   }
-  STRATA_ASSIGN_OR_RETURN(ChunkAccess access, impl_->residency->Access(*chunk, tier));
   const memory::TensorPlacement& place = impl_->layout->placement(tensor);
-  size_t element = DTypeSizeBytes(impl_->layout->chunk(*chunk).dtype);
-  return TensorAccess(std::move(access), place.offset_elems * element, place.num_elems * element,
-                      impl_->layout->chunk(*chunk).dtype);
+  const memory::ChunkDesc& desc = impl_->layout->chunk(*chunk);
+  if (place.offset_elems < desc.shard_begin_elems ||
+      place.offset_elems + place.num_elems > desc.shard_begin_elems + desc.used_elems) {
+    return InvalidArgument(
+        "tensor '{}': its {} copy is sharded across {} ranks and rank {} holds elements [{}, {}) of chunk group {}, "
+        "not all of the tensor's [{}, {}): access the chunk (AccessChunk) for this rank's shard",
+        spec.name, ChunkKindName(kind), world_size(), rank(), desc.shard_begin_elems,
+        desc.shard_begin_elems + desc.used_elems, desc.group, place.offset_elems, place.offset_elems + place.num_elems);
+  }
+  STRATA_ASSIGN_OR_RETURN(ChunkAccess access, impl_->residency->Access(*chunk, tier));
+  size_t element = DTypeSizeBytes(desc.dtype);
+  return TensorAccess(std::move(access), (place.offset_elems - desc.shard_begin_elems) * element,
+                      place.num_elems * element, desc.dtype);
 }
 
 Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
@@ -325,6 +334,8 @@ std::optional<ChunkId> Engine::ChunkOf(TensorId tensor, ChunkKind kind) const {
 }
 
 const Options& Engine::options() const { return impl_->options; }
+int Engine::rank() const { return impl_->comm != nullptr ? impl_->comm->rank() : 0; }
+int Engine::world_size() const { return impl_->comm != nullptr ? impl_->comm->world_size() : 1; }
 const std::vector<TensorSpec>& Engine::tensors() const { return impl_->tensors; }
 
 std::vector<ChunkInfo> Engine::chunks() const {
@@ -333,7 +344,7 @@ std::vector<ChunkInfo> Engine::chunks() const {
   for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
     size_t element = DTypeSizeBytes(c.dtype);
     ChunkInfo info{c.id, c.kind, c.dtype, c.group, c.size_bytes(), c.used_elems * element,
-                   impl_->layout->groups()[c.group].tensors, {}};
+                   impl_->layout->groups()[c.group].tensors, {}, c.shard_begin_elems * element, c.sharded};
     for (TensorId tensor : info.tensors) {
       info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
     }

@@ -45,7 +45,8 @@ struct EngineSeams {
   // registered the same tensors, each an InvalidArgument on every rank
   // naming the ranks that differ; and each rank's NVMe files go into a
   // subdirectory `rank<r>` of every nvme.dirs entry, so ranks sharing a
-  // drive never collide.
+  // drive never collide. Each rank keeps only its shard (1/W) of every
+  // group's master and optimizer states (ChunkInfo::sharded).
   Communicator* comm = nullptr;
 };
 
@@ -58,7 +59,14 @@ struct ChunkInfo {
   uint64_t size_bytes = 0;    // slot size
   uint64_t used_bytes = 0;    // up to the end of its last tensor
   std::vector<TensorId> tensors;             // in layout order
-  std::vector<uint64_t> tensor_offsets_bytes;  // where each of `tensors` starts in this chunk
+  std::vector<uint64_t> tensor_offsets_bytes;  // where each of `tensors` starts in the group's whole chunk
+  // Data parallel: a master or optimizer-state chunk holds only this rank's
+  // shard of its group, bytes [shard_offset_bytes, shard_offset_bytes +
+  // used_bytes) of the whole chunk (memory::ShardOf); so a tensor's byte at
+  // o of the whole chunk is at o - shard_offset_bytes of this one. 0 and
+  // false for whole chunks.
+  uint64_t shard_offset_bytes = 0;
+  bool sharded = false;
 };
 
 struct LayoutSummary {
@@ -93,7 +101,8 @@ class Engine {
 
   // Pins `tensor`'s copy of `kind` on `tier` (device or host), moving its
   // chunk there first. A kind the tensor lacks (grad of a frozen tensor,
-  // master of an fp32 one) is InvalidArgument.
+  // master of an fp32 one), or a sharded state copy this rank holds only
+  // part of, is InvalidArgument.
   Result<TensorAccess> Access(TensorId tensor, ChunkKind kind, Tier tier);
   Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
   // Moves a chunk that is not pinned; synchronous or on a transfer worker.
@@ -113,6 +122,9 @@ class Engine {
   std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
 
   const Options& options() const;
+  // This engine's place in its data-parallel group (EngineSeams::comm); 0 of 1 alone.
+  int rank() const;
+  int world_size() const;
   const std::vector<TensorSpec>& tensors() const;
   std::vector<ChunkInfo> chunks() const;
   LayoutSummary layout() const;

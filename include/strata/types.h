@@ -40,6 +40,9 @@ Result<DType> ParseDType(std::string_view name);
 enum class ChunkKind : uint8_t { kParam, kGrad, kMaster, kExpAvg, kExpAvgSq };
 inline constexpr int kNumChunkKinds = 5;
 std::string_view ChunkKindName(ChunkKind kind);
+// Master and optimizer moments: what only the update touches (and what
+// data-parallel ranks shard), as against the params and grads compute uses.
+constexpr bool IsOptimizerState(ChunkKind kind) { return kind != ChunkKind::kParam && kind != ChunkKind::kGrad; }
 
 // Memory tiers, fastest first. Eviction moves a chunk one tier down.
 enum class Tier : uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };

@@ -153,6 +153,16 @@ PYBIND11_MODULE(_strata, m) {
           },
           py::arg("buffer"), py::arg("root") = 0, "root's bytes of `buffer` (writable) into every rank's")
       .def(
+          "all_gather",
+          [](strata::Communicator& c, py::buffer buffer) {
+            py::buffer_info info = buffer.request();
+            const size_t bytes = static_cast<size_t>(info.size * info.itemsize);
+            std::string all(bytes * static_cast<size_t>(c.world_size()), '\0');
+            ThrowIfError(Unlocked([&] { return c.AllGather(info.ptr, all.data(), bytes); }));
+            return py::bytes(all);
+          },
+          py::arg("buffer"), "every rank's `buffer` (the same size on each), in rank order, as bytes")
+      .def(
           "all_reduce_sum",
           [](strata::Communicator& c, std::vector<double> values) {
             ThrowIfError(Unlocked([&] { return c.AllReduceSum(values); }));
@@ -203,11 +213,15 @@ PYBIND11_MODULE(_strata, m) {
               for (strata::TensorId t : chunk.tensors) tensors.push_back(t.value());
               d["tensors"] = tensors;
               d["tensor_offsets"] = chunk.tensor_offsets_bytes;
+              d["sharded"] = chunk.sharded;
+              d["shard_offset"] = chunk.shard_offset_bytes;
               chunks.append(d);
             }
             return chunks;
           },
-          "after finalize: every chunk (id, kind, dtype, group, size_bytes, used_bytes, home, tensors)")
+          "after finalize: every chunk (id, kind, dtype, group, size_bytes, used_bytes, home, tensors, "
+          "tensor_offsets in the group's whole chunk; sharded and shard_offset: a data-parallel rank's master and "
+          "state chunks hold bytes [shard_offset, shard_offset + used_bytes) of it)")
       .def_property_readonly("host_staging_bytes", &strata::Engine::host_staging_bytes)
       .def(
           "access_chunk",

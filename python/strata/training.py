@@ -48,6 +48,21 @@ from .config import load_config
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+def _held_part(chunk, offset, numel, itemsize):
+    """The part of a tensor (at byte `offset` of its group's whole chunk) that `chunk` holds.
+
+    (lo, hi, at): its elements [lo, hi), found at byte `at` of the chunk; None
+    when the chunk holds none of it (a data-parallel rank's shard of the
+    masters holds only its own range of the group).
+    """
+    begin = chunk["shard_offset"]
+    lo = max(0, (begin - offset) // itemsize)
+    hi = min(numel, (begin + chunk["used_bytes"] - offset) // itemsize)
+    if hi <= lo:
+        return None
+    return lo, hi, offset + lo * itemsize - begin
+
+
 class _Param:
     """One registered parameter: where its copies live, and whether it is pinned now."""
 
@@ -163,6 +178,10 @@ class TrainingEngine:
         self._optimizer = _strata.Optimizer(self.config.options)
         self._copy_in()
         for buffer in model.buffers():
+            if self.world_size > 1:  # running statistics and the like: rank 0's too
+                values = buffer.data.to("cpu", copy=True).contiguous()
+                self._broadcast(values)
+                buffer.data = values
             buffer.data = buffer.data.to(self.device)
 
         self._held = {}            # chunk id -> [ChunkAccess, params pinned in it]
@@ -205,8 +224,9 @@ class TrainingEngine:
             self._by_param[id(p)] = record
         self._engine.finalize()
 
-        where = {}  # (tensor id, kind) -> (chunk, offset)
+        where = {}  # (tensor id, kind) -> (chunk, offset in the group's whole chunk)
         self._chunks = self._engine.chunks()
+        self._chunk_info = {chunk["id"]: chunk for chunk in self._chunks}
         for chunk in self._chunks:
             for tensor, offset in zip(chunk["tensors"], chunk["tensor_offsets"]):
                 where[(tensor, chunk["kind"])] = (chunk["id"], offset)
@@ -219,20 +239,28 @@ class TrainingEngine:
 
     def _copy_in(self):
         """Writes the model's values into their chunks (on the host) and drops the model's storage."""
-        targets = {}
+        values = []
         for record in self._params:
-            targets.setdefault(record.chunk, []).append((record, record.offset, self.dtype))
+            flat = record.param.detach().reshape(-1)
+            if self.world_size > 1:  # every rank starts from rank 0's values
+                flat = flat.to("cpu", copy=True).contiguous()
+                self._broadcast(flat)
+            values.append(flat)
+        targets = {}
+        for record, flat in zip(self._params, values):
+            targets.setdefault(record.chunk, []).append((flat, record.offset, self.dtype))
             if record.master_chunk is not None:
-                targets.setdefault(record.master_chunk, []).append((record, record.master_offset, torch.float32))
+                targets.setdefault(record.master_chunk, []).append((flat, record.master_offset, torch.float32))
         with torch.no_grad():
             for chunk, entries in targets.items():
                 access = self._engine.access_chunk(chunk, "host")
                 try:
-                    for record, offset, dtype in entries:
-                        view = torch.frombuffer(access, dtype=dtype, count=record.numel, offset=offset)
-                        view.copy_(record.param.detach().reshape(-1))
-                    if self.world_size > 1:  # every rank starts from rank 0's values
-                        self.comm.broadcast(access, 0)
+                    for flat, offset, dtype in entries:
+                        held = _held_part(self._chunk_info[chunk], offset, flat.numel(), torch.finfo(dtype).bits // 8)
+                        if held is not None:
+                            lo, hi, at = held
+                            view = torch.frombuffer(access, dtype=dtype, count=hi - lo, offset=at)
+                            view.copy_(flat[lo:hi])
                 finally:
                     access.release()
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -376,7 +404,9 @@ class TrainingEngine:
     def state_dict(self, master=False):
         """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16).
 
-        Read from wherever each chunk is, without moving it.
+        Read from wherever each chunk is, without moving it. Data parallel,
+        each rank holds a shard of the masters: master=True gathers them, so
+        every rank must call it.
         """
         copies = {}
         out = {}
@@ -385,10 +415,30 @@ class TrainingEngine:
             if master and record.master_chunk is not None:
                 chunk, offset, dtype = record.master_chunk, record.master_offset, torch.float32
             if chunk not in copies:
-                copies[chunk] = self._engine.read_chunk(chunk)
+                copies[chunk] = self._read_whole_chunk(chunk)
             view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
             out[record.name] = view.clone().reshape(record.shape)
         return out
+
+    def _read_whole_chunk(self, chunk):
+        """A chunk's bytes; a sharded chunk's gathered from every rank into the group's whole chunk."""
+        info = self._chunk_info[chunk]
+        data = self._engine.read_chunk(chunk)
+        if not info["sharded"]:
+            return data
+        # Where each rank's shard lies in the whole chunk, then the shards.
+        mine = torch.tensor([info["shard_offset"], info["used_bytes"]], dtype=torch.int64)
+        spans = torch.frombuffer(self.comm.all_gather(mine.numpy()), dtype=torch.int64).reshape(-1, 2).tolist()
+        shards = self.comm.all_gather(data)
+        whole = bytearray(max(offset + used for offset, used in spans))
+        for rank, (offset, used) in enumerate(spans):
+            start = rank * len(data)
+            whole[offset:offset + used] = shards[start:start + used]
+        return whole
+
+    def _broadcast(self, tensor):
+        """Rank 0's values of a contiguous CPU tensor into every rank's."""
+        self.comm.broadcast(tensor.view(-1).view(torch.uint8).numpy(), 0)
 
     @property
     def engine(self):

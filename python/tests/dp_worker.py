@@ -1,7 +1,9 @@
-"""One rank of the data-parallel equivalence test (run by test_data_parallel.py under mpirun).
+"""One rank of the data-parallel tests (run by test_data_parallel.py under mpirun).
 
-Trains TinyGPT with strata on this rank's share of every batch and, on rank 0,
-writes the per-step mean loss over the ranks and the final parameters.
+Trains TinyGPT with strata on this rank's share of every batch. Rank 0
+writes the per-step mean loss over the ranks, the parameters at the start
+and at the end (the fp32 masters, gathered from every rank's shard, under
+bf16), and each rank its bytes of each chunk kind.
 """
 
 import json
@@ -15,13 +17,14 @@ import strata  # noqa: E402
 from models import batches, pair  # noqa: E402
 
 
-def main(out, nvme_dir, steps, batch):
+def main(out, nvme_dir, steps, batch, precision):
     model, _ = pair()
     config = {"optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
               "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
-              "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 2048},
-              "non_model_memory": 0, "log": {"level": "error"}}
+              "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},
+              "precision": precision, "non_model_memory": 0, "log": {"level": "error"}}
     engine = strata.initialize(model, config)
+    initial = engine.state_dict(master=True)  # every rank: the masters are gathered
     share = batch // engine.world_size
     losses = []
     for tokens in batches(steps, batch=batch):
@@ -30,11 +33,15 @@ def main(out, nvme_dir, steps, batch):
         engine.backward(loss)
         engine.step()
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
+    final = engine.state_dict(master=True)
+    bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
+    with open(f"{out}.rank{engine.rank}.json", "w") as f:
+        json.dump({"bytes_of_kind": bytes_of_kind}, f)
     if engine.rank == 0:
-        torch.save(engine.state_dict(), out + ".pt")
+        torch.save({"initial": initial, "final": final}, out + ".pt")
         with open(out + ".json", "w") as f:
             json.dump({"losses": losses, "world": engine.world_size}, f)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "fp32")

@@ -64,3 +64,23 @@ def pair(seed=0, **kwargs):
 
 def relative_errors(a, b):
     return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+def mixed_precision_losses(model, data, lr=1e-2, weight_decay=0.01):
+    """The bf16 recipe in plain PyTorch: torch.optim.AdamW on fp32 masters, a bf16 copy computes."""
+    masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
+    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
+    model = model.to(torch.bfloat16)
+    losses = []
+    for tokens in data:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        losses.append(loss.item())
+        for master, p in zip(masters, model.parameters()):
+            master.grad = p.grad.float()
+            p.grad = None
+        opt.step()
+        with torch.no_grad():
+            for master, p in zip(masters, model.parameters()):
+                p.copy_(master)
+    return losses

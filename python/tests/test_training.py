@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import strata
-from models import TinyGPT, batches, pair, relative_errors, strata_losses, torch_losses
+from models import TinyGPT, batches, mixed_precision_losses, pair, relative_errors, strata_losses, torch_losses
 
 # TinyGPT's parameters take 120KiB in 2048-element chunks: the device holds
 # less than them, the host less than the optimizer states, the rest is on NVMe.
@@ -67,26 +67,6 @@ def test_adam_and_sgd_match_torch(tmp_path, kind):
     engine = strata.initialize(model, config)
     data = batches(8)
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data, optimizer=kind))) <= 1e-5
-
-
-def mixed_precision_losses(model, data, lr=1e-2, weight_decay=0.01):
-    """The bf16 recipe in plain PyTorch: torch.optim.AdamW on fp32 masters, a bf16 copy computes."""
-    masters = [p.detach().clone().float().requires_grad_() for p in model.parameters()]
-    opt = torch.optim.AdamW(masters, lr=lr, weight_decay=weight_decay)
-    model = model.to(torch.bfloat16)
-    losses = []
-    for tokens in data:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        losses.append(loss.item())
-        for master, p in zip(masters, model.parameters()):
-            master.grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        with torch.no_grad():
-            for master, p in zip(masters, model.parameters()):
-                p.copy_(master)
-    return losses
 
 
 def test_bf16_matches_the_mixed_precision_recipe_and_stays_near_fp32(tmp_path):

@@ -91,5 +91,52 @@ TEST(ChunkLayoutTest, RejectsBadTensors) {
   EXPECT_EQ(ChunkLayout::Build({T("x", {4}, "m")}, 0, 100, 10).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Shards tile [0, n) in rank order, each starting aligned, for sizes that
+// divide evenly and sizes that leave the last ranks short or empty.
+TEST(ChunkLayoutTest, ShardsTileTheGroupInRankOrder) {
+  for (uint64_t n : {1ull, 31ull, 32ull, 4096ull, 4097ull, 100000ull}) {
+    for (int world : {1, 2, 3, 4, 7}) {
+      uint64_t next = 0;
+      for (int r = 0; r < world; ++r) {
+        const ShardRange s = ShardOf(n, r, world);
+        EXPECT_EQ(s.begin, next) << n << " " << world << " " << r;
+        EXPECT_LE(s.end - s.begin, s.elems);
+        EXPECT_EQ(s.elems % kTensorAlignmentElems, 0u);
+        EXPECT_EQ(s.elems, ShardOf(n, 0, world).elems) << "every rank's shard is the same size";
+        next = s.end;
+      }
+      EXPECT_EQ(next, n) << n << " " << world;
+    }
+  }
+}
+
+// With a shard spec, the state kinds hold the rank's range (master included
+// under bf16) and the param and grad chunks stay whole; the sizes are the
+// same on every rank, so the ranks' layouts line up chunk by chunk.
+TEST(ChunkLayoutTest, ShardedLayoutKeepsTheRanksRangeOfTheStates) {
+  std::vector<TensorSpec> tensors = {T("a", {3000}, "m", DType::kBFloat16), T("b", {1000}, "m", DType::kBFloat16)};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout whole, ChunkLayout::Build(tensors, 8192, 0, 0));
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChunkLayout mine, ChunkLayout::Build(tensors, 8192, 0, 0, {r, 3}));
+    ASSERT_EQ(mine.chunks().size(), whole.chunks().size());
+    for (size_t c = 0; c < whole.chunks().size(); ++c) {
+      const ChunkDesc &full = whole.chunks()[c], &part = mine.chunks()[c];
+      if (!IsOptimizerState(full.kind)) {
+        EXPECT_FALSE(part.sharded);
+        EXPECT_EQ(part.capacity_elems, full.capacity_elems);
+        continue;
+      }
+      const ShardRange range = ShardOf(full.used_elems, r, 3);
+      EXPECT_TRUE(part.sharded);
+      EXPECT_EQ(part.capacity_elems, range.elems);
+      EXPECT_EQ(part.shard_begin_elems, range.begin);
+      EXPECT_EQ(part.used_elems, range.end - range.begin);
+    }
+    EXPECT_LT(mine.report().total_bytes, whole.report().total_bytes);
+  }
+  EXPECT_EQ(ChunkLayout::Build(tensors, 8192, 0, 0, {3, 3}).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ChunkLayout::Build(tensors, 8192, 0, 0, {0, 0}).status().code(), StatusCode::kInvalidArgument);
+}
+
 }  // namespace
 }  // namespace strata::memory

@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory/tier_pool.h"
 #include "strata/storage.h"
 #include "tests/test_util.h"
 
@@ -29,7 +30,8 @@ struct Model {
   std::unique_ptr<Pipeline> pipeline;
   std::unique_ptr<optim::Optimizer> optimizer;
 
-  explicit Model(double max_grad_norm = 0.0) {
+  // With `comm`, one rank of its group (the states sharded across them).
+  explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr) {
     Options options;
     options.device_backend = DeviceBackendKind::kEmulated;
     options.device_budget_bytes = 4 * kChunkElems * 4;
@@ -43,7 +45,7 @@ struct Model {
     auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
     faults = wrapped.get();
     options.nvme_capacity_bytes = uint64_t{64} << 20;
-    auto created = Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped)});
+    auto created = Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped), .comm = comm});
     STRATA_CHECK(created.ok(), "{}", created.status().ToString());
     engine = std::move(created).value();
     for (int l = 0; l < kLayers; ++l) {
@@ -208,10 +210,11 @@ std::vector<float> RankGrad(int rank, int layer, int step) {
   return Random(rng, 0.1f);
 }
 
-// Two ranks (threads) with their own gradients against one rank stepping
-// their mean: the same parameters, bit for bit, on every rank.
-void RunDataParallel(double max_grad_norm, bool exact) {
-  constexpr int kWorld = 2, kSteps = 3;
+// `world` ranks (threads) with their own gradients against one rank
+// stepping their mean: the same parameters on every rank, bit for bit
+// without clipping.
+void RunDataParallel(int world, double max_grad_norm, bool exact) {
+  constexpr int kSteps = 3;
   std::mt19937 rng(11);
   std::vector<std::vector<float>> initial(kLayers);
   for (auto& w : initial) w = Random(rng, 1.0f);
@@ -221,24 +224,31 @@ void RunDataParallel(double max_grad_norm, bool exact) {
   std::vector<double> single_norms;
   for (int step = 0; step < kSteps; ++step) {
     for (int l = 0; l < kLayers; ++l) {
-      std::vector<float> mean(kChunkElems);
-      const std::vector<float> g0 = RankGrad(0, l, step), g1 = RankGrad(1, l, step);
-      for (size_t i = 0; i < kChunkElems; ++i) mean[i] = (0.0f + g0[i] + g1[i]) * (1.0f / kWorld);
+      std::vector<float> sum(kChunkElems, 0.0f), mean(kChunkElems);
+      for (int r = 0; r < world; ++r) {
+        const std::vector<float> g = RankGrad(r, l, step);
+        for (size_t i = 0; i < kChunkElems; ++i) sum[i] += g[i];
+      }
+      for (size_t i = 0; i < kChunkElems; ++i) mean[i] = sum[i] * (1.0f / static_cast<float>(world));
       single.Write(l, ChunkKind::kGrad, mean);
     }
     ASSERT_OK_AND_ASSIGN(TrainStepReport report, single.Iteration());
     single_norms.push_back(report.plan.grad_norm);
   }
 
-  auto group = CreateLoopbackGroup(kWorld, {.timeout_ms = 20'000});
+  auto group = CreateLoopbackGroup(world, {.timeout_ms = 20'000});
   ASSERT_OK(group.status());
-  std::vector<std::vector<std::vector<float>>> params(kWorld);
-  std::vector<std::vector<double>> norms(kWorld);
-  std::vector<Status> results(kWorld, Status::Ok());
+  std::vector<std::vector<std::vector<float>>> params(world);
+  std::vector<std::vector<double>> norms(world);
+  std::vector<uint64_t> state_bytes(world, 0);
+  std::vector<Status> results(world, Status::Ok());
   std::vector<std::thread> threads;
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      Model rank(max_grad_norm);
+      Model rank(max_grad_norm, (*group)[r].get());
+      for (const ChunkInfo& chunk : rank.engine->chunks()) {
+        if (IsOptimizerState(chunk.kind)) state_bytes[r] += chunk.size_bytes;
+      }
       for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial[l]);
       for (int step = 0; step < kSteps && results[r].ok(); ++step) {
         for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
@@ -250,10 +260,19 @@ void RunDataParallel(double max_grad_norm, bool exact) {
     });
   }
   for (std::thread& t : threads) t.join();
-  for (int r = 0; r < kWorld; ++r) ASSERT_OK(results[r]);
+  for (int r = 0; r < world; ++r) ASSERT_OK(results[r]);
+  // Each rank holds its shard of the states: 1/W of them, up to the 4 KiB slot rounding.
+  uint64_t whole_state_bytes = 0;
+  for (const ChunkInfo& chunk : single.engine->chunks()) {
+    if (IsOptimizerState(chunk.kind)) whole_state_bytes += chunk.size_bytes;
+  }
+  for (int r = 0; r < world; ++r) {
+    EXPECT_LE(state_bytes[r], whole_state_bytes / world + 2 * kLayers * memory::kSlotAlignmentBytes) << "rank " << r;
+    EXPECT_LT(state_bytes[r], whole_state_bytes) << "rank " << r;
+  }
   for (int l = 0; l < kLayers; ++l) {
     const std::vector<float> reference = single.Read(l, ChunkKind::kParam);
-    EXPECT_EQ(params[0][l], params[1][l]) << "layer " << l << ": the ranks disagree";
+    for (int r = 1; r < world; ++r) EXPECT_EQ(params[0][l], params[r][l]) << "layer " << l << ": ranks 0 and " << r;
     if (exact) {
       EXPECT_EQ(params[0][l], reference) << "layer " << l;
     } else {
@@ -263,14 +282,44 @@ void RunDataParallel(double max_grad_norm, bool exact) {
     }
   }
   for (int step = 0; step < kSteps; ++step) {
-    EXPECT_EQ(norms[0][step], norms[1][step]);
+    for (int r = 1; r < world; ++r) EXPECT_EQ(norms[0][step], norms[r][step]);
     EXPECT_NEAR(norms[0][step], single_norms[step], 1e-9 * single_norms[step]);
   }
 }
 
-TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) { RunDataParallel(0.0, /*exact=*/true); }
+TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) {
+  RunDataParallel(2, 0.0, /*exact=*/true);
+}
 
-TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(0.5, /*exact=*/false); }
+// 4096 elements over three ranks: shards of 1376, the last one short (1344).
+TEST(TrainStepTest, ThreeRanksWithAShortLastShardStepLikeOneRank) { RunDataParallel(3, 0.0, /*exact=*/true); }
+
+TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(2, 0.5, /*exact=*/false); }
+
+// A sharded engine stepped without its communicator (or with another
+// group's) would update a range its chunks do not hold: refused up front.
+TEST(TrainStepTest, ShardedEngineNeedsItsOwnCommunicator) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> alone(2, Status::Ok()), swapped(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      alone[r] = rank.Iteration(nullptr).status();
+      swapped[r] = rank.Iteration((*group)[1 - r].get()).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(alone[r].code(), StatusCode::kInvalidArgument) << alone[r].ToString();
+    EXPECT_NE(alone[r].message().find("no communicator"), std::string::npos) << alone[r].ToString();
+    EXPECT_EQ(swapped[r].code(), StatusCode::kInvalidArgument) << swapped[r].ToString();
+  }
+  Model single;
+  Status unsharded = single.Iteration((*group)[0].get()).status();
+  EXPECT_EQ(unsharded.code(), StatusCode::kInvalidArgument) << unsharded.ToString();
+}
 
 }  // namespace
 }  // namespace strata::offload

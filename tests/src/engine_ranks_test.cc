@@ -56,22 +56,22 @@ TEST(EngineRanksTest, RanksSharingADriveKeepTheirChunksApart) {
     STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(RankOptions(dir.path()), std::move(seams)));
     STRATA_RETURN_IF_ERROR(RegisterModel(*engine, 8));
     STRATA_RETURN_IF_ERROR(engine->Finalize());
-    // Every tensor's states hold this rank's pattern; all go to NVMe and come back.
-    const float mark = 1000.0f * (comm.rank() + 1);
-    for (uint32_t t = 0; t < 8; ++t) {
-      STRATA_ASSIGN_OR_RETURN(TensorAccess a, engine->Access(TensorId(t), ChunkKind::kExpAvg, Tier::kHost));
-      float* data = static_cast<float*>(a.data());
-      for (size_t i = 0; i < a.num_elements(); ++i) data[i] = mark + static_cast<float>(t);
+    // Every chunk holds this rank's pattern; all go to NVMe and come back.
+    const auto mark = [&](const ChunkInfo& chunk) {
+      return static_cast<std::byte>(16 * comm.rank() + chunk.id.value() % 16 + 1);
+    };
+    for (const ChunkInfo& chunk : engine->chunks()) {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess a, engine->AccessChunk(chunk.id, Tier::kHost));
+      std::memset(a.data(), static_cast<int>(mark(chunk)), chunk.used_bytes);
     }
     for (const ChunkInfo& chunk : engine->chunks()) STRATA_RETURN_IF_ERROR(engine->MoveChunk(chunk.id, Tier::kNvme));
     STRATA_RETURN_IF_ERROR(comm.Barrier());  // both ranks' chunks are on the drive now
-    for (uint32_t t = 0; t < 8; ++t) {
-      STRATA_ASSIGN_OR_RETURN(TensorAccess a, engine->Access(TensorId(t), ChunkKind::kExpAvg, Tier::kHost));
-      const float* data = static_cast<const float*>(a.data());
-      for (size_t i = 0; i < a.num_elements(); ++i) {
-        if (data[i] != mark + static_cast<float>(t)) {
-          return Internal("rank {}: tensor {} element {} is {}, not its own {}", comm.rank(), t, i, data[i],
-                          mark + static_cast<float>(t));
+    for (const ChunkInfo& chunk : engine->chunks()) {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess a, engine->AccessChunk(chunk.id, Tier::kHost));
+      for (size_t i = 0; i < chunk.used_bytes; ++i) {
+        if (a.data()[i] != mark(chunk)) {
+          return Internal("rank {}: chunk {} byte {} is {}, not its own {}", comm.rank(), chunk.id.value(), i,
+                          static_cast<int>(a.data()[i]), static_cast<int>(mark(chunk)));
         }
       }
     }
@@ -83,6 +83,51 @@ TEST(EngineRanksTest, RanksSharingADriveKeepTheirChunksApart) {
   for (int r = 0; r < 2; ++r) EXPECT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].ToString();
   for (int r = 0; r < 2; ++r) {
     EXPECT_TRUE(std::filesystem::is_directory(std::filesystem::path(dir.path()) / ("rank" + std::to_string(r))));
+  }
+}
+
+// Each rank keeps half of every group's optimizer states: element ranges
+// that tile the group, in chunks half the size; params and grads whole. A
+// tensor whose state this rank holds only part of is refused by Access,
+// one it holds whole is served.
+TEST(EngineRanksTest, OptimizerStatesAreShardedAcrossTheRanks) {
+  testing::ScratchDir dir("ranks-shards");
+  std::vector<std::vector<ChunkInfo>> chunks(2);
+  const std::vector<Status> results = OnTwoRanks([&](Communicator& comm) -> Status {
+    EngineSeams seams;
+    seams.comm = &comm;
+    Options options = RankOptions(dir.path());
+    options.chunk_size_elems = 32768;  // two 128x128 layers a group: each rank's half holds one whole
+    STRATA_ASSIGN_OR_RETURN(auto engine, Engine::Create(options, std::move(seams)));
+    STRATA_RETURN_IF_ERROR(RegisterModel(*engine, 4));
+    STRATA_RETURN_IF_ERROR(engine->Finalize());
+    chunks[comm.rank()] = engine->chunks();
+    // Layer 0 is the first half of group 0, layer 1 the second.
+    const uint32_t mine = comm.rank() == 0 ? 0 : 1, theirs = 1 - mine;
+    STRATA_ASSIGN_OR_RETURN(TensorAccess held, engine->Access(TensorId(mine), ChunkKind::kExpAvg, Tier::kHost));
+    if (held.num_elements() != 128 * 128) return Internal("rank {}: {} elements", comm.rank(), held.num_elements());
+    Result<TensorAccess> other = engine->Access(TensorId(theirs), ChunkKind::kExpAvgSq, Tier::kHost);
+    if (other.ok() || other.status().code() != StatusCode::kInvalidArgument ||
+        other.status().message().find("sharded across 2 ranks") == std::string::npos) {
+      return Internal("rank {}: the other rank's tensor: {}", comm.rank(), other.status().ToString());
+    }
+    return Status::Ok();
+  });
+  for (int r = 0; r < 2; ++r) ASSERT_TRUE(results[r].ok()) << "rank " << r << ": " << results[r].ToString();
+  ASSERT_EQ(chunks[0].size(), chunks[1].size());
+  for (size_t c = 0; c < chunks[0].size(); ++c) {
+    const ChunkInfo &a = chunks[0][c], &b = chunks[1][c];
+    EXPECT_EQ(a.size_bytes, b.size_bytes) << "chunk " << c;
+    if (!IsOptimizerState(a.kind)) {
+      EXPECT_FALSE(a.sharded || b.sharded) << "chunk " << c;
+      EXPECT_EQ(a.size_bytes, 2 * 128 * 128 * 4u) << "chunk " << c;
+      continue;
+    }
+    ASSERT_TRUE(a.sharded && b.sharded) << "chunk " << c;
+    EXPECT_EQ(a.size_bytes, 128 * 128 * 4u) << "chunk " << c;
+    EXPECT_EQ(a.shard_offset_bytes, 0u);
+    EXPECT_EQ(b.shard_offset_bytes, a.used_bytes) << "chunk " << c << ": the shards tile the group";
+    EXPECT_EQ(a.used_bytes + b.used_bytes, 2 * 128 * 128 * 4u) << "chunk " << c;
   }
 }
 

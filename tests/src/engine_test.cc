@@ -84,7 +84,7 @@ Result<std::unique_ptr<Engine>> FourLayers(Options options) {
 uint64_t HomedBytes(const Engine& engine, Tier tier, bool states) {
   uint64_t bytes = 0;
   for (const ChunkInfo& c : engine.chunks()) {
-    const bool state = c.kind != ChunkKind::kParam && c.kind != ChunkKind::kGrad;
+    const bool state = IsOptimizerState(c.kind);
     if (state == states && *engine.ChunkHome(c.id) == tier) bytes += c.size_bytes;
   }
   return bytes;
