@@ -186,6 +186,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
         parallel ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
   }
   Clock::time_point start = Clock::now();
+  const uint64_t comm_bytes_before = parallel ? comm->stats().total_bytes() : 0;
   optim::GradStats stats;
   std::vector<std::vector<float>> reduced;
   if (parallel) {
@@ -224,6 +225,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     report.groups++;
   }
   report.update_seconds = SecondsSince(start);
+  if (parallel) report.comm_bytes = comm->stats().total_bytes() - comm_bytes_before;
   STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
   return report;
 }

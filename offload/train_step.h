@@ -34,6 +34,7 @@ struct TrainStepReport {
   double stats_seconds = 0;   // reading the grads for their norm
   double update_seconds = 0;  // the host moments
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
+  uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats)
 };
 
 // Needs an open pipeline iteration and no open moment; leaves the iteration

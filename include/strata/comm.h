@@ -14,6 +14,12 @@
 // the backend knows them; after any failure the communicator is broken and
 // every later call is CommError at once, so that no rank hangs on a group
 // that cannot complete. Thread-safety: one thread per communicator.
+//
+// Every communicator counts what it carried (stats()): for each collective,
+// its calls, their time, and the bytes this rank sends under the
+// bandwidth-optimal ring algorithm — (W-1)/W of the whole buffer for an
+// all-gather or a reduce-scatter, twice that for an all-reduce, the buffer
+// for a broadcast — the volume ZeRO's figures count.
 #pragma once
 
 #include <cstddef>
@@ -32,6 +38,17 @@ struct CommOptions {
   uint32_t timeout_ms = 60'000;  // a collective waiting for its ranks
 };
 
+struct CollectiveStats {
+  uint64_t calls = 0;
+  uint64_t bytes = 0;  // sent by this rank (ring algorithm)
+  double seconds = 0;
+};
+
+struct CommStats {
+  CollectiveStats all_gather, reduce_scatter, all_reduce, broadcast;
+  uint64_t total_bytes() const { return all_gather.bytes + reduce_scatter.bytes + all_reduce.bytes + broadcast.bytes; }
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -40,14 +57,25 @@ class Communicator {
   virtual std::string Describe() const = 0;
 
   // `recv` (world_size * bytes_per_rank) gets rank r's `send` at r * bytes_per_rank.
-  virtual Status AllGather(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  Status AllGather(const void* send, void* recv, size_t bytes_per_rank);
   // `send` holds world_size slices of `count_per_rank` floats; `recv` gets
   // the sum over ranks of slice rank().
-  virtual Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) = 0;
+  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank);
   // In place: every rank ends with the element-wise sum.
-  virtual Status AllReduceSum(std::span<double> values) = 0;
-  virtual Status Broadcast(void* data, size_t bytes, int root) = 0;
+  Status AllReduceSum(std::span<double> values);
+  Status Broadcast(void* data, size_t bytes, int root);
   virtual Status Barrier() = 0;
+
+  const CommStats& stats() const { return stats_; }
+
+ protected:
+  virtual Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) = 0;
+  virtual Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) = 0;
+  virtual Status DoAllReduceSum(std::span<double> values) = 0;
+  virtual Status DoBroadcast(void* data, size_t bytes, int root) = 0;
+
+ private:
+  CommStats stats_;
 };
 
 // `world_size` communicators of one in-process group: give each to its own

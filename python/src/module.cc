@@ -143,6 +143,25 @@ PYBIND11_MODULE(_strata, m) {
       .def_property_readonly("rank", &strata::Communicator::rank)
       .def_property_readonly("world_size", &strata::Communicator::world_size)
       .def("describe", &strata::Communicator::Describe)
+      .def(
+          "stats",
+          [](const strata::Communicator& c) {
+            const strata::CommStats& s = c.stats();
+            py::dict d;
+            const std::pair<const char*, const strata::CollectiveStats*> each[] = {
+                {"all_gather", &s.all_gather}, {"reduce_scatter", &s.reduce_scatter},
+                {"all_reduce", &s.all_reduce}, {"broadcast", &s.broadcast}};
+            for (const auto& [name, stats] : each) {
+              py::dict one;
+              one["calls"] = stats->calls;
+              one["bytes"] = stats->bytes;
+              one["seconds"] = stats->seconds;
+              d[name] = one;
+            }
+            d["total_bytes"] = s.total_bytes();
+            return d;
+          },
+          "what this rank's collectives carried: calls, bytes sent (ring algorithm) and seconds of each kind")
       .def("barrier", [](strata::Communicator& c) { ThrowIfError(Unlocked([&] { return c.Barrier(); })); })
       .def(
           "broadcast",
@@ -325,6 +344,7 @@ PYBIND11_MODULE(_strata, m) {
         d["stats_seconds"] = report.stats_seconds;
         d["update_seconds"] = report.update_seconds;
         d["groups"] = report.groups;
+        d["comm_bytes"] = report.comm_bytes;
         return d;
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},

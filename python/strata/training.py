@@ -354,6 +354,7 @@ class TrainingEngine:
         start = time.perf_counter()
         self._synchronize()
         self._end_moment()
+        comm_before = self.comm.stats()["total_bytes"] if self.world_size > 1 else 0
         stepped = [float(r.stepped) for r in self._params]
         if self.world_size > 1:  # a parameter is skipped when no rank's backward reached it
             stepped = self.comm.all_reduce_sum(stepped)
@@ -371,6 +372,8 @@ class TrainingEngine:
         for record in self._params:
             record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
+        if self.world_size > 1:  # the step's collectives, the unused-parameter vote included
+            self._last_step["comm_bytes"] = self.comm.stats()["total_bytes"] - comm_before
         self._micro_steps = 0
         return True
 
@@ -390,7 +393,25 @@ class TrainingEngine:
         stats["loss_scale"] = self._optimizer.loss_scale
         stats["timeline"] = list(self._last_timeline)
         stats["chunk_tiers"] = self.chunk_tiers()
+        if self.world_size > 1:
+            stats["comm"] = self.comm_stats()
         return stats
+
+    def comm_stats(self):
+        """Data parallel: what this rank's collectives carried, beside ZeRO-3's volume for this model.
+
+        Bytes are those this rank sends under the ring algorithm. ZeRO-3 sends
+        3 x the parameters in the compute dtype x (W - 1) / W a step (gathered
+        in forward and in backward, gradients reduce-scattered); strata keeps
+        parameters whole on every rank, so a step sends the gradients (fp32)
+        reduce-scattered and the updated parameters gathered once.
+        """
+        out = self.comm.stats()
+        model_bytes = sum(r.numel for r in self._params) * torch.finfo(self.dtype).bits // 8
+        out["model_bytes"] = model_bytes
+        out["zero3_bytes_per_step"] = 3 * model_bytes * (self.world_size - 1) // self.world_size
+        out["last_step_bytes"] = self._last_step.get("comm_bytes", 0)
+        return out
 
     def chunk_tiers(self):
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""

@@ -3,7 +3,7 @@
 Trains TinyGPT with strata on this rank's share of every batch. Rank 0
 writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
-bf16), and each rank its bytes of each chunk kind.
+bf16), and each rank its bytes of each chunk kind and its communication.
 """
 
 import json
@@ -36,7 +36,7 @@ def main(out, nvme_dir, steps, batch, precision):
     final = engine.state_dict(master=True)
     bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
-        json.dump({"bytes_of_kind": bytes_of_kind}, f)
+        json.dump({"bytes_of_kind": bytes_of_kind, "comm": engine.stats().get("comm")}, f)
     if engine.rank == 0:
         torch.save({"initial": initial, "final": final}, out + ".pt")
         with open(out + ".json", "w") as f:

@@ -15,7 +15,7 @@ MPIRUN = shutil.which("mpirun")
 
 
 def run_ranks(tmp_path, world, steps, batch, precision="fp32"):
-    """mpirun -np world dp_worker.py: rank 0's results, and every rank's bytes of each chunk kind."""
+    """mpirun -np world dp_worker.py: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -30,7 +30,7 @@ def run_ranks(tmp_path, world, steps, batch, precision="fp32"):
     result["ranks"] = []
     for r in range(world):
         with open(f"{out}.rank{r}.json") as f:
-            result["ranks"].append(json.load(f)["bytes_of_kind"])
+            result["ranks"].append(json.load(f))
     return result
 
 
@@ -57,9 +57,18 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, world):
     # chunks: a quarter of one is still a whole 4 KiB slot); params and grads whole.
     (tmp_path / "one").mkdir()
     alone = run_ranks(tmp_path / "one", 1, 0, batch)["ranks"][0]
+    for rank in (r["bytes_of_kind"] for r in result["ranks"]):
+        assert state_bytes(rank) <= state_bytes(alone["bytes_of_kind"]) // world, (rank, alone)
+        assert (rank["param"], rank["grad"]) == (alone["bytes_of_kind"]["param"], alone["bytes_of_kind"]["grad"])
+
+    # A step sends (W-1)/W of the fp32 gradients (reduce-scattered) and of
+    # the parameters (gathered): 2/3 of ZeRO-3's three passes over the
+    # parameters, plus shard padding and the small all-reduces.
     for rank in result["ranks"]:
-        assert state_bytes(rank) <= state_bytes(alone) // world, (rank, alone)
-        assert (rank["param"], rank["grad"]) == (alone["param"], alone["grad"])
+        comm = rank["comm"]
+        two_passes = 2 * comm["model_bytes"] * (world - 1) / world
+        assert two_passes <= comm["last_step_bytes"] <= 1.05 * two_passes, comm
+        assert comm["zero3_bytes_per_step"] == 3 * comm["model_bytes"] * (world - 1) // world
 
 
 @pytest.mark.skipif(MPIRUN is None, reason="no mpirun (OpenMPI's openmpi-bin)")
@@ -72,6 +81,6 @@ def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path):
         if name in result["initial"]:
             assert result["initial"][name].dtype == torch.float32
             assert torch.equal(result["initial"][name], value), name
-    assert all(rank["master"] < rank["param"] * 2 for rank in result["ranks"])  # half of fp32 over bf16 params
+    assert all(r["bytes_of_kind"]["master"] < r["bytes_of_kind"]["param"] * 2 for r in result["ranks"])  # half of fp32 over bf16 params
     recipe = mixed_precision_losses(reference, batches(steps, batch=batch))
     assert max(relative_errors(result["losses"], recipe)) <= 2e-3, (result["losses"], recipe)

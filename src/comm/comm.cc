@@ -1,6 +1,7 @@
 // What every communicator shares: the configuration check across ranks, and
 // whether an MPI launcher started this process.
 #include <algorithm>
+#include <chrono>
 #include <cstdlib>
 #include <string>
 #include <vector>
@@ -13,6 +14,40 @@
 #include "strata/crc32c.h"
 
 namespace strata {
+
+namespace {
+
+// Times `call` and counts it (and `bytes`, what this rank sends) in `into`.
+template <typename Call>
+Status Counted(CollectiveStats& into, uint64_t bytes, Call&& call) {
+  const auto start = std::chrono::steady_clock::now();
+  Status status = call();
+  into.calls++;
+  into.bytes += bytes;
+  into.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return status;
+}
+
+}  // namespace
+
+Status Communicator::AllGather(const void* send, void* recv, size_t bytes_per_rank) {
+  const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * bytes_per_rank;
+  return Counted(stats_.all_gather, bytes, [&] { return DoAllGather(send, recv, bytes_per_rank); });
+}
+
+Status Communicator::ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
+  const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * count_per_rank * sizeof(float);
+  return Counted(stats_.reduce_scatter, bytes, [&] { return DoReduceScatterSum(send, recv, count_per_rank); });
+}
+
+Status Communicator::AllReduceSum(std::span<double> values) {
+  const uint64_t bytes = 2 * static_cast<uint64_t>(world_size() - 1) * values.size_bytes() / world_size();
+  return Counted(stats_.all_reduce, bytes, [&] { return DoAllReduceSum(values); });
+}
+
+Status Communicator::Broadcast(void* data, size_t bytes, int root) {
+  return Counted(stats_.broadcast, world_size() > 1 ? bytes : 0, [&] { return DoBroadcast(data, bytes, root); });
+}
 
 bool LaunchedByMpi() {
   for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"}) {

@@ -51,7 +51,12 @@ class LoopbackCommunicator final : public Communicator {
     return fmt::format("loopback, rank {} of {} (threads in one process)", rank_, group_->world);
   }
 
-  Status AllGather(const void* send, void* recv, size_t bytes_per_rank) override {
+  Status Barrier() override {
+    return Collective("barrier", nullptr, 0, nullptr, 0, [](const std::vector<const std::byte*>&, std::byte*) {});
+  }
+
+ protected:
+  Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) override {
     return Collective("all-gather", send, bytes_per_rank, recv, group_->world * bytes_per_rank,
                       [&](const std::vector<const std::byte*>& sends, std::byte* out) {
                         for (int r = 0; r < group_->world; ++r) {
@@ -60,7 +65,7 @@ class LoopbackCommunicator final : public Communicator {
                       });
   }
 
-  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+  Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
     return Collective("reduce-scatter", send, group_->world * count_per_rank * sizeof(float), recv,
                       count_per_rank * sizeof(float), [&](const std::vector<const std::byte*>& sends, std::byte* out) {
                         float* sum = reinterpret_cast<float*>(out);
@@ -72,7 +77,7 @@ class LoopbackCommunicator final : public Communicator {
                       });
   }
 
-  Status AllReduceSum(std::span<double> values) override {
+  Status DoAllReduceSum(std::span<double> values) override {
     const size_t bytes = values.size_bytes();
     return Collective("all-reduce", values.data(), bytes, values.data(), bytes,
                       [&](const std::vector<const std::byte*>& sends, std::byte* out) {
@@ -85,7 +90,7 @@ class LoopbackCommunicator final : public Communicator {
                       });
   }
 
-  Status Broadcast(void* data, size_t bytes, int root) override {
+  Status DoBroadcast(void* data, size_t bytes, int root) override {
     if (root < 0 || root >= group_->world) {
       return InvalidArgument("broadcast: root {} is not a rank of this group of {}", root, group_->world);
     }
@@ -93,10 +98,6 @@ class LoopbackCommunicator final : public Communicator {
                       [&](const std::vector<const std::byte*>& sends, std::byte* out) {
                         std::memcpy(out, sends[root], bytes);
                       });
-  }
-
-  Status Barrier() override {
-    return Collective("barrier", nullptr, 0, nullptr, 0, [](const std::vector<const std::byte*>&, std::byte*) {});
   }
 
  private:

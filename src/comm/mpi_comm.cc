@@ -74,35 +74,36 @@ class MpiCommunicator final : public Communicator {
     return fmt::format("MPI ({}), rank {} of {}", name, rank_, world_);
   }
 
-  Status AllGather(const void* send, void* recv, size_t bytes_per_rank) override {
+  Status Barrier() override {
+    return Run("barrier", [&](MPI_Request* request) { return MPI_Ibarrier(MPI_COMM_WORLD, request); });
+  }
+
+ protected:
+  Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) override {
     return Run("all-gather", [&](MPI_Request* request) {
       return MPI_Iallgather(send, Count(bytes_per_rank), MPI_BYTE, recv, Count(bytes_per_rank), MPI_BYTE,
                             MPI_COMM_WORLD, request);
     });
   }
 
-  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+  Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
     return Run("reduce-scatter", [&](MPI_Request* request) {
       return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, request);
     });
   }
 
-  Status AllReduceSum(std::span<double> values) override {
+  Status DoAllReduceSum(std::span<double> values) override {
     return Run("all-reduce", [&](MPI_Request* request) {
       return MPI_Iallreduce(MPI_IN_PLACE, values.data(), Count(values.size()), MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD,
                             request);
     });
   }
 
-  Status Broadcast(void* data, size_t bytes, int root) override {
+  Status DoBroadcast(void* data, size_t bytes, int root) override {
     if (root < 0 || root >= world_) return InvalidArgument("broadcast: root {} is not a rank of {}", root, world_);
     return Run("broadcast", [&](MPI_Request* request) {
       return MPI_Ibcast(data, Count(bytes), MPI_BYTE, root, MPI_COMM_WORLD, request);
     });
-  }
-
-  Status Barrier() override {
-    return Run("barrier", [&](MPI_Request* request) { return MPI_Ibarrier(MPI_COMM_WORLD, request); });
   }
 
  private:

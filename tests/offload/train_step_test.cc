@@ -11,6 +11,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory/chunk_layout.h"
 #include "memory/tier_pool.h"
 #include "strata/storage.h"
 #include "tests/test_util.h"
@@ -240,7 +241,7 @@ void RunDataParallel(int world, double max_grad_norm, bool exact) {
   ASSERT_OK(group.status());
   std::vector<std::vector<std::vector<float>>> params(world);
   std::vector<std::vector<double>> norms(world);
-  std::vector<uint64_t> state_bytes(world, 0);
+  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0);
   std::vector<Status> results(world, Status::Ok());
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -255,12 +256,18 @@ void RunDataParallel(int world, double max_grad_norm, bool exact) {
         Result<TrainStepReport> report = rank.Iteration((*group)[r].get());
         results[r] = report.status();
         if (report.ok()) norms[r].push_back(report->plan.grad_norm);
+        if (report.ok()) comm_bytes[r] = report->comm_bytes;
       }
       for (int l = 0; l < kLayers; ++l) params[r].push_back(rank.Read(l, ChunkKind::kParam));
     });
   }
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < world; ++r) ASSERT_OK(results[r]);
+  // A step sends every group's fp32 gradients reduce-scattered and its
+  // (fp32) params gathered, (W-1) shards of each, and the norm all-reduced.
+  const uint64_t shard_bytes = memory::ShardOf(kChunkElems, 0, world).elems * sizeof(float);
+  const uint64_t expected_comm = kLayers * 2 * (world - 1) * shard_bytes + 2 * (world - 1) * sizeof(double) / world;
+  for (int r = 0; r < world; ++r) EXPECT_EQ(comm_bytes[r], expected_comm) << "rank " << r;
   // Each rank holds its shard of the states: 1/W of them, up to the 4 KiB slot rounding.
   uint64_t whole_state_bytes = 0;
   for (const ChunkInfo& chunk : single.engine->chunks()) {

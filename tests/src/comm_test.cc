@@ -94,6 +94,37 @@ TEST_P(LoopbackTest, AnAllGatherIntoTheBufferItSendsFromWorks) {
 
 INSTANTIATE_TEST_SUITE_P(Worlds, LoopbackTest, ::testing::Values(1, 2, 4));
 
+// What each rank sends under the ring algorithm: (W-1)/W of the whole
+// buffer for a gather or a reduce-scatter, twice that for an all-reduce.
+TEST_P(LoopbackTest, StatsCountCallsAndTheBytesEachRankSends) {
+  const int world = GetParam();
+  std::vector<CommStats> stats(world);
+  ExpectAllOk(OnEveryRank(world, [&](Communicator& comm) -> Status {
+    std::vector<std::byte> mine(100), all(100 * world);
+    std::vector<float> send(8 * world, 1.0f), recv(8);
+    std::vector<double> values(6 * world, 1.0);
+    for (int i = 0; i < 3; ++i) STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), mine.size()));
+    STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(send.data(), recv.data(), recv.size()));
+    STRATA_RETURN_IF_ERROR(comm.AllReduceSum(values));
+    STRATA_RETURN_IF_ERROR(comm.Broadcast(mine.data(), mine.size(), 0));
+    STRATA_RETURN_IF_ERROR(comm.Barrier());
+    stats[comm.rank()] = comm.stats();
+    return Status::Ok();
+  }));
+  const uint64_t others = static_cast<uint64_t>(world - 1);
+  for (int r = 0; r < world; ++r) {
+    const CommStats& s = stats[r];
+    EXPECT_EQ(s.all_gather.calls, 3u);
+    EXPECT_EQ(s.all_gather.bytes, 3 * others * 100);
+    EXPECT_EQ(s.reduce_scatter.calls, 1u);
+    EXPECT_EQ(s.reduce_scatter.bytes, others * 8 * sizeof(float));
+    EXPECT_EQ(s.all_reduce.bytes, 2 * others * 6 * sizeof(double));
+    EXPECT_EQ(s.broadcast.bytes, world > 1 ? 100u : 0u);
+    EXPECT_EQ(s.total_bytes(), s.all_gather.bytes + s.reduce_scatter.bytes + s.all_reduce.bytes + s.broadcast.bytes);
+    EXPECT_GE(s.all_gather.seconds, 0.0);
+  }
+}
+
 TEST(LoopbackCommTest, ARankThatNeverComesIsATimeoutNamingItAndBreaksTheGroup) {
   const std::vector<Status> results = OnEveryRank(
       3,
