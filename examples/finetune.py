@@ -1,12 +1,18 @@
 """Fine-tune a GPT-style decoder with strata, its states spread over device, host and NVMe.
 
     /usr/bin/python3 examples/finetune.py [--steps 30] [--out build/demo] [--init state_dict.pt]
+    mpirun -np 2 /usr/bin/python3 examples/finetune.py     # data parallel: each rank a share of every batch
 
 The model is plain PyTorch (examples/gpt.py); strata.initialize moves its
 parameters, gradients and AdamW states into chunks. By default the device
 budget is 20% of the model states (less than the parameters alone), the host
 budget 90% of the optimizer states, and the rest lives on NVMe under
 OUT/nvme. The corpus is strata's own sources and docs, as bytes.
+
+Under mpirun (or torchrun) every rank trains on its share of each batch of
+--batch sequences; the budgets are each rank's, and each rank keeps 1/W of
+the optimizer states. Rank 0 prints and writes the report (with every
+rank's bytes of each chunk kind, and the communication per step).
 
 At the end the same model trains with plain PyTorch (everything in memory,
 torch.optim.AdamW) from the same weights on the same batches for a few
@@ -176,30 +182,36 @@ def main(argv=None):
         "log": {"level": "warning"},
     }
     engine = strata.initialize(model, config)
+    rank, world = engine.rank, engine.world_size
+    if args.batch % world:
+        raise SystemExit(f"finetune: --batch {args.batch} does not split over {world} ranks: use a multiple of {world}")
+    share = args.batch // world
+    say = print if rank == 0 else (lambda *a, **k: None)
     homes = {}
     for chunk in engine.engine.chunks():
         homes[chunk["home"]] = homes.get(chunk["home"], 0) + chunk["size_bytes"]
     mib = lambda b: f"{b / 2**20:.0f}MiB"  # noqa: E731
-    print(f"model: {params / 1e6:.1f}M parameters, model states {mib(states)} "
-          f"(optimizer states {mib(optimizer_states)}); budgets: device {mib(device_budget)}, "
-          f"host {mib(host_budget)}, NVMe under {nvme_dir}")
-    print("homes: " + ", ".join(f"{tier} {mib(b)}" for tier, b in sorted(homes.items())))
+    say(f"model: {params / 1e6:.1f}M parameters, model states {mib(states)} "
+        f"(optimizer states {mib(optimizer_states)}); budgets: device {mib(device_budget)}, "
+        f"host {mib(host_budget)}, NVMe under {nvme_dir}" + (f"; {world} ranks" if world > 1 else ""))
+    say("homes" + (" (rank 0)" if world > 1 else "") + ": " +
+        ", ".join(f"{tier} {mib(b)}" for tier, b in sorted(homes.items())))
 
     text = corpus()
     batches = make_batches(text, args.steps, args.batch, args.seq, args.seed + 1)
     tokens_per_step = args.batch * args.seq
     losses, times = [], []
     progress = None
-    if not args.no_progress:
+    if not args.no_progress and rank == 0:
         from tqdm import tqdm
         progress = tqdm(total=args.steps, unit="step", dynamic_ncols=True)
     for step, tokens in enumerate(batches, 1):
         start = time.perf_counter()
-        tokens = tokens.to(engine.device)
+        tokens = tokens[rank * share:(rank + 1) * share].to(engine.device)
         loss = engine(tokens[:, :-1], tokens[:, 1:])
         engine.backward(loss)
         engine.step()
-        losses.append(loss.item())
+        losses.append(loss.item() if world == 1 else engine.comm.all_reduce_sum([loss.item()])[0] / world)
         times.append(time.perf_counter() - start)
         tiers = engine.stats()["tiers"]
         where = " ".join(f"{t[:3]}={u['used_bytes'] / 2**20:.0f}M" for t, u in tiers.items())
@@ -208,10 +220,19 @@ def main(argv=None):
             progress.set_postfix(status)
             progress.update(1)
         else:
-            print(f"step {step}/{args.steps} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
+            say(f"step {step}/{args.steps} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
     if progress is not None:
         progress.close()
     stats = engine.stats()
+    kinds = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
+    rank_kinds = [kinds]
+    if world > 1:  # every rank's bytes of each chunk kind, to rank 0
+        names = sorted(kinds)
+        gathered = engine.comm.all_gather(torch.tensor([kinds[n] for n in names], dtype=torch.int64).numpy())
+        rank_kinds = [dict(zip(names, row)) for row in
+                      torch.frombuffer(bytearray(gathered), dtype=torch.int64).reshape(world, -1).tolist()]
+    if rank != 0:
+        return None
 
     baseline_losses, baseline_times = [], []
     strata_hbm = baseline_hbm = None
@@ -234,6 +255,9 @@ def main(argv=None):
     report = {
         "model": {"parameters": params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq": args.seq, "batch": args.batch, "precision": args.precision},
+        "world_size": world,
+        "rank_chunk_bytes": rank_kinds,
+        "comm": stats.get("comm"),
         "model_state_bytes": states,
         "loss": losses,
         "step_time_s": times,
@@ -262,8 +286,15 @@ def main(argv=None):
         print(f"plain PyTorch: {steady(baseline_times):.3f} s/step; strata / PyTorch = "
               f"{report['step_time_over_baseline']:.2f}; largest relative loss difference over "
               f"{len(baseline_losses)} steps {same:.1e}")
-    print("peaks: " + ", ".join(f"{t} {mib(report['tier_peak_bytes'][t])} of {mib(report['tier_budget_bytes'][t])}"
-                                for t in report["tier_peak_bytes"]))
+    print("peaks" + (" (rank 0)" if world > 1 else "") + ": " +
+          ", ".join(f"{t} {mib(report['tier_peak_bytes'][t])} of {mib(report['tier_budget_bytes'][t])}"
+                    for t in report["tier_peak_bytes"]))
+    if world > 1:
+        comm = stats["comm"]
+        held = [sum(k.get(n, 0) for n in ("master", "exp_avg", "exp_avg_sq")) for k in rank_kinds]
+        print(f"optimizer states per rank: {', '.join(mib(b) for b in held)} of {mib(optimizer_states)}; "
+              f"rank 0 sent {mib(comm['last_step_bytes'])} in the last step "
+              f"(ZeRO-3 would send {mib(comm['zero3_bytes_per_step'])})")
     print(f"wrote {args.out}/report.json, memory.png, loss.png")
     return report
 

@@ -276,6 +276,10 @@ const std::vector<OptionEntry>& Table() {
                            1e-30, 1e30));
     t.push_back(FloatEntry("loss_scale.max", "the scale never grows above this", &Options::loss_scale_max, 1e-30,
                            1e30));
+    t.push_back(IntEntry("comm.timeout_ms",
+                         "data parallel: milliseconds a collective may wait for its ranks before it is a Timeout on "
+                         "every rank (a rank that died or hangs)",
+                         &Options::comm_timeout_ms, 1, 86'400'000));
     t.push_back(IntEntry("transfer.workers", "threads running asynchronous chunk moves", &Options::transfer_workers, 1, 64));
     t.push_back({{"log.level", "enum", "info", "debug, info, warning, error or off"},
                  [](Options& o, std::string_view text) -> Status {

@@ -83,6 +83,9 @@ struct Options {
   std::string placement_policy = "adaptive";  // key placement.policy: adaptive or static
   double placement_device_params = 0.5;       // key placement.device_params (static): share of param+grad chunks kept on the device
   double placement_host_states = 1.0;         // key placement.host_states (static): share of optimizer states homed on the host
+  // --- data parallelism (strata/comm.h) ----------------------------------
+  // A collective waiting longer than this for its ranks (one died) is a Timeout on every rank that waited.
+  uint32_t comm_timeout_ms = 60'000;  // key comm.timeout_ms
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
   LogLevel log_level = LogLevel::kInfo;  // key log.level

@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <span>
 #include <memory>
 #include <stdexcept>
 
@@ -110,6 +111,79 @@ std::unique_ptr<PyAccess> Held(strata::Engine& engine, strata::ChunkAccess acces
   return std::make_unique<PyAccess>(PyAccess{std::move(access), host});
 }
 
+// A communicator written in Python (strata.distributed.TorchCommunicator:
+// torch.distributed under torchrun). Each collective calls the subclass's
+// method (_all_gather, _reduce_scatter_sum, _all_reduce_sum, _broadcast,
+// _barrier) with writable memoryviews of the C++ buffers, the GIL held. A
+// Python exception is a Timeout when its message says it timed out, else a
+// CommError, either naming it; and it breaks the communicator, so that every
+// later call fails at once (the seam's contract).
+class PyCommunicator : public strata::Communicator {
+ public:
+  PyCommunicator(int rank, int world, std::string description)
+      : rank_(rank), world_(world), description_(std::move(description)) {}
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_; }
+  std::string Describe() const override { return description_; }
+  strata::Status Barrier() override {
+    return Call("barrier", "_barrier", [](const py::function& f) { f(); });
+  }
+
+ protected:
+  strata::Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) override {
+    return Call("all-gather", "_all_gather", [&](const py::function& f) {
+      f(View(send, bytes_per_rank), View(recv, bytes_per_rank * static_cast<size_t>(world_)));
+    });
+  }
+  strata::Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+    return Call("reduce-scatter", "_reduce_scatter_sum", [&](const py::function& f) {
+      f(View(send, count_per_rank * static_cast<size_t>(world_) * sizeof(float)),
+        View(recv, count_per_rank * sizeof(float)), count_per_rank);
+    });
+  }
+  strata::Status DoAllReduceSum(std::span<double> values) override {
+    return Call("all-reduce", "_all_reduce_sum",
+                [&](const py::function& f) { f(View(values.data(), values.size_bytes())); });
+  }
+  strata::Status DoBroadcast(void* data, size_t bytes, int root) override {
+    if (root < 0 || root >= world_) {
+      return strata::InvalidArgument("broadcast: root {} is not a rank of this group of {}", root, world_);
+    }
+    return Call("broadcast", "_broadcast", [&](const py::function& f) { f(View(data, bytes), root); });
+  }
+
+ private:
+  static py::memoryview View(const void* data, size_t bytes) {
+    return py::memoryview::from_memory(const_cast<void*>(data), static_cast<py::ssize_t>(bytes), /*readonly=*/false);
+  }
+
+  template <typename Invoke>
+  strata::Status Call(const char* op, const char* method, Invoke invoke) {
+    if (!broken_.empty()) return strata::CommError("{} on rank {}: the group is broken: {}", op, rank_, broken_);
+    py::gil_scoped_acquire gil;
+    py::function f = py::get_override(this, method);
+    if (!f) {
+      broken_ = fmt::format("the Python communicator does not define {}()", method);
+      return strata::NotSupported("{} on rank {}: {}", op, rank_, broken_);
+    }
+    try {
+      invoke(f);
+      return strata::Status::Ok();
+    } catch (py::error_already_set& error) {
+      broken_ = error.what();
+    }
+    if (broken_.find("imed out") != std::string::npos || broken_.find("imeout") != std::string::npos) {
+      return strata::Timeout("{} on rank {} timed out: {}", op, rank_, broken_);
+    }
+    return strata::CommError("{} on rank {}: {}", op, rank_, broken_);
+  }
+
+  const int rank_;
+  const int world_;
+  const std::string description_;
+  std::string broken_;
+};
+
 }  // namespace
 
 PYBIND11_MODULE(_strata, m) {
@@ -138,8 +212,11 @@ PYBIND11_MODULE(_strata, m) {
           },
           "every key and its value, as text");
 
-  py::class_<strata::Communicator, std::unique_ptr<strata::Communicator>>(
-      m, "Communicator", "a data-parallel group's collectives (strata/comm.h)")
+  py::class_<strata::Communicator, PyCommunicator, std::unique_ptr<strata::Communicator>>(
+      m, "Communicator",
+      "a data-parallel group's collectives (strata/comm.h); subclass it in Python to bring another transport "
+      "(define _all_gather, _reduce_scatter_sum, _all_reduce_sum, _broadcast and _barrier)")
+      .def(py::init<int, int, std::string>(), py::arg("rank"), py::arg("world_size"), py::arg("description"))
       .def_property_readonly("rank", &strata::Communicator::rank)
       .def_property_readonly("world_size", &strata::Communicator::world_size)
       .def("describe", &strata::Communicator::Describe)

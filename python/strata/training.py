@@ -42,7 +42,7 @@ import weakref
 
 import torch
 
-from . import _strata
+from . import _strata, distributed
 from .config import load_config
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -160,9 +160,9 @@ class TrainingEngine:
         self.dtype = _TORCH_DTYPES[self.precision]
         self.module = model
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
-        # Data parallel when mpirun started the process: each rank trains on
-        # its own batches, gradients are averaged over the ranks in step().
-        self.comm = _strata.mpi_communicator() if _strata.launched_by_mpi() else None
+        # Data parallel when mpirun or torchrun started the process: each rank
+        # trains on its own batches, gradients are averaged over the ranks in step().
+        self.comm = distributed.communicator(int(options["comm.timeout_ms"]))
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
         self._engine = _strata.Engine(self.config.options, self.comm)

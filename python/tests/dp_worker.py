@@ -4,11 +4,15 @@ Trains TinyGPT with strata on this rank's share of every batch. Rank 0
 writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
+With a step to die at, the last rank kills itself there and every other
+rank writes the error its step raised.
 """
 
 import json
 import os
+import signal
 import sys
+import time
 
 import torch
 
@@ -17,21 +21,30 @@ import strata  # noqa: E402
 from models import batches, pair  # noqa: E402
 
 
-def main(out, nvme_dir, steps, batch, precision):
+def main(out, nvme_dir, steps, batch, precision, die_at_step):
     model, _ = pair()
     config = {"optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
               "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
               "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},
-              "precision": precision, "non_model_memory": 0, "log": {"level": "error"}}
+              "precision": precision, "non_model_memory": 0, "log": {"level": "error"},
+              "comm": {"timeout_ms": 2000}}
     engine = strata.initialize(model, config)
     initial = engine.state_dict(master=True)  # every rank: the masters are gathered
     share = batch // engine.world_size
     losses = []
-    for tokens in batches(steps, batch=batch):
+    for step, tokens in enumerate(batches(steps, batch=batch)):
         mine = tokens[engine.rank * share:(engine.rank + 1) * share]
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
-        engine.step()
+        if step == die_at_step and engine.rank == engine.world_size - 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies before its step's collectives
+        start = time.monotonic()
+        try:
+            engine.step()
+        except RuntimeError as error:  # what a surviving rank sees
+            with open(f"{out}.rank{engine.rank}.error", "w") as f:
+                json.dump({"error": str(error), "seconds": time.monotonic() - start}, f)
+            sys.exit(3)
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
     final = engine.state_dict(master=True)
     bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
@@ -44,4 +57,5 @@ def main(out, nvme_dir, steps, batch, precision):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "fp32")
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "fp32",
+         int(sys.argv[6]) if len(sys.argv) > 6 else -1)

@@ -14,14 +14,24 @@ from models import batches, mixed_precision_losses, pair, relative_errors, torch
 MPIRUN = shutil.which("mpirun")
 
 
-def run_ranks(tmp_path, world, steps, batch, precision="fp32"):
-    """mpirun -np world dp_worker.py: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
+def launch(launcher, world, args, mpi_options=()):
+    """dp_worker.py on `world` ranks started by mpirun or torchrun."""
+    worker = [os.path.join(os.path.dirname(__file__), "dp_worker.py")] + [str(a) for a in args]
+    if launcher == "mpirun":
+        command = [MPIRUN, "-np", str(world), "--oversubscribe", *mpi_options, sys.executable] + worker
+    else:
+        # --redirects/--tee 1: Debian's torch 1.13 on Python 3.11 fails to parse their default of 0.
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
+                   "--redirects", "1", "--tee", "1"] + worker
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun"):
+    """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    run = subprocess.run([MPIRUN, "-np", str(world), "--oversubscribe", sys.executable,
-                          os.path.join(os.path.dirname(__file__), "dp_worker.py"), out, str(tmp_path / "nvme"),
-                          str(steps), str(batch), precision], capture_output=True, text=True, timeout=600, env=env)
+    run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision])
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
         result = json.load(f)
@@ -38,11 +48,14 @@ def state_bytes(bytes_of_kind):
     return sum(bytes_of_kind.get(kind, 0) for kind in ("master", "exp_avg", "exp_avg_sq"))
 
 
-@pytest.mark.skipif(MPIRUN is None, reason="no mpirun (OpenMPI's openmpi-bin)")
-@pytest.mark.parametrize("world", [2, 4])
-def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, world):
+needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="no mpirun (OpenMPI's openmpi-bin)")
+
+
+@pytest.mark.parametrize("launcher,world", [pytest.param("mpirun", 2, marks=needs_mpirun),
+                                            pytest.param("mpirun", 4, marks=needs_mpirun), ("torchrun", 2)])
+def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, world):
     steps, batch = 20, 8
-    result = run_ranks(tmp_path, world, steps, batch)
+    result = run_ranks(tmp_path, world, steps, batch, launcher=launcher)
     # Each rank's NVMe files in a directory of its own.
     assert sorted(os.listdir(tmp_path / "nvme")) == [f"rank{r}" for r in range(world)]
 
@@ -56,7 +69,7 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, world):
     # Each rank holds its 1/W shard of the optimizer states (4096-element
     # chunks: a quarter of one is still a whole 4 KiB slot); params and grads whole.
     (tmp_path / "one").mkdir()
-    alone = run_ranks(tmp_path / "one", 1, 0, batch)["ranks"][0]
+    alone = run_ranks(tmp_path / "one", 1, 0, batch, launcher=launcher)["ranks"][0]
     for rank in (r["bytes_of_kind"] for r in result["ranks"]):
         assert state_bytes(rank) <= state_bytes(alone["bytes_of_kind"]) // world, (rank, alone)
         assert (rank["param"], rank["grad"]) == (alone["bytes_of_kind"]["param"], alone["bytes_of_kind"]["grad"])
@@ -71,7 +84,7 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, world):
         assert comm["zero3_bytes_per_step"] == 3 * comm["model_bytes"] * (world - 1) // world
 
 
-@pytest.mark.skipif(MPIRUN is None, reason="no mpirun (OpenMPI's openmpi-bin)")
+@needs_mpirun
 def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path):
     steps, batch = 10, 8
     result = run_ranks(tmp_path, 2, steps, batch, precision="bf16")
@@ -84,3 +97,20 @@ def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path):
     assert all(r["bytes_of_kind"]["master"] < r["bytes_of_kind"]["param"] * 2 for r in result["ranks"])  # half of fp32 over bf16 params
     recipe = mixed_precision_losses(reference, batches(steps, batch=batch))
     assert max(relative_errors(result["losses"], recipe)) <= 2e-3, (result["losses"], recipe)
+
+
+@needs_mpirun
+def test_a_rank_killed_mid_run_is_an_error_on_the_others_within_the_timeout(tmp_path):
+    out = str(tmp_path / "rank0")
+    (tmp_path / "nvme").mkdir()
+    # mpirun would otherwise kill the survivors itself as soon as one rank dies.
+    run = launch("mpirun", 3, [out, tmp_path / "nvme", 6, 6, "fp32", 3],
+                 mpi_options=["--mca", "orte_abort_on_non_zero_status", "0"])
+    assert run.returncode != 0
+    for rank in (0, 1):
+        with open(f"{out}.rank{rank}.error") as f:
+            seen = json.load(f)
+        # comm.timeout_ms is 2000 in the worker: the error comes within a few seconds, and says what happened.
+        assert "Timeout" in seen["error"] and "timed out after 2000 ms" in seen["error"], seen
+        assert seen["seconds"] < 10, seen
+    assert not os.path.exists(f"{out}.rank2.error")  # the rank that died wrote nothing

@@ -1,0 +1,83 @@
+"""Data parallelism: which launcher started this process, and the group it joins.
+
+Under mpirun the group is MPI_COMM_WORLD (strata's MPI communicator). Under
+torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) it
+is torch.distributed's gloo backend, through TorchCommunicator: strata's
+collectives carry host buffers, which gloo carries between the processes
+torchrun started, on one node or many. Either way the training script needs
+no change.
+"""
+
+import datetime
+import os
+
+import torch
+
+from . import _strata
+
+_TORCHRUN_KEYS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def launched_by_torchrun():
+    """Whether torchrun (or another launcher setting RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) started this process."""
+    return all(key in os.environ for key in _TORCHRUN_KEYS)
+
+
+def communicator(timeout_ms):
+    """The data-parallel group this process is a rank of, or None when it runs alone."""
+    if _strata.launched_by_mpi():
+        return _strata.mpi_communicator(timeout_ms)
+    if launched_by_torchrun() and int(os.environ["WORLD_SIZE"]) > 1:
+        return TorchCommunicator(timeout_ms)
+    return None
+
+
+class TorchCommunicator(_strata.Communicator):
+    """strata's collectives over torch.distributed's gloo backend.
+
+    Joins the default process group (initializing it from the environment,
+    env://, when the trainer has not); a trainer that already runs NCCL gets a
+    gloo group of the same ranks beside it, since strata's buffers are in host
+    memory. A collective that waits longer than `timeout_ms` raises in gloo,
+    and strata turns that into a Timeout on every rank that waited.
+    """
+
+    def __init__(self, timeout_ms):
+        import torch.distributed as dist
+        self._dist = dist
+        timeout = datetime.timedelta(milliseconds=timeout_ms)
+        if not dist.is_initialized():
+            dist.init_process_group("gloo", init_method="env://", timeout=timeout)
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        super().__init__(rank, world, f"torch.distributed gloo via {where}, rank {rank} of {world}")
+
+    def _all_gather(self, send, recv):
+        if len(send) == 0:
+            return
+        out = torch.frombuffer(recv, dtype=torch.uint8)
+        self._dist.all_gather(list(out.chunk(self.world_size)), torch.frombuffer(send, dtype=torch.uint8),
+                              group=self._group)
+
+    def _reduce_scatter_sum(self, send, recv, count):
+        if count == 0:
+            return
+        # gloo has no reduce-scatter: an all-reduce of a copy, then this rank's slice
+        # (twice a reduce-scatter's bytes on the wire; stats() counts the reduce-scatter's).
+        total = torch.frombuffer(send, dtype=torch.float32).clone()
+        self._dist.all_reduce(total, group=self._group)
+        torch.frombuffer(recv, dtype=torch.float32).copy_(total[self.rank * count:(self.rank + 1) * count])
+
+    def _all_reduce_sum(self, values):
+        if len(values) == 0:
+            return
+        self._dist.all_reduce(torch.frombuffer(values, dtype=torch.float64), group=self._group)
+
+    def _broadcast(self, data, root):
+        if len(data) == 0:
+            return
+        self._dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=root, group=self._group)
+
+    def _barrier(self):
+        self._dist.barrier(group=self._group)

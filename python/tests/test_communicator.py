@@ -1,0 +1,47 @@
+"""A communicator written in Python (how torchrun's ranks talk): the seam's contract from the Python side."""
+
+import pytest
+
+from strata import _strata
+
+
+class TwoRanksEcho(_strata.Communicator):
+    """Rank 0 of two whose peer always sends what this rank sends; broadcasts time out."""
+
+    def __init__(self):
+        super().__init__(0, 2, "echo")
+
+    def _all_gather(self, send, recv):
+        recv[:len(send)] = send
+        recv[len(send):] = send
+
+    def _broadcast(self, data, root):
+        raise RuntimeError("[gloo] Timed out waiting 2000ms for recv operation to complete")
+
+
+def test_collectives_reach_the_python_methods_and_are_counted():
+    comm = TwoRanksEcho()
+    assert (comm.rank, comm.world_size, comm.describe()) == (0, 2, "echo")
+    assert comm.all_gather(b"abc") == b"abcabc"
+    stats = comm.stats()
+    assert stats["all_gather"]["calls"] == 1 and stats["all_gather"]["bytes"] == 3  # (W - 1) x 3 bytes sent
+
+
+def test_an_exception_is_a_timeout_or_comm_error_and_breaks_the_group():
+    comm = TwoRanksEcho()
+    with pytest.raises(RuntimeError, match=r"Timeout: broadcast on rank 0 timed out: .*Timed out waiting"):
+        comm.broadcast(bytearray(8), 0)
+    # Broken: every later collective fails at once, whatever it is.
+    with pytest.raises(RuntimeError, match=r"CommError: all-gather on rank 0: the group is broken"):
+        comm.all_gather(b"abc")
+
+
+def test_a_missing_method_is_named():
+    comm = TwoRanksEcho()
+    with pytest.raises(RuntimeError, match=r"does not define _all_reduce_sum\(\)"):
+        comm.all_reduce_sum([1.0])
+
+
+def test_a_bad_root_is_refused_before_python_sees_it():
+    with pytest.raises(ValueError, match="root 5 is not a rank"):
+        TwoRanksEcho().broadcast(bytearray(8), 5)
