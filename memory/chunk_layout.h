@@ -68,7 +68,8 @@ struct ChunkDesc {
   ChunkKind kind = ChunkKind::kParam;
   DType dtype = DType::kFloat32;
   uint32_t group = 0;
-  uint64_t capacity_elems = 0;  // chunk size, or the tensor's size for an oversized tensor (a shard's size when sharded)
+  // Chunk size, or the tensor's size for an oversized tensor (a shard's size when sharded).
+  uint64_t capacity_elems = 0;
   uint64_t used_elems = 0;      // end of the last tensor (of this rank's range when sharded)
   // Sharded chunks: the element of the group's param-chunk space this chunk
   // starts at (its elements are [shard_begin_elems, shard_begin_elems +

@@ -64,31 +64,23 @@ memory::ShardRange RankShard(size_t n, const Communicator& comm) {
 
 // Data parallel: every group's gradients, summed over the ranks by a
 // reduce-scatter and divided by their number (the mean, as DDP takes it),
-// this rank's range of each group in fp32. The norm's sum of squares is
-// this rank's part: the optimizer's all-reduce hook adds the others'.
-Result<std::vector<std::vector<float>>> ReduceScatterGrads(Engine& engine, Communicator& comm,
-                                                           const std::vector<Group>& groups,
-                                                           optim::GradStats& stats) {
-  const int world = comm.world_size();
+// this rank's range of each group in fp32 — from `reducer`, which may have
+// reduced some during backward. The norm's sum of squares is this rank's
+// part: the optimizer's all-reduce hook adds the others'. `bytes`: what
+// the reduce-scatters sent.
+Result<std::vector<std::vector<float>>> ReduceScatterGrads(GradReducer& reducer, const Communicator& comm,
+                                                           const std::vector<Group>& groups, optim::GradStats& stats,
+                                                           uint64_t& bytes) {
   std::vector<std::vector<float>> shards;
-  uint64_t largest = 0;
-  for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
-  Buffer raw = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
   for (const Group& g : groups) {
     const ChunkInfo& grad = g[ChunkKind::kGrad];
-    const size_t n = UsedElems(grad);
-    const memory::ShardRange range = RankShard(n, comm);
-    STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, raw.data()).WithContext("reading gradients to reduce"));
-    std::vector<float> full(range.elems * world, 0.0f);
-    for (size_t i = 0; i < n; ++i) full[i] = optim::FloatAt(raw.data(), grad.dtype, i);
-    std::vector<float> mine(range.elems);
-    STRATA_RETURN_IF_ERROR(comm.ReduceScatterSum(full.data(), mine.data(), range.elems)
-                               .WithContext(fmt::format("reduce-scatter of the gradients of chunk {}", grad.id.value())));
-    const float mean = 1.0f / static_cast<float>(world);
-    for (float& x : mine) x *= mean;
-    stats.Add(mine.data(), DType::kFloat32, range.end - range.begin);
-    shards.push_back(std::move(mine));
+    STRATA_ASSIGN_OR_RETURN(GradReducer::Reduced reduced, reducer.Take(grad.id));
+    const memory::ShardRange range = RankShard(UsedElems(grad), comm);
+    stats.Add(reduced.shard.data(), DType::kFloat32, range.end - range.begin);
+    bytes += reduced.bytes;
+    shards.push_back(std::move(reduced.shard));
   }
+  STRATA_RETURN_IF_ERROR(reducer.Drain());  // the communicator is the step's again
   return shards;
 }
 
@@ -173,7 +165,7 @@ Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param
 }  // namespace
 
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip, Communicator* comm) {
+                                     const std::vector<bool>& skip, Communicator* comm, GradReducer* reducer) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
   const bool parallel = comm != nullptr && comm->world_size() > 1;
@@ -186,11 +178,16 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
         parallel ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
   }
   Clock::time_point start = Clock::now();
-  const uint64_t comm_bytes_before = parallel ? comm->stats().total_bytes() : 0;
   optim::GradStats stats;
   std::vector<std::vector<float>> reduced;
+  uint64_t comm_bytes_before = 0;
   if (parallel) {
-    STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(engine, *comm, groups, stats));
+    std::unique_ptr<GradReducer> own;
+    if (reducer == nullptr) reducer = (own = std::make_unique<GradReducer>(engine, *comm)).get();
+    const double waited = reducer->wait_seconds();
+    STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(*reducer, *comm, groups, stats, report.comm_bytes));
+    report.comm_wait_seconds = reducer->wait_seconds() - waited;
+    comm_bytes_before = comm->stats().total_bytes();
     optimizer.SetAllReduceHook(
         [comm](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
   } else {
@@ -225,7 +222,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     report.groups++;
   }
   report.update_seconds = SecondsSince(start);
-  if (parallel) report.comm_bytes = comm->stats().total_bytes() - comm_bytes_before;
+  if (parallel) report.comm_bytes += comm->stats().total_bytes() - comm_bytes_before;
   STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
   return report;
 }

@@ -21,6 +21,7 @@
 
 #include <vector>
 
+#include "offload/grad_reducer.h"
 #include "offload/pipeline.h"
 #include "optim/optimizer.h"
 #include "strata/comm.h"
@@ -34,7 +35,8 @@ struct TrainStepReport {
   double stats_seconds = 0;   // reading the grads for their norm
   double update_seconds = 0;  // the host moments
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
-  uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats)
+  uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
+  double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
 };
 
 // Needs an open pipeline iteration and no open moment; leaves the iteration
@@ -50,8 +52,12 @@ struct TrainStepReport {
 // So every rank ends with the same parameters as one rank stepping the mean
 // gradient. Each rank's master and state chunks hold just its range
 // (memory::ShardOf). `comm` must be the engine's own (EngineSeams::comm):
-// any other (or none for a sharded engine) is InvalidArgument.
+// any other (or none for a sharded engine) is InvalidArgument. With
+// `reducer`, the gradients of groups submitted to it during backward are
+// taken from it (their reduction overlapped backward), the others submitted
+// now; without, every group is reduced here.
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip = {}, Communicator* comm = nullptr);
+                                     const std::vector<bool>& skip = {}, Communicator* comm = nullptr,
+                                     GradReducer* reducer = nullptr);
 
 }  // namespace strata::offload

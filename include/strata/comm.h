@@ -13,7 +13,8 @@
 // every rank that waited, naming the collective and the ranks missing where
 // the backend knows them; after any failure the communicator is broken and
 // every later call is CommError at once, so that no rank hangs on a group
-// that cannot complete. Thread-safety: one thread per communicator.
+// that cannot complete. Thread-safety: one thread at a time runs
+// collectives on a communicator; stats() from any thread.
 //
 // Every communicator counts what it carried (stats()): for each collective,
 // its calls, their time, and the bytes this rank sends under the
@@ -25,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -66,7 +68,8 @@ class Communicator {
   Status Broadcast(void* data, size_t bytes, int root);
   virtual Status Barrier() = 0;
 
-  const CommStats& stats() const { return stats_; }
+  // A snapshot (safe to take while another thread runs a collective).
+  CommStats stats() const;
 
  protected:
   virtual Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) = 0;
@@ -75,6 +78,7 @@ class Communicator {
   virtual Status DoBroadcast(void* data, size_t bytes, int root) = 0;
 
  private:
+  mutable std::mutex stats_mu_;
   CommStats stats_;
 };
 

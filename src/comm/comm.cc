@@ -17,36 +17,45 @@ namespace strata {
 
 namespace {
 
-// Times `call` and counts it (and `bytes`, what this rank sends) in `into`.
+// Times `call` and counts it (and `bytes`, what this rank sends) in `into`, under `mu`.
 template <typename Call>
-Status Counted(CollectiveStats& into, uint64_t bytes, Call&& call) {
+Status Counted(std::mutex& mu, CollectiveStats& into, uint64_t bytes, Call&& call) {
   const auto start = std::chrono::steady_clock::now();
   Status status = call();
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::lock_guard lock(mu);
   into.calls++;
   into.bytes += bytes;
-  into.seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  into.seconds += seconds;
   return status;
 }
 
 }  // namespace
 
+CommStats Communicator::stats() const {
+  std::lock_guard lock(stats_mu_);
+  return stats_;
+}
+
 Status Communicator::AllGather(const void* send, void* recv, size_t bytes_per_rank) {
   const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * bytes_per_rank;
-  return Counted(stats_.all_gather, bytes, [&] { return DoAllGather(send, recv, bytes_per_rank); });
+  return Counted(stats_mu_, stats_.all_gather, bytes, [&] { return DoAllGather(send, recv, bytes_per_rank); });
 }
 
 Status Communicator::ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
   const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * count_per_rank * sizeof(float);
-  return Counted(stats_.reduce_scatter, bytes, [&] { return DoReduceScatterSum(send, recv, count_per_rank); });
+  return Counted(stats_mu_, stats_.reduce_scatter, bytes,
+                 [&] { return DoReduceScatterSum(send, recv, count_per_rank); });
 }
 
 Status Communicator::AllReduceSum(std::span<double> values) {
   const uint64_t bytes = 2 * static_cast<uint64_t>(world_size() - 1) * values.size_bytes() / world_size();
-  return Counted(stats_.all_reduce, bytes, [&] { return DoAllReduceSum(values); });
+  return Counted(stats_mu_, stats_.all_reduce, bytes, [&] { return DoAllReduceSum(values); });
 }
 
 Status Communicator::Broadcast(void* data, size_t bytes, int root) {
-  return Counted(stats_.broadcast, world_size() > 1 ? bytes : 0, [&] { return DoBroadcast(data, bytes, root); });
+  return Counted(stats_mu_, stats_.broadcast, world_size() > 1 ? bytes : 0,
+                 [&] { return DoBroadcast(data, bytes, root); });
 }
 
 bool LaunchedByMpi() {

@@ -46,7 +46,8 @@ struct Model {
     auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
     faults = wrapped.get();
     options.nvme_capacity_bytes = uint64_t{64} << 20;
-    auto created = Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped), .comm = comm});
+    auto created =
+        Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped), .comm = comm});
     STRATA_CHECK(created.ok(), "{}", created.status().ToString());
     engine = std::move(created).value();
     for (int l = 0; l < kLayers; ++l) {
@@ -76,8 +77,10 @@ struct Model {
     STRATA_CHECK(access.ok(), "{}", access.status().ToString());
     std::memcpy(access->data(), values.data(), values.size() * sizeof(float));
   }
-  // One iteration: a device moment per layer (as backward would), then the step.
-  Result<TrainStepReport> Iteration(Communicator* comm = nullptr) {
+  // One iteration: a device moment per layer (as backward would), then the
+  // step. With `reducer`, each layer's gradients are submitted to it as its
+  // backward moment ends.
+  Result<TrainStepReport> Iteration(Communicator* comm = nullptr, GradReducer* reducer = nullptr) {
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
     Status backward = Status::Ok();
     for (int l = kLayers - 1; l >= 0 && backward.ok(); --l) {
@@ -86,9 +89,12 @@ struct Model {
         if (backward.ok()) backward = pipeline->Access(*engine->ChunkOf(TensorId(l), kind)).status();
       }
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
+      if (backward.ok() && reducer != nullptr) {
+        backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
+      }
     }
-    Result<TrainStepReport> report =
-        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm) : Result<TrainStepReport>(backward);
+    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm, reducer)
+                                                   : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
     STRATA_RETURN_IF_ERROR(ended);
@@ -214,7 +220,7 @@ std::vector<float> RankGrad(int rank, int layer, int step) {
 // `world` ranks (threads) with their own gradients against one rank
 // stepping their mean: the same parameters on every rank, bit for bit
 // without clipping.
-void RunDataParallel(int world, double max_grad_norm, bool exact) {
+void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_backward = false) {
   constexpr int kSteps = 3;
   std::mt19937 rng(11);
   std::vector<std::vector<float>> initial(kLayers);
@@ -247,13 +253,15 @@ void RunDataParallel(int world, double max_grad_norm, bool exact) {
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       Model rank(max_grad_norm, (*group)[r].get());
+      std::unique_ptr<GradReducer> reducer;
+      if (during_backward) reducer = std::make_unique<GradReducer>(*rank.engine, *(*group)[r]);
       for (const ChunkInfo& chunk : rank.engine->chunks()) {
         if (IsOptimizerState(chunk.kind)) state_bytes[r] += chunk.size_bytes;
       }
       for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial[l]);
       for (int step = 0; step < kSteps && results[r].ok(); ++step) {
         for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
-        Result<TrainStepReport> report = rank.Iteration((*group)[r].get());
+        Result<TrainStepReport> report = rank.Iteration((*group)[r].get(), reducer.get());
         results[r] = report.status();
         if (report.ok()) norms[r].push_back(report->plan.grad_norm);
         if (report.ok()) comm_bytes[r] = report->comm_bytes;
@@ -263,10 +271,12 @@ void RunDataParallel(int world, double max_grad_norm, bool exact) {
   }
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < world; ++r) ASSERT_OK(results[r]);
-  // A step sends every group's fp32 gradients reduce-scattered and its
-  // (fp32) params gathered, (W-1) shards of each, and the norm all-reduced.
-  const uint64_t shard_bytes = memory::ShardOf(kChunkElems, 0, world).elems * sizeof(float);
-  const uint64_t expected_comm = kLayers * 2 * (world - 1) * shard_bytes + 2 * (world - 1) * sizeof(double) / world;
+  // A step sends every group's fp32 gradients reduce-scattered (each
+  // shard with its group's tag) and its (fp32) params gathered, (W-1)
+  // shards of each, and the norm all-reduced.
+  const uint64_t shard = memory::ShardOf(kChunkElems, 0, world).elems;
+  const uint64_t expected_comm = kLayers * (world - 1) * ((shard + 1) + shard) * sizeof(float) +
+                                 2 * (world - 1) * sizeof(double) / world;
   for (int r = 0; r < world; ++r) EXPECT_EQ(comm_bytes[r], expected_comm) << "rank " << r;
   // Each rank holds its shard of the states: 1/W of them, up to the 4 KiB slot rounding.
   uint64_t whole_state_bytes = 0;
@@ -302,6 +312,72 @@ TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) {
 TEST(TrainStepTest, ThreeRanksWithAShortLastShardStepLikeOneRank) { RunDataParallel(3, 0.0, /*exact=*/true); }
 
 TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(2, 0.5, /*exact=*/false); }
+
+// Gradients reduced during backward (each layer's as its moment ends, on
+// the reducer's thread) give the same step, bit for bit.
+TEST(TrainStepTest, GradientsReducedDuringBackwardStepTheSame) {
+  RunDataParallel(2, 0.0, /*exact=*/true, /*during_backward=*/true);
+  RunDataParallel(3, 0.5, /*exact=*/false, /*during_backward=*/true);
+}
+
+// Ranks whose backward completes groups in different orders would sum one
+// group's gradients with another's: every rank finds it, by the groups'
+// tags, and names it.
+TEST(TrainStepTest, RanksReducingGroupsInDifferentOrdersAreRefusedNotSummed) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      const ChunkId first = *rank.engine->ChunkOf(TensorId(r == 0 ? 0 : 1), ChunkKind::kGrad);
+      const ChunkId second = *rank.engine->ChunkOf(TensorId(r == 0 ? 1 : 0), ChunkKind::kGrad);
+      results[r] = reducer.Submit(first);
+      if (results[r].ok()) results[r] = reducer.Submit(second);
+      if (results[r].ok()) results[r] = reducer.Take(first).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].code(), StatusCode::kInvalidArgument) << results[r].ToString();
+    EXPECT_NE(results[r].message().find("every rank must run the same backward"), std::string::npos)
+        << results[r].ToString();
+  }
+}
+
+// A chunk submitted again (a gradient that arrived late) is reduced with
+// its latest values; a chunk that is not a grad chunk is refused.
+TEST(TrainStepTest, AResubmittedChunkIsReducedWithItsLatestGradients) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<std::vector<float>> shards(2);
+  std::vector<Status> results(2, Status::Ok()), wrong_kind(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+      wrong_kind[r] = reducer.Submit(*rank.engine->ChunkOf(TensorId(0), ChunkKind::kParam));
+      rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 1.0f));
+      results[r] = reducer.Submit(grad);
+      rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 3.0f + r));
+      if (results[r].ok()) results[r] = reducer.Submit(grad);
+      Result<GradReducer::Reduced> reduced = reducer.Take(grad);
+      if (results[r].ok()) results[r] = reduced.status();
+      if (reduced.ok()) shards[r] = reduced->shard;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(results[r]);
+    EXPECT_EQ(wrong_kind[r].code(), StatusCode::kInvalidArgument);
+    ASSERT_EQ(shards[r].size(), kChunkElems / 2);
+    EXPECT_EQ(shards[r], std::vector<float>(kChunkElems / 2, 3.5f)) << "rank " << r << ": the mean of 3 and 4";
+  }
+}
 
 // A sharded engine stepped without its communicator (or with another
 // group's) would update a range its chunks do not hold: refused up front.

@@ -1,0 +1,117 @@
+#include "offload/grad_reducer.h"
+
+#include <chrono>
+
+#include <fmt/format.h>
+
+#include "memory/chunk_layout.h"
+#include "optim/half.h"
+#include "src/task_queue.h"
+#include "strata/buffer.h"
+
+namespace strata::offload {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+}  // namespace
+
+GradReducer::GradReducer(Engine& engine, Communicator& comm)
+    : engine_(engine), comm_(comm), chunks_(engine.chunks()), queue_(std::make_unique<TaskQueue>(1)) {}
+
+GradReducer::~GradReducer() = default;
+
+Status GradReducer::Submit(ChunkId grad) {
+  if (grad.value() >= chunks_.size() || chunks_[grad.value()].kind != ChunkKind::kGrad) {
+    return InvalidArgument("gradient reduce-scatter: chunk {} is not a grad chunk", grad.value());
+  }
+  const ChunkInfo& info = chunks_[grad.value()];
+  const int world = comm_.world_size();
+  const size_t n = info.used_bytes / DTypeSizeBytes(info.dtype);
+  const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
+  Buffer raw = AllocateAlignedHost(info.size_bytes, 4096);
+  STRATA_RETURN_IF_ERROR(engine_.ReadChunk(grad, raw.data()).WithContext("reading gradients to reduce"));
+  // Each rank's slice of the message is its range of the gradients, then the
+  // group's tag (id + 1, exact in fp32): summed, the tags say whether every
+  // rank reduced the same group.
+  const size_t slice = range.elems + 1;
+  auto send = std::make_shared<std::vector<float>>(slice * world, 0.0f);
+  for (int r = 0; r < world; ++r) {
+    float* out = send->data() + r * slice;
+    for (size_t j = 0; j < range.elems && r * range.elems + j < n; ++j) {
+      out[j] = optim::FloatAt(raw.data(), info.dtype, r * range.elems + j);
+    }
+    out[range.elems] = static_cast<float>(info.group + 1);
+  }
+  // A gradient that arrives after its chunk was submitted (a parameter used
+  // again, as reentrant checkpointing does) submits it again: the earlier
+  // reduction is waited for and dropped.
+  if (auto earlier = pending_.find(grad.value()); earlier != pending_.end()) {
+    earlier->second->done.wait();
+    pending_.erase(earlier);
+  }
+  auto pending = std::make_unique<Pending>();
+  Pending* into = pending.get();
+  const uint32_t group = info.group;
+  into->done = queue_->Push([this, send, slice, group, world, into]() -> Status {
+    std::vector<float> mine(slice);
+    const uint64_t before = comm_.stats().total_bytes();
+    STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send->data(), mine.data(), slice)
+                               .WithContext(fmt::format("reduce-scatter of the gradients of chunk group {}", group)));
+    into->bytes = comm_.stats().total_bytes() - before;
+    const float tags = mine.back();
+    if (tags != static_cast<float>(world) * static_cast<float>(group + 1)) {
+      return InvalidArgument(
+          "gradient reduce-scatter: rank {} reduced chunk group {} while other ranks reduced another (the tags sum to "
+          "{}, not {}): every rank must run the same backward, so that gradients complete in the same order",
+          comm_.rank(), group, tags, world * (group + 1));
+    }
+    mine.pop_back();
+    const float mean = 1.0f / static_cast<float>(world);
+    for (float& x : mine) x *= mean;
+    into->shard = std::move(mine);
+    return Status::Ok();
+  });
+  pending_[grad.value()] = std::move(pending);
+  return Status::Ok();
+}
+
+Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
+  if (!submitted(grad)) STRATA_RETURN_IF_ERROR(Submit(grad));
+  auto it = pending_.find(grad.value());
+  const Clock::time_point start = Clock::now();
+  const Status status = it->second->done.get();
+  wait_seconds_ += SecondsSince(start);
+  Reduced reduced{std::move(it->second->shard), it->second->bytes};
+  pending_.erase(it);
+  STRATA_RETURN_IF_ERROR(status);
+  return reduced;
+}
+
+std::shared_future<Status> GradReducer::Enqueue(std::function<Status(Communicator&)> job) {
+  std::shared_future<Status> done = queue_->Push([this, job = std::move(job)] { return job(comm_); });
+  others_.push_back(done);
+  return done;
+}
+
+Status GradReducer::Drain() {
+  const Clock::time_point start = Clock::now();
+  Status first = Status::Ok();
+  for (auto& [id, pending] : pending_) {
+    const Status status = pending->done.get();
+    if (first.ok() && !status.ok()) first = status;
+  }
+  for (const std::shared_future<Status>& done : others_) {
+    const Status status = done.get();
+    if (first.ok() && !status.ok()) first = status;
+  }
+  others_.clear();
+  wait_seconds_ += SecondsSince(start);
+  return first;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,87 @@
+// GradReducer: data parallel, the reduce-scatter of each chunk group's
+// gradients on a thread of its own, started as soon as the group's
+// gradients are complete (Submit) so that it overlaps the rest of backward;
+// the step takes each group's reduced shard when it needs it (Take).
+//
+//   GradReducer reducer(engine, comm);
+//   ... backward; a grad chunk is complete -> reducer.Submit(grad);
+//   RunTrainStep(engine, pipeline, optimizer, skip, &comm, &reducer);
+//       // Takes every group (submitting the ones not yet submitted)
+//
+// Submit copies the grad chunk (Engine::ReadChunk, from wherever it is) on
+// the caller's thread and queues its reduce-scatter; the communicator is
+// then used by the reducer's thread until the queue is empty, so the caller
+// runs no other collective before Drain() (RunTrainStep drains it before
+// its own collectives). Every rank must submit the same groups in the same
+// order: each message carries its group's id, and a rank that finds other
+// ranks reducing another group gets InvalidArgument naming both, instead of
+// wrong sums.
+//
+// Thread-safety: Submit, Take and Drain from one thread (the training loop).
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "strata/comm.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata {
+class TaskQueue;
+}
+
+namespace strata::offload {
+
+class GradReducer {
+ public:
+  GradReducer(Engine& engine, Communicator& comm);
+  ~GradReducer();  // waits for what is queued
+  GradReducer(const GradReducer&) = delete;
+  GradReducer& operator=(const GradReducer&) = delete;
+
+  // Copies `grad` (a grad chunk) and queues its reduce-scatter.
+  Status Submit(ChunkId grad);
+  bool submitted(ChunkId grad) const { return pending_.count(grad.value()) != 0; }
+  // Submit again before Take (a gradient that arrived late, as reentrant
+  // checkpointing may deliver one) replaces the earlier reduction.
+  //
+  // Take: this rank's range (memory::ShardOf) of the mean of every rank's
+  // gradients of `grad`, in fp32 (`shard`, ShardRange::elems long), and the
+  // bytes its reduce-scatter sent; submits the chunk first if it was not.
+  // Waits for it: the time is counted in wait_seconds().
+  struct Reduced {
+    std::vector<float> shard;
+    uint64_t bytes = 0;
+  };
+  Result<Reduced> Take(ChunkId grad);
+  // Queues any collective after those queued (the replay bench's parameter
+  // all-gathers); its result at Drain or through the future.
+  std::shared_future<Status> Enqueue(std::function<Status(Communicator&)> job);
+  // Waits for everything queued; the first error of the jobs not taken.
+  Status Drain();
+  // Seconds Take and Drain have waited for the queue (communication not
+  // hidden behind other work), since construction.
+  double wait_seconds() const { return wait_seconds_; }
+
+ private:
+  struct Pending {
+    std::shared_future<Status> done;
+    std::vector<float> shard;  // set by the job
+    uint64_t bytes = 0;        // set by the job
+  };
+
+  Engine& engine_;
+  Communicator& comm_;
+  const std::vector<ChunkInfo> chunks_;
+  std::map<uint32_t, std::unique_ptr<Pending>> pending_;  // by grad chunk id
+  std::vector<std::shared_future<Status>> others_;        // Enqueue's jobs
+  double wait_seconds_ = 0;
+  std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above
+};
+
+}  // namespace strata::offload
