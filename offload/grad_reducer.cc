@@ -52,6 +52,7 @@ Status GradReducer::Submit(ChunkId grad) {
   // reduction is waited for and dropped.
   if (auto earlier = pending_.find(grad.value()); earlier != pending_.end()) {
     earlier->second->done.wait();
+    queued_.erase(earlier->second->seq);
     pending_.erase(earlier);
   }
   auto pending = std::make_unique<Pending>();
@@ -76,6 +77,8 @@ Status GradReducer::Submit(ChunkId grad) {
     into->shard = std::move(mine);
     return Status::Ok();
   });
+  into->seq = next_seq_++;
+  queued_[into->seq] = into->done;
   pending_[grad.value()] = std::move(pending);
   return Status::Ok();
 }
@@ -87,6 +90,7 @@ Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
   const Status status = it->second->done.get();
   wait_seconds_ += SecondsSince(start);
   Reduced reduced{std::move(it->second->shard), it->second->bytes};
+  queued_.erase(it->second->seq);
   pending_.erase(it);
   STRATA_RETURN_IF_ERROR(status);
   return reduced;
@@ -94,22 +98,21 @@ Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
 
 std::shared_future<Status> GradReducer::Enqueue(std::function<Status(Communicator&)> job) {
   std::shared_future<Status> done = queue_->Push([this, job = std::move(job)] { return job(comm_); });
-  others_.push_back(done);
+  queued_[next_seq_++] = done;
   return done;
 }
 
 Status GradReducer::Drain() {
   const Clock::time_point start = Clock::now();
   Status first = Status::Ok();
-  for (auto& [id, pending] : pending_) {
-    const Status status = pending->done.get();
-    if (first.ok() && !status.ok()) first = status;
-  }
-  for (const std::shared_future<Status>& done : others_) {
+  for (const auto& [seq, done] : queued_) {
     const Status status = done.get();
     if (first.ok() && !status.ok()) first = status;
   }
-  others_.clear();
+  // The reductions stay to be taken; the other jobs are done with.
+  std::map<uint64_t, std::shared_future<Status>> reductions;
+  for (const auto& [id, pending] : pending_) reductions[pending->seq] = pending->done;
+  queued_ = std::move(reductions);
   wait_seconds_ += SecondsSince(start);
   return first;
 }

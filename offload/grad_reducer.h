@@ -62,7 +62,8 @@ class GradReducer {
   // Queues any collective after those queued (the replay bench's parameter
   // all-gathers); its result at Drain or through the future.
   std::shared_future<Status> Enqueue(std::function<Status(Communicator&)> job);
-  // Waits for everything queued; the first error of the jobs not taken.
+  // Waits for everything queued; the first error (in queue order: the cause,
+  // not the failures of a broken group after it) of the jobs not taken.
   Status Drain();
   // Seconds Take and Drain have waited for the queue (communication not
   // hidden behind other work), since construction.
@@ -73,13 +74,15 @@ class GradReducer {
     std::shared_future<Status> done;
     std::vector<float> shard;  // set by the job
     uint64_t bytes = 0;        // set by the job
+    uint64_t seq = 0;          // its place in the queue
   };
 
   Engine& engine_;
   Communicator& comm_;
   const std::vector<ChunkInfo> chunks_;
   std::map<uint32_t, std::unique_ptr<Pending>> pending_;  // by grad chunk id
-  std::vector<std::shared_future<Status>> others_;        // Enqueue's jobs
+  std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
+  uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;
   std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above
 };

@@ -408,11 +408,12 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "train_step",
       [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer,
-         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm) {
+         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm,
+         strata::offload::GradReducer* reducer) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
-        const strata::offload::TrainStepReport report = ValueOrThrow(
-            Unlocked([&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm); }));
+        const strata::offload::TrainStepReport report = ValueOrThrow(Unlocked(
+            [&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm, reducer); }));
         py::dict d;
         d["skipped"] = report.plan.skip;
         d["step"] = report.plan.step;
@@ -422,12 +423,35 @@ PYBIND11_MODULE(_strata, m) {
         d["update_seconds"] = report.update_seconds;
         d["groups"] = report.groups;
         d["comm_bytes"] = report.comm_bytes;
+        d["comm_wait_seconds"] = report.comm_wait_seconds;
         return d;
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
-      py::arg("comm") = nullptr,
+      py::arg("comm") = nullptr, py::arg("reducer") = nullptr,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are");
+
+  py::class_<strata::offload::GradReducer, std::unique_ptr<strata::offload::GradReducer>>(
+      m, "GradReducer",
+      "data parallel: the gradient reduce-scatter of each chunk group on a thread of its own, submitted as the "
+      "group's gradients complete in backward (offload/grad_reducer.h)")
+      .def(py::init([](strata::Engine& engine, strata::Communicator& comm) {
+             return std::make_unique<strata::offload::GradReducer>(engine, comm);
+           }),
+           py::arg("engine"), py::arg("comm"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def(
+          "submit",
+          [](strata::offload::GradReducer& r, uint32_t chunk) {
+            ThrowIfError(Unlocked([&] { return r.Submit(strata::ChunkId(chunk)); }));
+          },
+          py::arg("chunk"), "copies a grad chunk and queues its reduce-scatter")
+      .def(
+          "submitted",
+          [](const strata::offload::GradReducer& r, uint32_t chunk) { return r.submitted(strata::ChunkId(chunk)); },
+          py::arg("chunk"))
+      .def("drain", [](strata::offload::GradReducer& r) { ThrowIfError(Unlocked([&] { return r.Drain(); })); },
+           "waits for every queued reduction")
+      .def_property_readonly("wait_seconds", &strata::offload::GradReducer::wait_seconds);
 
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),

@@ -199,6 +199,17 @@ class TrainingEngine:
         self._timeline = []        # tier bytes at each moment of the current iteration
         self._last_timeline = []
         self._last_step = {}
+        # Data parallel: a grad chunk's reduce-scatter starts as soon as all
+        # its parameters' gradients are in, in the last backward before a
+        # step, and runs beside the rest of backward.
+        self._reducer = _strata.GradReducer(self._engine, self.comm) if self.world_size > 1 else None
+        self._grad_chunk_params = {}  # grad chunk -> its trainable parameters
+        for record in self._params:
+            if record.trainable:
+                self._grad_chunk_params[record.grad_chunk] = self._grad_chunk_params.get(record.grad_chunk, 0) + 1
+        self._arrived = {}  # grad chunk -> ids of the parameters whose gradient came in this backward
+        self._reducing = False     # this backward submits complete grad chunks to the reducer
+        self._comm_mark = self.comm.stats()["total_bytes"] if self.world_size > 1 else 0
         self._broken = None        # why training cannot go on (a step or backward that failed part way)
         self._hooks = []
         self._install_hooks(model)
@@ -333,6 +344,8 @@ class TrainingEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
+        self._arrived = {}
+        self._reducing = self._reducer is not None and self._micro_steps + 1 == self.gradient_accumulation_steps
         try:
             (loss if scale == 1.0 else loss * scale).backward()
         except BaseException as error:
@@ -354,14 +367,14 @@ class TrainingEngine:
         start = time.perf_counter()
         self._synchronize()
         self._end_moment()
-        comm_before = self.comm.stats()["total_bytes"] if self.world_size > 1 else 0
         stepped = [float(r.stepped) for r in self._params]
         if self.world_size > 1:  # a parameter is skipped when no rank's backward reached it
+            self._checked(self._reducer.drain)  # the reductions begun in backward hold the communicator
             stepped = self.comm.all_reduce_sum(stepped)
         skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
         try:
             self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
-                                            self.comm)
+                                            self.comm, self._reducer)
         except BaseException as error:
             self._broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk groups are "
                             "updated and others not")
@@ -372,8 +385,9 @@ class TrainingEngine:
         for record in self._params:
             record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
-        if self.world_size > 1:  # the step's collectives, the unused-parameter vote included
-            self._last_step["comm_bytes"] = self.comm.stats()["total_bytes"] - comm_before
+        if self.world_size > 1:  # since the last step: the reductions in backward and the unused-parameter vote too
+            mark = self.comm.stats()["total_bytes"]
+            self._last_step["comm_bytes"], self._comm_mark = mark - self._comm_mark, mark
         self._micro_steps = 0
         return True
 
@@ -702,6 +716,13 @@ class TrainingEngine:
             target.add_(grad.reshape(-1))
         record.grad_arrived = True
         record.stepped = True
+        if self._reducing:
+            arrived = self._arrived.setdefault(record.grad_chunk, set())
+            again = id(record) in arrived  # a parameter used again (reentrant checkpointing): reduce anew
+            arrived.add(id(record))
+            if again or len(arrived) == self._grad_chunk_params[record.grad_chunk]:
+                self._synchronize()  # the reducer copies the chunk on its own stream
+                self._checked(self._reducer.submit, record.grad_chunk)
 
     def _grad_access(self, chunk):
         if self._direct:
