@@ -3,12 +3,16 @@
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
+#include <map>
+#include <optional>
+#include <thread>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "memory/chunk_layout.h"
 #include "offload/capacity_plan.h"
+#include "offload/grad_reducer.h"
 #include "offload/pipeline.h"
 #include "src/selftest.h"
 #include "strata/engine.h"
@@ -31,13 +35,16 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
 
 // The step as the planner sees it (offload::GptStepTrace), with the compute
 // each moment busy-waits: FLOPs at --gpu-tflops, or 1.5 x its chunks' time
-// over the throttled link.
+// over the throttled link; an update 1/ranks of its time with several ranks.
 offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
                             const memory::ChunkLayout& layout) {
   offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config));
-  if (config.gpu_tflops > 0 && config.compute_ms <= 0) return step;
   for (offload::TraceMoment& m : step.trace.moments) {
-    if (m.tier != Tier::kDevice) continue;  // the updates keep their rates
+    if (m.device_compute_seconds && config.ranks > 1) {  // an update: each rank updates its share
+      m.compute_seconds /= config.ranks;
+      *m.device_compute_seconds /= config.ranks;
+    }
+    if (m.tier != Tier::kDevice || (config.gpu_tflops > 0 && config.compute_ms <= 0)) continue;
     uint64_t bytes = 0;
     for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
     m.compute_seconds =
@@ -85,9 +92,43 @@ bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engi
   return compute >= transfer;
 }
 
+// Data parallel: where each moment's communication goes. A backward
+// moment submits the grad chunks it is the last to touch; an update moment
+// takes its group's reduced gradients first and queues its param chunk's
+// all-gather after.
+struct CommMoments {
+  std::vector<std::vector<ChunkId>> submit;     // per moment
+  std::vector<std::optional<ChunkId>> take;     // per moment: the grad chunk of an update
+  std::vector<std::optional<ChunkId>> gather;   // per moment: the param chunk of an update
+};
+
+CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInfo>& chunks) {
+  CommMoments out;
+  out.submit.resize(step.moments.size());
+  out.take.resize(step.moments.size());
+  out.gather.resize(step.moments.size());
+  std::map<uint32_t, size_t> last_backward;
+  for (size_t k = 0; k < step.moments.size(); ++k) {
+    const offload::TraceMoment& m = step.moments[k];
+    for (ChunkId c : m.chunks) {
+      const ChunkKind kind = chunks[c.value()].kind;
+      if (m.device_compute_seconds) {  // an update
+        if (kind == ChunkKind::kGrad) out.take[k] = c;
+        if (kind == ChunkKind::kParam) out.gather[k] = c;
+      } else if (kind == ChunkKind::kGrad) {
+        last_backward[c.value()] = k;
+      }
+    }
+  }
+  for (const auto& [chunk, k] : last_backward) out.submit[k].push_back(ChunkId(chunk));
+  return out;
+}
+
 Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
-                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline) {
+                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline,
+                          Communicator* comm = nullptr) {
   EngineSeams seams;
+  seams.comm = comm;
   if (config.dirs.empty()) {
     STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme_capacity_bytes));
   }
@@ -101,9 +142,30 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Pipeline> pipeline,
                           offload::Pipeline::Create(*engine, pipeline_options));
   RunResult result;
+  std::vector<std::byte> gather_buffer;  // the all-gathers' bytes (the replay has no values to keep)
+  std::unique_ptr<offload::GradReducer> reducer;  // after the buffer its jobs use
+  CommMoments comm_moments;
+  if (comm != nullptr) {
+    reducer = std::make_unique<offload::GradReducer>(*engine, *comm);
+    comm_moments = CommMomentsOf(step, engine->chunks());
+    uint64_t largest = 0;
+    for (const ChunkInfo& chunk : engine->chunks()) largest = std::max(largest, chunk.size_bytes);
+    gather_buffer.resize(2 * largest + 4096);
+  }
+  const auto gather = [&](const ChunkInfo& param) {
+    const uint64_t width = DTypeSizeBytes(param.dtype);
+    const uint64_t shard = memory::ShardOf(param.used_bytes / width, comm->rank(), comm->world_size()).elems * width;
+    return [&gather_buffer, shard](Communicator& c) {
+      return c.AllGather(gather_buffer.data(), gather_buffer.data() + shard, shard);
+    };
+  };
   for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
+    const double waited = reducer ? reducer->wait_seconds() : 0;
+    const uint64_t sent = comm != nullptr ? comm->stats().total_bytes() : 0;
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
-    for (const offload::TraceMoment& m : step.moments) {
+    for (size_t k = 0; k < step.moments.size(); ++k) {
+      const offload::TraceMoment& m = step.moments[k];
+      if (reducer && comm_moments.take[k]) STRATA_RETURN_IF_ERROR(reducer->Take(*comm_moments.take[k]).status());
       double compute = m.compute_seconds;
       if (m.tier == Tier::kDevice) {
         STRATA_RETURN_IF_ERROR(pipeline->BeginMoment(m.non_model_bytes));
@@ -119,15 +181,26 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       BusyFor(compute);
       held.clear();
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
+      if (reducer) {
+        for (ChunkId c : comm_moments.submit[k]) STRATA_RETURN_IF_ERROR(reducer->Submit(c));
+        if (comm_moments.gather[k]) reducer->Enqueue(gather(engine->chunks()[comm_moments.gather[k]->value()]));
+      }
     }
+    if (reducer) STRATA_RETURN_IF_ERROR(reducer->Drain());  // the gathers are in before the next forward
     STRATA_RETURN_IF_ERROR(pipeline->EndIteration());
     if (it < config.warmup) continue;
     const offload::PipelineStats s = pipeline->stats();
     result.run.step_seconds += s.step_seconds / config.iterations;
     result.run.stall_seconds += s.stall_seconds / config.iterations;
+    if (reducer) {
+      result.run.comm_stall_seconds += (reducer->wait_seconds() - waited) / config.iterations;
+      result.run.comm_bytes += (comm->stats().total_bytes() - sent) / config.iterations;
+    }
     for (int l = 0; l < offload::kNumLinks; ++l) result.run.bytes[l] += s.bytes[l] / config.iterations;
   }
   result.run.stall_fraction = result.run.step_seconds > 0 ? result.run.stall_seconds / result.run.step_seconds : 0;
+  result.run.comm_stall_fraction =
+      result.run.step_seconds > 0 ? result.run.comm_stall_seconds / result.run.step_seconds : 0;
   const offload::PipelineStats s = pipeline->stats();
   result.planning_seconds = s.planning_seconds;
   result.divergences = s.divergences;
@@ -145,6 +218,40 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   }
   result.pipeline_json = pipeline->StatsJson();
   return result;
+}
+
+// RunOnce on `config.ranks` ranks (threads of a loopback group, throttled
+// to config.net_gbps): rank 0's result, with the largest communication
+// stall of any rank.
+Result<RunResult> RunRanks(const ReplayBenchConfig& config, const Options& options,
+                           const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline) {
+  if (config.ranks <= 1) return RunOnce(config, options, specs, step, baseline);
+  const int world = static_cast<int>(config.ranks);
+  STRATA_ASSIGN_OR_RETURN(auto group, CreateLoopbackGroup(world, {.timeout_ms = 600'000}));
+  std::vector<std::unique_ptr<Communicator>> throttled(world);
+  for (int r = 0; r < world; ++r) {
+    if (config.net_gbps > 0) {
+      STRATA_ASSIGN_OR_RETURN(throttled[r], CreateThrottledCommunicator(*group[r], config.net_gbps));
+    }
+  }
+  std::vector<Result<RunResult>> results(world, Internal("rank did not run"));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      Communicator* comm = throttled[r] ? throttled[r].get() : group[r].get();
+      results[r] = RunOnce(config, options, specs, step, baseline, comm);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < world; ++r) STRATA_RETURN_IF_ERROR(results[r].status().WithContext(fmt::format("rank {}", r)));
+  RunResult out = std::move(results[0]).value();
+  for (int r = 1; r < world; ++r) {
+    if (results[r]->run.comm_stall_fraction > out.run.comm_stall_fraction) {
+      out.run.comm_stall_seconds = results[r]->run.comm_stall_seconds;
+      out.run.comm_stall_fraction = results[r]->run.comm_stall_fraction;
+    }
+  }
+  return out;
 }
 
 }  // namespace
@@ -169,6 +276,10 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   }
   if (!(config.gpu_tflops >= 0)) return InvalidArgument("bench replay: --gpu-tflops {} must be >= 0", config.gpu_tflops);
+  if (config.ranks < 1 || config.ranks > 64) {
+    return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
+  }
+  if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
   const SelftestConfig shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
                              .sequence = config.model.sequence};
   const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
@@ -229,7 +340,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   } remove_files{created};
 
-  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunOnce(config, options, specs, step.trace, /*baseline=*/false));
+  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunRanks(config, options, specs, step.trace, /*baseline=*/false));
   report.planned = planned.run;
   report.planning_seconds = planned.planning_seconds;
   report.predicted_step_seconds = planned.predicted_step_seconds;
@@ -264,7 +375,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     }
   }
   if (config.baseline) {
-    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunOnce(config, options, specs, step.trace, /*baseline=*/true));
+    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunRanks(config, options, specs, step.trace, /*baseline=*/true));
     report.lru = lru.run;
   }
   return report;
@@ -301,6 +412,18 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
         1e3 * r.predicted_step_seconds, 100 * (r.predicted_step_seconds / std::max(r.planned.step_seconds, 1e-12) - 1),
         r.divergences);
   }
+  if (r.config.ranks > 1) {
+    const double network_ms =
+        r.config.net_gbps > 0 ? 1e3 * static_cast<double>(r.planned.comm_bytes) / (r.config.net_gbps * 1e9) : 0;
+    out += fmt::format(
+        "data parallel, {} ranks over {}: each sends {} a step ({:.2f} ms on that network); communication "
+        "stall {:.2f} ms ({:.1f}% of the step, the most of any rank){}\n",
+        r.config.ranks,
+        r.config.net_gbps > 0 ? fmt::format("a {} GB/s network", r.config.net_gbps) : std::string("the loopback"),
+        FormatSize(r.planned.comm_bytes), network_ms, 1e3 * r.planned.comm_stall_seconds,
+        100 * r.planned.comm_stall_fraction,
+        r.config.baseline ? fmt::format("; LRU run {:.1f}%", 100 * r.lru.comm_stall_fraction) : std::string());
+  }
   out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU; compute at least its chunks' "
                      "transfer time in {} of {} moments\n",
                      r.updates_on_device, r.updates, r.moments_covered, r.moments);
@@ -332,7 +455,9 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"warmup", r.config.warmup},
                  {"policy", r.config.policy},
                  {"device_params", r.config.device_params},
-                 {"host_states", r.config.host_states}};
+                 {"host_states", r.config.host_states},
+                 {"ranks", r.config.ranks},
+                 {"net_gbps", r.config.net_gbps}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;
@@ -344,6 +469,11 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
   };
   j["step_seconds"] = r.planned.step_seconds;
   j["stall_fraction"] = r.planned.stall_fraction;
+  if (r.config.ranks > 1) {
+    j["comm_bytes_per_rank"] = r.planned.comm_bytes;
+    j["comm_stall_seconds"] = r.planned.comm_stall_seconds;
+    j["comm_stall_fraction"] = r.planned.comm_stall_fraction;
+  }
   j["bytes_moved"] = links(r.planned);
   j["bytes_moved_total"] = r.planned.bytes_moved();
   j["planning_seconds"] = r.planning_seconds;

@@ -18,7 +18,8 @@
 // So stalls are what remains of the transfers. Reported per iteration after
 // the warm-up: stall time / step time, bytes per link, the planner's time
 // against a step and, with --gpu-tflops, `strata plan`'s prediction for
-// the same machine.
+// the same machine. With --ranks, data parallel over a throttled network
+// (ReplayBenchConfig::ranks): also the time waiting for communication.
 #pragma once
 
 #include <array>
@@ -51,6 +52,14 @@ struct ReplayBenchConfig {
   uint32_t warmup = 2;
   bool baseline = true;              // also run without a plan
   std::string policy = "adaptive";   // placement.policy of the measured run: adaptive or static
+  // Data parallel: ranks as threads (a loopback group), each its own engine
+  // holding 1/ranks of the optimizer states and updating its share of every
+  // group; each grad chunk's reduce-scatter starts as its last backward
+  // moment ends (offload::GradReducer), and each updated param chunk is
+  // all-gathered after its update, over a network of net_gbps (0: the
+  // loopback's memory speed).
+  uint32_t ranks = 1;
+  double net_gbps = 0;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
 };
@@ -60,6 +69,11 @@ struct ReplayRun {
   double stall_seconds = 0;    // mean
   double stall_fraction = 0;   // stall / step
   std::array<uint64_t, offload::kNumLinks> bytes = {};  // mean per iteration
+  // Data parallel (the rank with the most): waiting for collectives, mean
+  // per iteration, and its share of the step; bytes sent per iteration.
+  double comm_stall_seconds = 0;
+  double comm_stall_fraction = 0;
+  uint64_t comm_bytes = 0;
   uint64_t bytes_moved() const;
 };
 

@@ -86,6 +86,13 @@ class Communicator {
 // thread. InvalidArgument for world_size < 1.
 Result<std::vector<std::unique_ptr<Communicator>>> CreateLoopbackGroup(int world_size, CommOptions options = {});
 
+// `inner` (borrowed: it must outlive the result) with its collectives
+// slowed to `gbps` (1e9 bytes/s): each one takes at least the bytes this
+// rank sends (Communicator::stats) over that rate, sleeping out the rest —
+// a network slower than the loopback, for the replay bench and tests.
+// InvalidArgument unless gbps > 0.
+Result<std::unique_ptr<Communicator>> CreateThrottledCommunicator(Communicator& inner, double gbps);
+
 // MPI_COMM_WORLD (initializing MPI with thread support if nobody has).
 // NotSupported when strata was built without MPI.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options = {});

@@ -436,6 +436,12 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_replay_command->add_option("--iterations", bench_replay.config.iterations, "measured, after the warm-up")
       ->capture_default_str();
+  bench_replay_command->add_option("--ranks", bench_replay.config.ranks,
+                                   "data-parallel ranks (threads), each 1/ranks of the optimizer states")
+      ->capture_default_str();
+  bench_replay_command->add_option("--net-gbps", bench_replay.config.net_gbps,
+                                   "with --ranks: the network's bandwidth in GB/s each rank sends at; 0 = unthrottled")
+      ->capture_default_str();
   bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
   bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
 

@@ -3,6 +3,7 @@
 // next; a rank that never comes; mismatched calls; the configuration check.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <functional>
 #include <numeric>
 #include <thread>
@@ -123,6 +124,38 @@ TEST_P(LoopbackTest, StatsCountCallsAndTheBytesEachRankSends) {
     EXPECT_EQ(s.total_bytes(), s.all_gather.bytes + s.reduce_scatter.bytes + s.all_reduce.bytes + s.broadcast.bytes);
     EXPECT_GE(s.all_gather.seconds, 0.0);
   }
+}
+
+// A throttled communicator gives the inner one's results, and each
+// collective lasts at least the bytes this rank sends over its rate.
+TEST(ThrottledCommTest, CollectivesTakeTheirBytesOverTheRateAndStayCorrect) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 10'000});
+  ASSERT_OK(group.status());
+  std::vector<double> seconds(2);
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<std::vector<int>> gathered(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      auto slow = CreateThrottledCommunicator(*(*group)[r], 0.1);  // 100 MB/s
+      if (!slow.ok()) {
+        results[r] = slow.status();
+        return;
+      }
+      std::vector<int> mine(250'000, r + 1), all(500'000);  // 1 MB sent by each rank
+      const auto start = std::chrono::steady_clock::now();
+      results[r] = (*slow)->AllGather(mine.data(), all.data(), mine.size() * sizeof(int));
+      seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      gathered[r] = {all.front(), all[249'999], all[250'000], all.back()};
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(results[r]);
+    EXPECT_GE(seconds[r], 0.01) << "1 MB at 100 MB/s";
+    EXPECT_EQ(gathered[r], (std::vector<int>{1, 1, 2, 2}));
+  }
+  EXPECT_EQ(CreateThrottledCommunicator(*(*group)[0], 0).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(LoopbackCommTest, ARankThatNeverComesIsATimeoutNamingItAndBreaksTheGroup) {
