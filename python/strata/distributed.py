@@ -23,6 +23,14 @@ def launched_by_torchrun():
     return all(key in os.environ for key in _TORCHRUN_KEYS)
 
 
+def local_rank():
+    """This process's rank on its node (LOCAL_RANK from torchrun, OMPI_COMM_WORLD_LOCAL_RANK from mpirun), or None."""
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"):
+        if key in os.environ:
+            return int(os.environ[key])
+    return None
+
+
 def communicator(timeout_ms):
     """The data-parallel group this process is a rank of, or None when it runs alone."""
     if _strata.launched_by_mpi():

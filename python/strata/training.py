@@ -165,6 +165,9 @@ class TrainingEngine:
         self.comm = distributed.communicator(int(options["comm.timeout_ms"]))
         self.rank = self.comm.rank if self.comm else 0
         self.world_size = self.comm.world_size if self.comm else 1
+        local = distributed.local_rank()
+        if self.world_size > 1 and local is not None and int(options["device.index"]) == 0:
+            self.config.options.set("device.index", str(local))  # one GPU per process on a node
         self._engine = _strata.Engine(self.config.options, self.comm)
         self._emulated = "emulated" in self._engine.describe_backends()
         # Where the model computes: the CPU for the emulated device (its memory is the host's).

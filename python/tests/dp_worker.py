@@ -49,7 +49,8 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step):
     final = engine.state_dict(master=True)
     bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
-        json.dump({"bytes_of_kind": bytes_of_kind, "comm": engine.stats().get("comm")}, f)
+        json.dump({"bytes_of_kind": bytes_of_kind, "comm": engine.stats().get("comm"),
+                   "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if engine.rank == 0:
         torch.save({"initial": initial, "final": final}, out + ".pt")
         with open(out + ".json", "w") as f:

@@ -56,8 +56,9 @@ needs_mpirun = pytest.mark.skipif(MPIRUN is None, reason="no mpirun (OpenMPI's o
 def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, world):
     steps, batch = 20, 8
     result = run_ranks(tmp_path, world, steps, batch, launcher=launcher)
-    # Each rank's NVMe files in a directory of its own.
+    # Each rank's NVMe files in a directory of its own; each process its own GPU on the node.
     assert sorted(os.listdir(tmp_path / "nvme")) == [f"rank{r}" for r in range(world)]
+    assert [rank["device_index"] for rank in result["ranks"]] == list(range(world))
 
     _, reference = pair()
     theirs = torch_losses(reference, batches(steps, batch=batch))

@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "src/selftest.h"
 #include "test_util.h"
 
 namespace strata::bench {
@@ -34,6 +35,38 @@ TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
   }
   EXPECT_EQ(json["pipeline"]["planned_iterations"].get<uint64_t>(), 3u);  // the second warm-up iteration and two more
   EXPECT_NE(FormatReplayBench(report).find("LRU, on demand"), std::string::npos);
+}
+
+// Two ranks over a throttled network: each sends (W-1)/W of the fp32
+// gradients (reduce-scatter) and of the bf16 params (all-gather) a step,
+// plus shard padding and tags, and the stall is reported.
+TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) {
+  ReplayBenchConfig config;
+  config.model.layers = 2;
+  config.model.hidden = 128;
+  config.model.vocab = 512;
+  config.model.sequence = 32;
+  config.iterations = 1;
+  config.pcie_gbps = 8;
+  config.ranks = 2;
+  config.net_gbps = 2;
+  config.baseline = false;
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
+  uint64_t params = 0;
+  for (const TensorSpec& spec : GptTensorSpecs({.layers = 2, .hidden = 128, .vocab = 512, .sequence = 32},
+                                               DType::kBFloat16)) {
+    if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
+  }
+  const double expected = 0.5 * static_cast<double>(params) * (4 + 2);
+  EXPECT_GE(static_cast<double>(report.planned.comm_bytes), expected);
+  EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.02 * expected);
+  EXPECT_GE(report.planned.comm_stall_fraction, 0.0);
+  EXPECT_LE(report.planned.comm_stall_fraction, 1.0);
+  EXPECT_NE(FormatReplayBench(report).find("data parallel, 2 ranks over a 2 GB/s network"), std::string::npos);
+  nlohmann::json json = nlohmann::json::parse(ReplayBenchJson(report));
+  EXPECT_EQ(json["comm_bytes_per_rank"].get<uint64_t>(), report.planned.comm_bytes);
+  config.ranks = 0;
+  EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
 }
 
 TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
