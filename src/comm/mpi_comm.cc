@@ -186,6 +186,17 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options)
     // Finalized at exit (or aborted: see abandoned_requests).
     std::atexit(FinalizeAtExit);
   }
+  // The gradient reducer runs collectives on a thread of its own (never two
+  // at once): MPI must have been initialized for that, also by another library.
+  int level = MPI_THREAD_SINGLE;
+  MPI_Query_thread(&level);
+  if (level < MPI_THREAD_SERIALIZED) {
+    return NotSupported(
+        "MPI communicator: MPI was initialized (by another library) with thread level {}, below "
+        "MPI_THREAD_SERIALIZED ({}): strata reduces gradients on a thread of its own; initialize MPI with "
+        "MPI_Init_thread(..., MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, ...) or let strata do it",
+        level, MPI_THREAD_SERIALIZED);
+  }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
   int rank = 0, world = 0;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
