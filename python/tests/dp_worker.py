@@ -21,23 +21,27 @@ import strata  # noqa: E402
 from models import batches, pair  # noqa: E402
 
 
-def main(out, nvme_dir, steps, batch, precision, die_at_step):
+def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     model, _ = pair()
     config = {"optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
               "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
               "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},
               "precision": precision, "non_model_memory": 0, "log": {"level": "error"},
-              "comm": {"timeout_ms": 2000}}
+              "comm": {"timeout_ms": 2000}, "gradient_accumulation_steps": accumulation}
     engine = strata.initialize(model, config)
     initial = engine.state_dict(master=True)  # every rank: the masters are gathered
     share = batch // engine.world_size
     losses = []
+    grad_chunks = [c["id"] for c in engine.engine.chunks() if c["kind"] == "grad"]
+    reduced_in_backward = []  # per step: grad chunks whose reduction began before step()
     for step, tokens in enumerate(batches(steps, batch=batch)):
         mine = tokens[engine.rank * share:(engine.rank + 1) * share]
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         if step == die_at_step and engine.rank == engine.world_size - 1:
             os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies before its step's collectives
+        if engine._reducer is not None and (step + 1) % accumulation == 0:
+            reduced_in_backward.append(sum(engine._reducer.submitted(c) for c in grad_chunks))
         start = time.monotonic()
         try:
             engine.step()
@@ -50,6 +54,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step):
     bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
         json.dump({"bytes_of_kind": bytes_of_kind, "comm": engine.stats().get("comm"),
+                   "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if engine.rank == 0:
         torch.save({"initial": initial, "final": final}, out + ".pt")
@@ -59,4 +64,4 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step):
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "fp32",
-         int(sys.argv[6]) if len(sys.argv) > 6 else -1)
+         int(sys.argv[6]) if len(sys.argv) > 6 else -1, int(sys.argv[7]) if len(sys.argv) > 7 else 1)

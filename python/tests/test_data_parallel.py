@@ -27,11 +27,11 @@ def launch(launcher, world, args, mpi_options=()):
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
-def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun"):
+def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1):
     """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
-    run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision])
+    run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation])
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
         result = json.load(f)
@@ -67,6 +67,10 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, w
         if name in result["final"]:
             assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
 
+    # Every grad chunk's reduce-scatter began during backward, none waited for step().
+    for rank in result["ranks"]:
+        assert rank["reduced_in_backward"] == [rank["grad_chunks"]] * steps, rank["reduced_in_backward"]
+
     # Each rank holds its 1/W shard of the optimizer states (4096-element
     # chunks: a quarter of one is still a whole 4 KiB slot); params and grads whole.
     (tmp_path / "one").mkdir()
@@ -83,6 +87,18 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, w
         two_passes = 2 * comm["model_bytes"] * (world - 1) / world
         assert two_passes <= comm["last_step_bytes"] <= 1.05 * two_passes, comm
         assert comm["zero3_bytes_per_step"] == 3 * comm["model_bytes"] * (world - 1) // world
+
+
+@needs_mpirun
+def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):
+    steps, batch, accumulation = 12, 8, 2
+    result = run_ranks(tmp_path, 2, steps, batch, accumulation=accumulation)
+    _, reference = pair()
+    theirs = torch_losses(reference, batches(steps, batch=batch), accumulation=accumulation)
+    assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
+    # Reductions begin only in the backward before a step: once per step, every grad chunk.
+    for rank in result["ranks"]:
+        assert rank["reduced_in_backward"] == [rank["grad_chunks"]] * (steps // accumulation)
 
 
 @needs_mpirun

@@ -320,6 +320,42 @@ TEST(TrainStepTest, GradientsReducedDuringBackwardStepTheSame) {
   RunDataParallel(3, 0.5, /*exact=*/false, /*during_backward=*/true);
 }
 
+// The overflow check is global: one rank's inf gradient makes every rank
+// skip the step (the norm's all-reduced sum of squares is inf everywhere),
+// so the ranks' parameters never part.
+TEST(TrainStepTest, AnInfGradientOnOneRankSkipsTheStepOnEveryRank) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<bool> skipped(2, false), unchanged(2, false);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      std::mt19937 rng(5);
+      const std::vector<float> initial = Random(rng, 1.0f);
+      for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial);
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<float> grad = RankGrad(r, l, 0);
+        if (r == 1 && l == 3) grad[17] = std::numeric_limits<float>::infinity();
+        rank.Write(l, ChunkKind::kGrad, grad);
+      }
+      Result<TrainStepReport> report = rank.Iteration((*group)[r].get());
+      results[r] = report.status();
+      if (!report.ok()) return;
+      skipped[r] = report->plan.skip;
+      unchanged[r] = true;
+      for (int l = 0; l < kLayers; ++l) unchanged[r] = unchanged[r] && rank.Read(l, ChunkKind::kParam) == initial;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(results[r]);
+    EXPECT_TRUE(skipped[r]) << "rank " << r;
+    EXPECT_TRUE(unchanged[r]) << "rank " << r;
+  }
+}
+
 // Ranks whose backward completes groups in different orders would sum one
 // group's gradients with another's: every rank finds it, by the groups'
 // tags, and names it.
