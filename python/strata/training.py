@@ -348,7 +348,8 @@ class TrainingEngine:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
         self._arrived = {}
-        self._reducing = self._reducer is not None and self._micro_steps + 1 == self.gradient_accumulation_steps
+        # The backward before a step reduces (and one more before the step, should there be one, again).
+        self._reducing = self._reducer is not None and self._micro_steps + 1 >= self.gradient_accumulation_steps
         try:
             (loss if scale == 1.0 else loss * scale).backward()
         except BaseException as error:
@@ -720,10 +721,12 @@ class TrainingEngine:
         record.grad_arrived = True
         record.stepped = True
         if self._reducing:
+            # Complete: every trainable parameter's gradient is in. A gradient
+            # arriving after that (a parameter used again, as reentrant
+            # checkpointing can make happen) submits the chunk again.
             arrived = self._arrived.setdefault(record.grad_chunk, set())
-            again = id(record) in arrived  # a parameter used again (reentrant checkpointing): reduce anew
             arrived.add(id(record))
-            if again or len(arrived) == self._grad_chunk_params[record.grad_chunk]:
+            if len(arrived) == self._grad_chunk_params[record.grad_chunk]:
                 self._synchronize()  # the reducer copies the chunk on its own stream
                 self._checked(self._reducer.submit, record.grad_chunk)
 
