@@ -12,10 +12,13 @@
 // the caller's thread and queues its reduce-scatter; the communicator is
 // then used by the reducer's thread until the queue is empty, so the caller
 // runs no other collective before Drain() (RunTrainStep drains it before
-// its own collectives). Every rank must submit the same groups in the same
-// order: each message carries its group's id, and a rank that finds other
-// ranks reducing another group gets InvalidArgument naming both, instead of
-// wrong sums.
+// its own collectives; a collective begun meanwhile is CommError). Every
+// rank must submit the same groups in the same order (the adapter submits
+// in one fixed order; see python/strata/training.py): each message carries
+// its group's tag, so a rank whose peers reduce another group of the same
+// size gets InvalidArgument naming its own, instead of wrong sums (groups
+// of different sizes are a mismatched collective, which the backend may
+// only report as an error of its own).
 //
 // Thread-safety: Submit, Take and Drain from one thread (the training loop).
 #pragma once

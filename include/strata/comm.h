@@ -14,7 +14,9 @@
 // the backend knows them; after any failure the communicator is broken and
 // every later call is CommError at once, so that no rank hangs on a group
 // that cannot complete. Thread-safety: one thread at a time runs
-// collectives on a communicator; stats() from any thread.
+// collectives on a communicator (a collective begun while another runs is
+// CommError at once, instead of MPI's undefined behaviour); stats() from any
+// thread.
 //
 // Every communicator counts what it carried (stats()): for each collective,
 // its calls, their time, and the bytes this rank sends under the
@@ -25,6 +27,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <atomic>
 #include <memory>
 #include <mutex>
 #include <span>
@@ -78,8 +81,13 @@ class Communicator {
   virtual Status DoBroadcast(void* data, size_t bytes, int root) = 0;
 
  private:
+  // Times a collective and counts it; refuses one while another runs (on another thread).
+  template <typename Call>
+  Status Counted(const char* op, CollectiveStats CommStats::*which, uint64_t bytes, Call&& call);
+
   mutable std::mutex stats_mu_;
   CommStats stats_;
+  std::atomic<bool> busy_{false};
 };
 
 // `world_size` communicators of one in-process group: give each to its own

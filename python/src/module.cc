@@ -171,6 +171,8 @@ class PyCommunicator : public strata::Communicator {
       return strata::Status::Ok();
     } catch (py::error_already_set& error) {
       broken_ = error.what();
+    } catch (const std::exception& error) {  // a failed conversion, say: the group is as broken
+      broken_ = error.what();
     }
     if (broken_.find("imed out") != std::string::npos || broken_.find("imeout") != std::string::npos) {
       return strata::Timeout("{} on rank {} timed out: {}", op, rank_, broken_);
@@ -182,6 +184,27 @@ class PyCommunicator : public strata::Communicator {
   const int world_;
   const std::string description_;
   std::string broken_;
+};
+
+// A GradReducer as Python holds it. Closing (or collecting) it waits for its
+// queued reductions with the GIL released: a Python communicator's jobs need
+// the GIL to finish, and MPI's may wait out their timeout.
+class PyGradReducer {
+ public:
+  explicit PyGradReducer(std::unique_ptr<strata::offload::GradReducer> reducer) : reducer_(std::move(reducer)) {}
+  ~PyGradReducer() { Close(); }
+  strata::offload::GradReducer& get() {
+    if (!reducer_) throw std::runtime_error("GradReducer: closed");
+    return *reducer_;
+  }
+  void Close() {
+    if (!reducer_) return;
+    py::gil_scoped_release unlocked;
+    reducer_.reset();
+  }
+
+ private:
+  std::unique_ptr<strata::offload::GradReducer> reducer_;
 };
 
 }  // namespace
@@ -408,12 +431,14 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "train_step",
       [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer,
-         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm,
-         strata::offload::GradReducer* reducer) {
+         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm, PyGradReducer* reducer) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         const strata::offload::TrainStepReport report = ValueOrThrow(Unlocked(
-            [&] { return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm, reducer); }));
+            [&] {
+              return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm,
+                                                   reducer != nullptr ? &reducer->get() : nullptr);
+            }));
         py::dict d;
         d["skipped"] = report.plan.skip;
         d["step"] = report.plan.step;
@@ -431,27 +456,28 @@ PYBIND11_MODULE(_strata, m) {
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are");
 
-  py::class_<strata::offload::GradReducer, std::unique_ptr<strata::offload::GradReducer>>(
+  py::class_<PyGradReducer, std::unique_ptr<PyGradReducer>>(
       m, "GradReducer",
       "data parallel: the gradient reduce-scatter of each chunk group on a thread of its own, submitted as the "
       "group's gradients complete in backward (offload/grad_reducer.h)")
       .def(py::init([](strata::Engine& engine, strata::Communicator& comm) {
-             return std::make_unique<strata::offload::GradReducer>(engine, comm);
+             return std::make_unique<PyGradReducer>(std::make_unique<strata::offload::GradReducer>(engine, comm));
            }),
            py::arg("engine"), py::arg("comm"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
       .def(
           "submit",
-          [](strata::offload::GradReducer& r, uint32_t chunk) {
-            ThrowIfError(Unlocked([&] { return r.Submit(strata::ChunkId(chunk)); }));
+          [](PyGradReducer& r, uint32_t chunk) {
+            ThrowIfError(Unlocked([&] { return r.get().Submit(strata::ChunkId(chunk)); }));
           },
           py::arg("chunk"), "copies a grad chunk and queues its reduce-scatter")
       .def(
-          "submitted",
-          [](const strata::offload::GradReducer& r, uint32_t chunk) { return r.submitted(strata::ChunkId(chunk)); },
+          "submitted", [](PyGradReducer& r, uint32_t chunk) { return r.get().submitted(strata::ChunkId(chunk)); },
           py::arg("chunk"))
-      .def("drain", [](strata::offload::GradReducer& r) { ThrowIfError(Unlocked([&] { return r.Drain(); })); },
+      .def("drain", [](PyGradReducer& r) { ThrowIfError(Unlocked([&] { return r.get().Drain(); })); },
            "waits for every queued reduction")
-      .def_property_readonly("wait_seconds", &strata::offload::GradReducer::wait_seconds);
+      .def("close", &PyGradReducer::Close,
+           "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
+      .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });
 
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),

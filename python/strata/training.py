@@ -162,13 +162,17 @@ class TrainingEngine:
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         # Data parallel when mpirun or torchrun started the process: each rank
         # trains on its own batches, gradients are averaged over the ranks in step().
-        self.comm = distributed.communicator(int(options["comm.timeout_ms"]))
-        self.rank = self.comm.rank if self.comm else 0
-        self.world_size = self.comm.world_size if self.comm else 1
+        self._comm = distributed.communicator(int(options["comm.timeout_ms"]))
+        self.rank = self._comm.rank if self._comm else 0
+        self.world_size = self._comm.world_size if self._comm else 1
+        # One GPU per process on a node: device.index left at 0 follows the
+        # local rank, unless this process sees fewer GPUs (one each, as
+        # SLURM's --gpus-per-task=1 or a per-process CUDA_VISIBLE_DEVICES gives).
         local = distributed.local_rank()
-        if self.world_size > 1 and local is not None and int(options["device.index"]) == 0:
-            self.config.options.set("device.index", str(local))  # one GPU per process on a node
-        self._engine = _strata.Engine(self.config.options, self.comm)
+        if self.world_size > 1 and local is not None and int(options["device.index"]) == 0 and (
+                options["device.backend"] == "emulated" or local < torch.cuda.device_count()):
+            self.config.options.set("device.index", str(local))
+        self._engine = _strata.Engine(self.config.options, self._comm)
         self._emulated = "emulated" in self._engine.describe_backends()
         # Where the model computes: the CPU for the emulated device (its memory is the host's).
         self.device = torch.device("cpu") if self._emulated else torch.device(
@@ -205,14 +209,24 @@ class TrainingEngine:
         # Data parallel: a grad chunk's reduce-scatter starts as soon as all
         # its parameters' gradients are in, in the last backward before a
         # step, and runs beside the rest of backward.
-        self._reducer = _strata.GradReducer(self._engine, self.comm) if self.world_size > 1 else None
+        # Every rank submits the grad chunks in one fixed order (the last
+        # group first, as backward completes them), each once it and all
+        # before it in that order are complete; at the step the rest follow
+        # in the same order. So the ranks' collectives line up even when a
+        # parameter is used on some ranks only.
+        self._reducer = _strata.GradReducer(self._engine, self._comm) if self.world_size > 1 else None
+        if self._reducer is not None:  # at exit, before MPI is finalized: no reduction left in flight
+            weakref.finalize(self, self._reducer.close)
         self._grad_chunk_params = {}  # grad chunk -> its trainable parameters
         for record in self._params:
             if record.trainable:
                 self._grad_chunk_params[record.grad_chunk] = self._grad_chunk_params.get(record.grad_chunk, 0) + 1
+        self._reduce_order = sorted(self._grad_chunk_params, key=lambda c: -self._chunk_info[c]["group"])
         self._arrived = {}  # grad chunk -> ids of the parameters whose gradient came in this backward
+        self._submitted = 0        # how many of _reduce_order this backward has submitted
+        self._late = set()         # submitted grad chunks a gradient arrived in after (reduced again at the step)
         self._reducing = False     # this backward submits complete grad chunks to the reducer
-        self._comm_mark = self.comm.stats()["total_bytes"] if self.world_size > 1 else 0
+        self._comm_mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
         self._broken = None        # why training cannot go on (a step or backward that failed part way)
         self._hooks = []
         self._install_hooks(model)
@@ -347,7 +361,7 @@ class TrainingEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
-        self._arrived = {}
+        self._arrived, self._submitted, self._late = {}, 0, set()
         # The backward before a step reduces (and one more before the step, should there be one, again).
         self._reducing = self._reducer is not None and self._micro_steps + 1 >= self.gradient_accumulation_steps
         try:
@@ -371,14 +385,13 @@ class TrainingEngine:
         start = time.perf_counter()
         self._synchronize()
         self._end_moment()
-        stepped = [float(r.stepped) for r in self._params]
-        if self.world_size > 1:  # a parameter is skipped when no rank's backward reached it
-            self._checked(self._reducer.drain)  # the reductions begun in backward hold the communicator
-            stepped = self.comm.all_reduce_sum(stepped)
-        skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
         try:
+            stepped = [float(r.stepped) for r in self._params]
+            if self.world_size > 1:
+                stepped = self._reduce_rest(stepped)
+            skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
             self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
-                                            self.comm, self._reducer)
+                                            self._comm, self._reducer)
         except BaseException as error:
             self._broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk groups are "
                             "updated and others not")
@@ -390,7 +403,7 @@ class TrainingEngine:
             record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
         if self.world_size > 1:  # since the last step: the reductions in backward and the unused-parameter vote too
-            mark = self.comm.stats()["total_bytes"]
+            mark = self._comm.stats()["total_bytes"]
             self._last_step["comm_bytes"], self._comm_mark = mark - self._comm_mark, mark
         self._micro_steps = 0
         return True
@@ -424,7 +437,7 @@ class TrainingEngine:
         parameters whole on every rank, so a step sends the gradients (fp32)
         reduce-scattered and the updated parameters gathered once.
         """
-        out = self.comm.stats()
+        out = self._comm.stats()
         model_bytes = sum(r.numel for r in self._params) * torch.finfo(self.dtype).bits // 8
         out["model_bytes"] = model_bytes
         out["zero3_bytes_per_step"] = 3 * model_bytes * (self.world_size - 1) // self.world_size
@@ -467,8 +480,8 @@ class TrainingEngine:
             return data
         # Where each rank's shard lies in the whole chunk, then the shards.
         mine = torch.tensor([info["shard_offset"], info["used_bytes"]], dtype=torch.int64)
-        spans = torch.frombuffer(self.comm.all_gather(mine.numpy()), dtype=torch.int64).reshape(-1, 2).tolist()
-        shards = self.comm.all_gather(data)
+        spans = torch.frombuffer(self._comm.all_gather(mine.numpy()), dtype=torch.int64).reshape(-1, 2).tolist()
+        shards = self._comm.all_gather(data)
         whole = bytearray(max(offset + used for offset, used in spans))
         for rank, (offset, used) in enumerate(spans):
             start = rank * len(data)
@@ -477,7 +490,22 @@ class TrainingEngine:
 
     def _broadcast(self, tensor):
         """Rank 0's values of a contiguous CPU tensor into every rank's."""
-        self.comm.broadcast(tensor.view(-1).view(torch.uint8).numpy(), 0)
+        self._comm.broadcast(tensor.view(-1).view(torch.uint8).numpy(), 0)
+
+    @property
+    def comm(self):
+        """The data-parallel group's communicator (None alone), free for the caller's own collectives.
+
+        The gradient reductions begun in backward run on a thread of their
+        own; after the backward before a step, the rest are submitted and
+        all are waited for first, since one communicator carries one
+        collective at a time, in the same order on every rank.
+        """
+        if self._reducer is not None:
+            if self._reducing:  # after the backward before a step: its chunks all go, in the fixed order
+                self._submit_complete(everything=True)
+            self._checked(self._reducer.drain)
+        return self._comm
 
     @property
     def engine(self):
@@ -721,14 +749,36 @@ class TrainingEngine:
         record.grad_arrived = True
         record.stepped = True
         if self._reducing:
-            # Complete: every trainable parameter's gradient is in. A gradient
-            # arriving after that (a parameter used again, as reentrant
-            # checkpointing can make happen) submits the chunk again.
-            arrived = self._arrived.setdefault(record.grad_chunk, set())
-            arrived.add(id(record))
-            if len(arrived) == self._grad_chunk_params[record.grad_chunk]:
-                self._synchronize()  # the reducer copies the chunk on its own stream
-                self._checked(self._reducer.submit, record.grad_chunk)
+            self._arrived.setdefault(record.grad_chunk, set()).add(id(record))
+            if record.grad_chunk in self._reduce_order[:self._submitted]:
+                # A gradient after its chunk was submitted (a parameter used
+                # again, as reentrant checkpointing can make happen).
+                self._late.add(record.grad_chunk)
+            self._submit_complete()
+
+    def _submit_complete(self, everything=False):
+        """Submits grad chunks in the fixed order while they are complete (all of them, at the step)."""
+        order = self._reduce_order
+        while self._submitted < len(order) and (
+                everything or len(self._arrived.get(order[self._submitted], ())) ==
+                self._grad_chunk_params[order[self._submitted]]):
+            self._synchronize()  # the reducer copies the chunk on its own stream
+            self._checked(self._reducer.submit, order[self._submitted])
+            self._submitted += 1
+
+    def _reduce_rest(self, stepped):
+        """Before the step: the grad chunks not yet submitted, in the fixed order; one vote over the ranks
+        for which parameters any backward reached (the rest are skipped) and which submitted chunks a late
+        gradient reached on any rank (reduced again); returns the summed `stepped`."""
+        self._submit_complete(everything=True)
+        self._checked(self._reducer.drain)  # the communicator is the step's again
+        late = [float(c in self._late) for c in self._reduce_order]
+        votes = self._comm.all_reduce_sum(stepped + late)
+        for chunk, vote in zip(self._reduce_order, votes[len(stepped):]):
+            if vote > 0:
+                self._checked(self._reducer.submit, chunk)
+        self._submitted, self._late, self._reducing = 0, set(), False
+        return votes[:len(stepped)]
 
     def _grad_access(self, chunk):
         if self._direct:

@@ -1,5 +1,10 @@
 """A communicator written in Python (how torchrun's ranks talk): the seam's contract from the Python side."""
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import pytest
 
 from strata import _strata
@@ -45,3 +50,38 @@ def test_a_missing_method_is_named():
 def test_a_bad_root_is_refused_before_python_sees_it():
     with pytest.raises(ValueError, match="root 5 is not a rank"):
         TwoRanksEcho().broadcast(bytearray(8), 5)
+
+
+def test_a_reducer_collected_with_a_reduction_queued_on_a_python_communicator_does_not_hang():
+    """Its queued job needs the GIL: the reducer must let go of it while it waits (in a subprocess, so a
+    hang is a failed test, not a stuck suite)."""
+    script = textwrap.dedent("""
+        import time
+        import strata
+        from strata import _strata
+
+        class Slow(_strata.Communicator):
+            def __init__(self):
+                super().__init__(0, 2, "slow")
+            def _all_gather(self, send, recv):
+                recv[:len(send)] = send
+                recv[len(send):] = send
+            def _reduce_scatter_sum(self, send, recv, count):
+                time.sleep(0.5)
+                recv[:] = send[:len(recv)]
+
+        config = strata.load_config({"device": {"backend": "emulated", "budget": 1 << 20},
+                                     "host": {"budget": 4 << 20}, "chunk": {"size_elems": 4096},
+                                     "log": {"level": "error"}})
+        comm = Slow()
+        engine = _strata.Engine(config.options, comm)
+        engine.register_tensor("w", [4096], "fp32", True, "m")
+        engine.finalize()
+        reducer = _strata.GradReducer(engine, comm)
+        reducer.submit([c["id"] for c in engine.chunks() if c["kind"] == "grad"][0])
+        del reducer
+        print("collected")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0 and "collected" in run.stdout, run.stdout + run.stderr

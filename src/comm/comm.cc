@@ -1,5 +1,6 @@
-// What every communicator shares: the configuration check across ranks, and
-// whether an MPI launcher started this process.
+// What every communicator shares: its collectives counted (and refused while
+// another runs), the configuration check across ranks, and whether an MPI
+// launcher started this process.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
@@ -15,22 +16,27 @@
 
 namespace strata {
 
-namespace {
-
-// Times `call` and counts it (and `bytes`, what this rank sends) in `into`, under `mu`.
 template <typename Call>
-Status Counted(std::mutex& mu, CollectiveStats& into, uint64_t bytes, Call&& call) {
+Status Communicator::Counted(const char* op, CollectiveStats CommStats::*which, uint64_t bytes, Call&& call) {
+  if (busy_.exchange(true)) {
+    return CommError("{} on rank {}: another collective is running on this communicator (on another thread): "
+                     "collectives run one at a time, in the same order on every rank (drain the gradient reducer "
+                     "before the caller's own)",
+                     op, rank());
+  }
   const auto start = std::chrono::steady_clock::now();
   Status status = call();
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  std::lock_guard lock(mu);
-  into.calls++;
-  into.bytes += bytes;
-  into.seconds += seconds;
+  {
+    std::lock_guard lock(stats_mu_);
+    CollectiveStats& into = stats_.*which;
+    into.calls++;
+    into.bytes += bytes;
+    into.seconds += seconds;
+  }
+  busy_ = false;
   return status;
 }
-
-}  // namespace
 
 CommStats Communicator::stats() const {
   std::lock_guard lock(stats_mu_);
@@ -39,22 +45,23 @@ CommStats Communicator::stats() const {
 
 Status Communicator::AllGather(const void* send, void* recv, size_t bytes_per_rank) {
   const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * bytes_per_rank;
-  return Counted(stats_mu_, stats_.all_gather, bytes, [&] { return DoAllGather(send, recv, bytes_per_rank); });
+  return Counted("all-gather", &CommStats::all_gather, bytes,
+                 [&] { return DoAllGather(send, recv, bytes_per_rank); });
 }
 
 Status Communicator::ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
   const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * count_per_rank * sizeof(float);
-  return Counted(stats_mu_, stats_.reduce_scatter, bytes,
+  return Counted("reduce-scatter", &CommStats::reduce_scatter, bytes,
                  [&] { return DoReduceScatterSum(send, recv, count_per_rank); });
 }
 
 Status Communicator::AllReduceSum(std::span<double> values) {
   const uint64_t bytes = 2 * static_cast<uint64_t>(world_size() - 1) * values.size_bytes() / world_size();
-  return Counted(stats_mu_, stats_.all_reduce, bytes, [&] { return DoAllReduceSum(values); });
+  return Counted("all-reduce", &CommStats::all_reduce, bytes, [&] { return DoAllReduceSum(values); });
 }
 
 Status Communicator::Broadcast(void* data, size_t bytes, int root) {
-  return Counted(stats_mu_, stats_.broadcast, world_size() > 1 ? bytes : 0,
+  return Counted("broadcast", &CommStats::broadcast, world_size() > 1 ? bytes : 0,
                  [&] { return DoBroadcast(data, bytes, root); });
 }
 

@@ -187,14 +187,14 @@ Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options)
     std::atexit(FinalizeAtExit);
   }
   // The gradient reducer runs collectives on a thread of its own (never two
-  // at once): MPI must have been initialized for that, also by another library.
+  // at once): MPI must provide that, whoever initialized it.
   int level = MPI_THREAD_SINGLE;
   MPI_Query_thread(&level);
   if (level < MPI_THREAD_SERIALIZED) {
     return NotSupported(
-        "MPI communicator: MPI was initialized (by another library) with thread level {}, below "
-        "MPI_THREAD_SERIALIZED ({}): strata reduces gradients on a thread of its own; initialize MPI with "
-        "MPI_Init_thread(..., MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, ...) or let strata do it",
+        "MPI communicator: MPI provides thread level {}, below MPI_THREAD_SERIALIZED ({}): strata reduces "
+        "gradients on a thread of its own; initialize MPI with MPI_Init_thread(..., MPI_THREAD_SERIALIZED or "
+        "MPI_THREAD_MULTIPLE, ...) or let strata do it, with an MPI built with thread support",
         level, MPI_THREAD_SERIALIZED);
   }
   MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <functional>
+#include <future>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -124,6 +125,48 @@ TEST_P(LoopbackTest, StatsCountCallsAndTheBytesEachRankSends) {
     EXPECT_EQ(s.total_bytes(), s.all_gather.bytes + s.reduce_scatter.bytes + s.all_reduce.bytes + s.broadcast.bytes);
     EXPECT_GE(s.all_gather.seconds, 0.0);
   }
+}
+
+// A communicator whose all-gather waits until released: to hold one
+// collective open while another thread tries a second.
+class HeldOpen final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int world_size() const override { return 2; }
+  std::string Describe() const override { return "held open"; }
+  Status Barrier() override { return Status::Ok(); }
+  std::promise<void> entered, release;
+
+ protected:
+  Status DoAllGather(const void*, void*, size_t) override {
+    entered.set_value();
+    release.get_future().wait();
+    return Status::Ok();
+  }
+  Status DoReduceScatterSum(const float*, float*, size_t) override { return Status::Ok(); }
+  Status DoAllReduceSum(std::span<double>) override { return Status::Ok(); }
+  Status DoBroadcast(void*, size_t, int) override { return Status::Ok(); }
+};
+
+// Two collectives at once on one communicator (MPI: undefined behaviour,
+// and an order the other ranks cannot match) is a CommError for the second;
+// the first completes, and the communicator is usable after.
+TEST(CommunicatorTest, ASecondCollectiveWhileOneRunsIsRefused) {
+  HeldOpen comm;
+  std::byte send[4], recv[8];
+  Status first = InvalidArgument("not run");
+  std::thread holder([&] { first = comm.AllGather(send, recv, 4); });
+  comm.entered.get_future().wait();
+  std::vector<double> values = {1.0};
+  const Status second = comm.AllReduceSum(values);
+  comm.release.set_value();
+  holder.join();
+  ASSERT_OK(first);
+  EXPECT_EQ(second.code(), StatusCode::kCommError) << second.ToString();
+  EXPECT_NE(second.message().find("another collective is running"), std::string::npos) << second.ToString();
+  EXPECT_OK(comm.AllReduceSum(values));
+  EXPECT_EQ(comm.stats().all_gather.calls, 1u);
+  EXPECT_EQ(comm.stats().all_reduce.calls, 1u);  // the refused one is not counted
 }
 
 // A throttled communicator gives the inner one's results, and each
