@@ -169,8 +169,9 @@ class PyCommunicator : public strata::Communicator {
     try {
       invoke(f);
       return strata::Status::Ok();
-    } catch (py::error_already_set& error) {
-      broken_ = error.what();
+    } catch (py::error_already_set& error) {  // the exception's type and message, not its traceback
+      broken_ = py::str(error.type().attr("__name__")).cast<std::string>() + ": " +
+                py::str(error.value()).cast<std::string>();
     } catch (const std::exception& error) {  // a failed conversion, say: the group is as broken
       broken_ = error.what();
     }

@@ -4,8 +4,8 @@ Trains TinyGPT with strata on this rank's share of every batch. Rank 0
 writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
-With a step to die at, the last rank kills itself there and every other
-rank writes the error its step raised.
+With a step to die at, the last rank kills itself there (or hangs, with
+DP_WORKER_HANG set) and every other rank writes the error its step raised.
 """
 
 import json
@@ -39,6 +39,8 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         if step == die_at_step and engine.rank == engine.world_size - 1:
+            if os.environ.get("DP_WORKER_HANG"):  # hangs instead (torchrun's agent would kill the others)
+                time.sleep(120)
             os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies before its step's collectives
         if engine._reducer is not None and (step + 1) % accumulation == 0:
             reduced_in_backward.append(sum(engine._reducer.submitted(c) for c in grad_chunks))

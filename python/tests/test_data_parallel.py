@@ -14,8 +14,8 @@ from models import batches, mixed_precision_losses, pair, relative_errors, torch
 MPIRUN = shutil.which("mpirun")
 
 
-def launch(launcher, world, args, mpi_options=()):
-    """dp_worker.py on `world` ranks started by mpirun or torchrun."""
+def launch(launcher, world, args, mpi_options=(), env=None):
+    """dp_worker.py on `world` ranks started by mpirun or torchrun (`env`: added to the environment)."""
     worker = [os.path.join(os.path.dirname(__file__), "dp_worker.py")] + [str(a) for a in args]
     if launcher == "mpirun":
         command = [MPIRUN, "-np", str(world), "--oversubscribe", *mpi_options, sys.executable] + worker
@@ -23,7 +23,7 @@ def launch(launcher, world, args, mpi_options=()):
         # --redirects/--tee 1: Debian's torch 1.13 on Python 3.11 fails to parse their default of 0.
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
                    "--redirects", "1", "--tee", "1"] + worker
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(env or {}))
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
@@ -116,21 +116,24 @@ def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path):
     assert max(relative_errors(result["losses"], recipe)) <= 2e-3, (result["losses"], recipe)
 
 
-@needs_mpirun
-def test_a_rank_killed_mid_run_is_an_error_on_the_others_within_the_timeout(tmp_path):
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=needs_mpirun), "torchrun"])
+def test_a_rank_lost_mid_run_is_a_timeout_on_the_others(tmp_path, launcher):
+    """mpirun: the last rank is SIGKILLed (mpirun told not to kill the survivors itself). torchrun: it
+    hangs instead, since torchrun's agent would kill the survivors as soon as a worker dies."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()
-    # mpirun would otherwise kill the survivors itself as soon as one rank dies.
-    run = launch("mpirun", 3, [out, tmp_path / "nvme", 6, 6, "fp32", 3],
-                 mpi_options=["--mca", "orte_abort_on_non_zero_status", "0"])
+    env = {"DP_WORKER_HANG": "1"} if launcher == "torchrun" else {}
+    run = launch(launcher, 3, [out, tmp_path / "nvme", 6, 6, "fp32", 3],
+                 mpi_options=["--mca", "orte_abort_on_non_zero_status", "0"], env=env)
     assert run.returncode != 0
     for rank in (0, 1):
         with open(f"{out}.rank{rank}.error") as f:
             seen = json.load(f)
         # comm.timeout_ms is 2000 in the worker: the error comes within a few seconds, and says what happened.
-        assert "Timeout" in seen["error"] and "timed out after 2000 ms" in seen["error"], seen
+        assert seen["error"].startswith("Timeout"), seen
+        assert ("timed out after 2000 ms" if launcher == "mpirun" else "Timed out waiting 2000ms") in seen["error"]
         assert seen["seconds"] < 10, seen
-    assert not os.path.exists(f"{out}.rank2.error")  # the rank that died wrote nothing
+    assert not os.path.exists(f"{out}.rank2.error")  # the rank that was lost wrote nothing
 
 
 @needs_mpirun
