@@ -145,11 +145,12 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   std::vector<std::byte> gather_buffer;  // the all-gathers' bytes (the replay has no values to keep)
   std::unique_ptr<offload::GradReducer> reducer;  // after the buffer its jobs use
   CommMoments comm_moments;
+  const std::vector<ChunkInfo> chunks = engine->chunks();  // once: it is built anew on every call
   if (comm != nullptr) {
     reducer = std::make_unique<offload::GradReducer>(*engine, *comm);
-    comm_moments = CommMomentsOf(step, engine->chunks());
+    comm_moments = CommMomentsOf(step, chunks);
     uint64_t largest = 0;
-    for (const ChunkInfo& chunk : engine->chunks()) largest = std::max(largest, chunk.size_bytes);
+    for (const ChunkInfo& chunk : chunks) largest = std::max(largest, chunk.size_bytes);
     gather_buffer.resize(2 * largest + 4096);
   }
   const auto gather = [&](const ChunkInfo& param) {
@@ -183,7 +184,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
       if (reducer) {
         for (ChunkId c : comm_moments.submit[k]) STRATA_RETURN_IF_ERROR(reducer->Submit(c));
-        if (comm_moments.gather[k]) reducer->Enqueue(gather(engine->chunks()[comm_moments.gather[k]->value()]));
+        if (comm_moments.gather[k]) reducer->Enqueue(gather(chunks[comm_moments.gather[k]->value()]));
       }
     }
     if (reducer) STRATA_RETURN_IF_ERROR(reducer->Drain());  // the gathers are in before the next forward

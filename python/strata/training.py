@@ -222,6 +222,7 @@ class TrainingEngine:
             if record.trainable:
                 self._grad_chunk_params[record.grad_chunk] = self._grad_chunk_params.get(record.grad_chunk, 0) + 1
         self._reduce_order = sorted(self._grad_chunk_params, key=lambda c: -self._chunk_info[c]["group"])
+        self._reduce_position = {chunk: i for i, chunk in enumerate(self._reduce_order)}
         self._arrived = {}  # grad chunk -> ids of the parameters whose gradient came in this backward
         self._submitted = 0        # how many of _reduce_order this backward has submitted
         self._late = set()         # submitted grad chunks a gradient arrived in after (reduced again at the step)
@@ -750,7 +751,7 @@ class TrainingEngine:
         record.stepped = True
         if self._reducing:
             self._arrived.setdefault(record.grad_chunk, set()).add(id(record))
-            if record.grad_chunk in self._reduce_order[:self._submitted]:
+            if self._reduce_position[record.grad_chunk] < self._submitted:
                 # A gradient after its chunk was submitted (a parameter used
                 # again, as reentrant checkpointing can make happen).
                 self._late.add(record.grad_chunk)

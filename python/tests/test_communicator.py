@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 
+import strata
 from strata import _strata
 
 
@@ -85,3 +86,17 @@ def test_a_reducer_collected_with_a_reduction_queued_on_a_python_communicator_do
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
     assert run.returncode == 0 and "collected" in run.stdout, run.stdout + run.stderr
+
+
+def test_a_closed_reducer_refuses_work():
+    comm = TwoRanksEcho()
+    config = strata.load_config({"device": {"backend": "emulated", "budget": 1 << 20}, "host": {"budget": 4 << 20},
+                                 "chunk": {"size_elems": 4096}, "log": {"level": "error"}})
+    engine = _strata.Engine(config.options, comm)
+    engine.register_tensor("w", [4096], "fp32", True, "m")
+    engine.finalize()
+    reducer = _strata.GradReducer(engine, comm)
+    reducer.close()
+    reducer.close()  # twice is fine
+    with pytest.raises(RuntimeError, match="GradReducer: closed"):
+        reducer.submit([c["id"] for c in engine.chunks() if c["kind"] == "grad"][0])
