@@ -111,7 +111,9 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
       const ChunkKind kind = chunks[i].kind;
       if (IsOptimizerState(kind) != states) continue;
       const uint64_t size = chunks[i].size_bytes();
-      if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
+      if (chunks[i].transient) {
+        homes[i] = Tier::kHost;
+      } else if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
         homes[i] = Tier::kHost;
         host_bytes -= size;
         if (states) max_host_state_bytes -= size;
@@ -219,11 +221,13 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
     }
     for (int k = 0; k < kNumChunkKinds; ++k) {
       auto kind = static_cast<ChunkKind>(k);
+      const bool params_sharded = shard.params && shard.world > 1 && p.trainable;
       bool exists = kind == ChunkKind::kParam ||
-                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32));
+                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32 || params_sharded));
       if (!exists) continue;
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, ChunkKindDType(kind, p.dtype), g,
                      p.capacity_elems, p.used_elems};
+      desc.transient = params_sharded && kind == ChunkKind::kParam;
       if (shard.world > 1 && IsOptimizerState(kind)) {
         const ShardRange range = ShardOf(p.used_elems, shard.rank, shard.world);
         desc.capacity_elems = range.elems;
@@ -232,7 +236,7 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
         desc.sharded = true;
       }
       group.chunk_of_kind[k] = desc.id;
-      layout.report_.total_bytes += desc.size_bytes();
+      if (!desc.transient) layout.report_.total_bytes += desc.size_bytes();
       layout.report_.chunks_of_kind[k]++;
       layout.chunks_.push_back(desc);
     }

@@ -14,7 +14,12 @@
 // optimizer-state chunks hold only this rank's shard of the group — elements
 // ShardOf(used, rank, world) of the param chunk's element space — so each
 // rank stores 1/W of them; param and grad chunks stay whole. Every rank's
-// layout has the same chunks of the same sizes.
+// layout has the same chunks of the same sizes. With ShardSpec::params
+// (ZeRO-3), every trainable group has a master shard, fp32 params too, and
+// that shard is the rank's only stored copy of the parameters: the group's
+// param chunk is transient (ChunkDesc::transient), a whole chunk gathered
+// from every rank's shard while compute uses it, stored on no tier.
+// Frozen groups stay whole on every rank.
 //
 // The chunk size (in elements) is given, or searched between two bounds for
 // the least padding waste; sizes within one percentage point of the least
@@ -61,6 +66,7 @@ ShardRange ShardOf(uint64_t n, int rank, int world);
 struct ShardSpec {
   int rank = 0;
   int world = 1;
+  bool params = false;  // trainable params sharded too (with world > 1)
 };
 
 struct ChunkDesc {
@@ -76,6 +82,9 @@ struct ChunkDesc {
   // used_elems) of that space); 0 for whole chunks.
   uint64_t shard_begin_elems = 0;
   bool sharded = false;
+  // A param chunk of a group whose params are sharded (ShardSpec::params):
+  // no home of its own; its bytes are gathered from the master shards.
+  bool transient = false;
   uint64_t size_bytes() const;  // capacity in bytes, rounded up to the 4KiB slot alignment
 };
 
@@ -95,7 +104,7 @@ struct LayoutReport {
   double waste_fraction() const {
     return capacity_elems == 0 ? 0.0 : 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(capacity_elems);
   }
-  uint64_t total_bytes = 0;  // all chunks of all kinds, as stored
+  uint64_t total_bytes = 0;  // all chunks of all kinds, as stored (transient param chunks are not)
   std::array<uint64_t, kNumChunkKinds> chunks_of_kind{};
 };
 
@@ -131,7 +140,9 @@ class ChunkLayout {
 // states are what goes to NVMe first (read and written once a step, by the
 // update); params and grads only when the host cannot hold even them.
 // With `max_host_state_bytes`, optimizer states go to the host only up to
-// that many bytes (the static placement policy's share).
+// that many bytes (the static placement policy's share). A transient param
+// chunk is given the host and takes none of it: it is never stored there
+// (moved off the device, it is dropped).
 std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
                                              uint64_t nvme_bytes,
                                              uint64_t max_host_state_bytes = std::numeric_limits<uint64_t>::max());

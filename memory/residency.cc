@@ -42,6 +42,7 @@ ResidencyManager::ResidencyManager(const ResidencyConfig& config, const std::vec
   for (size_t i = 0; i < chunks.size(); ++i) {
     STRATA_CHECK(chunks[i].id.value() == i, "chunk ids must be dense and in order");
     chunks_[i].size_bytes = chunks[i].size_bytes();
+    chunks_[i].transient = chunks[i].transient;
     max_chunk_bytes_ = std::max(max_chunk_bytes_, chunks_[i].size_bytes);
   }
   stats_.tier_present = {true, true, config.nvme_pool != nullptr};
@@ -269,6 +270,12 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
     return status;
   };
 
+  if (chunk.transient && chunk.tier && to > *chunk.tier) {  // dropped, not copied down
+    pool(*chunk.tier)->Free(chunk.extent);
+    chunk.tier.reset();
+    stats_.drops++;
+    return finish(Status::Ok());
+  }
   chain.push_back(id);
   Result<Extent> dst = Reserve(lock, to, chunk.size_bytes, chain);
   chain.pop_back();

@@ -10,6 +10,10 @@
 // frees the source slot, so a failed move (an I/O error, a full disk) leaves
 // the chunk where it was, intact.
 //
+// A transient chunk (ChunkDesc::transient: a gathered param chunk) has no
+// bytes worth keeping below the tier it is on: moved down, or evicted, it is
+// dropped (free again) instead of copied.
+//
 // When a tier has no room, a chunk in hold on it is evicted one tier down
 // (device -> host -> NVMe), cascading: the least recently used of those not
 // at home there, else the least recently used of all. A victim the tier
@@ -114,6 +118,7 @@ class ResidencyManager final : public AccessOwner {
     bool in_flight = false;  // being moved or read: nobody else touches it
     std::optional<Tier> arriving;  // in flight with a slot reserved on this tier, bytes on the way
     uint64_t last_use = 0;  // LRU clock value of the last access
+    bool transient = false;
   };
   using Lock = std::unique_lock<std::mutex>;
 

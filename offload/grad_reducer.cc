@@ -1,6 +1,9 @@
 #include "offload/grad_reducer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <cstring>
+#include <string>
 
 #include <fmt/format.h>
 
@@ -23,7 +26,10 @@ double SecondsSince(Clock::time_point start) {
 GradReducer::GradReducer(Engine& engine, Communicator& comm)
     : engine_(engine), comm_(comm), chunks_(engine.chunks()), queue_(std::make_unique<TaskQueue>(1)) {}
 
-GradReducer::~GradReducer() = default;
+GradReducer::~GradReducer() {
+  queue_.reset();  // its jobs done before the pins they may write into are let go
+  ReleaseGathered();
+}
 
 Status GradReducer::Submit(ChunkId grad) {
   if (grad.value() >= chunks_.size() || chunks_[grad.value()].kind != ChunkKind::kGrad) {
@@ -116,5 +122,89 @@ Status GradReducer::Drain() {
   wait_seconds_ += SecondsSince(start);
   return first;
 }
+
+}  // namespace strata::offload
+
+namespace strata::offload {
+
+Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
+  if (param.value() >= chunks_.size() || !chunks_[param.value()].transient) {
+    return InvalidArgument(
+        "parameter all-gather: chunk {} is not a transient param chunk (only a trainable group's param chunk is, "
+        "with comm.shard_params and more than one rank)",
+        param.value());
+  }
+  if (!into.valid() || into.id() != param) {
+    return InvalidArgument("parameter all-gather of chunk {}: `into` must be a pin of that chunk", param.value());
+  }
+  for (size_t i = 0; i < kept_.size(); ++i) {
+    if (kept_[i].first != param) continue;
+    std::rotate(kept_.begin() + i, kept_.begin() + i + 1, kept_.end());  // the newest now
+    return Status::Ok();
+  }
+  const ChunkInfo& info = chunks_[param.value()];
+  const ChunkInfo* master = nullptr;
+  for (const ChunkInfo& c : chunks_) {
+    if (c.group == info.group && c.kind == ChunkKind::kMaster) master = &c;
+  }
+  STRATA_CHECK(master != nullptr, "transient param chunk {} has no master shard", param.value());
+  const int world = comm_.world_size();
+  const size_t width = DTypeSizeBytes(info.dtype);
+  const size_t n = info.used_bytes / width;
+  const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
+  // Each rank's slice: its range in the param dtype, then the group's tag.
+  const size_t slice = range.elems * width + sizeof(uint64_t);
+  auto whole = std::make_shared<Buffer>(AllocateAlignedHost(info.size_bytes, 4096));
+  const ChunkId master_id = master->id;
+  const uint64_t master_bytes = master->size_bytes;
+  const DType dtype = info.dtype;
+  const uint32_t group = info.group;
+  std::shared_future<Status> done = queue_->Push([=, this]() -> Status {
+    Buffer shard = AllocateAlignedHost(master_bytes, 4096);
+    STRATA_RETURN_IF_ERROR(engine_.ReadChunk(master_id, shard.data()).WithContext("reading the master shard to gather"));
+    std::vector<std::byte> send(slice, std::byte{0}), all(slice * world);
+    const float* weights = reinterpret_cast<const float*>(shard.data());
+    for (size_t j = 0; j < range.end - range.begin; ++j) optim::StoreFloat(send.data(), dtype, j, weights[j]);
+    const uint64_t tag = group + 1;
+    std::memcpy(send.data() + range.elems * width, &tag, sizeof tag);
+    STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all.data(), slice)
+                               .WithContext(fmt::format("all-gather of the parameters of chunk group {}", group)));
+    std::string others;
+    for (int r = 0; r < world; ++r) {
+      uint64_t theirs = 0;
+      std::memcpy(&theirs, all.data() + r * slice + range.elems * width, sizeof theirs);
+      if (theirs != tag) others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
+      const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
+      std::memcpy(static_cast<std::byte*>(whole->data()) + begin * width, all.data() + r * slice, count * width);
+    }
+    if (!others.empty()) {
+      return InvalidArgument(
+          "parameter all-gather: rank {} gathered chunk group {} while {}: every rank must run the same forward and "
+          "backward, so that param chunks are needed in the same order (parameters are sharded: comm.shard_params)",
+          comm_.rank(), group, others);
+    }
+    return Status::Ok();
+  });
+  const Clock::time_point start = Clock::now();
+  Status status = done.get();
+  if (status.ok()) {
+    if (into.tier() == Tier::kHost || engine_.device().host_accessible()) {
+      std::memcpy(into.data(), whole->data(), n * width);
+    } else {
+      Result<std::shared_ptr<Event>> copy =
+          engine_.device().CopyAsync(CopyStream::kHostToDevice, into.data(), whole->data(), n * width);
+      status = copy.ok() ? (*copy)->Wait(engine_.options().device_copy_timeout_ms) : copy.status();
+    }
+  }
+  wait_seconds_ += SecondsSince(start);
+  STRATA_RETURN_IF_ERROR(status.WithContext(fmt::format("gathering param chunk {}", param.value())));
+  gathers_++;
+  STRATA_ASSIGN_OR_RETURN(ChunkAccess kept, engine_.AccessChunk(param, into.tier()));
+  kept_.emplace_back(param, std::move(kept));
+  if (kept_.size() > kKeptGathers) kept_.erase(kept_.begin());
+  return Status::Ok();
+}
+
+void GradReducer::ReleaseGathered() { kept_.clear(); }
 
 }  // namespace strata::offload

@@ -20,7 +20,11 @@
 // of different sizes are a mismatched collective, which the backend may
 // only report as an error of its own).
 //
-// Thread-safety: Submit, Take and Drain from one thread (the training loop).
+// Parameters sharded (option comm.shard_params, ZeRO-3): Gather fills a
+// transient param chunk from every rank's master shard, on the same queue,
+// so it runs after the reductions queued before it.
+//
+// Thread-safety: Submit, Take, Gather and Drain from one thread (the training loop).
 #pragma once
 
 #include <cstdint>
@@ -28,8 +32,10 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <utility>
 #include <vector>
 
+#include "strata/access.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/status.h"
@@ -65,6 +71,22 @@ class GradReducer {
   // Queues any collective after those queued (the replay bench's parameter
   // all-gathers); its result at Drain or through the future.
   std::shared_future<Status> Enqueue(std::function<Status(Communicator&)> job);
+  // Parameters sharded: fills `into` (a pin of the transient param chunk
+  // `param`, on the device or the host) with its group's parameters in the
+  // param dtype, all-gathered from every rank's master shard; waits for it
+  // (counted in wait_seconds()). The reducer keeps the last kKeptGathers
+  // chunks it gathered pinned, so a Gather of one of them sends nothing:
+  // a chunk's modules run one after another, each pinning it anew. Every
+  // rank must gather the same chunks in the same order (so the kept ones are
+  // the same everywhere): each message carries its group's tag, and a rank
+  // whose peers gather another group gets InvalidArgument naming them.
+  Status Gather(ChunkId param, const ChunkAccess& into);
+  // Lets the kept chunks go: stale once the masters change (RunTrainStep
+  // calls it before updating). Also at destruction.
+  void ReleaseGathered();
+  static constexpr size_t kKeptGathers = 2;
+  uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
+
   // Waits for everything queued; the first error (in queue order: the cause,
   // not the failures of a broken group after it) of the jobs not taken.
   Status Drain();
@@ -87,6 +109,8 @@ class GradReducer {
   std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
   uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;
+  std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
+  uint64_t gathers_ = 0;
   std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above
 };
 

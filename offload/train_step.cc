@@ -94,8 +94,11 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
                    const float* reduced, std::array<ChunkAccess, kNumChunkKinds>& held) {
   for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg,
                          ChunkKind::kExpAvgSq}) {
+    // A transient param chunk (parameters sharded) is not written: the
+    // master shard is the parameters, gathered again when compute needs them.
     const bool used = kind == ChunkKind::kExpAvg     ? optimizer.num_states() >= 1
                       : kind == ChunkKind::kExpAvgSq ? optimizer.num_states() >= 2
+                      : kind == ChunkKind::kParam    ? !g[kind].transient
                                                      : g.has(kind);
     if (used) {
       STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
@@ -129,7 +132,7 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
     part.param_dtype = param.dtype;
     if (g.has(ChunkKind::kMaster)) {
       part.master = reinterpret_cast<float*>(element(ChunkKind::kMaster, a));
-      part.param = element(ChunkKind::kParam, a);
+      part.param = param.transient ? nullptr : element(ChunkKind::kParam, a);
     } else {
       part.master = reinterpret_cast<float*>(element(ChunkKind::kParam, a));
     }
@@ -187,6 +190,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     const double waited = reducer->wait_seconds();
     STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(*reducer, *comm, groups, stats, report.comm_bytes));
     report.comm_wait_seconds = reducer->wait_seconds() - waited;
+    reducer->ReleaseGathered();  // gathered from the masters this step updates
     comm_bytes_before = comm->stats().total_bytes();
     optimizer.SetAllReduceHook(
         [comm](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
@@ -212,7 +216,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     std::array<ChunkAccess, kNumChunkKinds> held;
     Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, lo, hi,
                                  parallel ? reduced[k].data() : nullptr, held);
-    if (updated.ok() && parallel) {
+    if (updated.ok() && parallel && !g[ChunkKind::kParam].transient) {
       updated = GatherParams(*comm, g[ChunkKind::kParam], held[static_cast<int>(ChunkKind::kParam)].data());
     }
     for (ChunkAccess& a : held) a.Release();

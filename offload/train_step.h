@@ -48,7 +48,10 @@ struct TrainStepReport {
 // layout): data parallel. Each group's gradients are reduce-scattered
 // (summed, then divided by the number of ranks: the mean), the norm's sum of
 // squares all-reduced (the optimizer's all-reduce hook), each rank updates
-// its 1/W range of every group, and the updated param chunk is all-gathered.
+// its 1/W range of every group, and the updated param chunk is all-gathered
+// (parameters sharded, option comm.shard_params: only the master shard is
+// updated, and the reducer's kept gathers are let go; the param chunks are
+// gathered again when compute needs them, GradReducer::Gather).
 // So every rank ends with the same parameters as one rank stepping the mean
 // gradient. Each rank's master and state chunks hold just its range
 // (memory::ShardOf). `comm` must be the engine's own (EngineSeams::comm):

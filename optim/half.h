@@ -93,4 +93,13 @@ inline float FloatAt(const void* data, DType dtype, size_t i) {
   return 0;
 }
 
+// Stores `value` as element i of an fp32, bf16 or fp16 array (rounded to nearest even).
+inline void StoreFloat(void* data, DType dtype, size_t i, float value) {
+  switch (dtype) {
+    case DType::kFloat32: static_cast<float*>(data)[i] = value; return;
+    case DType::kBFloat16: static_cast<uint16_t*>(data)[i] = Bf16FromFloat(value); return;
+    case DType::kFloat16: static_cast<uint16_t*>(data)[i] = Fp16FromFloat(value); return;
+  }
+}
+
 }  // namespace strata::optim

@@ -166,7 +166,8 @@ Status Engine::Finalize() {
   }
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk_size_elems, o.chunk_search_min_elems,
-                                                     o.chunk_search_max_elems, {rank(), world_size()}));
+                                                     o.chunk_search_max_elems,
+                                                     {rank(), world_size(), o.comm_shard_params}));
 
   // Homes: params and grads, then optimizer states; host while it has room,
   // then NVMe (memory::AssignHomes). The device tier is a cache of what
@@ -344,7 +345,7 @@ std::vector<ChunkInfo> Engine::chunks() const {
   for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
     size_t element = DTypeSizeBytes(c.dtype);
     ChunkInfo info{c.id, c.kind, c.dtype, c.group, c.size_bytes(), c.used_elems * element,
-                   impl_->layout->groups()[c.group].tensors, {}, c.shard_begin_elems * element, c.sharded};
+                   impl_->layout->groups()[c.group].tensors, {}, c.shard_begin_elems * element, c.sharded, c.transient};
     for (TensorId tensor : info.tensors) {
       info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
     }

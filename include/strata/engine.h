@@ -67,6 +67,11 @@ struct ChunkInfo {
   // false for whole chunks.
   uint64_t shard_offset_bytes = 0;
   bool sharded = false;
+  // Parameters sharded (option comm.shard_params): a param chunk of a
+  // trainable group stored nowhere. Its bytes are valid only once gathered
+  // (offload::GradReducer::Gather) from the ranks' master shards; moved off
+  // the device it is dropped, and read while never gathered it is zeros.
+  bool transient = false;
 };
 
 struct LayoutSummary {

@@ -86,6 +86,10 @@ struct Options {
   // --- data parallelism (strata/comm.h) ----------------------------------
   // A collective waiting longer than this for its ranks (one died) is a Timeout on every rank that waited.
   uint32_t comm_timeout_ms = 60'000;  // key comm.timeout_ms
+  // ZeRO-3: each rank keeps 1/W of the trainable parameters too (as its fp32
+  // master shard); a param chunk is all-gathered when compute needs it and
+  // dropped after. Off: every rank keeps every parameter (ZeRO-2's volume).
+  bool comm_shard_params = false;  // key comm.shard_params
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
   LogLevel log_level = LogLevel::kInfo;  // key log.level

@@ -28,6 +28,7 @@ struct MemoryStats {
   std::array<bool, kNumTiers> tier_present{};
   uint64_t evictions = 0;
   uint64_t materializations = 0;  // free chunks given a zero-filled slot
+  uint64_t drops = 0;             // transient chunks dropped instead of moved down (gathered params)
   uint64_t compactions = 0;       // chunks moved within a tier to join its free pieces
   uint64_t compacted_bytes = 0;
 };

@@ -140,3 +140,50 @@ TEST(ChunkLayoutTest, ShardedLayoutKeepsTheRanksRangeOfTheStates) {
 
 }  // namespace
 }  // namespace strata::memory
+
+namespace strata::memory {
+namespace {
+
+// Parameters sharded (ZeRO-3): a trainable group's param chunk is transient
+// (stored nowhere, not in total_bytes) and every trainable group has a master
+// shard, fp32 params too; a frozen group stays whole. One rank, or the
+// option off, lays out as before.
+TEST(ChunkLayoutTest, ShardedParamsMakeTheParamChunkTransientAndGiveEveryGroupAMasterShard) {
+  std::vector<TensorSpec> tensors = {T("a", {3000}, "m"), T("b", {1000}, "m"),
+                                     T("frozen", {500}, "f", DType::kFloat32, /*trainable=*/false)};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout plain, ChunkLayout::Build(tensors, 8192, 0, 0, {0, 2}));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout alone, ChunkLayout::Build(tensors, 8192, 0, 0, {0, 1, /*params=*/true}));
+  for (const ChunkDesc& c : alone.chunks()) EXPECT_FALSE(c.transient);
+  EXPECT_EQ(alone.report().chunks_of_kind, ChunkLayout::Build(tensors, 8192, 0, 0).value().report().chunks_of_kind);
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK_AND_ASSIGN(ChunkLayout mine, ChunkLayout::Build(tensors, 8192, 0, 0, {r, 2, /*params=*/true}));
+    const ChunkGroup& trainable = mine.groups()[0];
+    const ChunkGroup& frozen = mine.groups()[1];
+    ASSERT_TRUE(trainable.trainable);
+    ASSERT_FALSE(frozen.trainable);
+    const ChunkDesc& param = mine.chunk(*trainable.chunk_of_kind[static_cast<int>(ChunkKind::kParam)]);
+    EXPECT_TRUE(param.transient);
+    EXPECT_FALSE(param.sharded);
+    EXPECT_EQ(param.used_elems, 4008u);  // whole: 3000, aligned to 3008, + 1000
+    ASSERT_TRUE(trainable.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)].has_value());
+    const ChunkDesc& master = mine.chunk(*trainable.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)]);
+    EXPECT_TRUE(master.sharded);
+    EXPECT_EQ(master.dtype, DType::kFloat32);
+    EXPECT_EQ(master.shard_begin_elems, ShardOf(4008, r, 2).begin);
+    EXPECT_FALSE(mine.chunk(*frozen.chunk_of_kind[static_cast<int>(ChunkKind::kParam)]).transient);
+    EXPECT_FALSE(frozen.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)].has_value());
+    // Stored: less than with whole params, by the param chunk less the master shard.
+    EXPECT_EQ(mine.report().total_bytes + param.size_bytes() - master.size_bytes(), plain.report().total_bytes);
+    // A transient chunk is homed on the host without taking any of it.
+    const std::vector<std::optional<Tier>> homes = AssignHomes(mine.chunks(), 0, uint64_t{1} << 30);
+    EXPECT_EQ(homes[param.id.value()], Tier::kHost);
+    for (const ChunkDesc& c : mine.chunks()) {
+      if (!c.transient) {
+        EXPECT_EQ(homes[c.id.value()], Tier::kNvme) << c.id.value();
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::memory

@@ -22,6 +22,7 @@ struct ResidencyStack {
     // Chunk sizes when they differ (num_chunks is then their count); the
     // capacities stay in units of chunk_bytes.
     std::vector<uint64_t> chunk_sizes;
+    uint32_t transient_chunks = 0;  // the first ones are transient (dropped when moved down)
   };
 
   explicit ResidencyStack(Config c) : config(c) {
@@ -44,6 +45,7 @@ struct ResidencyStack {
     for (uint32_t i = 0; i < config.num_chunks; ++i) {
       const uint64_t elements = config.chunk_sizes[i] / 4;
       chunks.push_back({ChunkId(i), ChunkKind::kParam, DType::kFloat32, i, elements, elements});
+      chunks.back().transient = i < config.transient_chunks;
     }
     ResidencyConfig rc;
     rc.device = device.get();

@@ -24,6 +24,35 @@ TEST(ResidencyTest, FreeChunkReadsAsZerosAndMovesThroughStates) {
   EXPECT_EQ(s.residency->stats().materializations, 1u);
 }
 
+// A transient chunk (a gathered param chunk) is dropped, not copied, when
+// it is moved or evicted down: it takes no room below, and comes back free
+// (zeros). On its way up it moves as any other.
+TEST(ResidencyTest, ATransientChunkIsDroppedInsteadOfMovedDown) {
+  ResidencyStack s({.transient_chunks = 1});  // device and host hold 2 chunks each
+  ASSERT_OK(s.Fill(0, 7));  // materialized on the host
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kDevice));
+  EXPECT_TRUE(s.Holds(0, 7, Tier::kDevice));
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
+  EXPECT_EQ(s.residency->stats().drops, 1u);
+  EXPECT_EQ(s.residency->stats().tiers[static_cast<int>(Tier::kHost)].used_bytes, 0u);
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    for (uint64_t i = 0; i < access.size_bytes(); ++i) ASSERT_EQ(access.data()[i], std::byte{0});
+    std::memset(access.data(), 9, access.size_bytes());
+  }
+  // Evicted by two others: dropped, and the host keeps its room.
+  for (uint32_t id : {1u, 2u}) ASSERT_OK(s.residency->Access(ChunkId(id), Tier::kDevice).status());
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
+  EXPECT_EQ(s.residency->stats().drops, 2u);
+  EXPECT_EQ(s.residency->stats().evictions, 1u);
+  EXPECT_EQ(s.residency->stats().tiers[static_cast<int>(Tier::kHost)].used_bytes, 0u);
+  // Chunks that are not transient still move down with their bytes.
+  ASSERT_OK(s.Fill(1, 5));
+  ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kNvme));
+  EXPECT_TRUE(s.Holds(1, 5));
+}
+
 TEST(ResidencyTest, MovesBetweenEveryPairOfTiersKeepEveryByte) {
   ResidencyStack s({});
   ASSERT_OK(s.Fill(0, 42));

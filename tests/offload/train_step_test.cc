@@ -32,8 +32,10 @@ struct Model {
   std::unique_ptr<optim::Optimizer> optimizer;
 
   // With `comm`, one rank of its group (the states sharded across them).
-  explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr) {
+  // With `shard_params`, the params too (option comm.shard_params).
+  explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr, bool shard_params = false) {
     Options options;
+    options.comm_shard_params = shard_params;
     options.device_backend = DeviceBackendKind::kEmulated;
     options.device_budget_bytes = 4 * kChunkElems * 4;
     options.host_budget_bytes = 16 * kChunkElems * 4;
@@ -77,16 +79,37 @@ struct Model {
     STRATA_CHECK(access.ok(), "{}", access.status().ToString());
     std::memcpy(access->data(), values.data(), values.size() * sizeof(float));
   }
+  // Parameters sharded: this rank's range of `values` into the master shard.
+  void WriteShard(int tensor, const std::vector<float>& values) {
+    const ChunkInfo master = engine->chunks()[engine->ChunkOf(TensorId(tensor), ChunkKind::kMaster)->value()];
+    auto access = engine->AccessChunk(master.id, Tier::kHost);
+    STRATA_CHECK(access.ok(), "{}", access.status().ToString());
+    std::memcpy(access->data(), values.data() + master.shard_offset_bytes / sizeof(float), master.used_bytes);
+  }
+  // Parameters sharded: the whole param chunk of `tensor`, gathered.
+  std::vector<float> Gathered(int tensor, GradReducer& reducer) {
+    const ChunkId param = *engine->ChunkOf(TensorId(tensor), ChunkKind::kParam);
+    auto access = engine->AccessChunk(param, Tier::kDevice);
+    STRATA_CHECK(access.ok(), "{}", access.status().ToString());
+    const Status gathered = reducer.Gather(param, *access);
+    STRATA_CHECK(gathered.ok(), "{}", gathered.ToString());
+    const float* data = reinterpret_cast<const float*>(access->data());
+    return std::vector<float>(data, data + kChunkElems);
+  }
   // One iteration: a device moment per layer (as backward would), then the
   // step. With `reducer`, each layer's gradients are submitted to it as its
-  // backward moment ends.
+  // backward moment ends, and a transient param chunk is gathered by it.
   Result<TrainStepReport> Iteration(Communicator* comm = nullptr, GradReducer* reducer = nullptr) {
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
     Status backward = Status::Ok();
     for (int l = kLayers - 1; l >= 0 && backward.ok(); --l) {
       STRATA_RETURN_IF_ERROR(pipeline->BeginMoment());
       for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
-        if (backward.ok()) backward = pipeline->Access(*engine->ChunkOf(TensorId(l), kind)).status();
+        if (!backward.ok()) break;
+        const ChunkId chunk = *engine->ChunkOf(TensorId(l), kind);
+        Result<ChunkAccess> access = pipeline->Access(chunk);
+        backward = access.status();
+        if (backward.ok() && engine->chunks()[chunk.value()].transient) backward = reducer->Gather(chunk, *access);
       }
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
       if (backward.ok() && reducer != nullptr) {
@@ -220,7 +243,11 @@ std::vector<float> RankGrad(int rank, int layer, int step) {
 // `world` ranks (threads) with their own gradients against one rank
 // stepping their mean: the same parameters on every rank, bit for bit
 // without clipping.
-void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_backward = false) {
+// With `shard_params` (ZeRO-3), the param chunks are gathered from the
+// ranks' master shards in each layer's moment, by the reducer.
+void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_backward = false,
+                     bool shard_params = false) {
+  during_backward = during_backward || shard_params;
   constexpr int kSteps = 3;
   std::mt19937 rng(11);
   std::vector<std::vector<float>> initial(kLayers);
@@ -247,26 +274,37 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
   ASSERT_OK(group.status());
   std::vector<std::vector<std::vector<float>>> params(world);
   std::vector<std::vector<double>> norms(world);
-  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0);
+  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0), iteration_bytes(world, 0), stored(world, 0);
   std::vector<Status> results(world, Status::Ok());
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
-      Model rank(max_grad_norm, (*group)[r].get());
+      Model rank(max_grad_norm, (*group)[r].get(), shard_params);
       std::unique_ptr<GradReducer> reducer;
       if (during_backward) reducer = std::make_unique<GradReducer>(*rank.engine, *(*group)[r]);
       for (const ChunkInfo& chunk : rank.engine->chunks()) {
         if (IsOptimizerState(chunk.kind)) state_bytes[r] += chunk.size_bytes;
       }
-      for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial[l]);
+      stored[r] = rank.engine->layout().total_bytes;
+      for (int l = 0; l < kLayers; ++l) {
+        if (shard_params) {
+          rank.WriteShard(l, initial[l]);
+        } else {
+          rank.Write(l, ChunkKind::kParam, initial[l]);
+        }
+      }
       for (int step = 0; step < kSteps && results[r].ok(); ++step) {
         for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
+        const uint64_t before = (*group)[r]->stats().total_bytes();
         Result<TrainStepReport> report = rank.Iteration((*group)[r].get(), reducer.get());
         results[r] = report.status();
         if (report.ok()) norms[r].push_back(report->plan.grad_norm);
         if (report.ok()) comm_bytes[r] = report->comm_bytes;
+        iteration_bytes[r] = (*group)[r]->stats().total_bytes() - before;
       }
-      for (int l = 0; l < kLayers; ++l) params[r].push_back(rank.Read(l, ChunkKind::kParam));
+      for (int l = 0; l < kLayers && results[r].ok(); ++l) {
+        params[r].push_back(shard_params ? rank.Gathered(l, *reducer) : rank.Read(l, ChunkKind::kParam));
+      }
     });
   }
   for (std::thread& t : threads) t.join();
@@ -274,19 +312,38 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
   // A step sends every group's fp32 gradients reduce-scattered (each
   // shard with its group's tag) and its (fp32) params gathered, (W-1)
   // shards of each, and the norm all-reduced.
+  // Parameters sharded: the step gathers nothing; each layer's param chunk
+  // is gathered once in its moment (its shard and an 8-byte tag).
   const uint64_t shard = memory::ShardOf(kChunkElems, 0, world).elems;
-  const uint64_t expected_comm = kLayers * (world - 1) * ((shard + 1) + shard) * sizeof(float) +
-                                 2 * (world - 1) * sizeof(double) / world;
-  for (int r = 0; r < world; ++r) EXPECT_EQ(comm_bytes[r], expected_comm) << "rank " << r;
+  const uint64_t reduced = kLayers * (world - 1) * (shard + 1) * sizeof(float);
+  const uint64_t gathered = kLayers * (world - 1) * (shard * sizeof(float) + (shard_params ? sizeof(uint64_t) : 0));
+  const uint64_t norm = 2 * (world - 1) * sizeof(double) / world;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(comm_bytes[r], reduced + (shard_params ? 0 : gathered) + norm) << "rank " << r;
+    EXPECT_EQ(iteration_bytes[r], reduced + gathered + norm) << "rank " << r;
+  }
+  // Parameters sharded, a rank stores 1/W of the params too: only the
+  // (whole) grad chunks and the frozen layer stay whole.
+  for (int r = 0; r < world && shard_params; ++r) {
+    const uint64_t whole = single.engine->layout().total_bytes;
+    const uint64_t grads = kLayers * kChunkElems * sizeof(float);
+    EXPECT_LE(stored[r], grads + (whole - grads) / world + 4 * kLayers * memory::kSlotAlignmentBytes + 2 * 4096)
+        << "rank " << r;
+  }
   // Each rank holds its shard of the states: 1/W of them, up to the 4 KiB slot rounding.
   uint64_t whole_state_bytes = 0;
   for (const ChunkInfo& chunk : single.engine->chunks()) {
     if (IsOptimizerState(chunk.kind)) whole_state_bytes += chunk.size_bytes;
   }
   for (int r = 0; r < world; ++r) {
-    EXPECT_LE(state_bytes[r], whole_state_bytes / world + 2 * kLayers * memory::kSlotAlignmentBytes) << "rank " << r;
-    EXPECT_LT(state_bytes[r], whole_state_bytes) << "rank " << r;
+    // (Parameters sharded: the fp32 params gain a master shard.)
+    const uint64_t states = shard_params ? whole_state_bytes * 3 / 2 : whole_state_bytes;
+    EXPECT_LE(state_bytes[r], states / world + 3 * kLayers * memory::kSlotAlignmentBytes) << "rank " << r;
+    if (!shard_params) {
+      EXPECT_LT(state_bytes[r], whole_state_bytes) << "rank " << r;
+    }
   }
+  for (int r = 0; r < world; ++r) ASSERT_EQ(params[r].size(), static_cast<size_t>(kLayers)) << "rank " << r;
   for (int l = 0; l < kLayers; ++l) {
     const std::vector<float> reference = single.Read(l, ChunkKind::kParam);
     for (int r = 1; r < world; ++r) EXPECT_EQ(params[0][l], params[r][l]) << "layer " << l << ": ranks 0 and " << r;
@@ -318,6 +375,47 @@ TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(2, 0.5, /*exa
 TEST(TrainStepTest, GradientsReducedDuringBackwardStepTheSame) {
   RunDataParallel(2, 0.0, /*exact=*/true, /*during_backward=*/true);
   RunDataParallel(3, 0.5, /*exact=*/false, /*during_backward=*/true);
+}
+
+// ZeRO-3: each rank stores its shard of the params (as its fp32 master
+// shard) and gathers a param chunk when a moment needs it; the step updates
+// the shards only. The same parameters as one rank, bit for bit.
+TEST(TrainStepTest, ShardedParamsStepLikeOneRankAndAreGatheredWhenNeeded) {
+  RunDataParallel(2, 0.0, /*exact=*/true, /*during_backward=*/true, /*shard_params=*/true);
+  RunDataParallel(3, 0.0, /*exact=*/true, /*during_backward=*/true, /*shard_params=*/true);
+  RunDataParallel(2, 0.5, /*exact=*/false, /*during_backward=*/true, /*shard_params=*/true);
+}
+
+// Ranks gathering different param chunks (a forward that differs between
+// them) are refused on every rank, naming what each gathered, instead of
+// mixing two layers' parameters; and only a transient param chunk gathers.
+TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok()), refused(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get(), /*shard_params=*/true);
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      {
+        const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+        auto grad_access = rank.engine->AccessChunk(grad, Tier::kDevice);
+        refused[r] = grad_access.ok() ? reducer.Gather(grad, *grad_access) : grad_access.status();
+      }
+      const ChunkId param = *rank.engine->ChunkOf(TensorId(r), ChunkKind::kParam);
+      auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+      results[r] = access.ok() ? reducer.Gather(param, *access) : access.status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(refused[r].code(), StatusCode::kInvalidArgument) << refused[r].ToString();
+    EXPECT_NE(refused[r].message().find("not a transient param chunk"), std::string::npos) << refused[r].ToString();
+    EXPECT_EQ(results[r].code(), StatusCode::kInvalidArgument) << results[r].ToString();
+    EXPECT_NE(results[r].message().find(fmt::format("rank {} gathered group {}", 1 - r, 1 - r)), std::string::npos)
+        << results[r].ToString();
+  }
 }
 
 // The overflow check is global: one rank's inf gradient makes every rank
