@@ -86,6 +86,7 @@ py::dict StatsDict(const strata::MemoryStats& stats) {
   d["links"] = links;
   d["evictions"] = stats.evictions;
   d["compactions"] = stats.compactions;
+  d["drops"] = stats.drops;
   return d;
 }
 
@@ -335,13 +336,15 @@ PYBIND11_MODULE(_strata, m) {
               d["tensor_offsets"] = chunk.tensor_offsets_bytes;
               d["sharded"] = chunk.sharded;
               d["shard_offset"] = chunk.shard_offset_bytes;
+              d["transient"] = chunk.transient;
               chunks.append(d);
             }
             return chunks;
           },
           "after finalize: every chunk (id, kind, dtype, group, size_bytes, used_bytes, home, tensors, "
           "tensor_offsets in the group's whole chunk; sharded and shard_offset: a data-parallel rank's master and "
-          "state chunks hold bytes [shard_offset, shard_offset + used_bytes) of it)")
+          "state chunks hold bytes [shard_offset, shard_offset + used_bytes) of it; transient: a param chunk gathered "
+          "from the ranks' master shards, comm.shard_params)")
       .def_property_readonly("host_staging_bytes", &strata::Engine::host_staging_bytes)
       .def(
           "access_chunk",
@@ -476,6 +479,17 @@ PYBIND11_MODULE(_strata, m) {
           py::arg("chunk"))
       .def("drain", [](PyGradReducer& r) { ThrowIfError(Unlocked([&] { return r.get().Drain(); })); },
            "waits for every queued reduction")
+      .def(
+          "gather",
+          [](PyGradReducer& r, const PyAccess& into) {
+            ThrowIfError(Unlocked([&] { return r.get().Gather(into.access.id(), into.access); }));
+          },
+          py::arg("into"),
+          "parameters sharded: fills a pinned transient param chunk from every rank's master shard (nothing is "
+          "sent for one of the last two chunks gathered)")
+      .def("release_gathered", [](PyGradReducer& r) { r.get().ReleaseGathered(); },
+           "lets the kept gathered chunks go")
+      .def_property_readonly("gathers", [](PyGradReducer& r) { return r.get().gathers(); })
       .def("close", &PyGradReducer::Close,
            "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
       .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });

@@ -277,7 +277,8 @@ class TrainingEngine:
             values.append(flat)
         targets = {}
         for record, flat in zip(self._params, values):
-            targets.setdefault(record.chunk, []).append((flat, record.offset, self.dtype))
+            if not self._chunk_info[record.chunk]["transient"]:  # else the master shard is the stored copy
+                targets.setdefault(record.chunk, []).append((flat, record.offset, self.dtype))
             if record.master_chunk is not None:
                 targets.setdefault(record.master_chunk, []).append((flat, record.master_offset, torch.float32))
         with torch.no_grad():
@@ -434,9 +435,12 @@ class TrainingEngine:
 
         Bytes are those this rank sends under the ring algorithm. ZeRO-3 sends
         3 x the parameters in the compute dtype x (W - 1) / W a step (gathered
-        in forward and in backward, gradients reduce-scattered); strata keeps
-        parameters whole on every rank, so a step sends the gradients (fp32)
-        reduce-scattered and the updated parameters gathered once.
+        in forward and in backward, gradients reduce-scattered). By default
+        strata keeps parameters whole on every rank, so a step sends the
+        gradients (fp32) reduce-scattered and the updated parameters gathered
+        once; with comm.shard_params each param chunk is gathered when a
+        module needs it (in forward, and again in backward unless it is one
+        of the last two gathered), as ZeRO-3 does.
         """
         out = self._comm.stats()
         model_bytes = sum(r.numel for r in self._params) * torch.finfo(self.dtype).bits // 8
@@ -449,7 +453,11 @@ class TrainingEngine:
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
         out = {}
         for chunk in self._chunks:
-            tier = self._engine.chunk_tier(chunk["id"]) or chunk["home"]  # home: no payload yet
+            tier = self._engine.chunk_tier(chunk["id"])
+            if tier is None:  # no payload yet: where it will be; a dropped gathered chunk is nowhere
+                if chunk["transient"]:
+                    continue
+                tier = chunk["home"]
             kinds = out.setdefault(chunk["kind"], {})
             kinds[tier] = kinds.get(tier, 0) + chunk["size_bytes"]
         return out
@@ -459,18 +467,20 @@ class TrainingEngine:
 
         Read from wherever each chunk is, without moving it. Data parallel,
         each rank holds a shard of the masters: master=True gathers them, so
-        every rank must call it.
+        every rank must call it (with comm.shard_params, always: the masters
+        are the only stored copy of the parameters).
         """
         copies = {}
         out = {}
         for record in self._params:
             chunk, offset, dtype = record.chunk, record.offset, self.dtype
-            if master and record.master_chunk is not None:
+            # Parameters sharded: the gathered masters are the parameters.
+            if record.master_chunk is not None and (master or self._chunk_info[chunk]["transient"]):
                 chunk, offset, dtype = record.master_chunk, record.master_offset, torch.float32
             if chunk not in copies:
                 copies[chunk] = self._read_whole_chunk(chunk)
             view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
-            out[record.name] = view.clone().reshape(record.shape)
+            out[record.name] = view.to(self.dtype if not master else dtype, copy=True).reshape(record.shape)
         return out
 
     def _read_whole_chunk(self, chunk):
@@ -567,10 +577,22 @@ class TrainingEngine:
 
     def _pin_chunk(self, chunk):
         if self._direct:
-            return self._engine.access_chunk(chunk, "device")
-        if not self._in_moment:
-            self._begin_moment()
-        return self._checked(self._pipeline.access, self._engine, chunk)
+            access = self._engine.access_chunk(chunk, "device")
+        else:
+            if not self._in_moment:
+                self._begin_moment()
+            access = self._checked(self._pipeline.access, self._engine, chunk)
+        if self._chunk_info[chunk]["transient"]:
+            # Parameters sharded: the whole chunk from every rank's shard. The
+            # ranks pin chunks in the same order (the same modules run), so
+            # their gathers line up; the reducer keeps the last two gathered,
+            # so a chunk's next module sends nothing.
+            try:
+                self._checked(self._reducer.gather, access)
+            except BaseException:
+                access.release()
+                raise
+        return access
 
     def _checked(self, call, *args):
         """`call(*args)`, with a CorruptionError saying what the chunk holds."""

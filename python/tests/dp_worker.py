@@ -4,6 +4,7 @@ Trains TinyGPT with strata on this rank's share of every batch. Rank 0
 writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
+DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params).
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
 """
@@ -27,7 +28,8 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
               "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
               "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},
               "precision": precision, "non_model_memory": 0, "log": {"level": "error"},
-              "comm": {"timeout_ms": 2000}, "gradient_accumulation_steps": accumulation}
+              "comm": {"timeout_ms": 2000, "shard_params": os.environ.get("DP_SHARD_PARAMS", "false")},
+              "gradient_accumulation_steps": accumulation}
     engine = strata.initialize(model, config)
     initial = engine.state_dict(master=True)  # every rank: the masters are gathered
     share = batch // engine.world_size
@@ -53,9 +55,12 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
             sys.exit(3)
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
     final = engine.state_dict(master=True)
-    bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
+    tiers_of_kind = engine.chunk_tiers()
+    bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in tiers_of_kind.items()}
+    stored_of_kind = {kind: tiers.get("host", 0) + tiers.get("nvme", 0) for kind, tiers in tiers_of_kind.items()}
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
-        json.dump({"bytes_of_kind": bytes_of_kind, "comm": engine.stats().get("comm"),
+        json.dump({"bytes_of_kind": bytes_of_kind, "stored_of_kind": stored_of_kind,
+                   "chunks": engine.engine.chunks(), "comm": engine.stats().get("comm"),
                    "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if engine.rank == 0:

@@ -27,11 +27,13 @@ def launch(launcher, world, args, mpi_options=(), env=None):
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
 
-def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1):
+def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1,
+              shard_params=False):
     """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
-    run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation])
+    run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation],
+                 env={"DP_SHARD_PARAMS": "true" if shard_params else "false"})
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
         result = json.load(f)
@@ -87,6 +89,43 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, w
         two_passes = 2 * comm["model_bytes"] * (world - 1) / world
         assert two_passes <= comm["last_step_bytes"] <= 1.05 * two_passes, comm
         assert comm["zero3_bytes_per_step"] == 3 * comm["model_bytes"] * (world - 1) // world
+
+
+@pytest.mark.parametrize("launcher,world", [pytest.param("mpirun", 2, marks=needs_mpirun),
+                                            pytest.param("mpirun", 4, marks=needs_mpirun), ("torchrun", 2)])
+def test_ranks_with_sharded_params_train_like_one_process_and_send_zero3s_volume(tmp_path, launcher, world):
+    """comm.shard_params (ZeRO-3): each rank stores 1/W of the parameters too, gathers each param chunk when a
+    module needs it, and a step sends ZeRO-3's 3 x parameter bytes x (W-1)/W."""
+    steps, batch = 20, 8
+    result = run_ranks(tmp_path, world, steps, batch, launcher=launcher, shard_params=True)
+    _, reference = pair()
+    theirs = torch_losses(reference, batches(steps, batch=batch))
+    assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
+    for name, value in reference.state_dict().items():
+        if name in result["final"]:
+            assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
+
+    # Stored on the host and NVMe: no parameters (every param chunk is
+    # transient; the fp32 master shard is the rank's copy) and 1/W of the
+    # params and states (each sharded chunk rounded up to its 4 KiB slot).
+    (tmp_path / "one").mkdir()
+    alone = run_ranks(tmp_path / "one", 1, 0, batch, launcher=launcher)["ranks"][0]
+    whole = alone["stored_of_kind"]["param"] + state_bytes(alone["stored_of_kind"])
+    for rank in result["ranks"]:
+        assert all(c["transient"] for c in rank["chunks"] if c["kind"] == "param")
+        assert rank["stored_of_kind"]["param"] == 0, rank["stored_of_kind"]
+        sharded = sum(1 for c in rank["chunks"] if c["sharded"])
+        assert state_bytes(rank["stored_of_kind"]) <= whole // world + 4096 * sharded, (rank, alone)
+        assert rank["stored_of_kind"]["grad"] == alone["stored_of_kind"]["grad"]
+
+    # ZeRO-3's volume: parameters gathered in forward and again in backward
+    # (fp32 here, so the same bytes as the gradients' reduce-scatter), less
+    # what the two kept chunks save, plus the tags, the padding and the
+    # small all-reduces.
+    for rank in result["ranks"]:
+        comm = rank["comm"]
+        zero3 = comm["zero3_bytes_per_step"]
+        assert 0.95 * zero3 <= comm["last_step_bytes"] <= 1.05 * zero3, comm
 
 
 @needs_mpirun
