@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <optional>
 #include <string>
 
 #include <fmt/format.h>
@@ -115,9 +116,10 @@ Status GradReducer::Drain() {
     const Status status = done.get();
     if (first.ok() && !status.ok()) first = status;
   }
-  // The reductions stay to be taken; the other jobs are done with.
+  // The reductions and the gathers ahead stay to be taken; the other jobs are done with.
   std::map<uint64_t, std::shared_future<Status>> reductions;
   for (const auto& [id, pending] : pending_) reductions[pending->seq] = pending->done;
+  for (const auto& [id, ahead] : prefetched_) reductions[ahead.seq] = ahead.done;
   queued_ = std::move(reductions);
   wait_seconds_ += SecondsSince(start);
   return first;
@@ -127,21 +129,7 @@ Status GradReducer::Drain() {
 
 namespace strata::offload {
 
-Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
-  if (param.value() >= chunks_.size() || !chunks_[param.value()].transient) {
-    return InvalidArgument(
-        "parameter all-gather: chunk {} is not a transient param chunk (only a trainable group's param chunk is, "
-        "with comm.shard_params and more than one rank)",
-        param.value());
-  }
-  if (!into.valid() || into.id() != param) {
-    return InvalidArgument("parameter all-gather of chunk {}: `into` must be a pin of that chunk", param.value());
-  }
-  for (size_t i = 0; i < kept_.size(); ++i) {
-    if (kept_[i].first != param) continue;
-    std::rotate(kept_.begin() + i, kept_.begin() + i + 1, kept_.end());  // the newest now
-    return Status::Ok();
-  }
+GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   const ChunkInfo& info = chunks_[param.value()];
   const ChunkInfo* master = nullptr;
   for (const ChunkInfo& c : chunks_) {
@@ -185,26 +173,91 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
     }
     return Status::Ok();
   });
+  const uint64_t seq = next_seq_++;
+  queued_[seq] = done;
+  return {std::move(done), std::move(whole), seq};
+}
+
+Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
+  if (param.value() >= chunks_.size() || !chunks_[param.value()].transient) {
+    return InvalidArgument(
+        "parameter all-gather: chunk {} is not a transient param chunk (only a trainable group's param chunk is, "
+        "with comm.shard_params and more than one rank)",
+        param.value());
+  }
+  if (!into.valid() || into.id() != param) {
+    return InvalidArgument("parameter all-gather of chunk {}: `into` must be a pin of that chunk", param.value());
+  }
+  sequence_.push_back(param);
+  bool kept = false;
+  for (size_t i = 0; i < kept_.size() && !kept; ++i) {
+    if (kept_[i].first != param) continue;
+    std::rotate(kept_.begin() + i, kept_.begin() + i + 1, kept_.end());  // the newest now
+    kept = true;
+  }
+  std::optional<Queued> gather;
+  if (!kept) {
+    if (auto ahead = prefetched_.find(param.value()); ahead != prefetched_.end()) {
+      gather = std::move(ahead->second);
+      prefetched_.erase(ahead);
+      gathered_ahead_++;
+    } else {
+      gather = QueueGather(param);
+    }
+  }
+  // The chunks that followed this one last step are gathered ahead, behind
+  // it in the queue: every rank decides from the same sequence, so their
+  // collectives line up.
+  PrefetchFrom(sequence_.size(), param);
+  if (kept) return Status::Ok();
+
+  const ChunkInfo& info = chunks_[param.value()];
   const Clock::time_point start = Clock::now();
-  Status status = done.get();
+  Status status = gather->done.get();
+  queued_.erase(gather->seq);  // taken: its error is this call's
   if (status.ok()) {
     if (into.tier() == Tier::kHost || engine_.device().host_accessible()) {
-      std::memcpy(into.data(), whole->data(), n * width);
+      std::memcpy(into.data(), gather->whole->data(), info.used_bytes);
     } else {
       Result<std::shared_ptr<Event>> copy =
-          engine_.device().CopyAsync(CopyStream::kHostToDevice, into.data(), whole->data(), n * width);
+          engine_.device().CopyAsync(CopyStream::kHostToDevice, into.data(), gather->whole->data(), info.used_bytes);
       status = copy.ok() ? (*copy)->Wait(engine_.options().device_copy_timeout_ms) : copy.status();
     }
   }
   wait_seconds_ += SecondsSince(start);
   STRATA_RETURN_IF_ERROR(status.WithContext(fmt::format("gathering param chunk {}", param.value())));
   gathers_++;
-  STRATA_ASSIGN_OR_RETURN(ChunkAccess kept, engine_.AccessChunk(param, into.tier()));
-  kept_.emplace_back(param, std::move(kept));
+  STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunk(param, into.tier()));
+  kept_.emplace_back(param, std::move(pin));
   if (kept_.size() > kKeptGathers) kept_.erase(kept_.begin());
   return Status::Ok();
 }
 
-void GradReducer::ReleaseGathered() { kept_.clear(); }
+void GradReducer::PrefetchFrom(size_t position, std::optional<ChunkId> gathering) {
+  for (size_t at = position; at < position + kPrefetchDepth && at < last_sequence_.size(); ++at) {
+    const ChunkId next = last_sequence_[at];
+    const bool held = next == gathering ||
+                      std::any_of(kept_.begin(), kept_.end(), [&](const auto& k) { return k.first == next; });
+    if (!held && prefetched_.count(next.value()) == 0) prefetched_[next.value()] = QueueGather(next);
+  }
+}
+
+void GradReducer::GatherAhead() {
+  if (sequence_.empty()) PrefetchFrom(0, std::nullopt);
+}
+
+void GradReducer::ReleaseGathered() {
+  kept_.clear();
+  // Gathered ahead but not asked for (the step's sequence changed): read
+  // from the masters before this step's update, so dropped. Their errors
+  // are those of a broken group, which the next collective meets again.
+  for (auto& [id, ahead] : prefetched_) {
+    ahead.done.wait();
+    queued_.erase(ahead.seq);
+  }
+  prefetched_.clear();
+  last_sequence_ = std::move(sequence_);
+  sequence_.clear();
+}
 
 }  // namespace strata::offload

@@ -32,10 +32,12 @@
 #include <future>
 #include <map>
 #include <memory>
+#include <optional>
 #include <utility>
 #include <vector>
 
 #include "strata/access.h"
+#include "strata/buffer.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/status.h"
@@ -76,18 +78,28 @@ class GradReducer {
   // param dtype, all-gathered from every rank's master shard; waits for it
   // (counted in wait_seconds()). The reducer keeps the last kKeptGathers
   // chunks it gathered pinned, so a Gather of one of them sends nothing:
-  // a chunk's modules run one after another, each pinning it anew. Every
-  // rank must gather the same chunks in the same order (so the kept ones are
-  // the same everywhere): each message carries its group's tag, and a rank
-  // whose peers gather another group gets InvalidArgument naming them.
+  // a chunk's modules run one after another, each pinning it anew. And it
+  // gathers ahead, into host memory, the kPrefetchDepth chunks that came
+  // next in the last step's sequence of Gathers, so that their collectives
+  // overlap the compute before them. Every rank must gather the same chunks
+  // in the same order (so what is kept and gathered ahead is the same
+  // everywhere): each message carries its group's tag, and a rank whose
+  // peers gather another group gets InvalidArgument naming them.
   Status Gather(ChunkId param, const ChunkAccess& into);
-  // Lets the kept chunks go: stale once the masters change (RunTrainStep
-  // calls it before updating). Also at destruction.
+  // Lets the kept chunks go and drops what was gathered ahead: stale once
+  // the masters change (RunTrainStep calls it before updating); the step's
+  // sequence of Gathers becomes the one the next step gathers ahead from.
+  // Also at destruction.
   void ReleaseGathered();
+  // Gathers ahead the first chunks of the last step's sequence, the next
+  // forward's first (RunTrainStep calls it once the masters are updated).
+  void GatherAhead();
   static constexpr size_t kKeptGathers = 2;
+  static constexpr size_t kPrefetchDepth = 2;
   uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
+  uint64_t gathered_ahead() const { return gathered_ahead_; }  // of them, those gathered ahead
 
-  // Waits for everything queued; the first error (in queue order: the cause,
+  // Waits for everything queued (the gathers ahead too); the first error (in queue order: the cause,
   // not the failures of a broken group after it) of the jobs not taken.
   Status Drain();
   // Seconds Take and Drain have waited for the queue (communication not
@@ -109,8 +121,23 @@ class GradReducer {
   std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
   uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;
+  // A parameter all-gather queued: its whole chunk lands in `whole` (host memory).
+  struct Queued {
+    std::shared_future<Status> done;
+    std::shared_ptr<Buffer> whole;
+    uint64_t seq = 0;  // its place in the queue
+  };
+  Queued QueueGather(ChunkId param);
+  // Queues the chunks at [position, position + kPrefetchDepth) of the last
+  // step's sequence, but those kept, queued already or being gathered.
+  void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);
+
   std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
+  std::map<uint32_t, Queued> prefetched_;   // gathered ahead, by param chunk id
+  std::vector<ChunkId> sequence_;           // this step's Gathers, in order
+  std::vector<ChunkId> last_sequence_;      // the last step's
   uint64_t gathers_ = 0;
+  uint64_t gathered_ahead_ = 0;
   std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above
 };
 

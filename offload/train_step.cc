@@ -184,8 +184,8 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
   optim::GradStats stats;
   std::vector<std::vector<float>> reduced;
   uint64_t comm_bytes_before = 0;
+  std::unique_ptr<GradReducer> own;
   if (parallel) {
-    std::unique_ptr<GradReducer> own;
     if (reducer == nullptr) reducer = (own = std::make_unique<GradReducer>(engine, *comm)).get();
     const double waited = reducer->wait_seconds();
     STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(*reducer, *comm, groups, stats, report.comm_bytes));
@@ -226,7 +226,10 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     report.groups++;
   }
   report.update_seconds = SecondsSince(start);
-  if (parallel) report.comm_bytes += comm->stats().total_bytes() - comm_bytes_before;
+  if (parallel) {
+    report.comm_bytes += comm->stats().total_bytes() - comm_bytes_before;
+    reducer->GatherAhead();  // the next forward's first param chunks, from the updated masters
+  }
   STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
   return report;
 }

@@ -489,7 +489,10 @@ PYBIND11_MODULE(_strata, m) {
           "sent for one of the last two chunks gathered)")
       .def("release_gathered", [](PyGradReducer& r) { r.get().ReleaseGathered(); },
            "lets the kept gathered chunks go")
-      .def_property_readonly("gathers", [](PyGradReducer& r) { return r.get().gathers(); })
+      .def_property_readonly("gathers", [](PyGradReducer& r) { return r.get().gathers(); },
+                             "parameter all-gathers that communicated")
+      .def_property_readonly("gathered_ahead", [](PyGradReducer& r) { return r.get().gathered_ahead(); },
+                             "of them, those queued ahead of their need (the last step's sequence)")
       .def("close", &PyGradReducer::Close,
            "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
       .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });

@@ -447,6 +447,8 @@ class TrainingEngine:
         out["model_bytes"] = model_bytes
         out["zero3_bytes_per_step"] = 3 * model_bytes * (self.world_size - 1) // self.world_size
         out["last_step_bytes"] = self._last_step.get("comm_bytes", 0)
+        out["param_gathers"] = self._reducer.gathers if self._reducer is not None else 0
+        out["param_gathers_ahead"] = self._reducer.gathered_ahead if self._reducer is not None else 0
         return out
 
     def chunk_tiers(self):
@@ -491,8 +493,9 @@ class TrainingEngine:
             return data
         # Where each rank's shard lies in the whole chunk, then the shards.
         mine = torch.tensor([info["shard_offset"], info["used_bytes"]], dtype=torch.int64)
-        spans = torch.frombuffer(self._comm.all_gather(mine.numpy()), dtype=torch.int64).reshape(-1, 2).tolist()
-        shards = self._comm.all_gather(data)
+        comm = self.comm  # the reducer's collectives (gathers ahead after a step) done first
+        spans = torch.frombuffer(bytearray(comm.all_gather(mine.numpy())), dtype=torch.int64).reshape(-1, 2).tolist()
+        shards = comm.all_gather(data)
         whole = bytearray(max(offset + used for offset, used in spans))
         for rank, (offset, used) in enumerate(spans):
             start = rank * len(data)

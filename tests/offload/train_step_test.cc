@@ -274,7 +274,7 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
   ASSERT_OK(group.status());
   std::vector<std::vector<std::vector<float>>> params(world);
   std::vector<std::vector<double>> norms(world);
-  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0), iteration_bytes(world, 0), stored(world, 0);
+  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0), all_bytes(world, 0), stored(world, 0);
   std::vector<Status> results(world, Status::Ok());
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r) {
@@ -293,14 +293,20 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
           rank.Write(l, ChunkKind::kParam, initial[l]);
         }
       }
+      const uint64_t before = (*group)[r]->stats().total_bytes();
       for (int step = 0; step < kSteps && results[r].ok(); ++step) {
         for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
-        const uint64_t before = (*group)[r]->stats().total_bytes();
         Result<TrainStepReport> report = rank.Iteration((*group)[r].get(), reducer.get());
         results[r] = report.status();
         if (report.ok()) norms[r].push_back(report->plan.grad_norm);
         if (report.ok()) comm_bytes[r] = report->comm_bytes;
-        iteration_bytes[r] = (*group)[r]->stats().total_bytes() - before;
+      }
+      if (reducer) EXPECT_OK(reducer->Drain());  // the gathers ahead of the next step too
+      all_bytes[r] = (*group)[r]->stats().total_bytes() - before;
+      // From the second step on, every layer's chunk was gathered ahead
+      // (the sequence of the step before), and nothing twice.
+      if (shard_params) {
+        EXPECT_EQ(reducer->gathered_ahead(), static_cast<uint64_t>((kSteps - 1) * kLayers));
       }
       for (int l = 0; l < kLayers && results[r].ok(); ++l) {
         params[r].push_back(shard_params ? rank.Gathered(l, *reducer) : rank.Read(l, ChunkKind::kParam));
@@ -313,14 +319,16 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
   // shard with its group's tag) and its (fp32) params gathered, (W-1)
   // shards of each, and the norm all-reduced.
   // Parameters sharded: the step gathers nothing; each layer's param chunk
-  // is gathered once in its moment (its shard and an 8-byte tag).
+  // is gathered once in its moment (its shard and an 8-byte tag), and the
+  // last step gathers the next one's first two ahead.
   const uint64_t shard = memory::ShardOf(kChunkElems, 0, world).elems;
   const uint64_t reduced = kLayers * (world - 1) * (shard + 1) * sizeof(float);
   const uint64_t gathered = kLayers * (world - 1) * (shard * sizeof(float) + (shard_params ? sizeof(uint64_t) : 0));
   const uint64_t norm = 2 * (world - 1) * sizeof(double) / world;
+  const uint64_t ahead = shard_params ? GradReducer::kPrefetchDepth * gathered / kLayers : 0;
   for (int r = 0; r < world; ++r) {
     EXPECT_EQ(comm_bytes[r], reduced + (shard_params ? 0 : gathered) + norm) << "rank " << r;
-    EXPECT_EQ(iteration_bytes[r], reduced + gathered + norm) << "rank " << r;
+    EXPECT_EQ(all_bytes[r], kSteps * (reduced + gathered + norm) + ahead) << "rank " << r;
   }
   // Parameters sharded, a rank stores 1/W of the params too: only the
   // (whole) grad chunks and the frozen layer stay whole.
