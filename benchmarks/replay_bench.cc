@@ -43,6 +43,9 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     if (m.device_compute_seconds && config.ranks > 1) {  // an update: each rank updates its share
       m.compute_seconds /= config.ranks;
       *m.device_compute_seconds /= config.ranks;
+      if (config.shard_params) {  // which writes its master shard only
+        std::erase_if(m.chunks, [&](ChunkId c) { return layout.chunk(c).kind == ChunkKind::kParam; });
+      }
     }
     if (m.tier != Tier::kDevice || (config.gpu_tflops > 0 && config.compute_ms <= 0)) continue;
     uint64_t bytes = 0;
@@ -53,9 +56,16 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
   return step;
 }
 
-void BusyFor(double seconds) {
+// A moment's compute: on the device a sleep (the GPU works and the CPU's
+// cores stay free for the transfers and the ranks' collectives, as on a
+// real machine), on the host a busy-wait (a CPU update takes a core).
+void ComputeFor(double seconds, Tier where) {
   const Clock::time_point end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                    std::chrono::duration<double>(seconds));
+  if (where == Tier::kDevice) {
+    std::this_thread::sleep_until(end);
+    return;
+  }
   while (Clock::now() < end) {
   }
 }
@@ -95,7 +105,8 @@ bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engi
 // Data parallel: where each moment's communication goes. A backward
 // moment submits the grad chunks it is the last to touch; an update moment
 // takes its group's reduced gradients first and queues its param chunk's
-// all-gather after.
+// all-gather after (parameters sharded: a device moment gathers its
+// transient param chunks as it accesses them instead).
 struct CommMoments {
   std::vector<std::vector<ChunkId>> submit;     // per moment
   std::vector<std::optional<ChunkId>> take;     // per moment: the grad chunk of an update
@@ -114,7 +125,7 @@ CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInf
       const ChunkKind kind = chunks[c.value()].kind;
       if (m.device_compute_seconds) {  // an update
         if (kind == ChunkKind::kGrad) out.take[k] = c;
-        if (kind == ChunkKind::kParam) out.gather[k] = c;
+        if (kind == ChunkKind::kParam && !chunks[c.value()].transient) out.gather[k] = c;
       } else if (kind == ChunkKind::kGrad) {
         last_backward[c.value()] = k;
       }
@@ -160,34 +171,52 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       return c.AllGather(gather_buffer.data(), gather_buffer.data() + shard, shard);
     };
   };
+  const bool sharded_params = comm != nullptr && options.comm_shard_params;
+  std::map<uint32_t, ChunkId> param_of_group;
+  for (const ChunkInfo& chunk : chunks) {
+    if (chunk.kind == ChunkKind::kParam) param_of_group.emplace(chunk.group, chunk.id);
+  }
   for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
     const double waited = reducer ? reducer->wait_seconds() : 0;
     const uint64_t sent = comm != nullptr ? comm->stats().total_bytes() : 0;
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+    bool updating = false;
     for (size_t k = 0; k < step.moments.size(); ++k) {
       const offload::TraceMoment& m = step.moments[k];
-      if (reducer && comm_moments.take[k]) STRATA_RETURN_IF_ERROR(reducer->Take(*comm_moments.take[k]).status());
+      if (reducer && comm_moments.take[k]) {
+        if (sharded_params && !updating) reducer->ReleaseGathered();  // as RunTrainStep does before its updates
+        updating = true;
+        STRATA_RETURN_IF_ERROR(reducer->Take(*comm_moments.take[k]).status());
+      }
       double compute = m.compute_seconds;
+      Tier runs_on = m.tier;
       if (m.tier == Tier::kDevice) {
         STRATA_RETURN_IF_ERROR(pipeline->BeginMoment(m.non_model_bytes));
       } else {
-        STRATA_ASSIGN_OR_RETURN(Tier where, pipeline->BeginHostMoment(m.device_compute_seconds));
-        if (where == Tier::kDevice) compute = *m.device_compute_seconds;
+        STRATA_ASSIGN_OR_RETURN(runs_on, pipeline->BeginHostMoment(m.device_compute_seconds));
+        if (runs_on == Tier::kDevice) compute = *m.device_compute_seconds;
       }
       std::vector<ChunkAccess> held;
       for (ChunkId c : m.chunks) {
         STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline->Access(c));
+        if (sharded_params && chunks[c.value()].transient) STRATA_RETURN_IF_ERROR(reducer->Gather(c, access));
         held.push_back(std::move(access));
       }
-      BusyFor(compute);
+      ComputeFor(compute, runs_on);
       held.clear();
       STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
       if (reducer) {
+        if (sharded_params && comm_moments.take[k]) {  // as RunTrainStep: the next forward's first chunks gather ahead
+          reducer->Updated(param_of_group.at(chunks[comm_moments.take[k]->value()].group));
+        }
         for (ChunkId c : comm_moments.submit[k]) STRATA_RETURN_IF_ERROR(reducer->Submit(c));
         if (comm_moments.gather[k]) reducer->Enqueue(gather(chunks[comm_moments.gather[k]->value()]));
       }
     }
-    if (reducer) STRATA_RETURN_IF_ERROR(reducer->Drain());  // the gathers are in before the next forward
+    // The gathers are in before the next forward (parameters sharded: the
+    // next forward's first chunks, gathered ahead as the updates end), so
+    // each iteration counts its own bytes; the wait counts as a stall.
+    if (reducer) STRATA_RETURN_IF_ERROR(reducer->Drain());
     STRATA_RETURN_IF_ERROR(pipeline->EndIteration());
     if (it < config.warmup) continue;
     const offload::PipelineStats s = pipeline->stats();
@@ -290,6 +319,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   options.compute_dtype = DType::kBFloat16;
   options.device_emulated_bandwidth_gbps = config.pcie_gbps;
   options.log_level = LogLevel::kWarning;
+  options.comm_shard_params = config.shard_params && config.ranks > 1;
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(specs, options.chunk_size_elems, options.chunk_search_min_elems,
                                                      options.chunk_search_max_elems));
@@ -417,9 +447,9 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
     const double network_ms =
         r.config.net_gbps > 0 ? 1e3 * static_cast<double>(r.planned.comm_bytes) / (r.config.net_gbps * 1e9) : 0;
     out += fmt::format(
-        "data parallel, {} ranks over {}: each sends {} a step ({:.2f} ms on that network); communication "
+        "data parallel, {} ranks{} over {}: each sends {} a step ({:.2f} ms on that network); communication "
         "stall {:.2f} ms ({:.1f}% of the step, the most of any rank){}\n",
-        r.config.ranks,
+        r.config.ranks, r.config.shard_params ? " (parameters sharded)" : "",
         r.config.net_gbps > 0 ? fmt::format("a {} GB/s network", r.config.net_gbps) : std::string("the loopback"),
         FormatSize(r.planned.comm_bytes), network_ms, 1e3 * r.planned.comm_stall_seconds,
         100 * r.planned.comm_stall_fraction,
@@ -458,6 +488,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"device_params", r.config.device_params},
                  {"host_states", r.config.host_states},
                  {"ranks", r.config.ranks},
+                 {"shard_params", r.config.shard_params},
                  {"net_gbps", r.config.net_gbps}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;

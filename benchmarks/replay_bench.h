@@ -60,6 +60,10 @@ struct ReplayBenchConfig {
   // loopback's memory speed).
   uint32_t ranks = 1;
   double net_gbps = 0;
+  // With ranks: parameters sharded too (comm.shard_params, ZeRO-3): each
+  // device moment gathers its param chunks (GradReducer::Gather, ahead along
+  // the last step's order) and an update writes only its master shard.
+  bool shard_params = false;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
 };

@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include "memory/chunk_layout.h"
+#include "optim/cpu_kernels.h"
 #include "optim/half.h"
 #include "src/task_queue.h"
 #include "strata/buffer.h"
@@ -25,7 +26,12 @@ double SecondsSince(Clock::time_point start) {
 }  // namespace
 
 GradReducer::GradReducer(Engine& engine, Communicator& comm)
-    : engine_(engine), comm_(comm), chunks_(engine.chunks()), queue_(std::make_unique<TaskQueue>(1)) {}
+    : engine_(engine), comm_(comm), chunks_(engine.chunks()), queue_(std::make_unique<TaskQueue>(1)) {
+  for (const ChunkInfo& c : chunks_) {
+    if (c.transient) largest_transient_bytes_ = std::max(largest_transient_bytes_, c.size_bytes);
+    if (c.kind == ChunkKind::kMaster) largest_master_bytes_ = std::max(largest_master_bytes_, c.size_bytes);
+  }
+}
 
 GradReducer::~GradReducer() {
   queue_.reset();  // its jobs done before the pins they may write into are let go
@@ -142,17 +148,36 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
   // Each rank's slice: its range in the param dtype, then the group's tag.
   const size_t slice = range.elems * width + sizeof(uint64_t);
-  auto whole = std::make_shared<Buffer>(AllocateAlignedHost(info.size_bytes, 4096));
+  // Buffers are reused: a fresh one per gather would be page faults by the
+  // chunk, twice a step.
+  std::shared_ptr<Buffer> whole;
+  if (spare_wholes_.empty()) {
+    whole = std::make_shared<Buffer>(AllocateAlignedHost(largest_transient_bytes_, 4096));
+  } else {
+    whole = std::move(spare_wholes_.back());
+    spare_wholes_.pop_back();
+  }
   const ChunkId master_id = master->id;
-  const uint64_t master_bytes = master->size_bytes;
   const DType dtype = info.dtype;
   const uint32_t group = info.group;
   std::shared_future<Status> done = queue_->Push([=, this]() -> Status {
-    Buffer shard = AllocateAlignedHost(master_bytes, 4096);
-    STRATA_RETURN_IF_ERROR(engine_.ReadChunk(master_id, shard.data()).WithContext("reading the master shard to gather"));
-    std::vector<std::byte> send(slice, std::byte{0}), all(slice * world);
-    const float* weights = reinterpret_cast<const float*>(shard.data());
-    for (size_t j = 0; j < range.end - range.begin; ++j) optim::StoreFloat(send.data(), dtype, j, weights[j]);
+    // The queue's one thread owns the scratch buffers.
+    if (!gather_shard_) gather_shard_ = AllocateAlignedHost(largest_master_bytes_, 4096);
+    STRATA_RETURN_IF_ERROR(engine_.ReadChunk(master_id, static_cast<std::byte*>(gather_shard_.data()))
+                               .WithContext("reading the master shard to gather"));
+    std::vector<std::byte>& send = gather_send_;
+    std::vector<std::byte>& all = gather_all_;
+    send.assign(slice, std::byte{0});
+    all.resize(slice * world);
+    const float* weights = static_cast<const float*>(gather_shard_.data());
+    const size_t mine = range.end - range.begin;
+    if (dtype == DType::kFloat32) {
+      std::memcpy(send.data(), weights, mine * sizeof(float));
+    } else if (dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
+      optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+    } else {
+      optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+    }
     const uint64_t tag = group + 1;
     std::memcpy(send.data() + range.elems * width, &tag, sizeof tag);
     STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all.data(), slice)
@@ -225,6 +250,7 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
     }
   }
   wait_seconds_ += SecondsSince(start);
+  spare_wholes_.push_back(std::move(gather->whole));
   STRATA_RETURN_IF_ERROR(status.WithContext(fmt::format("gathering param chunk {}", param.value())));
   gathers_++;
   STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunk(param, into.tier()));
@@ -242,8 +268,14 @@ void GradReducer::PrefetchFrom(size_t position, std::optional<ChunkId> gathering
   }
 }
 
-void GradReducer::GatherAhead() {
-  if (sequence_.empty()) PrefetchFrom(0, std::nullopt);
+void GradReducer::Updated(ChunkId param) {
+  updated_.push_back(param);
+  for (size_t at = 0; at < kPrefetchDepth && at < last_sequence_.size(); ++at) {
+    const ChunkId next = last_sequence_[at];
+    if (std::find(updated_.begin(), updated_.end(), next) != updated_.end() && prefetched_.count(next.value()) == 0) {
+      prefetched_[next.value()] = QueueGather(next);
+    }
+  }
 }
 
 void GradReducer::ReleaseGathered() {
@@ -254,10 +286,12 @@ void GradReducer::ReleaseGathered() {
   for (auto& [id, ahead] : prefetched_) {
     ahead.done.wait();
     queued_.erase(ahead.seq);
+    spare_wholes_.push_back(std::move(ahead.whole));
   }
   prefetched_.clear();
   last_sequence_ = std::move(sequence_);
   sequence_.clear();
+  updated_.clear();
 }
 
 }  // namespace strata::offload

@@ -91,11 +91,13 @@ class GradReducer {
   // sequence of Gathers becomes the one the next step gathers ahead from.
   // Also at destruction.
   void ReleaseGathered();
-  // Gathers ahead the first chunks of the last step's sequence, the next
-  // forward's first (RunTrainStep calls it once the masters are updated).
-  void GatherAhead();
+  // Group `param`'s master shard is final for this step (RunTrainStep calls
+  // it after each group's update): of the first kPrefetchDepth chunks of the
+  // last step's sequence (the next forward's first), those whose masters are
+  // final are gathered ahead now, overlapping the rest of the step.
+  void Updated(ChunkId param);
   static constexpr size_t kKeptGathers = 2;
-  static constexpr size_t kPrefetchDepth = 2;
+  static constexpr size_t kPrefetchDepth = 4;
   uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
   uint64_t gathered_ahead() const { return gathered_ahead_; }  // of them, those gathered ahead
 
@@ -132,10 +134,16 @@ class GradReducer {
   // step's sequence, but those kept, queued already or being gathered.
   void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);
 
+  uint64_t largest_transient_bytes_ = 0;
+  uint64_t largest_master_bytes_ = 0;
+  std::vector<std::shared_ptr<Buffer>> spare_wholes_;  // gathers' landing buffers, for reuse
+  Buffer gather_shard_;                     // the queue thread's: a master shard read
+  std::vector<std::byte> gather_send_, gather_all_;  // the queue thread's: the all-gather's buffers
   std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
   std::map<uint32_t, Queued> prefetched_;   // gathered ahead, by param chunk id
   std::vector<ChunkId> sequence_;           // this step's Gathers, in order
   std::vector<ChunkId> last_sequence_;      // the last step's
+  std::vector<ChunkId> updated_;            // param chunks whose masters this step has updated
   uint64_t gathers_ = 0;
   uint64_t gathered_ahead_ = 0;
   std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above

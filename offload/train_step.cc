@@ -199,6 +199,16 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     optimizer.SetAllReduceHook(nullptr);
   }
   STRATA_ASSIGN_OR_RETURN(report.plan, optimizer.PlanStep(stats));
+  // The step's own collectives are counted as they run: parameters
+  // gathered ahead (parameters sharded) overlap the updates, and are the
+  // next step's.
+  const auto count_sent = [&] {
+    if (!parallel) return;
+    const uint64_t now = comm->stats().total_bytes();
+    report.comm_bytes += now - comm_bytes_before;
+    comm_bytes_before = now;
+  };
+  count_sent();  // the norm's all-reduce
   report.stats_seconds = SecondsSince(start);
 
   start = Clock::now();
@@ -217,19 +227,20 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, lo, hi,
                                  parallel ? reduced[k].data() : nullptr, held);
     if (updated.ok() && parallel && !g[ChunkKind::kParam].transient) {
+      comm_bytes_before = comm->stats().total_bytes();
       updated = GatherParams(*comm, g[ChunkKind::kParam], held[static_cast<int>(ChunkKind::kParam)].data());
+      count_sent();
     }
     for (ChunkAccess& a : held) a.Release();
     const Status ended = pipeline.EndMoment();
     STRATA_RETURN_IF_ERROR(updated);
     STRATA_RETURN_IF_ERROR(ended);
     report.groups++;
+    if (parallel && g[ChunkKind::kParam].transient) {
+      reducer->Updated(g[ChunkKind::kParam].id);  // the next forward's first chunks gather ahead
+    }
   }
   report.update_seconds = SecondsSince(start);
-  if (parallel) {
-    report.comm_bytes += comm->stats().total_bytes() - comm_bytes_before;
-    reducer->GatherAhead();  // the next forward's first param chunks, from the updated masters
-  }
   STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
   return report;
 }

@@ -442,6 +442,9 @@ int main(int argc, char** argv) {
   bench_replay_command->add_option("--net-gbps", bench_replay.config.net_gbps,
                                    "with --ranks: the network's bandwidth in GB/s each rank sends at; 0 = unthrottled")
       ->capture_default_str();
+  bench_replay_command->add_flag("--shard-params", bench_replay.config.shard_params,
+                                 "with --ranks: shard the parameters too (comm.shard_params, ZeRO-3), gathered in "
+                                 "forward and backward");
   bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
   bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
 

@@ -69,6 +69,36 @@ TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) 
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
 }
 
+// Parameters sharded (ZeRO-3): the params are gathered in forward and
+// again in backward instead of once after the update: 2 + 2 + 4 bytes a
+// parameter, (W-1)/W of them, less the backward's first chunks (the last
+// two gathered in forward are kept), plus the tied embedding's second
+// gather in forward, tags and padding. (4 chunk groups: with one or two,
+// the kept chunks would spare backward every gather.)
+TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
+  ReplayBenchConfig config;
+  config.model.layers = 6;
+  config.model.hidden = 256;
+  config.model.vocab = 512;
+  config.model.sequence = 32;
+  config.iterations = 3;
+  config.pcie_gbps = 8;
+  config.ranks = 2;
+  config.shard_params = true;
+  config.baseline = false;
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
+  uint64_t params = 0;
+  for (const TensorSpec& spec : GptTensorSpecs({.layers = 6, .hidden = 256, .vocab = 512, .sequence = 32},
+                                               DType::kBFloat16)) {
+    if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
+  }
+  const double zero3 = 0.5 * static_cast<double>(params) * (4 + 2 + 2);
+  EXPECT_GE(static_cast<double>(report.planned.comm_bytes), 0.85 * zero3);
+  EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.08 * zero3);
+  EXPECT_NE(FormatReplayBench(report).find("data parallel, 2 ranks (parameters sharded)"), std::string::npos);
+  EXPECT_TRUE(nlohmann::json::parse(ReplayBenchJson(report))["config"]["shard_params"].get<bool>());
+}
+
 TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
   ReplayBenchConfig config;
   config.model.layers = 0;
