@@ -56,6 +56,8 @@ def parse_args(argv):
     p.add_argument("--nvme-dir", help="directory of the NVMe tier (default OUT/nvme)")
     p.add_argument("--init", help="a saved state dict (torch.save) to start from")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--shard-params", action="store_true",
+                   help="data parallel: shard the parameters too (comm.shard_params, ZeRO-3)")
     p.add_argument("--short", action="store_true", help="a tiny model and a few steps (the test suite's run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     args = p.parse_args(argv)
@@ -180,6 +182,7 @@ def main(argv=None):
         # memory, outside its budget. On a GPU the adapter measures them.
         "non_model_memory": 0 if args.device == "emulated" else "measured",
         "log": {"level": "warning"},
+        "comm": {"shard_params": args.shard_params},
     }
     engine = strata.initialize(model, config)
     rank, world = engine.rank, engine.world_size
@@ -224,13 +227,18 @@ def main(argv=None):
     if progress is not None:
         progress.close()
     stats = engine.stats()
-    kinds = {kind: sum(tiers.values()) for kind, tiers in engine.chunk_tiers().items()}
-    rank_kinds = [kinds]
+    tiers_of_kind = engine.chunk_tiers()
+    kinds = {kind: sum(tiers.values()) for kind, tiers in tiers_of_kind.items()}
+    # Stored: on the host and NVMe (a sharded run's gathered param chunks are on the device only).
+    stored = {kind: tiers.get("host", 0) + tiers.get("nvme", 0) for kind, tiers in tiers_of_kind.items()}
+    rank_kinds, rank_stored = [kinds], [stored]
     if world > 1:  # every rank's bytes of each chunk kind, to rank 0
         names = sorted(kinds)
-        gathered = engine.comm.all_gather(torch.tensor([kinds[n] for n in names], dtype=torch.int64).numpy())
-        rank_kinds = [dict(zip(names, row)) for row in
-                      torch.frombuffer(bytearray(gathered), dtype=torch.int64).reshape(world, -1).tolist()]
+        row = [kinds[n] for n in names] + [stored[n] for n in names]
+        gathered = engine.comm.all_gather(torch.tensor(row, dtype=torch.int64).numpy())
+        rows = torch.frombuffer(bytearray(gathered), dtype=torch.int64).reshape(world, -1).tolist()
+        rank_kinds = [dict(zip(names, r[:len(names)])) for r in rows]
+        rank_stored = [dict(zip(names, r[len(names):])) for r in rows]
     if rank != 0:
         return None
 
@@ -257,6 +265,8 @@ def main(argv=None):
                   "seq": args.seq, "batch": args.batch, "precision": args.precision},
         "world_size": world,
         "rank_chunk_bytes": rank_kinds,
+        "rank_stored_bytes": rank_stored,
+        "shard_params": args.shard_params,
         "comm": stats.get("comm"),
         "model_state_bytes": states,
         "loss": losses,
@@ -293,6 +303,7 @@ def main(argv=None):
         comm = stats["comm"]
         held = [sum(k.get(n, 0) for n in ("master", "exp_avg", "exp_avg_sq")) for k in rank_kinds]
         print(f"optimizer states per rank: {', '.join(mib(b) for b in held)} of {mib(optimizer_states)}; "
+              f"params stored per rank: {', '.join(mib(k.get('param', 0)) for k in rank_stored)}; "
               f"rank 0 sent {mib(comm['last_step_bytes'])} in the last step "
               f"(ZeRO-3 would send {mib(comm['zero3_bytes_per_step'])})")
     print(f"wrote {args.out}/report.json, memory.png, loss.png")

@@ -455,12 +455,12 @@ class TrainingEngine:
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
         out = {}
         for chunk in self._chunks:
+            kinds = out.setdefault(chunk["kind"], {})
             tier = self._engine.chunk_tier(chunk["id"])
             if tier is None:  # no payload yet: where it will be; a dropped gathered chunk is nowhere
                 if chunk["transient"]:
                     continue
                 tier = chunk["home"]
-            kinds = out.setdefault(chunk["kind"], {})
             kinds[tier] = kinds.get(tier, 0) + chunk["size_bytes"]
         return out
 

@@ -206,3 +206,21 @@ def test_a_layer_skipped_on_one_rank_still_reduces_in_step_and_matches_pytorch(t
     for name, value in reference.state_dict().items():
         assert torch.equal(states[0][name], states[1][name]), name
         assert torch.allclose(states[0][name], value, rtol=1e-4, atol=1e-5), name
+
+
+@needs_mpirun
+def test_with_sharded_params_a_forward_that_differs_between_ranks_is_an_error_on_each_not_a_hang(tmp_path):
+    """comm.shard_params: the ranks gather param chunks as their modules run, so a layer skipped on one
+    rank makes their gathers differ: every rank raises at once, naming the parameter all-gather."""
+    import dp_uneven_worker as worker
+    out = str(tmp_path / "uneven")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", DP_SHARD_PARAMS="true")
+    run = subprocess.run([MPIRUN, "-np", "2", "--oversubscribe", "--mca", "orte_abort_on_non_zero_status", "0",
+                          sys.executable, worker.__file__, out, "6"], capture_output=True, text=True, timeout=600,
+                         env=env)
+    assert run.returncode != 0
+    for rank in (0, 1):
+        with open(f"{out}.rank{rank}.error") as f:
+            seen = json.load(f)
+        assert "all-gather" in seen["error"] and "chunk group" in seen["error"], seen
+        assert seen["seconds"] < 10, seen
