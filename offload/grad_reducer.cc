@@ -278,6 +278,8 @@ void GradReducer::Updated(ChunkId param) {
   }
 }
 
+bool GradReducer::OnOwnThread() const { return queue_->OnWorker(); }
+
 void GradReducer::ReleaseGathered() {
   kept_.clear();
   // Gathered ahead but not asked for (the step's sequence changed): read

@@ -104,6 +104,9 @@ class GradReducer {
   // Waits for everything queued (the gathers ahead too); the first error (in queue order: the cause,
   // not the failures of a broken group after it) of the jobs not taken.
   Status Drain();
+  // Whether the calling thread is the reducer's own (one of its jobs): the
+  // reducer must not be destroyed there.
+  bool OnOwnThread() const;
   // Seconds Take and Drain have waited for the queue (communication not
   // hidden behind other work), since construction.
   double wait_seconds() const { return wait_seconds_; }

@@ -42,4 +42,11 @@ void TaskQueue::Loop() {
   }
 }
 
+bool TaskQueue::OnWorker() const {
+  for (const std::thread& worker : workers_) {
+    if (worker.get_id() == std::this_thread::get_id()) return true;
+  }
+  return false;
+}
+
 }  // namespace strata

@@ -29,6 +29,9 @@ class TaskQueue {
 
   std::shared_future<Status> Push(std::function<Status()> job);
   uint32_t threads() const { return static_cast<uint32_t>(workers_.size()); }
+  // Whether the calling thread is one of the workers (a job that must not
+  // destroy its own queue: destruction joins the workers).
+  bool OnWorker() const;
 
  private:
   void Loop();

@@ -201,6 +201,13 @@ class PyGradReducer {
   }
   void Close() {
     if (!reducer_) return;
+    // On the reducer's own thread (Python's garbage collector run inside a
+    // Python collective) it cannot be joined: python/strata/training.py
+    // closes it at exit instead; a wrapper collected there anyway leaks it.
+    if (reducer_->OnOwnThread()) {
+      static_cast<void>(reducer_.release());  // leaked on purpose: no thread may join it
+      return;
+    }
     py::gil_scoped_release unlocked;
     reducer_.reset();
   }
@@ -495,6 +502,9 @@ PYBIND11_MODULE(_strata, m) {
                              "of them, those queued ahead of their need (the last step's sequence)")
       .def("close", &PyGradReducer::Close,
            "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
+      .def("on_own_thread", [](PyGradReducer& r) { return r.get().OnOwnThread(); },
+           "whether the caller runs on the reducer's thread (a Python communicator's collective, or the garbage "
+           "collector inside one), where the reducer cannot be closed")
       .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });
 
   m.def(

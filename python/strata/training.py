@@ -35,6 +35,7 @@ chunks directly, outside the pipeline, so they do not disturb the plan; an
 ``eval()`` forward with autograd on is a training-like pass and goes through it.
 """
 
+import atexit
 import json
 import re
 import time
@@ -140,6 +141,20 @@ def _grad_hook(engine, record):
     return hook
 
 
+_deferred_reducers = []
+
+
+def _close_reducer(reducer):
+    """Closes an engine's reducer when the engine is collected or at exit. The garbage collector may
+    run this on the reducer's own thread (inside a collective of a Python communicator), which the
+    close would have to join: that reducer (and its engine) is kept and closed at exit instead."""
+    if reducer.on_own_thread():
+        _deferred_reducers.append(reducer)
+        atexit.register(reducer.close)  # after MPI's atexit was registered, so before it runs
+        return
+    reducer.close()
+
+
 def initialize(model, config=None):
     """Moves `model`'s parameters into strata's chunks and returns the Engine that trains it.
 
@@ -216,7 +231,7 @@ class TrainingEngine:
         # parameter is used on some ranks only.
         self._reducer = _strata.GradReducer(self._engine, self._comm) if self.world_size > 1 else None
         if self._reducer is not None:  # at exit, before MPI is finalized: no reduction left in flight
-            weakref.finalize(self, self._reducer.close)
+            weakref.finalize(self, _close_reducer, self._reducer)
         self._grad_chunk_params = {}  # grad chunk -> its trainable parameters
         for record in self._params:
             if record.trainable:
@@ -392,6 +407,9 @@ class TrainingEngine:
             if self.world_size > 1:
                 stepped = self._reduce_rest(stepped)
             skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
+            # A step's bytes run from here to here next step: every collective begun in between is done by
+            # then (gathers queued ahead by this step's updates are the next forward's, and counted there).
+            mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
             self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
                                             self._comm, self._reducer)
         except BaseException as error:
@@ -405,7 +423,6 @@ class TrainingEngine:
             record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
         if self.world_size > 1:  # since the last step: the reductions in backward and the unused-parameter vote too
-            mark = self._comm.stats()["total_bytes"]
             self._last_step["comm_bytes"], self._comm_mark = mark - self._comm_mark, mark
         self._micro_steps = 0
         return True

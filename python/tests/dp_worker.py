@@ -55,6 +55,10 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
             sys.exit(3)
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
     final = engine.state_dict(master=True)
+    final_compute = engine.state_dict()  # sharded params: read from the gathered masters too
+    with torch.no_grad():  # an evaluation forward: chunks pinned outside the pipeline (and gathered)
+        eval_tokens = next(iter(batches(1, batch=batch)))
+        eval_loss = engine(eval_tokens[:, :-1], eval_tokens[:, 1:]).item()
     tiers_of_kind = engine.chunk_tiers()
     bytes_of_kind = {kind: sum(tiers.values()) for kind, tiers in tiers_of_kind.items()}
     stored_of_kind = {kind: tiers.get("host", 0) + tiers.get("nvme", 0) for kind, tiers in tiers_of_kind.items()}
@@ -64,9 +68,9 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
                    "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if engine.rank == 0:
-        torch.save({"initial": initial, "final": final}, out + ".pt")
+        torch.save({"initial": initial, "final": final, "final_compute": final_compute}, out + ".pt")
         with open(out + ".json", "w") as f:
-            json.dump({"losses": losses, "world": engine.world_size}, f)
+            json.dump({"losses": losses, "world": engine.world_size, "eval_loss": eval_loss}, f)
 
 
 if __name__ == "__main__":

@@ -104,6 +104,12 @@ def test_ranks_with_sharded_params_train_like_one_process_and_send_zero3s_volume
     for name, value in reference.state_dict().items():
         if name in result["final"]:
             assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
+            assert torch.equal(result["final_compute"][name], result["final"][name]), name  # fp32: the masters
+    # An evaluation forward after training gathers the updated parameters (not the last forward's).
+    with torch.no_grad():
+        tokens = next(iter(batches(1, batch=batch)))
+        expected = reference(tokens[:, :-1], tokens[:, 1:]).item()
+    assert abs(result["eval_loss"] - expected) <= 1e-5 * abs(expected), (result["eval_loss"], expected)
 
     # Stored on the host and NVMe: no parameters (every param chunk is
     # transient; the fp32 master shard is the rank's copy) and 1/W of the
