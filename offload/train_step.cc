@@ -129,7 +129,8 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
   for (const auto& [a, b] : ranges) {
     optim::ChunkTensors part;
     part.n = b - a;
-    part.param_dtype = param.dtype;
+    // A transient param chunk gets no compute copy: the update is the master's alone.
+    part.param_dtype = param.transient ? DType::kFloat32 : param.dtype;
     if (g.has(ChunkKind::kMaster)) {
       part.master = reinterpret_cast<float*>(element(ChunkKind::kMaster, a));
       part.param = param.transient ? nullptr : element(ChunkKind::kParam, a);

@@ -149,16 +149,20 @@ def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):
 
 
 @needs_mpirun
-def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path):
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path, shard_params):
     steps, batch = 10, 8
-    result = run_ranks(tmp_path, 2, steps, batch, precision="bf16")
+    result = run_ranks(tmp_path, 2, steps, batch, precision="bf16", shard_params=shard_params)
     model, reference = pair()
     # The fp32 values each rank wrote into its shard of the masters, gathered: exactly the model's.
     for name, value in model.state_dict().items():
         if name in result["initial"]:
             assert result["initial"][name].dtype == torch.float32
             assert torch.equal(result["initial"][name], value), name
-    assert all(r["bytes_of_kind"]["master"] < r["bytes_of_kind"]["param"] * 2 for r in result["ranks"])  # half of fp32 over bf16 params
+    if shard_params:  # the bf16 param chunks are gathered from the fp32 master shards, never stored
+        assert all(r["stored_of_kind"]["param"] == 0 for r in result["ranks"])
+    else:  # half of fp32 over bf16 params
+        assert all(r["bytes_of_kind"]["master"] < r["bytes_of_kind"]["param"] * 2 for r in result["ranks"])
     recipe = mixed_precision_losses(reference, batches(steps, batch=batch))
     assert max(relative_errors(result["losses"], recipe)) <= 2e-3, (result["losses"], recipe)
 
