@@ -18,7 +18,8 @@
 // (ZeRO-3), every trainable group has a master shard, fp32 params too, and
 // that shard is the rank's only stored copy of the parameters: the group's
 // param chunk is transient (ChunkDesc::transient), a whole chunk gathered
-// from every rank's shard while compute uses it, stored on no tier.
+// from every rank's shard while compute uses it, homed on no tier (nothing
+// of it is written below the tier it is on).
 // Frozen groups stay whole on every rank.
 //
 // The chunk size (in elements) is given, or searched between two bounds for

@@ -152,7 +152,12 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   // chunk, twice a step.
   std::shared_ptr<Buffer> whole;
   if (spare_wholes_.empty()) {
-    whole = std::make_shared<Buffer>(AllocateAlignedHost(largest_transient_bytes_, 4096));
+    // Pinned where a copy to the device follows (a pageable source is staged, and slower).
+    Result<Buffer> pinned = engine_.device().host_accessible()
+                                ? Result<Buffer>(AllocateAlignedHost(largest_transient_bytes_, 4096))
+                                : engine_.device().AllocatePinnedHost(largest_transient_bytes_, kNumaNodeUnbound);
+    whole = std::make_shared<Buffer>(pinned.ok() ? std::move(pinned).value()
+                                                 : AllocateAlignedHost(largest_transient_bytes_, 4096));
   } else {
     whole = std::move(spare_wholes_.back());
     spare_wholes_.pop_back();
@@ -163,32 +168,48 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   std::shared_future<Status> done = queue_->Push([=, this]() -> Status {
     // The queue's one thread owns the scratch buffers.
     if (!gather_shard_) gather_shard_ = AllocateAlignedHost(largest_master_bytes_, 4096);
-    STRATA_RETURN_IF_ERROR(engine_.ReadChunk(master_id, static_cast<std::byte*>(gather_shard_.data()))
-                               .WithContext("reading the master shard to gather"));
     std::vector<std::byte>& send = gather_send_;
     std::vector<std::byte>& all = gather_all_;
     send.assign(slice, std::byte{0});
     all.resize(slice * world);
-    const float* weights = static_cast<const float*>(gather_shard_.data());
-    const size_t mine = range.end - range.begin;
-    if (dtype == DType::kFloat32) {
-      std::memcpy(send.data(), weights, mine * sizeof(float));
-    } else if (dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
-      optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
-    } else {
-      optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+    // A shard this rank cannot read still joins the collective, tagged as
+    // failed (0), so that every rank fails this gather and none is left a
+    // collective behind its peers.
+    const Status read = engine_.ReadChunk(master_id, static_cast<std::byte*>(gather_shard_.data()))
+                            .WithContext(fmt::format("reading the master shard of chunk group {} to gather", group));
+    uint64_t tag = kFailedTag;
+    if (read.ok()) {
+      const float* weights = static_cast<const float*>(gather_shard_.data());
+      const size_t mine = range.end - range.begin;
+      if (dtype == DType::kFloat32) {
+        std::memcpy(send.data(), weights, mine * sizeof(float));
+      } else if (dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
+        optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+      } else {
+        optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+      }
+      tag = group + 1;
     }
-    const uint64_t tag = group + 1;
     std::memcpy(send.data() + range.elems * width, &tag, sizeof tag);
     STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all.data(), slice)
                                .WithContext(fmt::format("all-gather of the parameters of chunk group {}", group)));
-    std::string others;
+    STRATA_RETURN_IF_ERROR(read);
+    std::string failed, others;
     for (int r = 0; r < world; ++r) {
       uint64_t theirs = 0;
       std::memcpy(&theirs, all.data() + r * slice + range.elems * width, sizeof theirs);
-      if (theirs != tag) others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
+      if (theirs == kFailedTag) {
+        failed += fmt::format("{}{}", failed.empty() ? "" : ", ", r);
+      } else if (theirs != tag) {
+        others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
+      }
       const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
       std::memcpy(static_cast<std::byte*>(whole->data()) + begin * width, all.data() + r * slice, count * width);
+    }
+    if (!failed.empty()) {
+      return IoError("parameter all-gather of chunk group {}: rank(s) {} could not read their master shard (their "
+                     "own error says why)",
+                     group, failed);
     }
     if (!others.empty()) {
       return InvalidArgument(
@@ -213,7 +234,8 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   if (!into.valid() || into.id() != param) {
     return InvalidArgument("parameter all-gather of chunk {}: `into` must be a pin of that chunk", param.value());
   }
-  sequence_.push_back(param);
+  if (!broken_.ok()) return broken_;
+  if (sequence_.size() <= kMaxSequence) sequence_.push_back(param);
   bool kept = false;
   for (size_t i = 0; i < kept_.size() && !kept; ++i) {
     if (kept_[i].first != param) continue;
@@ -233,13 +255,14 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   // The chunks that followed this one last step are gathered ahead, behind
   // it in the queue: every rank decides from the same sequence, so their
   // collectives line up.
-  PrefetchFrom(sequence_.size(), param);
+  if (sequence_.size() <= kMaxSequence) PrefetchFrom(sequence_.size(), param);
   if (kept) return Status::Ok();
 
   const ChunkInfo& info = chunks_[param.value()];
   const Clock::time_point start = Clock::now();
   Status status = gather->done.get();
   queued_.erase(gather->seq);  // taken: its error is this call's
+  bool copy_may_run = false;
   if (status.ok()) {
     if (into.tier() == Tier::kHost || engine_.device().host_accessible()) {
       std::memcpy(into.data(), gather->whole->data(), info.used_bytes);
@@ -247,16 +270,26 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
       Result<std::shared_ptr<Event>> copy =
           engine_.device().CopyAsync(CopyStream::kHostToDevice, into.data(), gather->whole->data(), info.used_bytes);
       status = copy.ok() ? (*copy)->Wait(engine_.options().device_copy_timeout_ms) : copy.status();
+      copy_may_run = copy.ok() && !status.ok();
     }
   }
   wait_seconds_ += SecondsSince(start);
-  spare_wholes_.push_back(std::move(gather->whole));
-  STRATA_RETURN_IF_ERROR(status.WithContext(fmt::format("gathering param chunk {}", param.value())));
-  gathers_++;
-  STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunk(param, into.tier()));
-  kept_.emplace_back(param, std::move(pin));
-  if (kept_.size() > kKeptGathers) kept_.erase(kept_.begin());
-  return Status::Ok();
+  // A copy that timed out may still read its source: that buffer is never reused.
+  (copy_may_run ? quarantined_ : spare_wholes_).push_back(std::move(gather->whole));
+  if (status.ok()) {
+    Result<ChunkAccess> pin = engine_.AccessChunk(param, into.tier());
+    status = pin.status();
+    if (pin.ok()) {
+      gathers_++;
+      kept_.emplace_back(param, std::move(pin).value());
+      if (kept_.size() > kKeptGathers) kept_.erase(kept_.begin());
+      return Status::Ok();
+    }
+  }
+  // What this rank keeps could now differ from its peers': every later
+  // Gather fails with this error rather than fall out of step with them.
+  broken_ = status.WithContext(fmt::format("gathering param chunk {}", param.value()));
+  return broken_;
 }
 
 void GradReducer::PrefetchFrom(size_t position, std::optional<ChunkId> gathering) {
@@ -283,8 +316,9 @@ bool GradReducer::OnOwnThread() const { return queue_->OnWorker(); }
 void GradReducer::ReleaseGathered() {
   kept_.clear();
   // Gathered ahead but not asked for (the step's sequence changed): read
-  // from the masters before this step's update, so dropped. Their errors
-  // are those of a broken group, which the next collective meets again.
+  // from the masters before this step's update, so dropped. Every rank
+  // queued the same ones, and a failed one failed on every rank alike (see
+  // the failed tag), so dropping them keeps the ranks in step.
   for (auto& [id, ahead] : prefetched_) {
     ahead.done.wait();
     queued_.erase(ahead.seq);

@@ -84,7 +84,13 @@ class GradReducer {
   // overlap the compute before them. Every rank must gather the same chunks
   // in the same order (so what is kept and gathered ahead is the same
   // everywhere): each message carries its group's tag, and a rank whose
-  // peers gather another group gets InvalidArgument naming them.
+  // peers gather another group gets InvalidArgument naming them. A rank
+  // that cannot read its master shard still joins the collective, tagged as
+  // failed, so every rank's gather fails (IoError naming it) and none falls
+  // a collective behind. After any failed Gather every later one returns
+  // that error: what this rank keeps may differ from its peers'. The kept
+  // pins take kKeptGatheredChunks chunks of the device beyond what the
+  // pipeline plans (Engine::Finalize checks that the budget holds them).
   Status Gather(ChunkId param, const ChunkAccess& into);
   // Lets the kept chunks go and drops what was gathered ahead: stale once
   // the masters change (RunTrainStep calls it before updating); the step's
@@ -96,7 +102,7 @@ class GradReducer {
   // last step's sequence (the next forward's first), those whose masters are
   // final are gathered ahead now, overlapping the rest of the step.
   void Updated(ChunkId param);
-  static constexpr size_t kKeptGathers = 2;
+  static constexpr size_t kKeptGathers = kKeptGatheredChunks;
   static constexpr size_t kPrefetchDepth = 4;
   uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
   uint64_t gathered_ahead() const { return gathered_ahead_; }  // of them, those gathered ahead
@@ -142,6 +148,11 @@ class GradReducer {
   std::vector<std::shared_ptr<Buffer>> spare_wholes_;  // gathers' landing buffers, for reuse
   Buffer gather_shard_;                     // the queue thread's: a master shard read
   std::vector<std::byte> gather_send_, gather_all_;  // the queue thread's: the all-gather's buffers
+  static constexpr uint64_t kFailedTag = 0;  // a rank could not read its shard (group tags are group + 1)
+  // Gathers recorded a step at most (an evaluation-only loop never steps).
+  static constexpr size_t kMaxSequence = 1 << 16;
+  std::vector<std::shared_ptr<Buffer>> quarantined_;  // sources of copies that timed out
+  Status broken_ = Status::Ok();  // set by a Gather that failed: what this rank keeps may differ from its peers'
   std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
   std::map<uint32_t, Queued> prefetched_;   // gathered ahead, by param chunk id
   std::vector<ChunkId> sequence_;           // this step's Gathers, in order

@@ -186,6 +186,15 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
   std::vector<std::vector<float>> reduced;
   uint64_t comm_bytes_before = 0;
   std::unique_ptr<GradReducer> own;
+  if (parallel && reducer == nullptr) {
+    for (const Group& g : groups) {
+      if (g[ChunkKind::kParam].transient) {
+        return InvalidArgument(
+            "train step: parameters are sharded (comm.shard_params) but no GradReducer was given: pass the one that "
+            "gathered the param chunks, whose kept gathers the update makes stale");
+      }
+    }
+  }
   if (parallel) {
     if (reducer == nullptr) reducer = (own = std::make_unique<GradReducer>(engine, *comm)).get();
     const double waited = reducer->wait_seconds();

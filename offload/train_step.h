@@ -58,7 +58,8 @@ struct TrainStepReport {
 // any other (or none for a sharded engine) is InvalidArgument. With
 // `reducer`, the gradients of groups submitted to it during backward are
 // taken from it (their reduction overlapped backward), the others submitted
-// now; without, every group is reduced here.
+// now; without, every group is reduced here (parameters sharded: the reducer
+// that gathered them is required, InvalidArgument without one).
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
                                      const std::vector<bool>& skip = {}, Communicator* comm = nullptr,
                                      GradReducer* reducer = nullptr);

@@ -230,6 +230,18 @@ Status Engine::Finalize() {
                                      : std::string());
     }
   }
+  uint64_t largest_transient = 0;
+  for (const memory::ChunkDesc& chunk : layout.chunks()) {
+    if (chunk.transient) largest_transient = std::max(largest_transient, chunk.size_bytes());
+  }
+  const uint64_t device_capacity = impl_->device_pool->usage().capacity_bytes;
+  if ((kKeptGatheredChunks + 2) * largest_transient > device_capacity) {
+    return OutOfMemory(
+        "comm.shard_params: the device tier holds {} (device.budget) but gathered parameters need room for {} of "
+        "the largest param chunk ({} each: {} kept pinned after their gather, and a moment's own): raise "
+        "device.budget, lower chunk.size_elems / chunk.search_max_elems, or turn comm.shard_params off",
+        FormatSize(device_capacity), kKeptGatheredChunks + 2, FormatSize(largest_transient), kKeptGatheredChunks);
+  }
   if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
     return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
                        "or lower chunk.size_elems / chunk.search_max_elems",

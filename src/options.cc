@@ -282,8 +282,9 @@ const std::vector<OptionEntry>& Table() {
                          &Options::comm_timeout_ms, 1, 86'400'000));
     t.push_back(BoolEntry("comm.shard_params",
                           "data parallel: each rank keeps 1/W of the trainable parameters (ZeRO-3); a param chunk is "
-                          "all-gathered when compute needs it (3 x parameter bytes x (W-1)/W sent a step instead of "
-                          "2 x), and the parameters take 1/W of each rank's host and NVMe memory",
+                          "all-gathered when compute needs it, in forward and again in backward, instead of once "
+                          "after the update (fp32: 3 x parameter bytes x (W-1)/W a step instead of 2 x), and the "
+                          "parameters take 1/W of each rank's host and NVMe memory",
                           &Options::comm_shard_params));
     t.push_back(IntEntry("transfer.workers", "threads running asynchronous chunk moves", &Options::transfer_workers, 1, 64));
     t.push_back({{"log.level", "enum", "info", "debug, info, warning, error or off"},

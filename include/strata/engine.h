@@ -68,11 +68,17 @@ struct ChunkInfo {
   uint64_t shard_offset_bytes = 0;
   bool sharded = false;
   // Parameters sharded (option comm.shard_params): a param chunk of a
-  // trainable group stored nowhere. Its bytes are valid only once gathered
-  // (offload::GradReducer::Gather) from the ranks' master shards; moved off
-  // the device it is dropped, and read while never gathered it is zeros.
+  // trainable group homed nowhere. Its bytes are valid only once gathered
+  // (offload::GradReducer::Gather) from the ranks' master shards, until the
+  // next update (then stale until gathered again); moved off the device it
+  // is dropped, and read while never gathered it is zeros.
   bool transient = false;
 };
+
+// Parameters sharded: the gathered chunks a GradReducer keeps pinned on the
+// device beyond the pipeline's plan (Finalize checks the device holds them
+// and two more of the largest param chunks).
+inline constexpr size_t kKeptGatheredChunks = 2;
 
 struct LayoutSummary {
   uint64_t chunk_size_elems = 0;

@@ -88,7 +88,8 @@ struct Options {
   uint32_t comm_timeout_ms = 60'000;  // key comm.timeout_ms
   // ZeRO-3: each rank keeps 1/W of the trainable parameters too (as its fp32
   // master shard); a param chunk is all-gathered when compute needs it and
-  // dropped after. Off: every rank keeps every parameter (ZeRO-2's volume).
+  // dropped when evicted. Off: every rank keeps every parameter, gathered
+  // once after the update (2/3 of ZeRO-3's volume in fp32).
   bool comm_shard_params = false;  // key comm.shard_params
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves

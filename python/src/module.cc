@@ -199,6 +199,7 @@ class PyGradReducer {
     if (!reducer_) throw std::runtime_error("GradReducer: closed");
     return *reducer_;
   }
+  bool open() const { return reducer_ != nullptr; }
   void Close() {
     if (!reducer_) return;
     // On the reducer's own thread (Python's garbage collector run inside a
@@ -494,15 +495,21 @@ PYBIND11_MODULE(_strata, m) {
           py::arg("into"),
           "parameters sharded: fills a pinned transient param chunk from every rank's master shard (nothing is "
           "sent for one of the last two chunks gathered)")
-      .def("release_gathered", [](PyGradReducer& r) { r.get().ReleaseGathered(); },
-           "lets the kept gathered chunks go")
+      .def("release_gathered",
+           [](PyGradReducer& r) {
+             ThrowIfError(Unlocked([&] {
+               r.get().ReleaseGathered();  // waits for the gathers queued ahead, which a Python communicator runs
+               return strata::Status::Ok();
+             }));
+           },
+           "lets the kept gathered chunks go and drops those gathered ahead")
       .def_property_readonly("gathers", [](PyGradReducer& r) { return r.get().gathers(); },
                              "parameter all-gathers that communicated")
       .def_property_readonly("gathered_ahead", [](PyGradReducer& r) { return r.get().gathered_ahead(); },
                              "of them, those queued ahead of their need (the last step's sequence)")
       .def("close", &PyGradReducer::Close,
            "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
-      .def("on_own_thread", [](PyGradReducer& r) { return r.get().OnOwnThread(); },
+      .def("on_own_thread", [](PyGradReducer& r) { return r.open() && r.get().OnOwnThread(); },
            "whether the caller runs on the reducer's thread (a Python communicator's collective, or the garbage "
            "collector inside one), where the reducer cannot be closed")
       .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });

@@ -426,6 +426,76 @@ TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
   }
 }
 
+// A rank whose master shard cannot be read (an NVMe error) still joins the
+// gather, tagged as failed: both ranks' gathers fail at once, the other
+// naming it, and every later gather fails fast on both rather than fall
+// out of step (no Timeout). The step, too, needs the reducer that gathered.
+TEST(TrainStepTest, AShardThatCannotBeReadFailsTheGatherOnEveryRankInStep) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> first(2, Status::Ok()), later(2, Status::Ok()), step(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get(), /*shard_params=*/true);
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      // The last layer's master shard on NVMe, behind the fault injector.
+      const ChunkId master = *rank.engine->ChunkOf(TensorId(kLayers - 1), ChunkKind::kMaster);
+      ASSERT_OK(rank.engine->MoveChunk(master, Tier::kNvme));
+      if (r == 0) rank.faults->FailReads(EIO);
+      for (int attempt = 0; attempt < 2; ++attempt) {
+        const ChunkId param = *rank.engine->ChunkOf(TensorId(kLayers - 1 - attempt), ChunkKind::kParam);
+        auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+        ASSERT_OK(access.status());
+        (attempt == 0 ? first : later)[r] = reducer.Gather(param, *access);
+      }
+      step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {}, (*group)[r].get()).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(first[0].code(), StatusCode::kIoError) << first[0].ToString();
+  EXPECT_NE(first[0].message().find("reading the master shard of chunk group"), std::string::npos) << first[0].ToString();
+  EXPECT_EQ(first[1].code(), StatusCode::kIoError) << first[1].ToString();
+  EXPECT_NE(first[1].message().find("rank(s) 0 could not read their master shard"), std::string::npos)
+      << first[1].ToString();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(later[r].code(), StatusCode::kIoError) << "rank " << r << ": " << later[r].ToString();
+    EXPECT_EQ(step[r].code(), StatusCode::kInvalidArgument) << step[r].ToString();
+    EXPECT_NE(step[r].message().find("no GradReducer was given"), std::string::npos) << step[r].ToString();
+  }
+}
+
+// Parameters sharded, the device must hold the reducer's kept gathers and a
+// moment's own chunks: a budget short of that is refused at Finalize, naming
+// the option, on every rank.
+TEST(TrainStepTest, ShardedParamsNeedDeviceRoomForTheKeptGathers) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Options options;
+      options.device_backend = DeviceBackendKind::kEmulated;
+      options.device_budget_bytes = 3 * kChunkElems * 4;  // three chunks: one short
+      options.host_budget_bytes = 64 * kChunkElems * 4;
+      options.chunk_size_elems = kChunkElems;
+      options.log_level = LogLevel::kWarning;
+      options.comm_shard_params = true;
+      auto engine = Engine::Create(options, {.comm = (*group)[r].get()});
+      ASSERT_OK(engine.status());
+      ASSERT_OK((*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "m"})
+                    .status());
+      results[r] = (*engine)->Finalize();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& result : results) {
+    EXPECT_EQ(result.code(), StatusCode::kOutOfMemory) << result.ToString();
+    EXPECT_NE(result.message().find("comm.shard_params"), std::string::npos) << result.ToString();
+  }
+}
+
 // The overflow check is global: one rank's inf gradient makes every rank
 // skip the step (the norm's all-reduced sum of squares is inf everywhere),
 // so the ranks' parameters never part.
