@@ -131,10 +131,6 @@ Status GradReducer::Drain() {
   return first;
 }
 
-}  // namespace strata::offload
-
-namespace strata::offload {
-
 GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   const ChunkInfo& info = chunks_[param.value()];
   const ChunkInfo* master = nullptr;
