@@ -46,6 +46,17 @@ def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun"
     return result
 
 
+def assert_trains_like_pytorch(result, steps, batch):
+    """Rank 0's mean losses and final masters against plain PyTorch on the whole batch; returns that model."""
+    _, reference = pair()
+    theirs = torch_losses(reference, batches(steps, batch=batch))
+    assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
+    for name, value in reference.state_dict().items():
+        if name in result["final"]:
+            assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
+    return reference
+
+
 def state_bytes(bytes_of_kind):
     return sum(bytes_of_kind.get(kind, 0) for kind in ("master", "exp_avg", "exp_avg_sq"))
 
@@ -61,13 +72,7 @@ def test_ranks_train_like_one_process_with_the_whole_batch(tmp_path, launcher, w
     # Each rank's NVMe files in a directory of its own; each process its own GPU on the node.
     assert sorted(os.listdir(tmp_path / "nvme")) == [f"rank{r}" for r in range(world)]
     assert [rank["device_index"] for rank in result["ranks"]] == list(range(world))
-
-    _, reference = pair()
-    theirs = torch_losses(reference, batches(steps, batch=batch))
-    assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
-    for name, value in reference.state_dict().items():
-        if name in result["final"]:
-            assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
+    assert_trains_like_pytorch(result, steps, batch)
 
     # Every grad chunk's reduce-scatter began during backward, none waited for step().
     for rank in result["ranks"]:
@@ -98,13 +103,9 @@ def test_ranks_with_sharded_params_train_like_one_process_and_send_zero3s_volume
     module needs it, and a step sends ZeRO-3's 3 x parameter bytes x (W-1)/W."""
     steps, batch = 20, 8
     result = run_ranks(tmp_path, world, steps, batch, launcher=launcher, shard_params=True)
-    _, reference = pair()
-    theirs = torch_losses(reference, batches(steps, batch=batch))
-    assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
-    for name, value in reference.state_dict().items():
-        if name in result["final"]:
-            assert torch.allclose(result["final"][name], value, rtol=1e-4, atol=1e-5), name
-            assert torch.equal(result["final_compute"][name], result["final"][name]), name  # fp32: the masters
+    reference = assert_trains_like_pytorch(result, steps, batch)
+    for name in result["final"]:  # fp32: the parameters are the masters
+        assert torch.equal(result["final_compute"][name], result["final"][name]), name
     # An evaluation forward after training gathers the updated parameters (not the last forward's).
     with torch.no_grad():
         tokens = next(iter(batches(1, batch=batch)))

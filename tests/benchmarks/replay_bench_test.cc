@@ -37,26 +37,34 @@ TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
   EXPECT_NE(FormatReplayBench(report).find("LRU, on demand"), std::string::npos);
 }
 
+// Two ranks replaying a small GPT of `layers` x `hidden` (no LRU run), and
+// its trainable parameters.
+ReplayBenchConfig TwoRanks(uint32_t layers, uint32_t hidden, uint64_t& params) {
+  ReplayBenchConfig config;
+  config.model.layers = layers;
+  config.model.hidden = hidden;
+  config.model.vocab = 512;
+  config.model.sequence = 32;
+  config.pcie_gbps = 8;
+  config.ranks = 2;
+  config.baseline = false;
+  params = 0;
+  for (const TensorSpec& spec : GptTensorSpecs({.layers = layers, .hidden = hidden, .vocab = 512, .sequence = 32},
+                                               DType::kBFloat16)) {
+    if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
+  }
+  return config;
+}
+
 // Two ranks over a throttled network: each sends (W-1)/W of the fp32
 // gradients (reduce-scatter) and of the bf16 params (all-gather) a step,
 // plus shard padding and tags, and the stall is reported.
 TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) {
-  ReplayBenchConfig config;
-  config.model.layers = 2;
-  config.model.hidden = 128;
-  config.model.vocab = 512;
-  config.model.sequence = 32;
-  config.iterations = 1;
-  config.pcie_gbps = 8;
-  config.ranks = 2;
-  config.net_gbps = 2;
-  config.baseline = false;
-  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   uint64_t params = 0;
-  for (const TensorSpec& spec : GptTensorSpecs({.layers = 2, .hidden = 128, .vocab = 512, .sequence = 32},
-                                               DType::kBFloat16)) {
-    if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
-  }
+  ReplayBenchConfig config = TwoRanks(2, 128, params);
+  config.iterations = 1;
+  config.net_gbps = 2;
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   const double expected = 0.5 * static_cast<double>(params) * (4 + 2);
   EXPECT_GE(static_cast<double>(report.planned.comm_bytes), expected);
   EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.02 * expected);
@@ -76,22 +84,11 @@ TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) 
 // gather in forward, tags and padding. (4 chunk groups: with one or two,
 // the kept chunks would spare backward every gather.)
 TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
-  ReplayBenchConfig config;
-  config.model.layers = 6;
-  config.model.hidden = 256;
-  config.model.vocab = 512;
-  config.model.sequence = 32;
-  config.iterations = 3;
-  config.pcie_gbps = 8;
-  config.ranks = 2;
-  config.shard_params = true;
-  config.baseline = false;
-  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   uint64_t params = 0;
-  for (const TensorSpec& spec : GptTensorSpecs({.layers = 6, .hidden = 256, .vocab = 512, .sequence = 32},
-                                               DType::kBFloat16)) {
-    if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
-  }
+  ReplayBenchConfig config = TwoRanks(6, 256, params);
+  config.iterations = 3;
+  config.shard_params = true;
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   const double zero3 = 0.5 * static_cast<double>(params) * (4 + 2 + 2);
   EXPECT_GE(static_cast<double>(report.planned.comm_bytes), 0.85 * zero3);
   EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.08 * zero3);
