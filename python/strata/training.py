@@ -230,6 +230,7 @@ class TrainingEngine:
         # in the same order. So the ranks' collectives line up even when a
         # parameter is used on some ranks only.
         self._reducer = _strata.GradReducer(self._engine, self._comm) if self.world_size > 1 else None
+        self._closed_gathers = (0, 0)  # the reducer's gather counts once close() has stopped it
         if self._reducer is not None:  # at exit, before MPI is finalized: no reduction left in flight
             weakref.finalize(self, _close_reducer, self._reducer)
         self._grad_chunk_params = {}  # grad chunk -> its trainable parameters
@@ -464,8 +465,8 @@ class TrainingEngine:
         out["model_bytes"] = model_bytes
         out["zero3_bytes_per_step"] = 3 * model_bytes * (self.world_size - 1) // self.world_size
         out["last_step_bytes"] = self._last_step.get("comm_bytes", 0)
-        out["param_gathers"] = self._reducer.gathers if self._reducer is not None else 0
-        out["param_gathers_ahead"] = self._reducer.gathered_ahead if self._reducer is not None else 0
+        gathers = (self._reducer.gathers, self._reducer.gathered_ahead) if self._reducer else self._closed_gathers
+        out["param_gathers"], out["param_gathers_ahead"] = gathers
         return out
 
     def chunk_tiers(self):
@@ -522,6 +523,19 @@ class TrainingEngine:
     def _broadcast(self, tensor):
         """Rank 0's values of a contiguous CPU tensor into every rank's."""
         self._comm.broadcast(tensor.view(-1).view(torch.uint8).numpy(), 0)
+
+    def close(self):
+        """Ends data-parallel training: waits for the collectives in flight (the gathers queued ahead for a
+        forward that will not come included) and stops the reducer's thread, here and now rather than when
+        the engine is collected or at exit. Every rank calls it; the engine trains no more after."""
+        if self._reducer is not None:
+            self._broken = self._broken or "the engine was closed"
+            try:
+                self._checked(self._reducer.drain)
+            finally:
+                self._closed_gathers = (self._reducer.gathers, self._reducer.gathered_ahead)
+                self._reducer.close()
+                self._reducer = None
 
     @property
     def comm(self):

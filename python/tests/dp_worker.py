@@ -9,6 +9,7 @@ With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
 """
 
+import gc
 import json
 import os
 import signal
@@ -67,10 +68,15 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
                    "chunks": engine.engine.chunks(), "comm": engine.stats().get("comm"),
                    "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
+    engine.close()  # the collectives in flight done and the reducer stopped before the process ends
     if engine.rank == 0:
         torch.save({"initial": initial, "final": final, "final_compute": final_compute}, out + ".pt")
         with open(out + ".json", "w") as f:
             json.dump({"losses": losses, "world": engine.world_size, "eval_loss": eval_loss}, f)
+    # Freed here, on the main thread, rather than by a collection during the interpreter's shutdown
+    # (under torchrun that has aborted the process at exit: see issue 7's note).
+    del engine
+    gc.collect()
 
 
 if __name__ == "__main__":
