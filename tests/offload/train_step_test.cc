@@ -6,6 +6,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <thread>
@@ -235,6 +236,16 @@ namespace strata::offload {
 namespace {
 
 // Rank r's gradient for layer l at step k (the same on every call).
+// Runs `body(r, comm)` on every rank r of a loopback group of `world`, each
+// on a thread of its own; returns once all have.
+void OnRanks(int world, const std::function<void(int, Communicator&)>& body) {
+  auto group = CreateLoopbackGroup(world, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { body(r, *(*group)[r]); });
+  for (std::thread& t : threads) t.join();
+}
+
 std::vector<float> RankGrad(int rank, int layer, int step) {
   std::mt19937 rng(static_cast<uint32_t>(1000 * rank + 10 * layer + step));
   return Random(rng, 0.1f);
@@ -398,25 +409,19 @@ TEST(TrainStepTest, ShardedParamsStepLikeOneRankAndAreGatheredWhenNeeded) {
 // them) are refused on every rank, naming what each gathered, instead of
 // mixing two layers' parameters; and only a transient param chunk gathers.
 TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
-  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
-  ASSERT_OK(group.status());
   std::vector<Status> results(2, Status::Ok()), refused(2, Status::Ok());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      Model rank(0.0, (*group)[r].get(), /*shard_params=*/true);
-      GradReducer reducer(*rank.engine, *(*group)[r]);
-      {
-        const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
-        auto grad_access = rank.engine->AccessChunk(grad, Tier::kDevice);
-        refused[r] = grad_access.ok() ? reducer.Gather(grad, *grad_access) : grad_access.status();
-      }
-      const ChunkId param = *rank.engine->ChunkOf(TensorId(r), ChunkKind::kParam);
-      auto access = rank.engine->AccessChunk(param, Tier::kDevice);
-      results[r] = access.ok() ? reducer.Gather(param, *access) : access.status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    GradReducer reducer(*rank.engine, comm);
+    {
+      const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+      auto grad_access = rank.engine->AccessChunk(grad, Tier::kDevice);
+      refused[r] = grad_access.ok() ? reducer.Gather(grad, *grad_access) : grad_access.status();
+    }
+    const ChunkId param = *rank.engine->ChunkOf(TensorId(r), ChunkKind::kParam);
+    auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+    results[r] = access.ok() ? reducer.Gather(param, *access) : access.status();
+  });
   for (int r = 0; r < 2; ++r) {
     EXPECT_EQ(refused[r].code(), StatusCode::kInvalidArgument) << refused[r].ToString();
     EXPECT_NE(refused[r].message().find("not a transient param chunk"), std::string::npos) << refused[r].ToString();
@@ -431,28 +436,22 @@ TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
 // naming it, and every later gather fails fast on both rather than fall
 // out of step (no Timeout). The step, too, needs the reducer that gathered.
 TEST(TrainStepTest, AShardThatCannotBeReadFailsTheGatherOnEveryRankInStep) {
-  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
-  ASSERT_OK(group.status());
   std::vector<Status> first(2, Status::Ok()), later(2, Status::Ok()), step(2, Status::Ok());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      Model rank(0.0, (*group)[r].get(), /*shard_params=*/true);
-      GradReducer reducer(*rank.engine, *(*group)[r]);
-      // The last layer's master shard on NVMe, behind the fault injector.
-      const ChunkId master = *rank.engine->ChunkOf(TensorId(kLayers - 1), ChunkKind::kMaster);
-      ASSERT_OK(rank.engine->MoveChunk(master, Tier::kNvme));
-      if (r == 0) rank.faults->FailReads(EIO);
-      for (int attempt = 0; attempt < 2; ++attempt) {
-        const ChunkId param = *rank.engine->ChunkOf(TensorId(kLayers - 1 - attempt), ChunkKind::kParam);
-        auto access = rank.engine->AccessChunk(param, Tier::kDevice);
-        ASSERT_OK(access.status());
-        (attempt == 0 ? first : later)[r] = reducer.Gather(param, *access);
-      }
-      step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {}, (*group)[r].get()).status();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    GradReducer reducer(*rank.engine, comm);
+    // The last layer's master shard on NVMe, behind the fault injector.
+    const ChunkId master = *rank.engine->ChunkOf(TensorId(kLayers - 1), ChunkKind::kMaster);
+    ASSERT_OK(rank.engine->MoveChunk(master, Tier::kNvme));
+    if (r == 0) rank.faults->FailReads(EIO);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const ChunkId param = *rank.engine->ChunkOf(TensorId(kLayers - 1 - attempt), ChunkKind::kParam);
+      auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+      ASSERT_OK(access.status());
+      (attempt == 0 ? first : later)[r] = reducer.Gather(param, *access);
+    }
+    step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {}, &comm).status();
+  });
   EXPECT_EQ(first[0].code(), StatusCode::kIoError) << first[0].ToString();
   EXPECT_NE(first[0].message().find("reading the master shard of chunk group"), std::string::npos) << first[0].ToString();
   EXPECT_EQ(first[1].code(), StatusCode::kIoError) << first[1].ToString();
@@ -469,27 +468,21 @@ TEST(TrainStepTest, AShardThatCannotBeReadFailsTheGatherOnEveryRankInStep) {
 // moment's own chunks: a budget short of that is refused at Finalize, naming
 // the option, on every rank.
 TEST(TrainStepTest, ShardedParamsNeedDeviceRoomForTheKeptGathers) {
-  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
-  ASSERT_OK(group.status());
   std::vector<Status> results(2, Status::Ok());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < 2; ++r) {
-    threads.emplace_back([&, r] {
-      Options options;
-      options.device_backend = DeviceBackendKind::kEmulated;
-      options.device_budget_bytes = 3 * kChunkElems * 4;  // three chunks: one short
-      options.host_budget_bytes = 64 * kChunkElems * 4;
-      options.chunk_size_elems = kChunkElems;
-      options.log_level = LogLevel::kWarning;
-      options.comm_shard_params = true;
-      auto engine = Engine::Create(options, {.comm = (*group)[r].get()});
-      ASSERT_OK(engine.status());
-      ASSERT_OK((*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "m"})
-                    .status());
-      results[r] = (*engine)->Finalize();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Options options;
+    options.device_backend = DeviceBackendKind::kEmulated;
+    options.device_budget_bytes = 3 * kChunkElems * 4;  // three chunks: one short
+    options.host_budget_bytes = 64 * kChunkElems * 4;
+    options.chunk_size_elems = kChunkElems;
+    options.log_level = LogLevel::kWarning;
+    options.comm_shard_params = true;
+    auto engine = Engine::Create(options, {.comm = &comm});
+    ASSERT_OK(engine.status());
+    ASSERT_OK((*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "m"})
+                  .status());
+    results[r] = (*engine)->Finalize();
+  });
   for (const Status& result : results) {
     EXPECT_EQ(result.code(), StatusCode::kOutOfMemory) << result.ToString();
     EXPECT_NE(result.message().find("comm.shard_params"), std::string::npos) << result.ToString();
