@@ -46,19 +46,29 @@ Status GradReducer::Submit(ChunkId grad) {
   const int world = comm_.world_size();
   const size_t n = info.used_bytes / DTypeSizeBytes(info.dtype);
   const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
+  const DType wire = WireDType(info.dtype);
+  const size_t width = DTypeSizeBytes(wire);
   Buffer raw = AllocateAlignedHost(info.size_bytes, 4096);
   STRATA_RETURN_IF_ERROR(engine_.ReadChunk(grad, raw.data()).WithContext("reading gradients to reduce"));
   // Each rank's slice of the message is its range of the gradients, then the
-  // group's tag (id + 1, exact in fp32): summed, the tags say whether every
-  // rank reduced the same group.
-  const size_t slice = range.elems + 1;
-  auto send = std::make_shared<std::vector<float>>(slice * world, 0.0f);
+  // group's tag (id + 1) as kTagBits values of 0 or 1: summed, each is 0 or
+  // W where every rank reduced the same group, something between where
+  // they did not (exact in a 16-bit dtype too: see WireDType).
+  const size_t slice = range.elems + kTagBits;
+  const uint64_t tag = info.group + 1;
+  auto send = std::make_shared<Buffer>(AllocateAlignedHost(slice * world * width, 64));
+  std::memset(send->data(), 0, slice * world * width);
   for (int r = 0; r < world; ++r) {
-    float* out = send->data() + r * slice;
-    for (size_t j = 0; j < range.elems && r * range.elems + j < n; ++j) {
-      out[j] = optim::FloatAt(raw.data(), info.dtype, r * range.elems + j);
+    std::byte* out = static_cast<std::byte*>(send->data()) + r * slice * width;
+    const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
+    if (wire == info.dtype) {
+      std::memcpy(out, static_cast<const std::byte*>(raw.data()) + begin * width, count * width);
+    } else {
+      for (size_t j = 0; j < count; ++j) optim::StoreFloat(out, wire, j, optim::FloatAt(raw.data(), info.dtype, begin + j));
     }
-    out[range.elems] = static_cast<float>(info.group + 1);
+    for (size_t bit = 0; bit < kTagBits; ++bit) {
+      optim::StoreFloat(out, wire, range.elems + bit, static_cast<float>((tag >> bit) & 1));
+    }
   }
   // A gradient that arrives after its chunk was submitted (a parameter used
   // again, as reentrant checkpointing does) submits it again: the earlier
@@ -71,29 +81,38 @@ Status GradReducer::Submit(ChunkId grad) {
   auto pending = std::make_unique<Pending>();
   Pending* into = pending.get();
   const uint32_t group = info.group;
-  into->done = queue_->Push([this, send, slice, group, world, into]() -> Status {
-    std::vector<float> mine(slice);
+  into->done = queue_->Push([this, send, slice, group, tag, wire, world, into]() -> Status {
+    Buffer mine = AllocateAlignedHost(slice * DTypeSizeBytes(wire), 64);
     const uint64_t before = comm_.stats().total_bytes();
-    STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send->data(), mine.data(), slice)
+    STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send->data(), mine.data(), slice, wire)
                                .WithContext(fmt::format("reduce-scatter of the gradients of chunk group {}", group)));
     into->bytes = comm_.stats().total_bytes() - before;
-    const float tags = mine.back();
-    if (tags != static_cast<float>(world) * static_cast<float>(group + 1)) {
-      return InvalidArgument(
-          "gradient reduce-scatter: rank {} reduced chunk group {} while other ranks reduced another (the tags sum to "
-          "{}, not {}): every rank must run the same backward, so that gradients complete in the same order",
-          comm_.rank(), group, tags, world * (group + 1));
+    const size_t elems = slice - kTagBits;
+    for (size_t bit = 0; bit < kTagBits; ++bit) {
+      const float expected = static_cast<float>(world) * static_cast<float>((tag >> bit) & 1);
+      if (optim::FloatAt(mine.data(), wire, elems + bit) != expected) {
+        return InvalidArgument(
+            "gradient reduce-scatter: rank {} reduced chunk group {} while other ranks reduced another (the group "
+            "tags differ): every rank must run the same backward, so that gradients complete in the same order",
+            comm_.rank(), group);
+      }
     }
-    mine.pop_back();
     const float mean = 1.0f / static_cast<float>(world);
-    for (float& x : mine) x *= mean;
-    into->shard = std::move(mine);
+    into->shard.resize(elems);
+    for (size_t i = 0; i < elems; ++i) into->shard[i] = optim::FloatAt(mine.data(), wire, i) * mean;
     return Status::Ok();
   });
   into->seq = next_seq_++;
   queued_[into->seq] = into->done;
   pending_[grad.value()] = std::move(pending);
   return Status::Ok();
+}
+
+DType GradReducer::WireDType(DType grad) const {
+  // The tag's sums are W at most: exact in bf16 up to 256 ranks, fp16 up to 2048.
+  const int exact = grad == DType::kBFloat16 ? 256 : grad == DType::kFloat16 ? 2048 : 1 << 24;
+  if (engine_.options().comm_reduce_dtype == "fp32" || comm_.world_size() > exact) return DType::kFloat32;
+  return grad;
 }
 
 Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {

@@ -63,7 +63,8 @@ class GradReducer {
   //
   // Take: this rank's range (memory::ShardOf) of the mean of every rank's
   // gradients of `grad`, in fp32 (`shard`, ShardRange::elems long), and the
-  // bytes its reduce-scatter sent; submits the chunk first if it was not.
+  // bytes its reduce-scatter sent (in the grad dtype, or fp32: option
+  // comm.reduce_dtype; the sum is divided by W in fp32); submits the chunk first if it was not.
   // Waits for it: the time is counted in wait_seconds().
   struct Reduced {
     std::vector<float> shard;
@@ -104,6 +105,8 @@ class GradReducer {
   void Updated(ChunkId param);
   static constexpr size_t kKeptGathers = kKeptGatheredChunks;
   static constexpr size_t kPrefetchDepth = 4;
+  // Values a gradient reduction's message carries beyond its shard: the group's tag, one value a bit.
+  static constexpr size_t kTagBits = 32;
   uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
   uint64_t gathered_ahead() const { return gathered_ahead_; }  // of them, those gathered ahead
 
@@ -124,6 +127,10 @@ class GradReducer {
     uint64_t bytes = 0;        // set by the job
     uint64_t seq = 0;          // its place in the queue
   };
+
+  // The dtype `grad`'s reductions travel in: the grad dtype
+  // (comm.reduce_dtype = grad) where W ranks' tags sum exactly in it, else fp32.
+  DType WireDType(DType grad) const;
 
   Engine& engine_;
   Communicator& comm_;

@@ -286,6 +286,11 @@ const std::vector<OptionEntry>& Table() {
                           "after the update (fp32: 3 x parameter bytes x (W-1)/W a step instead of 2 x), and the "
                           "parameters take 1/W of each rank's host and NVMe memory",
                           &Options::comm_shard_params));
+    t.push_back(ChoiceEntry("comm.reduce_dtype",
+                            "data parallel: the dtype gradients are reduce-scattered in: grad (the grad chunk's, the "
+                            "compute dtype; 16-bit sums are rounded, fp16 ones may overflow into a skipped step) or "
+                            "fp32 (exact sums, twice the bytes under bf16 or fp16)",
+                            &Options::comm_reduce_dtype, {"grad", "fp32"}));
     t.push_back(IntEntry("transfer.workers", "threads running asynchronous chunk moves", &Options::transfer_workers, 1, 64));
     t.push_back({{"log.level", "enum", "info", "debug, info, warning, error or off"},
                  [](Options& o, std::string_view text) -> Status {

@@ -36,6 +36,7 @@
 #include <vector>
 
 #include "strata/status.h"
+#include "strata/types.h"
 
 namespace strata {
 
@@ -63,9 +64,17 @@ class Communicator {
 
   // `recv` (world_size * bytes_per_rank) gets rank r's `send` at r * bytes_per_rank.
   Status AllGather(const void* send, void* recv, size_t bytes_per_rank);
-  // `send` holds world_size slices of `count_per_rank` floats; `recv` gets
-  // the sum over ranks of slice rank().
-  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank);
+  // `send` holds world_size slices of `count_per_rank` elements of `dtype`;
+  // `recv` gets the element-wise sum over ranks of slice rank(), in `dtype`.
+  // fp32, bf16 or fp16 (16-bit values as their bits, uint16_t): a 16-bit
+  // sum is formed in fp32 and rounded to nearest even, by the loopback once
+  // (in rank order), by MPI at each step of its reduction (as NCCL's ring
+  // does); so 16-bit sums of integers are exact only while they stay
+  // representable (256 for bf16, 2048 for fp16).
+  Status ReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype);
+  Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
+    return ReduceScatterSum(send, recv, count_per_rank, DType::kFloat32);
+  }
   // In place: every rank ends with the element-wise sum.
   Status AllReduceSum(std::span<double> values);
   Status Broadcast(void* data, size_t bytes, int root);
@@ -76,7 +85,7 @@ class Communicator {
 
  protected:
   virtual Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) = 0;
-  virtual Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) = 0;
+  virtual Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) = 0;
   virtual Status DoAllReduceSum(std::span<double> values) = 0;
   virtual Status DoBroadcast(void* data, size_t bytes, int root) = 0;
 

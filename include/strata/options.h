@@ -91,6 +91,11 @@ struct Options {
   // dropped when evicted. Off: every rank keeps every parameter, gathered
   // once after the update (2/3 of ZeRO-3's volume in fp32).
   bool comm_shard_params = false;  // key comm.shard_params
+  // The dtype gradients are reduce-scattered in: grad (the grad chunk's, the
+  // compute dtype: ZeRO's volume) or fp32 (twice the bytes under bf16/fp16,
+  // the sums unrounded). 16-bit sums round; fp16 sums can overflow where
+  // their mean would not (the loss scaler then skips the step).
+  std::string comm_reduce_dtype = "grad";  // key comm.reduce_dtype: grad or fp32
   // --- runtime -----------------------------------------------------------
   uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
   LogLevel log_level = LogLevel::kInfo;  // key log.level

@@ -136,10 +136,15 @@ class PyCommunicator : public strata::Communicator {
       f(View(send, bytes_per_rank), View(recv, bytes_per_rank * static_cast<size_t>(world_)));
     });
   }
-  strata::Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+  // `dtype` as torch names it: float32, bfloat16 or float16.
+  strata::Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank,
+                                    strata::DType dtype) override {
+    const size_t bytes = count_per_rank * strata::DTypeSizeBytes(dtype);
+    const char* name = dtype == strata::DType::kFloat32    ? "float32"
+                       : dtype == strata::DType::kBFloat16 ? "bfloat16"
+                                                           : "float16";
     return Call("reduce-scatter", "_reduce_scatter_sum", [&](const py::function& f) {
-      f(View(send, count_per_rank * static_cast<size_t>(world_) * sizeof(float)),
-        View(recv, count_per_rank * sizeof(float)), count_per_rank);
+      f(View(send, bytes * static_cast<size_t>(world_)), View(recv, bytes), count_per_rank, name);
     });
   }
   strata::Status DoAllReduceSum(std::span<double> values) override {

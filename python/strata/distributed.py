@@ -68,14 +68,21 @@ class TorchCommunicator(_strata.Communicator):
         self._dist.all_gather(list(out.chunk(self.world_size)), torch.frombuffer(send, dtype=torch.uint8),
                               group=self._group)
 
-    def _reduce_scatter_sum(self, send, recv, count):
+    def _reduce_scatter_sum(self, send, recv, count, dtype):
         if count == 0:
             return
-        # gloo has no reduce-scatter: an all-reduce of a copy, then this rank's slice
-        # (twice a reduce-scatter's bytes on the wire; stats() counts the reduce-scatter's).
-        total = torch.frombuffer(send, dtype=torch.float32).clone()
-        self._dist.all_reduce(total, group=self._group)
-        torch.frombuffer(recv, dtype=torch.float32).copy_(total[self.rank * count:(self.rank + 1) * count])
+        # gloo has no reduce-scatter (and no bf16 sum): each rank's slices go
+        # to their ranks (all-to-all, a reduce-scatter's bytes on the wire),
+        # which sum them in rank order, in fp32, rounded once to `dtype`.
+        dtype = getattr(torch, dtype)
+        width = torch.empty(0, dtype=dtype).element_size()
+        slices = torch.empty(self.world_size * count * width, dtype=torch.uint8)
+        self._dist.all_to_all_single(slices, torch.frombuffer(send, dtype=torch.uint8), group=self._group)
+        parts = slices.view(dtype).view(self.world_size, count).float()
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        torch.frombuffer(recv, dtype=dtype).copy_(total)
 
     def _all_reduce_sum(self, values):
         if len(values) == 0:

@@ -67,7 +67,7 @@ def test_a_reducer_collected_with_a_reduction_queued_on_a_python_communicator_do
             def _all_gather(self, send, recv):
                 recv[:len(send)] = send
                 recv[len(send):] = send
-            def _reduce_scatter_sum(self, send, recv, count):
+            def _reduce_scatter_sum(self, send, recv, count, dtype):
                 time.sleep(0.5)
                 recv[:] = send[:len(recv)]
 

@@ -149,11 +149,14 @@ def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):
         assert rank["reduced_in_backward"] == [rank["grad_chunks"]] * (steps // accumulation)
 
 
-@needs_mpirun
-@pytest.mark.parametrize("shard_params", [False, True])
-def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path, shard_params):
+@pytest.mark.parametrize("launcher,shard_params", [pytest.param("mpirun", False, marks=needs_mpirun),
+                                                   pytest.param("mpirun", True, marks=needs_mpirun),
+                                                   ("torchrun", True)])
+def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path, launcher, shard_params):
+    """bf16: the masters sharded and fp32, the params gathered in bf16, the gradients reduce-scattered in
+    bf16 (comm.reduce_dtype grad): the volume of ZeRO-3 (sharded) or 2/3 of it, counted in the compute dtype."""
     steps, batch = 10, 8
-    result = run_ranks(tmp_path, 2, steps, batch, precision="bf16", shard_params=shard_params)
+    result = run_ranks(tmp_path, 2, steps, batch, precision="bf16", launcher=launcher, shard_params=shard_params)
     model, reference = pair()
     # The fp32 values each rank wrote into its shard of the masters, gathered: exactly the model's.
     for name, value in model.state_dict().items():
@@ -166,6 +169,11 @@ def test_bf16_ranks_shard_the_masters_and_gather_them_whole(tmp_path, shard_para
         assert all(r["bytes_of_kind"]["master"] < r["bytes_of_kind"]["param"] * 2 for r in result["ranks"])
     recipe = mixed_precision_losses(reference, batches(steps, batch=batch))
     assert max(relative_errors(result["losses"], recipe)) <= 2e-3, (result["losses"], recipe)
+    for rank in result["ranks"]:
+        comm = rank["comm"]
+        zero3 = comm["zero3_bytes_per_step"]  # 3 x the bf16 parameters' bytes x (W-1)/W
+        share = 1.0 if shard_params else 2 / 3
+        assert 0.95 * share * zero3 <= comm["last_step_bytes"] <= 1.05 * share * zero3, comm
 
 
 @pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=needs_mpirun), "torchrun"])

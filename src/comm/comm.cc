@@ -49,10 +49,10 @@ Status Communicator::AllGather(const void* send, void* recv, size_t bytes_per_ra
                  [&] { return DoAllGather(send, recv, bytes_per_rank); });
 }
 
-Status Communicator::ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
-  const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * count_per_rank * sizeof(float);
+Status Communicator::ReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) {
+  const uint64_t bytes = static_cast<uint64_t>(world_size() - 1) * count_per_rank * DTypeSizeBytes(dtype);
   return Counted("reduce-scatter", &CommStats::reduce_scatter, bytes,
-                 [&] { return DoReduceScatterSum(send, recv, count_per_rank); });
+                 [&] { return DoReduceScatterSum(send, recv, count_per_rank, dtype); });
 }
 
 Status Communicator::AllReduceSum(std::span<double> values) {

@@ -18,6 +18,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include "optim/half.h"
 #include "strata/comm.h"
 
 namespace strata {
@@ -65,15 +66,17 @@ class LoopbackCommunicator final : public Communicator {
                       });
   }
 
-  Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
-    return Collective("reduce-scatter", send, group_->world * count_per_rank * sizeof(float), recv,
-                      count_per_rank * sizeof(float), [&](const std::vector<const std::byte*>& sends, std::byte* out) {
-                        float* sum = reinterpret_cast<float*>(out);
-                        std::fill(sum, sum + count_per_rank, 0.0f);
-                        for (int r = 0; r < group_->world; ++r) {  // in rank order: the same sum on every rank
-                          const float* slice = reinterpret_cast<const float*>(sends[r]) + rank_ * count_per_rank;
-                          for (size_t i = 0; i < count_per_rank; ++i) sum[i] += slice[i];
+  Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) override {
+    const size_t width = DTypeSizeBytes(dtype);
+    return Collective("reduce-scatter", send, group_->world * count_per_rank * width, recv, count_per_rank * width,
+                      [&](const std::vector<const std::byte*>& sends, std::byte* out) {
+                        // In rank order, in fp32, rounded once: the same sum on every rank.
+                        std::vector<float> sum(count_per_rank, 0.0f);
+                        for (int r = 0; r < group_->world; ++r) {
+                          const std::byte* slice = sends[r] + rank_ * count_per_rank * width;
+                          for (size_t i = 0; i < count_per_rank; ++i) sum[i] += optim::FloatAt(slice, dtype, i);
                         }
+                        for (size_t i = 0; i < count_per_rank; ++i) optim::StoreFloat(out, dtype, i, sum[i]);
                       });
   }
 

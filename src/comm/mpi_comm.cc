@@ -20,10 +20,12 @@
 #include <cstdlib>
 #include <limits>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
 
+#include "optim/half.h"
 #include "src/comm/raw_collectives.h"
 #include "strata/comm.h"
 
@@ -59,6 +61,35 @@ std::string MpiErrorText(int code) {
   return std::string(text, static_cast<size_t>(length));
 }
 
+// MPI has no 16-bit float types (before MPI 4.1): bf16 and fp16 travel as
+// MPI_UINT16_T and are summed by these operations, in fp32 and rounded at
+// each step of the reduction, as NCCL's ring does.
+template <DType kDType>
+void SumHalves(void* in, void* inout, int* len, MPI_Datatype*) {
+  const auto* a = static_cast<const uint16_t*>(in);
+  auto* b = static_cast<uint16_t*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    optim::StoreFloat(b, kDType, i, optim::FloatAt(a, kDType, i) + optim::FloatAt(b, kDType, i));
+  }
+}
+
+// The MPI type and sum operation of `dtype` (the 16-bit operations created
+// once, after MPI_Init; MPI_Finalize frees them).
+std::pair<MPI_Datatype, MPI_Op> SumOf(DType dtype) {
+  static const std::pair<MPI_Op, MPI_Op> halves = [] {
+    MPI_Op bf16 = MPI_OP_NULL, fp16 = MPI_OP_NULL;
+    MPI_Op_create(&SumHalves<DType::kBFloat16>, /*commute=*/1, &bf16);
+    MPI_Op_create(&SumHalves<DType::kFloat16>, /*commute=*/1, &fp16);
+    return std::pair{bf16, fp16};
+  }();
+  switch (dtype) {
+    case DType::kFloat32: return {MPI_FLOAT, MPI_SUM};
+    case DType::kBFloat16: return {MPI_UINT16_T, halves.first};
+    case DType::kFloat16: return {MPI_UINT16_T, halves.second};
+  }
+  return {MPI_FLOAT, MPI_SUM};
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   MpiCommunicator(CommOptions options, int rank, int world) : options_(options), rank_(rank), world_(world) {}
@@ -86,9 +117,10 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
+  Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) override {
+    const auto [type, sum] = SumOf(dtype);
     return Run("reduce-scatter", [&](MPI_Request* request) {
-      return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, request);
+      return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), type, sum, MPI_COMM_WORLD, request);
     });
   }
 

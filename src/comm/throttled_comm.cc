@@ -26,8 +26,8 @@ class ThrottledCommunicator final : public Communicator {
   Status DoAllGather(const void* send, void* recv, size_t bytes_per_rank) override {
     return Throttled([&] { return inner_.AllGather(send, recv, bytes_per_rank); });
   }
-  Status DoReduceScatterSum(const float* send, float* recv, size_t count_per_rank) override {
-    return Throttled([&] { return inner_.ReduceScatterSum(send, recv, count_per_rank); });
+  Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) override {
+    return Throttled([&] { return inner_.ReduceScatterSum(send, recv, count_per_rank, dtype); });
   }
   Status DoAllReduceSum(std::span<double> values) override {
     return Throttled([&] { return inner_.AllReduceSum(values); });

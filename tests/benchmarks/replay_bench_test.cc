@@ -56,16 +56,16 @@ ReplayBenchConfig TwoRanks(uint32_t layers, uint32_t hidden, uint64_t& params) {
   return config;
 }
 
-// Two ranks over a throttled network: each sends (W-1)/W of the fp32
-// gradients (reduce-scatter) and of the bf16 params (all-gather) a step,
-// plus shard padding and tags, and the stall is reported.
+// Two ranks over a throttled network: each sends (W-1)/W of the bf16
+// gradients (reduce-scatter, in the grad dtype) and of the bf16 params
+// (all-gather) a step, plus shard padding and tags, and the stall is reported.
 TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) {
   uint64_t params = 0;
   ReplayBenchConfig config = TwoRanks(2, 128, params);
   config.iterations = 1;
   config.net_gbps = 2;
   ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
-  const double expected = 0.5 * static_cast<double>(params) * (4 + 2);
+  const double expected = 0.5 * static_cast<double>(params) * (2 + 2);
   EXPECT_GE(static_cast<double>(report.planned.comm_bytes), expected);
   EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.02 * expected);
   EXPECT_GE(report.planned.comm_stall_fraction, 0.0);
@@ -78,8 +78,8 @@ TEST(ReplayBenchTest, RanksSendTheirShareOfGradientsAndParamsAndReportTheStall) 
 }
 
 // Parameters sharded (ZeRO-3): the params are gathered in forward and
-// again in backward instead of once after the update: 2 + 2 + 4 bytes a
-// parameter, (W-1)/W of them, less the backward's first chunks (the last
+// again in backward instead of once after the update, and the gradients
+// reduce-scattered in bf16: ZeRO-3's 2 + 2 + 2 bytes a parameter, (W-1)/W of them, less the backward's first chunks (the last
 // two gathered in forward are kept), plus the tied embedding's second
 // gather in forward, tags and padding. (4 chunk groups: with one or two,
 // the kept chunks would spare backward every gather.)
@@ -89,7 +89,7 @@ TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
   config.iterations = 3;
   config.shard_params = true;
   ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
-  const double zero3 = 0.5 * static_cast<double>(params) * (4 + 2 + 2);
+  const double zero3 = 0.5 * static_cast<double>(params) * (2 + 2 + 2);
   EXPECT_GE(static_cast<double>(report.planned.comm_bytes), 0.85 * zero3);
   EXPECT_LE(static_cast<double>(report.planned.comm_bytes), 1.08 * zero3);
   EXPECT_NE(FormatReplayBench(report).find("data parallel, 2 ranks (parameters sharded)"), std::string::npos);

@@ -14,6 +14,7 @@
 
 #include "memory/chunk_layout.h"
 #include "memory/tier_pool.h"
+#include "optim/half.h"
 #include "strata/storage.h"
 #include "tests/test_util.h"
 
@@ -327,13 +328,13 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
   for (std::thread& t : threads) t.join();
   for (int r = 0; r < world; ++r) ASSERT_OK(results[r]);
   // A step sends every group's fp32 gradients reduce-scattered (each
-  // shard with its group's tag) and its (fp32) params gathered, (W-1)
+  // shard with its group's tag, kTagBits values) and its (fp32) params gathered, (W-1)
   // shards of each, and the norm all-reduced.
   // Parameters sharded: the step gathers nothing; each layer's param chunk
   // is gathered once in its moment (its shard and an 8-byte tag), and the
   // last step gathers the next one's first two ahead.
   const uint64_t shard = memory::ShardOf(kChunkElems, 0, world).elems;
-  const uint64_t reduced = kLayers * (world - 1) * (shard + 1) * sizeof(float);
+  const uint64_t reduced = kLayers * (world - 1) * (shard + GradReducer::kTagBits) * sizeof(float);
   const uint64_t gathered = kLayers * (world - 1) * (shard * sizeof(float) + (shard_params ? sizeof(uint64_t) : 0));
   const uint64_t norm = 2 * (world - 1) * sizeof(double) / world;
   const uint64_t ahead = shard_params ? GradReducer::kPrefetchDepth * gathered / kLayers : 0;
@@ -486,6 +487,44 @@ TEST(TrainStepTest, ShardedParamsNeedDeviceRoomForTheKeptGathers) {
   for (const Status& result : results) {
     EXPECT_EQ(result.code(), StatusCode::kOutOfMemory) << result.ToString();
     EXPECT_NE(result.message().find("comm.shard_params"), std::string::npos) << result.ToString();
+  }
+}
+
+// bf16 gradients travel in bf16 (comm.reduce_dtype grad, the default: 2
+// bytes an element, the sum rounded to bf16 before the mean) or in fp32
+// (comm.reduce_dtype fp32: twice the bytes, the exact mean).
+TEST(TrainStepTest, GradientsAreReducedInTheGradDtypeUnlessFp32IsAsked) {
+  for (const char* wire : {"grad", "fp32"}) {
+    SCOPED_TRACE(wire);
+    std::vector<Result<GradReducer::Reduced>> reduced(2, Internal("not run"));
+    OnRanks(2, [&](int r, Communicator& comm) {
+      Options options;
+      options.device_backend = DeviceBackendKind::kEmulated;
+      options.host_budget_bytes = 64 * kChunkElems * 4;
+      options.chunk_size_elems = kChunkElems;
+      options.log_level = LogLevel::kWarning;
+      options.compute_dtype = DType::kBFloat16;
+      options.comm_reduce_dtype = wire;
+      auto engine = Engine::Create(options, {.comm = &comm});
+      ASSERT_OK(engine.status());
+      ASSERT_OK_AND_ASSIGN(TensorId w, (*engine)->RegisterTensor(
+                                           {"w", {static_cast<int64_t>(kChunkElems)}, DType::kBFloat16, true, "m"}));
+      ASSERT_OK((*engine)->Finalize());
+      {
+        ASSERT_OK_AND_ASSIGN(TensorAccess grad, (*engine)->Access(w, ChunkKind::kGrad, Tier::kHost));
+        // 1 + 0.75 of bf16's ulp at 1: rounded to bf16, 1 + ulp.
+        for (size_t i = 0; i < kChunkElems; ++i) optim::StoreFloat(grad.data(), DType::kBFloat16, i, r == 0 ? 1.0f : 0.75f / 128);
+      }
+      GradReducer reducer(**engine, comm);
+      reduced[r] = reducer.Take(*(*engine)->ChunkOf(w, ChunkKind::kGrad));
+    });
+    const bool fp32 = std::string(wire) == "fp32";
+    const float mean = fp32 ? (1.0f + 0.75f / 128) / 2 : (1.0f + 1.0f / 128) / 2;
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_OK(reduced[r].status());
+      EXPECT_EQ(reduced[r]->shard, std::vector<float>(kChunkElems / 2, mean)) << "rank " << r;
+      EXPECT_EQ(reduced[r]->bytes, (kChunkElems / 2 + GradReducer::kTagBits) * (fp32 ? 4 : 2)) << "rank " << r;
+    }
   }
 }
 

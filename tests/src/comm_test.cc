@@ -12,6 +12,7 @@
 
 #include "strata/comm.h"
 #include "tests/test_util.h"
+#include "tests/src/comm_checks.h"
 
 namespace strata {
 namespace {
@@ -75,6 +76,13 @@ TEST_P(LoopbackTest, EveryCollectiveMatchesItsDefinitionManyTimesOver) {
       STRATA_RETURN_IF_ERROR(comm.Barrier());
     }
     return Status::Ok();
+  }));
+}
+
+TEST_P(LoopbackTest, SixteenBitReduceScattersSumAndRound) {
+  ExpectAllOk(OnEveryRank(GetParam(), [](Communicator& comm) -> Status {
+    STRATA_RETURN_IF_ERROR(testing::CheckHalfReduceScatter(comm, DType::kBFloat16));
+    return testing::CheckHalfReduceScatter(comm, DType::kFloat16);
   }));
 }
 
@@ -143,7 +151,7 @@ class HeldOpen final : public Communicator {
     release.get_future().wait();
     return Status::Ok();
   }
-  Status DoReduceScatterSum(const float*, float*, size_t) override { return Status::Ok(); }
+  Status DoReduceScatterSum(const void*, void*, size_t, DType) override { return Status::Ok(); }
   Status DoAllReduceSum(std::span<double>) override { return Status::Ok(); }
   Status DoBroadcast(void*, size_t, int) override { return Status::Ok(); }
 };

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "strata/comm.h"
+#include "tests/src/comm_checks.h"
 #include "tests/test_util.h"
 
 namespace strata {
@@ -53,6 +54,12 @@ TEST(MpiCommTest, EveryCollectiveMatchesItsDefinition) {
     EXPECT_EQ(token, 99 + round);
     ASSERT_OK(comm.Barrier());
   }
+}
+
+// bf16 and fp16 travel as MPI_UINT16_T, summed by strata's own operations.
+TEST(MpiCommTest, SixteenBitReduceScattersSumAndRound) {
+  ASSERT_OK(testing::CheckHalfReduceScatter(World(), DType::kBFloat16));
+  ASSERT_OK(testing::CheckHalfReduceScatter(World(), DType::kFloat16));
 }
 
 TEST(MpiCommTest, AMismatchedConfigurationIsFoundOnEveryRank) {
