@@ -28,8 +28,17 @@ double SecondsSince(Clock::time_point start) {
 GradReducer::GradReducer(Engine& engine, Communicator& comm)
     : engine_(engine), comm_(comm), chunks_(engine.chunks()), queue_(std::make_unique<TaskQueue>(1)) {
   for (const ChunkInfo& c : chunks_) {
-    if (c.transient) largest_transient_bytes_ = std::max(largest_transient_bytes_, c.size_bytes);
+    if (c.transient) {
+      const size_t width = DTypeSizeBytes(c.dtype);
+      const size_t shard = memory::ShardOf(c.used_bytes / width, 0, comm_.world_size()).elems;
+      largest_landing_bytes_ = std::max<uint64_t>(largest_landing_bytes_, (shard * width + sizeof(uint64_t)) * comm_.world_size());
+    }
     if (c.kind == ChunkKind::kMaster) largest_master_bytes_ = std::max(largest_master_bytes_, c.size_bytes);
+    if (c.kind != ChunkKind::kGrad) continue;
+    largest_grad_bytes_ = std::max(largest_grad_bytes_, c.size_bytes);
+    // A reduction's message: W slices of a shard and the tag, fp32 at the widest.
+    const size_t shard = memory::ShardOf(c.used_bytes / DTypeSizeBytes(c.dtype), 0, comm_.world_size()).elems;
+    largest_message_bytes_ = std::max<uint64_t>(largest_message_bytes_, (shard + kTagBits) * comm_.world_size() * 4);
   }
 }
 
@@ -48,7 +57,10 @@ Status GradReducer::Submit(ChunkId grad) {
   const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
   const DType wire = WireDType(info.dtype);
   const size_t width = DTypeSizeBytes(wire);
-  Buffer raw = AllocateAlignedHost(info.size_bytes, 4096);
+  // The read and the message go to buffers kept for reuse: fresh ones would
+  // be page faults by the chunk, for every chunk of every step.
+  if (!submit_raw_) submit_raw_ = AllocateAlignedHost(largest_grad_bytes_, 4096);
+  const Buffer& raw = submit_raw_;
   STRATA_RETURN_IF_ERROR(engine_.ReadChunk(grad, raw.data()).WithContext("reading gradients to reduce"));
   // Each rank's slice of the message is its range of the gradients, then the
   // group's tag (id + 1) as kTagBits values of 0 or 1: summed, each is 0 or
@@ -56,8 +68,13 @@ Status GradReducer::Submit(ChunkId grad) {
   // they did not (exact in a 16-bit dtype too: see WireDType).
   const size_t slice = range.elems + kTagBits;
   const uint64_t tag = info.group + 1;
-  auto send = std::make_shared<Buffer>(AllocateAlignedHost(slice * world * width, 64));
-  std::memset(send->data(), 0, slice * world * width);
+  std::shared_ptr<Buffer> send;
+  if (spare_sends_.empty()) {
+    send = std::make_shared<Buffer>(AllocateAlignedHost(largest_message_bytes_, 64));
+  } else {
+    send = std::move(spare_sends_.back());
+    spare_sends_.pop_back();
+  }
   for (int r = 0; r < world; ++r) {
     std::byte* out = static_cast<std::byte*>(send->data()) + r * slice * width;
     const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
@@ -66,6 +83,7 @@ Status GradReducer::Submit(ChunkId grad) {
     } else {
       for (size_t j = 0; j < count; ++j) optim::StoreFloat(out, wire, j, optim::FloatAt(raw.data(), info.dtype, begin + j));
     }
+    std::memset(out + count * width, 0, (range.elems - count) * width);  // the last shard's padding
     for (size_t bit = 0; bit < kTagBits; ++bit) {
       optim::StoreFloat(out, wire, range.elems + bit, static_cast<float>((tag >> bit) & 1));
     }
@@ -76,13 +94,17 @@ Status GradReducer::Submit(ChunkId grad) {
   if (auto earlier = pending_.find(grad.value()); earlier != pending_.end()) {
     earlier->second->done.wait();
     queued_.erase(earlier->second->seq);
+    spare_sends_.push_back(std::move(earlier->second->send));
     pending_.erase(earlier);
   }
   auto pending = std::make_unique<Pending>();
   Pending* into = pending.get();
+  into->send = send;
   const uint32_t group = info.group;
   into->done = queue_->Push([this, send, slice, group, tag, wire, world, into]() -> Status {
-    Buffer mine = AllocateAlignedHost(slice * DTypeSizeBytes(wire), 64);
+    // The queue's one thread owns the receive buffer.
+    if (!reduce_recv_) reduce_recv_ = AllocateAlignedHost(largest_message_bytes_ / world, 64);
+    const Buffer& mine = reduce_recv_;
     const uint64_t before = comm_.stats().total_bytes();
     STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send->data(), mine.data(), slice, wire)
                                .WithContext(fmt::format("reduce-scatter of the gradients of chunk group {}", group)));
@@ -123,6 +145,7 @@ Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
   wait_seconds_ += SecondsSince(start);
   Reduced reduced{std::move(it->second->shard), it->second->bytes};
   queued_.erase(it->second->seq);
+  spare_sends_.push_back(std::move(it->second->send));
   pending_.erase(it);
   STRATA_RETURN_IF_ERROR(status);
   return reduced;
@@ -163,19 +186,21 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
   // Each rank's slice: its range in the param dtype, then the group's tag.
   const size_t slice = range.elems * width + sizeof(uint64_t);
+  // The all-gather lands in a buffer of W slices, tags and all, copied into
+  // the chunk slice by slice at Gather (no copy to strip the tags).
   // Buffers are reused: a fresh one per gather would be page faults by the
   // chunk, twice a step.
-  std::shared_ptr<Buffer> whole;
-  if (spare_wholes_.empty()) {
+  std::shared_ptr<Buffer> landing;
+  if (spare_landings_.empty()) {
     // Pinned where a copy to the device follows (a pageable source is staged, and slower).
     Result<Buffer> pinned = engine_.device().host_accessible()
-                                ? Result<Buffer>(AllocateAlignedHost(largest_transient_bytes_, 4096))
-                                : engine_.device().AllocatePinnedHost(largest_transient_bytes_, kNumaNodeUnbound);
-    whole = std::make_shared<Buffer>(pinned.ok() ? std::move(pinned).value()
-                                                 : AllocateAlignedHost(largest_transient_bytes_, 4096));
+                                ? Result<Buffer>(AllocateAlignedHost(largest_landing_bytes_, 4096))
+                                : engine_.device().AllocatePinnedHost(largest_landing_bytes_, kNumaNodeUnbound);
+    landing = std::make_shared<Buffer>(pinned.ok() ? std::move(pinned).value()
+                                                   : AllocateAlignedHost(largest_landing_bytes_, 4096));
   } else {
-    whole = std::move(spare_wholes_.back());
-    spare_wholes_.pop_back();
+    landing = std::move(spare_landings_.back());
+    spare_landings_.pop_back();
   }
   const ChunkId master_id = master->id;
   const DType dtype = info.dtype;
@@ -184,9 +209,8 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     // The queue's one thread owns the scratch buffers.
     if (!gather_shard_) gather_shard_ = AllocateAlignedHost(largest_master_bytes_, 4096);
     std::vector<std::byte>& send = gather_send_;
-    std::vector<std::byte>& all = gather_all_;
-    send.assign(slice, std::byte{0});
-    all.resize(slice * world);
+    if (send.size() < slice) send.resize(slice);  // the padding past this shard is never read
+    std::byte* all = static_cast<std::byte*>(landing->data());
     // A shard this rank cannot read still joins the collective, tagged as
     // failed (0), so that every rank fails this gather and none is left a
     // collective behind its peers.
@@ -206,20 +230,18 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
       tag = group + 1;
     }
     std::memcpy(send.data() + range.elems * width, &tag, sizeof tag);
-    STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all.data(), slice)
+    STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all, slice)
                                .WithContext(fmt::format("all-gather of the parameters of chunk group {}", group)));
     STRATA_RETURN_IF_ERROR(read);
     std::string failed, others;
     for (int r = 0; r < world; ++r) {
       uint64_t theirs = 0;
-      std::memcpy(&theirs, all.data() + r * slice + range.elems * width, sizeof theirs);
+      std::memcpy(&theirs, all + r * slice + range.elems * width, sizeof theirs);
       if (theirs == kFailedTag) {
         failed += fmt::format("{}{}", failed.empty() ? "" : ", ", r);
       } else if (theirs != tag) {
         others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
       }
-      const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
-      std::memcpy(static_cast<std::byte*>(whole->data()) + begin * width, all.data() + r * slice, count * width);
     }
     if (!failed.empty()) {
       return IoError("parameter all-gather of chunk group {}: rank(s) {} could not read their master shard (their "
@@ -236,7 +258,7 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   });
   const uint64_t seq = next_seq_++;
   queued_[seq] = done;
-  return {std::move(done), std::move(whole), seq};
+  return {std::move(done), std::move(landing), seq};
 }
 
 Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
@@ -278,19 +300,36 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   Status status = gather->done.get();
   queued_.erase(gather->seq);  // taken: its error is this call's
   bool copy_may_run = false;
-  if (status.ok()) {
-    if (into.tier() == Tier::kHost || engine_.device().host_accessible()) {
-      std::memcpy(into.data(), gather->whole->data(), info.used_bytes);
-    } else {
-      Result<std::shared_ptr<Event>> copy =
-          engine_.device().CopyAsync(CopyStream::kHostToDevice, into.data(), gather->whole->data(), info.used_bytes);
-      status = copy.ok() ? (*copy)->Wait(engine_.options().device_copy_timeout_ms) : copy.status();
-      copy_may_run = copy.ok() && !status.ok();
+  // Rank r's slice (its shard, then its tag) into the chunk at its range.
+  const int world = comm_.world_size();
+  const size_t width = DTypeSizeBytes(info.dtype);
+  const size_t n = info.used_bytes / width;
+  const size_t elems = memory::ShardOf(n, 0, world).elems;
+  const size_t slice = elems * width + sizeof(uint64_t);
+  const auto* landing = static_cast<const std::byte*>(gather->landing->data());
+  auto* chunk = static_cast<std::byte*>(into.data());
+  const bool host = into.tier() == Tier::kHost || engine_.device().host_accessible();
+  std::vector<std::shared_ptr<Event>> copies;
+  for (int r = 0; r < world && status.ok(); ++r) {
+    const size_t begin = std::min(n, r * elems), count = std::min(n, begin + elems) - begin;
+    if (count == 0) continue;
+    if (host) {
+      std::memcpy(chunk + begin * width, landing + r * slice, count * width);
+      continue;
     }
+    Result<std::shared_ptr<Event>> copy = engine_.device().CopyAsync(CopyStream::kHostToDevice, chunk + begin * width,
+                                                                     landing + r * slice, count * width);
+    status = copy.status();
+    if (copy.ok()) copies.push_back(std::move(copy).value());
+  }
+  for (const std::shared_ptr<Event>& copy : copies) {
+    const Status waited = copy->Wait(engine_.options().device_copy_timeout_ms);
+    if (!waited.ok()) copy_may_run = true;
+    if (status.ok()) status = waited;
   }
   wait_seconds_ += SecondsSince(start);
   // A copy that timed out may still read its source: that buffer is never reused.
-  (copy_may_run ? quarantined_ : spare_wholes_).push_back(std::move(gather->whole));
+  (copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(gather->landing));
   if (status.ok()) {
     Result<ChunkAccess> pin = engine_.AccessChunk(param, into.tier());
     status = pin.status();
@@ -337,7 +376,7 @@ void GradReducer::ReleaseGathered() {
   for (auto& [id, ahead] : prefetched_) {
     ahead.done.wait();
     queued_.erase(ahead.seq);
-    spare_wholes_.push_back(std::move(ahead.whole));
+    spare_landings_.push_back(std::move(ahead.landing));
   }
   prefetched_.clear();
   last_sequence_ = std::move(sequence_);

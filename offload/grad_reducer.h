@@ -123,6 +123,7 @@ class GradReducer {
  private:
   struct Pending {
     std::shared_future<Status> done;
+    std::shared_ptr<Buffer> send;  // the message, back to spare_sends_ once taken
     std::vector<float> shard;  // set by the job
     uint64_t bytes = 0;        // set by the job
     uint64_t seq = 0;          // its place in the queue
@@ -139,10 +140,10 @@ class GradReducer {
   std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
   uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;
-  // A parameter all-gather queued: its whole chunk lands in `whole` (host memory).
+  // A parameter all-gather queued: every rank's slice lands in `landing` (host memory).
   struct Queued {
     std::shared_future<Status> done;
-    std::shared_ptr<Buffer> whole;
+    std::shared_ptr<Buffer> landing;
     uint64_t seq = 0;  // its place in the queue
   };
   Queued QueueGather(ChunkId param);
@@ -150,11 +151,16 @@ class GradReducer {
   // step's sequence, but those kept, queued already or being gathered.
   void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);
 
-  uint64_t largest_transient_bytes_ = 0;
+  uint64_t largest_grad_bytes_ = 0;
+  uint64_t largest_message_bytes_ = 0;  // a reduction's send buffer
+  Buffer submit_raw_;                   // Submit's: a grad chunk read
+  std::vector<std::shared_ptr<Buffer>> spare_sends_;  // reductions' messages, for reuse
+  Buffer reduce_recv_;                  // the queue thread's: a reduction's result
+  uint64_t largest_landing_bytes_ = 0;  // a param all-gather's W slices
   uint64_t largest_master_bytes_ = 0;
-  std::vector<std::shared_ptr<Buffer>> spare_wholes_;  // gathers' landing buffers, for reuse
+  std::vector<std::shared_ptr<Buffer>> spare_landings_;  // gathers' landing buffers, for reuse
   Buffer gather_shard_;                     // the queue thread's: a master shard read
-  std::vector<std::byte> gather_send_, gather_all_;  // the queue thread's: the all-gather's buffers
+  std::vector<std::byte> gather_send_;      // the queue thread's: the all-gather's message
   static constexpr uint64_t kFailedTag = 0;  // a rank could not read its shard (group tags are group + 1)
   // Gathers recorded a step at most (an evaluation-only loop never steps).
   static constexpr size_t kMaxSequence = 1 << 16;

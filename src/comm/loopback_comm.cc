@@ -70,13 +70,11 @@ class LoopbackCommunicator final : public Communicator {
     const size_t width = DTypeSizeBytes(dtype);
     return Collective("reduce-scatter", send, group_->world * count_per_rank * width, recv, count_per_rank * width,
                       [&](const std::vector<const std::byte*>& sends, std::byte* out) {
-                        // In rank order, in fp32, rounded once: the same sum on every rank.
-                        std::vector<float> sum(count_per_rank, 0.0f);
-                        for (int r = 0; r < group_->world; ++r) {
-                          const std::byte* slice = sends[r] + rank_ * count_per_rank * width;
-                          for (size_t i = 0; i < count_per_rank; ++i) sum[i] += optim::FloatAt(slice, dtype, i);
+                        switch (dtype) {
+                          case DType::kFloat32: return Sum<DType::kFloat32>(sends, count_per_rank, out);
+                          case DType::kBFloat16: return Sum<DType::kBFloat16>(sends, count_per_rank, out);
+                          case DType::kFloat16: return Sum<DType::kFloat16>(sends, count_per_rank, out);
                         }
-                        for (size_t i = 0; i < count_per_rank; ++i) optim::StoreFloat(out, dtype, i, sum[i]);
                       });
   }
 
@@ -164,6 +162,28 @@ class LoopbackCommunicator final : public Communicator {
     lock.unlock();
     if (copy != nullptr && recv != nullptr) std::memcpy(recv, copy.get(), recv_bytes);
     return Status::Ok();
+  }
+
+  // This rank's slice of every rank's `sends`, summed in rank order in fp32
+  // and rounded once: the same sum on every rank.
+  template <DType kDType>
+  void Sum(const std::vector<const std::byte*>& sends, size_t count, std::byte* out) const {
+    constexpr size_t kWidth = DTypeSizeBytes(kDType);
+    float* sum = reinterpret_cast<float*>(out);
+    thread_local std::vector<float> scratch;
+    if constexpr (kDType != DType::kFloat32) {
+      scratch.assign(count, 0.0f);
+      sum = scratch.data();
+    } else {
+      std::fill(sum, sum + count, 0.0f);
+    }
+    for (int r = 0; r < group_->world; ++r) {
+      const std::byte* slice = sends[r] + rank_ * count * kWidth;
+      for (size_t i = 0; i < count; ++i) sum[i] += optim::FloatAt(slice, kDType, i);
+    }
+    if constexpr (kDType != DType::kFloat32) {
+      for (size_t i = 0; i < count; ++i) optim::StoreFloat(out, kDType, i, sum[i]);
+    }
   }
 
   static void Break(Group& g, std::string why) {
