@@ -88,6 +88,50 @@ def test_a_reducer_collected_with_a_reduction_queued_on_a_python_communicator_do
     assert run.returncode == 0 and "collected" in run.stdout, run.stdout + run.stderr
 
 
+def test_releasing_gathered_chunks_with_a_gather_ahead_on_a_python_communicator_does_not_hang():
+    """release_gathered waits for the gathers queued ahead, whose collectives a Python communicator runs with
+    the GIL: it must let go of it while it waits (in a subprocess, so a hang is a failed test)."""
+    script = textwrap.dedent("""
+        import time
+        import strata
+        from strata import _strata
+
+        class Slow(_strata.Communicator):
+            def __init__(self):
+                super().__init__(0, 2, "slow")
+            def _all_gather(self, send, recv):
+                time.sleep(0.3)
+                recv[:len(send)] = send
+                recv[len(send):] = send
+
+        config = strata.load_config({"device": {"backend": "emulated", "budget": 1 << 20},
+                                     "host": {"budget": 4 << 20}, "chunk": {"size_elems": 4096},
+                                     "comm": {"shard_params": True}, "log": {"level": "error"}})
+        comm = Slow()
+        engine = _strata.Engine(config.options, comm)
+        for name in ("a", "b"):
+            engine.register_tensor(name, [4096], "fp32", True, name)
+        engine.finalize()
+        params = [c["id"] for c in engine.chunks() if c["transient"]]
+        assert len(params) == 2, engine.chunks()
+        reducer = _strata.GradReducer(engine, comm)
+        for step in range(2):  # the second step gathers b ahead, as the first did it after a
+            for chunk in params:
+                pin = engine.access_chunk(chunk, "device")
+                reducer.gather(pin)
+                pin.release()
+                if step == 1:
+                    break
+            reducer.release_gathered()
+        assert reducer.gathered_ahead == 0 and reducer.gathers == 3, (reducer.gathered_ahead, reducer.gathers)
+        reducer.close()
+        print("released")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, env=env)
+    assert run.returncode == 0 and "released" in run.stdout, run.stdout + run.stderr
+
+
 def test_a_closed_reducer_refuses_work():
     comm = TwoRanksEcho()
     config = strata.load_config({"device": {"backend": "emulated", "budget": 1 << 20}, "host": {"budget": 4 << 20},
