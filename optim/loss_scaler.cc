@@ -28,6 +28,18 @@ Status ValidateLossScalerConfig(const LossScalerConfig& c) {
 
 LossScaler::LossScaler(const LossScalerConfig& config) : config_(config), scale_(config.init_scale) {}
 
+Status LossScaler::Restore(float scale, int64_t good_steps, int64_t overflows) {
+  if (!std::isfinite(scale) || !(scale > 0) || good_steps < 0 || overflows < 0) {
+    return InvalidArgument("loss scaler: cannot restore scale {}, good steps {}, overflows {}: expected a finite "
+                           "scale > 0 and counts >= 0",
+                           scale, good_steps, overflows);
+  }
+  scale_ = scale;
+  good_steps_ = good_steps;
+  overflows_ = overflows;
+  return Status::Ok();
+}
+
 void LossScaler::Update(bool found_non_finite) {
   if (found_non_finite) {
     scale_ = std::max(config_.min_scale, scale_ * config_.backoff_factor);

@@ -37,6 +37,9 @@ class LossScaler {
   // restarts the count; otherwise counts a good step and grows (not above
   // max_scale) when the count reaches growth_interval.
   void Update(bool found_non_finite);
+  // A checkpoint's state back (offload/checkpoint.h): InvalidArgument for a
+  // scale that is not finite and > 0 or negative counts, changing nothing.
+  Status Restore(float scale, int64_t good_steps, int64_t overflows);
 
  private:
   LossScalerConfig config_;

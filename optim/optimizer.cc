@@ -121,6 +121,18 @@ Result<StepPlan> Optimizer::PlanStep(GradStats local) const {
   return plan;
 }
 
+Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler) {
+  if (steps_taken < 0) return InvalidArgument("optimizer: cannot restore {} steps taken", steps_taken);
+  if (scaler.has_value() != scaler_.has_value()) {
+    return InvalidArgument("optimizer: the state to restore {} a loss scaler and this optimizer {} (loss_scale.mode "
+                           "must match the saved run's)",
+                           scaler ? "has" : "has no", scaler_ ? "has one" : "has none");
+  }
+  if (scaler) STRATA_RETURN_IF_ERROR(scaler_->Restore(scaler->scale, scaler->good_steps, scaler->overflows));
+  steps_taken_ = steps_taken;
+  return Status::Ok();
+}
+
 Status Optimizer::FinishStep(const StepPlan& plan) {
   if (plan.skip) {
     if (scaler_) scaler_->Update(/*found_non_finite=*/true);

@@ -150,6 +150,15 @@ class Optimizer {
   // and update the loss scaler (back off on a skip, else count a good step).
   // InvalidArgument for a plan of another step than steps_taken() + 1.
   Status FinishStep(const StepPlan& plan);
+  // A checkpoint's step count and loss-scaler state back (offload/checkpoint.h).
+  // InvalidArgument for a negative count, or a scaler state this optimizer
+  // has no scaler for (or lacks one it has), changing nothing.
+  struct ScalerState {
+    float scale = 1.0f;
+    int64_t good_steps = 0;
+    int64_t overflows = 0;
+  };
+  Status Restore(int64_t steps_taken, std::optional<ScalerState> scaler);
   // All three phases over all chunks.
   Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
 

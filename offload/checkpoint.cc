@@ -1,0 +1,453 @@
+#include "offload/checkpoint.h"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
+#include "strata/buffer.h"
+#include "strata/crc32c.h"
+#include "strata/options.h"
+
+namespace strata::offload {
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+constexpr const char* kFormat = "strata-checkpoint";
+constexpr int kVersion = 1;
+constexpr const char* kManifest = "manifest.json";
+constexpr const char* kLatest = "latest";
+
+std::string StepName(int64_t step) { return fmt::format("step-{:08}", step); }
+
+// The step of a checkpoint directory's name, or nothing for another name.
+std::optional<int64_t> StepOf(const std::string& name) {
+  if (name.size() != 13 || name.rfind("step-", 0) != 0) return std::nullopt;
+  if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
+  return std::stoll(name.substr(5));
+}
+
+Status Errno(const std::string& what, const fs::path& path) {
+  return IoError("checkpoint: {} {}: {}", what, path.string(), std::strerror(errno));
+}
+
+// Writes `size` bytes to a new file at `path` and fsyncs it.
+Status WriteFileDurably(const fs::path& path, const void* data, size_t size) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return Errno("creating", path);
+  const auto* bytes = static_cast<const std::byte*>(data);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, bytes + done, size - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const Status error = Errno(fmt::format("writing byte {} of {} to", done, size), path);
+      ::close(fd);
+      return error;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) {
+    const Status error = Errno("flushing", path);
+    ::close(fd);
+    return error;
+  }
+  if (::close(fd) != 0) return Errno("closing", path);
+  return Status::Ok();
+}
+
+// A directory's entries (a rename, a new file) made durable.
+Status SyncDirectory(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return Errno("opening the directory", path);
+  const int synced = ::fsync(fd);
+  const Status error = synced != 0 ? Errno("flushing the directory", path) : Status::Ok();
+  ::close(fd);
+  return error;
+}
+
+// Reads the file at `path` into `into`, checking it is `size` bytes whose
+// CRC32C is `crc`.
+Status ReadVerified(const fs::path& path, uint64_t size, uint32_t crc, void* into) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return Errno("opening", path);
+  const off_t actual = ::lseek(fd, 0, SEEK_END);
+  if (actual != static_cast<off_t>(size)) {
+    ::close(fd);
+    return Corruption("checkpoint: {} is {} bytes, its manifest says {}", path.string(), actual, size);
+  }
+  auto* bytes = static_cast<std::byte*>(into);
+  size_t done = 0;
+  while (done < size) {
+    const ssize_t n = ::pread(fd, bytes + done, size - done, static_cast<off_t>(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      const Status error = n == 0 ? Corruption("checkpoint: {} ended at byte {} of {}", path.string(), done, size)
+                                  : Errno(fmt::format("reading byte {} of", done), path);
+      ::close(fd);
+      return error;
+    }
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  const uint32_t found = Crc32c(into, size);
+  if (found != crc) {
+    return Corruption(
+        "checkpoint: {} does not match its CRC32C: the manifest "
+        "says {:08x}, the bytes give {:08x}",
+        path.string(), crc, found);
+  }
+  return Status::Ok();
+}
+
+Result<std::string> ReadText(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return Errno("opening", path);
+  std::stringstream text;
+  text << in.rdbuf();
+  if (in.bad()) return Errno("reading", path);
+  return text.str();
+}
+
+// Whether a chunk is part of a checkpoint: not the gradients (zero between
+// steps) nor a gathered param chunk (its group's masters are saved).
+bool Saved(const ChunkInfo& chunk) { return chunk.kind != ChunkKind::kGrad && !chunk.transient; }
+
+json TensorsJson(const std::vector<TensorSpec>& tensors) {
+  json out = json::array();
+  for (const TensorSpec& t : tensors) {
+    out.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", DTypeName(t.dtype)}, {"trainable", t.trainable}});
+  }
+  return out;
+}
+
+// The checkpoint directories under `root`, newest first.
+std::vector<fs::path> CheckpointsUnder(const fs::path& root) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  std::error_code ec;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, ec)) {
+    if (std::optional<int64_t> step = StepOf(entry.path().filename().string()); step && entry.is_directory(ec)) {
+      found.emplace_back(*step, entry.path());
+    }
+  }
+  std::sort(found.begin(), found.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<fs::path> paths;
+  for (auto& [step, path] : found) paths.push_back(std::move(path));
+  return paths;
+}
+
+// Publishes the complete checkpoint `staged` as root/name: a rename, or, where
+// a checkpoint of that name exists, an atomic exchange with it (the old one
+// then removed), so that root/name is never missing.
+Status Publish(const fs::path& root, const std::string& name, const fs::path& staged) {
+  const fs::path final_path = root / name;
+  std::error_code ec;
+  if (fs::exists(final_path, ec)) {
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) != 0) {
+      return Errno(fmt::format("exchanging {} with", staged.string()), final_path);
+    }
+    STRATA_RETURN_IF_ERROR(SyncDirectory(root));
+    fs::remove_all(staged, ec);  // the replaced checkpoint
+    return Status::Ok();
+  }
+  if (::rename(staged.c_str(), final_path.c_str()) != 0)
+    return Errno(fmt::format("renaming {} to", staged.string()), final_path);
+  return SyncDirectory(root);
+}
+
+// Points root/latest at `name`: written beside it, then renamed over it.
+Status PointLatestAt(const fs::path& root, const std::string& name) {
+  const fs::path staged = root / fmt::format(".{}.tmp-{}", kLatest, ::getpid());
+  const std::string text = name + "\n";
+  STRATA_RETURN_IF_ERROR(WriteFileDurably(staged, text.data(), text.size()));
+  if (::rename(staged.c_str(), (root / kLatest).c_str()) != 0) return Errno("renaming over", root / kLatest);
+  return SyncDirectory(root);
+}
+
+// Which checkpoint `path` means: itself when it holds a manifest, else the
+// one its `latest` names. `root` is set in the second case.
+Result<fs::path> Resolve(const fs::path& path, std::optional<fs::path>* root) {
+  std::error_code ec;
+  if (fs::exists(path / kManifest, ec)) return path;
+  if (!fs::exists(path / kLatest, ec)) {
+    return IoError(
+        "checkpoint: {} holds neither a checkpoint ({}) nor a "
+        "root's pointer to one ({})",
+        path.string(), kManifest, kLatest);
+  }
+  STRATA_ASSIGN_OR_RETURN(std::string name, ReadText(path / kLatest));
+  while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
+  if (!StepOf(name)) return Corruption("checkpoint: {} names '{}', not a checkpoint", (path / kLatest).string(), name);
+  if (root != nullptr) *root = path;
+  return path / name;
+}
+
+Result<json> ReadManifest(const fs::path& dir) {
+  STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(dir / kManifest));
+  json manifest = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (manifest.is_discarded() || !manifest.is_object()) {
+    return Corruption("checkpoint: {} is not a JSON object", (dir / kManifest).string());
+  }
+  const std::string where = (dir / kManifest).string();
+  for (const char* key : {"format", "version", "step", "world_size", "files", "tensors", "optimizer"}) {
+    if (!manifest.contains(key)) return Corruption("checkpoint: {} lacks '{}'", where, key);
+  }
+  if (manifest["format"] != kFormat || manifest["version"] != kVersion) {
+    return InvalidArgument("checkpoint: {} is not a {} of version {} (format {}, version {})", where, kFormat, kVersion,
+                           manifest["format"].dump(), manifest["version"].dump());
+  }
+  // Every file inside the checkpoint, under its rank's directory.
+  for (const json& file : manifest["files"]) {
+    const std::string path = file.at("path").get<std::string>();
+    const size_t slash = path.find('/');
+    if (slash == std::string::npos || path.rfind("rank", 0) != 0 || path.find("..") != std::string::npos ||
+        path.find('/', slash + 1) != std::string::npos) {
+      return Corruption("checkpoint: {} lists '{}', not a file of a rank's directory", where, path);
+    }
+  }
+  return manifest;
+}
+
+// Checks (and, with `engine`, loads) every file `manifest` lists under `dir`.
+Result<CheckpointSummary> ReadFiles(const fs::path& dir, const json& manifest, Engine* engine) {
+  CheckpointSummary summary;
+  summary.path = dir.string();
+  summary.step = manifest["step"].get<int64_t>();
+  uint64_t largest = 0;
+  for (const json& file : manifest["files"]) largest = std::max(largest, file["bytes"].get<uint64_t>());
+  Buffer buffer = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
+  for (const json& file : manifest["files"]) {
+    const fs::path path = dir / file["path"].get<std::string>();
+    const uint64_t bytes = file["bytes"].get<uint64_t>();
+    STRATA_RETURN_IF_ERROR(ReadVerified(path, bytes, file["crc32c"].get<uint32_t>(), buffer.data()));
+    if (engine != nullptr) {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess chunk,
+                              engine->AccessChunk(ChunkId(file["chunk"].get<uint32_t>()), Tier::kHost));
+      std::memcpy(chunk.data(), buffer.data(), bytes);
+    }
+    summary.bytes += bytes;
+    summary.files++;
+  }
+  return summary;
+}
+
+// InvalidArgument unless the checkpoint was saved from `engine`'s model
+// (tensors, chunk layout, world size) and `optimizer` can take its state.
+Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
+  const std::string where = dir.string();
+  if (manifest["world_size"].get<int>() != engine.world_size()) {
+    return InvalidArgument("checkpoint {} was saved by {} ranks; this engine is one of {}", where,
+                           manifest["world_size"].get<int>(), engine.world_size());
+  }
+  if (manifest["tensors"] != TensorsJson(engine.tensors())) {
+    return InvalidArgument(
+        "checkpoint {} holds another model: its registered "
+        "tensors (name, shape, dtype, trainable) "
+        "differ from this engine's",
+        where);
+  }
+  const std::vector<ChunkInfo> chunks = engine.chunks();
+  size_t expected = 0;
+  for (const ChunkInfo& c : chunks) expected += Saved(c) ? 1 : 0;
+  if (manifest["files"].size() != expected) {
+    return InvalidArgument(
+        "checkpoint {} holds {} chunks where this engine's "
+        "layout has {} (another chunk.size_elems?)",
+        where, manifest["files"].size(), expected);
+  }
+  for (const json& file : manifest["files"]) {
+    const uint32_t id = file["chunk"].get<uint32_t>();
+    if (id >= chunks.size() || !Saved(chunks[id]) || ChunkKindName(chunks[id].kind) != file["kind"] ||
+        DTypeName(chunks[id].dtype) != file["dtype"] || chunks[id].used_bytes != file["bytes"].get<uint64_t>() ||
+        chunks[id].shard_offset_bytes != file["shard_offset"].get<uint64_t>()) {
+      return InvalidArgument(
+          "checkpoint {}: its chunk {} ({}) does not match "
+          "this engine's chunk layout (another "
+          "chunk.size_elems or precision?)",
+          where, id, file["path"].get<std::string>());
+    }
+  }
+  const bool saved_scaler = !manifest["optimizer"]["loss_scaler"].is_null();
+  if (saved_scaler != (optimizer.scaler() != nullptr)) {
+    return InvalidArgument(
+        "checkpoint {} was saved {} a loss scaler and this "
+        "optimizer has {} (loss_scale.mode)",
+        where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
+  }
+  return Status::Ok();
+}
+
+// Runs `read` over a manifest's fields: a field of the wrong type or missing is
+// Corruption.
+template <typename Read>
+auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {
+  try {
+    return read();
+  } catch (const json::exception& error) {
+    return Corruption("checkpoint: {}: {}", (dir / kManifest).string(), error.what());
+  }
+}
+
+Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, const fs::path& dir) {
+  return Guarded(dir, [&]() -> Result<CheckpointSummary> {
+    STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
+    STRATA_RETURN_IF_ERROR(CheckFits(manifest, dir, engine, optimizer));
+    STRATA_ASSIGN_OR_RETURN(CheckpointSummary summary, ReadFiles(dir, manifest, &engine));
+    const json& state = manifest["optimizer"];
+    std::optional<optim::Optimizer::ScalerState> scaler;
+    if (!state["loss_scaler"].is_null()) {
+      scaler = optim::Optimizer::ScalerState{state["loss_scaler"]["scale"].get<float>(),
+                                             state["loss_scaler"]["good_steps"].get<int64_t>(),
+                                             state["loss_scaler"]["overflows"].get<int64_t>()};
+    }
+    STRATA_RETURN_IF_ERROR(optimizer.Restore(state["steps_taken"].get<int64_t>(), scaler));
+    return summary;
+  });
+}
+
+}  // namespace
+
+Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
+                                         const CheckpointOptions& options) {
+  if (!engine.finalized()) return InvalidArgument("checkpoint: the engine is not finalized: nothing to save yet");
+  if (engine.world_size() > 1) {
+    return NotSupported(
+        "checkpoint: saving a data-parallel engine ({} ranks) "
+        "is not built yet; a single rank's is",
+        engine.world_size());
+  }
+  const fs::path dir(root);
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return IoError("checkpoint: creating {}: {}", root, ec.message());
+  // What a crashed save left: hidden temporaries (one saver per root).
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.rfind(".step-", 0) == 0 || name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+  }
+  const int64_t step = optimizer.steps_taken();
+  const std::string name = StepName(step);
+  const fs::path staged = dir / fmt::format(".{}.tmp-{}", name, ::getpid());
+  fs::create_directories(staged / "rank0", ec);
+  if (ec) return IoError("checkpoint: creating {}: {}", (staged / "rank0").string(), ec.message());
+
+  const auto written = [&]() -> Result<CheckpointSummary> {
+    const std::vector<ChunkInfo> chunks = engine.chunks();
+    uint64_t largest = 4096;
+    for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
+    // One chunk at a time through this buffer, from whatever tier it is on.
+    Buffer buffer = AllocateAlignedHost(largest, 4096);
+    CheckpointSummary summary;
+    json files = json::array();
+    for (const ChunkInfo& c : chunks) {
+      if (!Saved(c)) continue;
+      STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer.data()).WithContext("checkpoint: reading a chunk to save"));
+      const std::string path = fmt::format("rank0/chunk-{}.bin", c.id.value());
+      STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / path, buffer.data(), c.used_bytes));
+      files.push_back({{"path", path},
+                       {"chunk", c.id.value()},
+                       {"kind", ChunkKindName(c.kind)},
+                       {"dtype", DTypeName(c.dtype)},
+                       {"group", c.group},
+                       {"rank", 0},
+                       {"shard_offset", c.shard_offset_bytes},
+                       {"bytes", c.used_bytes},
+                       {"crc32c", Crc32c(buffer.data(), c.used_bytes)}});
+      summary.bytes += c.used_bytes;
+      summary.files++;
+    }
+    json scaler = nullptr;
+    if (const optim::LossScaler* s = optimizer.scaler()) {
+      scaler = {{"scale", s->scale()}, {"good_steps", s->good_steps()}, {"overflows", s->overflows()}};
+    }
+    json described = json::object();
+    for (const auto& [key, value] : DescribeOptions(engine.options())) described[key] = value;
+    const json manifest = {{"format", kFormat},
+                           {"version", kVersion},
+                           {"step", step},
+                           {"world_size", engine.world_size()},
+                           {"optimizer", {{"steps_taken", step}, {"loss_scaler", scaler}}},
+                           {"options", described},
+                           {"tensors", TensorsJson(engine.tensors())},
+                           {"files", files}};
+    const std::string text = manifest.dump(1);
+    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / kManifest, text.data(), text.size()));
+    STRATA_RETURN_IF_ERROR(SyncDirectory(staged / "rank0"));
+    STRATA_RETURN_IF_ERROR(SyncDirectory(staged));
+    return summary;
+  }();
+  if (!written.ok()) {
+    fs::remove_all(staged, ec);  // the last published checkpoint is untouched
+    return written.status();
+  }
+  CheckpointSummary summary = *written;
+  if (const Status published = Publish(dir, name, staged); !published.ok()) {
+    fs::remove_all(staged, ec);
+    return published;
+  }
+  STRATA_RETURN_IF_ERROR(PointLatestAt(dir, name));
+  if (options.keep_last > 0) {
+    const std::vector<fs::path> all = CheckpointsUnder(dir);
+    for (size_t i = options.keep_last; i < all.size(); ++i) {
+      if (all[i].filename() != name) fs::remove_all(all[i], ec);
+    }
+  }
+  summary.path = (dir / name).string();
+  summary.step = step;
+  return summary;
+}
+
+Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,
+                                         const LoadOptions& options) {
+  if (!engine.finalized()) return InvalidArgument("checkpoint: finalize the engine (the same model) before loading");
+  std::optional<fs::path> root;
+  Result<fs::path> named = Resolve(path, &root);
+  std::vector<fs::path> candidates;
+  if (named.ok()) candidates.push_back(*named);
+  if (options.fall_back && root) {
+    for (const fs::path& older : CheckpointsUnder(*root)) {
+      if (!named.ok() || older != *named) candidates.push_back(older);
+    }
+  }
+  if (candidates.empty()) return named.status();
+  std::vector<std::string> skipped;
+  if (!named.ok()) skipped.push_back(named.status().ToString());
+  Status last = Status::Ok();
+  for (const fs::path& dir : candidates) {
+    Result<CheckpointSummary> loaded = LoadOne(engine, optimizer, dir);
+    if (loaded.ok()) {
+      loaded->skipped = std::move(skipped);
+      return loaded;
+    }
+    last = loaded.status();
+    // Another model or optimizer: no older checkpoint under this root fits
+    // either.
+    if (!options.fall_back || last.code() == StatusCode::kInvalidArgument) break;
+    skipped.push_back(last.ToString());
+  }
+  if (skipped.empty() || !options.fall_back) return last;
+  return last.WithContext(
+      fmt::format("no checkpoint under {} loads; the newer ones failed: {}", path, fmt::join(skipped, "; ")));
+}
+
+Result<CheckpointSummary> VerifyCheckpoint(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(fs::path dir, Resolve(path, nullptr));
+  return Guarded(dir, [&]() -> Result<CheckpointSummary> {
+    STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
+    return ReadFiles(dir, manifest, nullptr);
+  });
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,252 @@
+// Checkpoints: save and load through the whole stack, crash safety, damage.
+#include "offload/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+
+#include <cerrno>
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <vector>
+
+#include "tests/offload/train_model.h"
+#include "tests/test_util.h"
+
+namespace strata::offload {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::ScratchDir;
+
+std::vector<float> Grad(int layer, int step) {
+  std::mt19937 rng(static_cast<uint32_t>(100 * layer + step));
+  return Random(rng, 0.1f);
+}
+
+// Every layer's initial parameters, the same for every model.
+void Initialize(Model& model) {
+  std::mt19937 rng(11);
+  for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kParam, Random(rng, 0.5f));
+}
+
+// Steps [from, to) with each step's own gradients.
+void Train(Model& model, int from, int to) {
+  for (int step = from; step < to; ++step) {
+    for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, Grad(l, step));
+    ASSERT_OK(model.Iteration().status());
+  }
+}
+
+// Every layer's parameters and moments.
+std::vector<std::vector<float>> State(Model& model) {
+  std::vector<std::vector<float>> state;
+  for (int l = 0; l < kLayers; ++l) {
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+      state.push_back(model.Read(l, kind));
+    }
+  }
+  return state;
+}
+
+std::vector<std::string> Entries(const std::string& root) {
+  std::vector<std::string> names;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root)) names.push_back(entry.path().filename());
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+std::string Latest(const std::string& root) {
+  std::ifstream in(fs::path(root) / "latest");
+  std::string name;
+  in >> name;
+  return name;
+}
+
+// 4 steps, save, 4 more: the same as a fresh engine that loads the
+// checkpoint and runs the 4 more, bit for bit (fp32, AdamW, optimizer
+// states partly on NVMe when saved).
+TEST(CheckpointTest, ResumingIsBitExactWithStatesOnNvme) {
+  ScratchDir dir("ckpt");
+  Model first;
+  Initialize(first);
+  Train(first, 0, 4);
+  bool on_nvme = false;
+  for (const ChunkInfo& c : first.engine->chunks()) {
+    on_nvme = on_nvme || (IsOptimizerState(c.kind) && *first.engine->ChunkTier(c.id) == Tier::kNvme);
+  }
+  ASSERT_TRUE(on_nvme) << "the test means to save states from NVMe";
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary saved, SaveCheckpoint(*first.engine, *first.optimizer, dir.path()));
+  EXPECT_EQ(saved.step, 4);
+  EXPECT_EQ(saved.path, (fs::path(dir.path()) / "step-00000004").string());
+  EXPECT_EQ(Latest(dir.path()), "step-00000004");
+  // Six layers' params and two moments, and the frozen layer's params.
+  EXPECT_EQ(saved.files, 3u * kLayers + 1);
+  Train(first, 4, 8);
+
+  Model second;
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded, LoadCheckpoint(*second.engine, *second.optimizer, dir.path()));
+  EXPECT_EQ(loaded.step, 4);
+  EXPECT_EQ(loaded.bytes, saved.bytes);
+  EXPECT_EQ(second.optimizer->steps_taken(), 4);
+  Train(second, 4, 8);
+  EXPECT_EQ(second.optimizer->steps_taken(), 8);
+  EXPECT_EQ(State(second), State(first));
+}
+
+// A flipped byte or a cut file is Corruption naming the file; asked to, the
+// loader falls back to the checkpoint before, and says what it skipped.
+TEST(CheckpointTest, DamageIsCorruptionNamingTheFileAndFallBackLoadsTheOneBefore) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  Train(model, 0, 1);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+  const std::vector<std::vector<float>> at_one = State(model);
+  Train(model, 1, 2);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+  const fs::path damaged = fs::path(dir.path()) / "step-00000002" / "rank0" / "chunk-0.bin";
+  {
+    std::fstream file(damaged, std::ios::in | std::ios::out | std::ios::binary);
+    file.seekp(100);
+    file.put('\x5a');
+  }
+  EXPECT_EQ(VerifyCheckpoint(dir.path()).status().code(), StatusCode::kCorruption);
+  Model fresh;
+  Result<CheckpointSummary> strict = LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path());
+  ASSERT_EQ(strict.status().code(), StatusCode::kCorruption) << strict.status().ToString();
+  EXPECT_NE(strict.status().message().find(damaged.string()), std::string::npos) << strict.status().ToString();
+  EXPECT_NE(strict.status().message().find("CRC32C"), std::string::npos) << strict.status().ToString();
+
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary fell_back,
+                       LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(), {.fall_back = true}));
+  EXPECT_EQ(fell_back.step, 1);
+  ASSERT_EQ(fell_back.skipped.size(), 1u);
+  EXPECT_NE(fell_back.skipped[0].find("chunk-0.bin"), std::string::npos) << fell_back.skipped[0];
+  EXPECT_EQ(fresh.optimizer->steps_taken(), 1);
+  EXPECT_EQ(State(fresh), at_one);
+
+  fs::resize_file(damaged, 1000);  // cut short
+  const Status cut = VerifyCheckpoint((fs::path(dir.path()) / "step-00000002").string()).status();
+  EXPECT_EQ(cut.code(), StatusCode::kCorruption) << cut.ToString();
+  EXPECT_NE(cut.message().find("is 1000 bytes"), std::string::npos) << cut.ToString();
+  ASSERT_OK(VerifyCheckpoint((fs::path(dir.path()) / "step-00000001").string()).status());
+}
+
+// A save that fails part way (an NVMe read, a full disk) leaves the last
+// published checkpoint as it was, `latest` naming it, and no temporary.
+TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  Train(model, 0, 1);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+  const std::vector<std::vector<float>> at_one = State(model);
+  Train(model, 1, 2);
+
+  model.faults->FailReads(EIO);  // the first state read from NVMe
+  const Status unreadable = SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status();
+  EXPECT_EQ(unreadable.code(), StatusCode::kIoError) << unreadable.ToString();
+
+  // A file-size limit below a chunk file: the write fails as on a full disk
+  // (EFBIG).
+  rlimit before{};
+  ASSERT_EQ(::getrlimit(RLIMIT_FSIZE, &before), 0);
+  rlimit small = before;
+  small.rlim_cur = 8192;
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);
+  ASSERT_EQ(::setrlimit(RLIMIT_FSIZE, &small), 0);
+  const Status full = SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status();
+  ::setrlimit(RLIMIT_FSIZE, &before);
+  std::signal(SIGXFSZ, old_handler);
+  EXPECT_EQ(full.code(), StatusCode::kIoError) << full.ToString();
+  EXPECT_NE(full.message().find("chunk-"), std::string::npos) << full.ToString();
+
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  EXPECT_EQ(Latest(dir.path()), "step-00000001");
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(State(fresh), at_one);
+}
+
+// keep_last removes the oldest once the new one is published; a step saved
+// again replaces its checkpoint; temporaries a crashed save left are cleared.
+TEST(CheckpointTest, KeepLastAndResavingAStep) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  fs::create_directories(fs::path(dir.path()) / ".step-00000009.tmp-12345" / "rank0");  // a crashed save's
+  for (int step = 0; step < 3; ++step) {
+    Train(model, step, step + 1);
+    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}).status());
+  }
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  EXPECT_EQ(Latest(dir.path()), "step-00000003");
+
+  // The same step again, with other parameters: the new ones load.
+  model.Write(0, ChunkKind::kParam, std::vector<float>(kChunkElems, 0.25f));
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}).status());
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(fresh.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.25f));
+}
+
+// A checkpoint of another model, or of an optimizer with a loss scaler into
+// one without, is refused before anything is loaded; a root without a
+// checkpoint names what it lacks.
+TEST(CheckpointTest, AnotherModelOrOptimizerIsRefused) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  Train(model, 0, 1);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+
+  Options options;
+  options.device_backend = DeviceBackendKind::kEmulated;
+  options.chunk_size_elems = kChunkElems;
+  options.log_level = LogLevel::kWarning;
+  ASSERT_OK_AND_ASSIGN(auto other, Engine::Create(options));
+  ASSERT_OK(
+      other->RegisterTensor({"layer0", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "layer0"}).status());
+  ASSERT_OK(other->Finalize());
+  Result<CheckpointSummary> loaded = LoadCheckpoint(*other, *model.optimizer, dir.path());
+  ASSERT_EQ(loaded.status().code(), StatusCode::kInvalidArgument) << loaded.status().ToString();
+  EXPECT_NE(loaded.status().message().find("another model"), std::string::npos) << loaded.status().ToString();
+
+  ASSERT_OK_AND_ASSIGN(auto scaled, optim::Optimizer::Create(model.optimizer->config(), optim::LossScalerConfig{}));
+  Model fresh;
+  const Status scaler = LoadCheckpoint(*fresh.engine, *scaled, dir.path()).status();
+  EXPECT_EQ(scaler.code(), StatusCode::kInvalidArgument) << scaler.ToString();
+  EXPECT_EQ(scaled->steps_taken(), 0);
+
+  ScratchDir empty("ckpt");
+  const Status nothing = LoadCheckpoint(*fresh.engine, *fresh.optimizer, empty.path()).status();
+  EXPECT_EQ(nothing.code(), StatusCode::kIoError) << nothing.ToString();
+  EXPECT_NE(nothing.message().find("latest"), std::string::npos) << nothing.ToString();
+}
+
+// The loss scaler's state travels with the checkpoint.
+TEST(CheckpointTest, TheLossScalerStateIsRestored) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  ASSERT_OK_AND_ASSIGN(auto saving, optim::Optimizer::Create(model.optimizer->config(), optim::LossScalerConfig{}));
+  ASSERT_OK(saving->Restore(7, optim::Optimizer::ScalerState{1024.0f, 3, 2}));
+  ASSERT_OK(SaveCheckpoint(*model.engine, *saving, dir.path()).status());
+  ASSERT_OK_AND_ASSIGN(auto loading, optim::Optimizer::Create(model.optimizer->config(), optim::LossScalerConfig{}));
+  Model fresh;
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded, LoadCheckpoint(*fresh.engine, *loading, dir.path()));
+  EXPECT_EQ(loaded.step, 7);
+  EXPECT_EQ(loading->steps_taken(), 7);
+  EXPECT_EQ(loading->loss_scale(), 1024.0f);
+  EXPECT_EQ(loading->scaler()->good_steps(), 3);
+  EXPECT_EQ(loading->scaler()->overflows(), 2);
+  EXPECT_EQ(loading->Restore(-1, std::nullopt).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(loading->Restore(1, optim::Optimizer::ScalerState{-1.0f, 0, 0}).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(loading->steps_taken(), 7);
+}
+
+}  // namespace
+}  // namespace strata::offload
