@@ -50,6 +50,16 @@ std::vector<std::vector<float>> State(Model& model) {
   return state;
 }
 
+// Initializes `model`, trains a step, saves it under `root` (`at_one`: the
+// state saved), and trains a second step.
+void SaveStepOneThenTrainTwo(Model& model, const std::string& root, std::vector<std::vector<float>>& at_one) {
+  Initialize(model);
+  Train(model, 0, 1);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, root).status());
+  at_one = State(model);
+  Train(model, 1, 2);
+}
+
 std::vector<std::string> Entries(const std::string& root) {
   std::vector<std::string> names;
   for (const fs::directory_entry& entry : fs::directory_iterator(root)) names.push_back(entry.path().filename());
@@ -100,11 +110,8 @@ TEST(CheckpointTest, ResumingIsBitExactWithStatesOnNvme) {
 TEST(CheckpointTest, DamageIsCorruptionNamingTheFileAndFallBackLoadsTheOneBefore) {
   ScratchDir dir("ckpt");
   Model model;
-  Initialize(model);
-  Train(model, 0, 1);
-  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
-  const std::vector<std::vector<float>> at_one = State(model);
-  Train(model, 1, 2);
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
   ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
   const fs::path damaged = fs::path(dir.path()) / "step-00000002" / "rank0" / "chunk-0.bin";
   {
@@ -139,11 +146,8 @@ TEST(CheckpointTest, DamageIsCorruptionNamingTheFileAndFallBackLoadsTheOneBefore
 TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   ScratchDir dir("ckpt");
   Model model;
-  Initialize(model);
-  Train(model, 0, 1);
-  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
-  const std::vector<std::vector<float>> at_one = State(model);
-  Train(model, 1, 2);
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
 
   model.faults->FailReads(EIO);  // the first state read from NVMe
   const Status unreadable = SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status();
