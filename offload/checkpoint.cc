@@ -11,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
@@ -231,7 +232,10 @@ Result<CheckpointSummary> ReadFiles(const fs::path& dir, const json& manifest, E
   for (const json& file : manifest["files"]) {
     const fs::path path = dir / file["path"].get<std::string>();
     const uint64_t bytes = file["bytes"].get<uint64_t>();
-    STRATA_RETURN_IF_ERROR(ReadVerified(path, bytes, file["crc32c"].get<uint32_t>(), buffer.data()));
+    // Named by chunk too, so that a caller can say what the chunk holds.
+    STRATA_RETURN_IF_ERROR(ReadVerified(path, bytes, file["crc32c"].get<uint32_t>(), buffer.data())
+                               .WithContext(fmt::format("chunk {} ({})", file["chunk"].get<uint32_t>(),
+                                                        file["kind"].get<std::string>())));
     if (engine != nullptr) {
       STRATA_ASSIGN_OR_RETURN(ChunkAccess chunk,
                               engine->AccessChunk(ChunkId(file["chunk"].get<uint32_t>()), Tier::kHost));
@@ -447,6 +451,47 @@ Result<CheckpointSummary> VerifyCheckpoint(const std::string& path) {
   return Guarded(dir, [&]() -> Result<CheckpointSummary> {
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
     return ReadFiles(dir, manifest, nullptr);
+  });
+}
+
+Result<CheckpointManifest> ReadCheckpointManifest(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(fs::path dir, Resolve(path, nullptr));
+  return Guarded(dir, [&]() -> Result<CheckpointManifest> {
+    STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
+    return CheckpointManifest{dir.string(), manifest.dump(1)};
+  });
+}
+
+Result<std::string> DescribeCheckpoint(const std::string& path) {
+  STRATA_ASSIGN_OR_RETURN(fs::path dir, Resolve(path, nullptr));
+  return Guarded(dir, [&]() -> Result<std::string> {
+    STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
+    std::map<std::string, std::pair<uint32_t, uint64_t>> kinds;  // files and bytes
+    uint64_t total = 0;
+    for (const json& file : manifest["files"]) {
+      auto& [files, bytes] = kinds[file["kind"].get<std::string>()];
+      files++;
+      bytes += file["bytes"].get<uint64_t>();
+      total += file["bytes"].get<uint64_t>();
+    }
+    const json& state = manifest["optimizer"];
+    std::string out = fmt::format("checkpoint {}\n", dir.string());
+    out += fmt::format("  step {}, saved by {} rank(s), {} of version {}\n", manifest["step"].get<int64_t>(),
+                       manifest["world_size"].get<int>(), kFormat, kVersion);
+    out += fmt::format("  optimizer: {} steps taken", state["steps_taken"].get<int64_t>());
+    if (state["loss_scaler"].is_null()) {
+      out += ", no loss scaler\n";
+    } else {
+      out += fmt::format(", loss scale {} ({} good steps, {} overflows)\n", state["loss_scaler"]["scale"].get<float>(),
+                         state["loss_scaler"]["good_steps"].get<int64_t>(),
+                         state["loss_scaler"]["overflows"].get<int64_t>());
+    }
+    out += fmt::format("  {} tensors, {} files, {:.2f} MiB\n", manifest["tensors"].size(), manifest["files"].size(),
+                       total / 1048576.0);
+    for (const auto& [kind, counted] : kinds) {
+      out += fmt::format("    {:<12} {:>5} files {:>10.2f} MiB\n", kind, counted.first, counted.second / 1048576.0);
+    }
+    return out;
   });
 }
 

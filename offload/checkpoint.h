@@ -84,4 +84,15 @@ Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optim
 // against its manifest, size and CRC32C, touching no engine.
 Result<CheckpointSummary> VerifyCheckpoint(const std::string& path);
 
+// The checkpoint at `path` (a root or a checkpoint): its directory and its
+// manifest's JSON text (`strata checkpoint inspect --json`).
+struct CheckpointManifest {
+  std::string path;
+  std::string json;
+};
+Result<CheckpointManifest> ReadCheckpointManifest(const std::string& path);
+// What `strata checkpoint inspect` prints: the step, world size, optimizer
+// state, tensors, and the files' bytes by chunk kind.
+Result<std::string> DescribeCheckpoint(const std::string& path);
+
 }  // namespace strata::offload

@@ -20,6 +20,7 @@
 #include <string>
 #include <vector>
 
+#include "offload/checkpoint.h"
 #include "offload/pipeline.h"
 #include "offload/train_step.h"
 #include "optim/optimizer.h"
@@ -518,6 +519,41 @@ PYBIND11_MODULE(_strata, m) {
            "whether the caller runs on the reducer's thread (a Python communicator's collective, or the garbage "
            "collector inside one), where the reducer cannot be closed")
       .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });
+
+  // Checkpoints (offload/checkpoint.h): what was saved, loaded or verified, as a dict.
+  const auto summary = [](const strata::offload::CheckpointSummary& s) {
+    py::dict d;
+    d["path"] = s.path;
+    d["step"] = s.step;
+    d["bytes"] = s.bytes;
+    d["files"] = s.files;
+    d["skipped"] = s.skipped;
+    return d;
+  };
+  m.def(
+      "save_checkpoint",
+      [summary](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
+                uint32_t keep_last) {
+        return summary(ValueOrThrow(Unlocked(
+            [&] { return strata::offload::SaveCheckpoint(engine, optimizer, root, {.keep_last = keep_last}); })));
+      },
+      py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0,
+      "saves every chunk but the gradients, and the optimizer's state, as root/step-<N>, then points root/latest "
+      "at it");
+  m.def(
+      "load_checkpoint",
+      [summary](strata::Engine& engine, strata::optim::Optimizer& optimizer, const std::string& path, bool fall_back) {
+        return summary(ValueOrThrow(Unlocked(
+            [&] { return strata::offload::LoadCheckpoint(engine, optimizer, path, {.fall_back = fall_back}); })));
+      },
+      py::arg("engine"), py::arg("optimizer"), py::arg("path"), py::arg("fall_back") = false,
+      "loads a checkpoint (a root's latest, or one checkpoint's directory), checking every file's size and CRC32C");
+  m.def(
+      "verify_checkpoint",
+      [summary](const std::string& path) {
+        return summary(ValueOrThrow(Unlocked([&] { return strata::offload::VerifyCheckpoint(path); })));
+      },
+      py::arg("path"), "checks every file of a checkpoint against its manifest (size, CRC32C)");
 
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),

@@ -37,6 +37,7 @@ chunks directly, outside the pipeline, so they do not disturb the plan; an
 
 import atexit
 import json
+import os
 import re
 import time
 import weakref
@@ -502,6 +503,37 @@ class TrainingEngine:
             view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
             out[record.name] = view.to(self.dtype if not master else dtype, copy=True).reshape(record.shape)
         return out
+
+    def save_checkpoint(self, path, keep_last=0):
+        """Saves the training state under `path` as path/step-<N> (N: steps taken) and points path/latest at it.
+
+        The parameters, the fp32 masters and the optimizer moments are written from whichever tier holds
+        them (NVMe-resident ones without moving them), with the step count and the loss scaler's state,
+        each file with its size and CRC32C in a manifest. Crash-safe: the checkpoint is published by a
+        rename once complete, so the last published one stays intact until then. keep_last > 0 keeps only
+        the newest keep_last checkpoints. Between steps; a single rank for now. Returns a dict: path,
+        step, bytes, files.
+        """
+        self._check_between_steps("save_checkpoint")
+        return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path), keep_last)
+
+    def load_checkpoint(self, path, fall_back=False):
+        """Loads a checkpoint: `path` is a root (its latest) or one checkpoint's directory.
+
+        The model must be the one saved (same parameters, shapes, dtypes and chunk size) and the loss
+        scaling the same. Every file's size and CRC32C is checked as it is read: a damaged checkpoint
+        raises naming the file, and with fall_back=True the next older checkpoint under the root is
+        loaded instead (the dict's "skipped" says which failed and why). Between steps. Returns a dict:
+        path, step, bytes, files, skipped.
+        """
+        self._check_between_steps("load_checkpoint")
+        return self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path), fall_back)
+
+    def _check_between_steps(self, what):
+        self._check_usable()
+        if self._in_iteration or self._micro_steps:
+            raise RuntimeError(f"engine.{what}: between steps only (after step(), before the next training "
+                               "forward): a backward is in progress")
 
     def _read_whole_chunk(self, chunk):
         """A chunk's bytes; a sharded chunk's gathered from every rank into the group's whole chunk."""

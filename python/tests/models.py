@@ -84,3 +84,27 @@ def mixed_precision_losses(model, data, lr=1e-2, weight_decay=0.01):
             for master, p in zip(masters, model.parameters()):
                 p.copy_(master)
     return losses
+
+
+# TinyGPT's parameters take 120KiB in 2048-element chunks: the device holds
+# less than them, the host less than the optimizer states, the rest is on NVMe.
+DEVICE_BUDGET = 96 * 1024
+HOST_BUDGET = 192 * 1024
+
+
+def three_tiers(tmp_path, **extra):
+    config = {
+        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+        "device": {"backend": "emulated", "budget": DEVICE_BUDGET},
+        "host": {"budget": HOST_BUDGET},
+        "nvme": {"dirs": [str(tmp_path)], "capacity": "16MiB"},
+        "chunk": {"size_elems": 2048},
+        "non_model_memory": 0,
+        "log": {"level": "error"},
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(config.get(key), dict):
+            config[key] = {**config[key], **value}
+        else:
+            config[key] = value
+    return config

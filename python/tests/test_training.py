@@ -7,31 +7,8 @@ import pytest
 import torch
 
 import strata
-from models import TinyGPT, batches, mixed_precision_losses, pair, relative_errors, strata_losses, torch_losses
-
-# TinyGPT's parameters take 120KiB in 2048-element chunks: the device holds
-# less than them, the host less than the optimizer states, the rest is on NVMe.
-DEVICE_BUDGET = 96 * 1024
-HOST_BUDGET = 192 * 1024
-
-
-def three_tiers(tmp_path, **extra):
-    config = {
-        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
-        "device": {"backend": "emulated", "budget": DEVICE_BUDGET},
-        "host": {"budget": HOST_BUDGET},
-        "nvme": {"dirs": [str(tmp_path)], "capacity": "16MiB"},
-        "chunk": {"size_elems": 2048},
-        "non_model_memory": 0,
-        "log": {"level": "error"},
-    }
-    for key, value in extra.items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key] = {**config[key], **value}
-        else:
-            config[key] = value
-    return config
-
+from models import (DEVICE_BUDGET, HOST_BUDGET, TinyGPT, batches, mixed_precision_losses, pair, relative_errors,
+                    strata_losses, three_tiers, torch_losses)
 
 def tiers_used(engine):
     """Tiers holding some chunk's home."""

@@ -11,6 +11,7 @@
 //
 // Exit status: 0 on success, 1 when a check fails or the engine reports an
 // error (printed to stderr), 2 on bad command-line input.
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -25,6 +26,7 @@
 #include "benchmarks/optim_bench.h"
 #include "benchmarks/replay_bench.h"
 #include "offload/capacity_plan.h"
+#include "offload/checkpoint.h"
 #include "src/selftest.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -300,6 +302,35 @@ int RunPlan(PlanFlags flags) {
   return written.ok() ? 0 : Fail(written);
 }
 
+struct CheckpointFlags {
+  std::string path;
+  bool json = false;
+};
+
+int RunCheckpointInspect(const CheckpointFlags& flags) {
+  if (flags.json) {
+    strata::Result<strata::offload::CheckpointManifest> manifest = strata::offload::ReadCheckpointManifest(flags.path);
+    if (!manifest.ok()) return Fail(manifest.status());
+    std::printf("%s\n", manifest->json.c_str());
+    return 0;
+  }
+  strata::Result<std::string> described = strata::offload::DescribeCheckpoint(flags.path);
+  if (!described.ok()) return Fail(described.status());
+  std::fputs(described->c_str(), stdout);
+  return 0;
+}
+
+int RunCheckpointVerify(const CheckpointFlags& flags) {
+  const auto start = std::chrono::steady_clock::now();
+  strata::Result<strata::offload::CheckpointSummary> verified = strata::offload::VerifyCheckpoint(flags.path);
+  if (!verified.ok()) return Fail(verified.status());
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::printf("OK %s: step %lld, %u files, %.2f MiB, sizes and CRC32C checked in %.3f s (%.2f GB/s)\n",
+              verified->path.c_str(), static_cast<long long>(verified->step), verified->files,
+              verified->bytes / 1048576.0, seconds, seconds > 0 ? verified->bytes / seconds / 1e9 : 0.0);
+  return 0;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -479,6 +510,19 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plan_command->add_option("--json", plan_flags.json_path, "also write the plan as JSON to this file");
 
+  CheckpointFlags checkpoint_flags;
+  CLI::App* checkpoint_command = app.add_subcommand("checkpoint", "look into a checkpoint (offload/checkpoint.h)");
+  checkpoint_command->require_subcommand(1);
+  CLI::App* checkpoint_inspect = checkpoint_command->add_subcommand(
+      "inspect", "what a checkpoint holds: step, ranks, optimizer state, tensors, bytes by chunk kind");
+  checkpoint_inspect->add_option("dir", checkpoint_flags.path, "a checkpoint root (its latest) or one checkpoint")
+      ->required();
+  checkpoint_inspect->add_flag("--json", checkpoint_flags.json, "print the manifest itself");
+  CLI::App* checkpoint_verify = checkpoint_command->add_subcommand(
+      "verify", "check every file's size and CRC32C against the manifest; exit 1 naming the first damaged file");
+  checkpoint_verify->add_option("dir", checkpoint_flags.path, "a checkpoint root (its latest) or one checkpoint")
+      ->required();
+
   app.add_subcommand("version", "print the version");
 
   try {
@@ -494,6 +538,8 @@ int main(int argc, char** argv) {
   if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
   if (bench_replay_command->parsed()) return RunBenchReplay(bench_replay);
   if (plan_command->parsed()) return RunPlan(plan_flags);
+  if (checkpoint_inspect->parsed()) return RunCheckpointInspect(checkpoint_flags);
+  if (checkpoint_verify->parsed()) return RunCheckpointVerify(checkpoint_flags);
   std::printf("strata 0.1.0 (CUDA backend: %s)\n",
 #ifdef STRATA_WITH_CUDA
               "built"

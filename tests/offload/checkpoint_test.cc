@@ -93,6 +93,16 @@ TEST(CheckpointTest, ResumingIsBitExactWithStatesOnNvme) {
   EXPECT_EQ(Latest(dir.path()), "step-00000004");
   // Six layers' params and two moments, and the frozen layer's params.
   EXPECT_EQ(saved.files, 3u * kLayers + 1);
+  ASSERT_OK_AND_ASSIGN(std::string described, DescribeCheckpoint(dir.path()));  // strata checkpoint inspect
+  for (const char* expected : {"step 4, saved by 1 rank(s)", "4 steps taken, no loss scaler", "7 tensors, 19 files",
+                               "exp_avg_sq       6 files"}) {
+    EXPECT_NE(described.find(expected), std::string::npos) << expected << " in\n" << described;
+  }
+  ASSERT_OK_AND_ASSIGN(CheckpointManifest manifest, ReadCheckpointManifest(dir.path()));
+  EXPECT_EQ(manifest.path, saved.path);
+  EXPECT_NE(manifest.json.find("\"crc32c\""), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary verified, VerifyCheckpoint(dir.path()));  // strata checkpoint verify
+  EXPECT_EQ(verified.bytes, saved.bytes);
   Train(first, 4, 8);
 
   Model second;

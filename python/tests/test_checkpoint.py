@@ -1,0 +1,83 @@
+"""Checkpoints from the adapter: resuming is exact with states on NVMe, damage is named, and the CLI reads them."""
+
+import os
+import subprocess
+
+import pytest
+import torch
+
+import strata
+from models import TinyGPT, batches, strata_losses, three_tiers
+
+STRATA_BIN = os.path.join(os.path.dirname(strata.__file__), "..", "..", "bin", "strata")
+
+
+def trained(tmp_path, name, precision, seed=0):
+    """A fresh TinyGPT (from `seed`) on three tiers, its NVMe files under tmp_path/name."""
+    (tmp_path / name).mkdir()
+    torch.manual_seed(seed)
+    return strata.initialize(TinyGPT(), three_tiers(tmp_path / name, precision=precision))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resuming_from_a_checkpoint_is_exact(tmp_path, precision):
+    """5 steps, save, 5 more: the same losses and parameters, bit for bit, as a process that starts from another
+    initialization, loads the checkpoint and runs the 5 more."""
+    data = list(batches(10))
+    first = trained(tmp_path, "first", precision)
+    strata_losses(first, data[:5])
+    saved = first.save_checkpoint(tmp_path / "ckpt")
+    assert saved["step"] == 5 and saved["path"] == str(tmp_path / "ckpt" / "step-00000005")
+    assert {c["home"] for c in first.engine.chunks()} >= {"nvme"}  # some state saved from NVMe
+    expected = strata_losses(first, data[5:])
+
+    second = trained(tmp_path, "second", precision, seed=1)
+    before = second.state_dict(master=True)
+    assert not any(torch.equal(value, first.state_dict(master=True)[name]) for name, value in before.items())
+    loaded = second.load_checkpoint(tmp_path / "ckpt")
+    assert (loaded["step"], loaded["bytes"], loaded["skipped"]) == (5, saved["bytes"], [])
+    assert strata_losses(second, data[5:]) == expected
+    theirs, ours = first.state_dict(master=True), second.state_dict(master=True)
+    assert all(torch.equal(theirs[name], ours[name]) for name in theirs)
+
+
+def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
+    data = list(batches(2))
+    engine = trained(tmp_path, "run", "fp32")
+    strata_losses(engine, data[:1])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    at_one = engine.state_dict()
+    strata_losses(engine, data[1:])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    damaged = tmp_path / "ckpt" / "step-00000002" / "rank0" / "chunk-0.bin"
+    raw = bytearray(damaged.read_bytes())
+    raw[10] ^= 0xFF
+    damaged.write_bytes(bytes(raw))
+
+    fresh = trained(tmp_path, "fresh", "fp32", seed=1)
+    # The file, and what its chunk holds.
+    with pytest.raises(strata._strata.CorruptionError, match=r"chunk-0\.bin does not match its CRC32C.*holds the param"):
+        fresh.load_checkpoint(tmp_path / "ckpt")
+    loaded = fresh.load_checkpoint(tmp_path / "ckpt", fall_back=True)
+    assert loaded["step"] == 1 and "chunk-0.bin" in loaded["skipped"][0]
+    assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in at_one.items())
+
+    if not os.path.exists(STRATA_BIN):
+        pytest.skip("no strata CLI in this build")
+    verify = subprocess.run([STRATA_BIN, "checkpoint", "verify", str(tmp_path / "ckpt")], capture_output=True, text=True)
+    assert verify.returncode == 1 and "chunk-0.bin does not match its CRC32C" in verify.stderr, verify.stderr
+    older = tmp_path / "ckpt" / "step-00000001"
+    verify = subprocess.run([STRATA_BIN, "checkpoint", "verify", str(older)], capture_output=True, text=True)
+    assert verify.returncode == 0 and verify.stdout.startswith(f"OK {older}: step 1"), verify.stdout + verify.stderr
+    inspect = subprocess.run([STRATA_BIN, "checkpoint", "inspect", str(older)], capture_output=True, text=True)
+    assert inspect.returncode == 0 and "step 1, saved by 1 rank(s)" in inspect.stdout, inspect.stdout + inspect.stderr
+
+
+def test_saving_mid_step_is_refused(tmp_path):
+    engine = trained(tmp_path, "run", "fp32")
+    tokens = next(iter(batches(1)))
+    engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+    with pytest.raises(RuntimeError, match="between steps only"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    engine.step()
+    assert engine.save_checkpoint(tmp_path / "ckpt")["step"] == 1
