@@ -30,6 +30,7 @@ constexpr const char* kFormat = "strata-checkpoint";
 constexpr int kVersion = 1;
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kLatest = "latest";
+constexpr const char* kRankFiles = "files.json";  // a rank's manifest entries, merged by rank 0
 
 std::string StepName(int64_t step) { return fmt::format("step-{:08}", step); }
 
@@ -222,79 +223,7 @@ Result<json> ReadManifest(const fs::path& dir) {
 }
 
 // Checks (and, with `engine`, loads) every file `manifest` lists under `dir`.
-Result<CheckpointSummary> ReadFiles(const fs::path& dir, const json& manifest, Engine* engine) {
-  CheckpointSummary summary;
-  summary.path = dir.string();
-  summary.step = manifest["step"].get<int64_t>();
-  uint64_t largest = 0;
-  for (const json& file : manifest["files"]) largest = std::max(largest, file["bytes"].get<uint64_t>());
-  Buffer buffer = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
-  for (const json& file : manifest["files"]) {
-    const fs::path path = dir / file["path"].get<std::string>();
-    const uint64_t bytes = file["bytes"].get<uint64_t>();
-    // Named by chunk too, so that a caller can say what the chunk holds.
-    STRATA_RETURN_IF_ERROR(ReadVerified(path, bytes, file["crc32c"].get<uint32_t>(), buffer.data())
-                               .WithContext(fmt::format("chunk {} ({})", file["chunk"].get<uint32_t>(),
-                                                        file["kind"].get<std::string>())));
-    if (engine != nullptr) {
-      STRATA_ASSIGN_OR_RETURN(ChunkAccess chunk,
-                              engine->AccessChunk(ChunkId(file["chunk"].get<uint32_t>()), Tier::kHost));
-      std::memcpy(chunk.data(), buffer.data(), bytes);
-    }
-    summary.bytes += bytes;
-    summary.files++;
-  }
-  return summary;
-}
-
-// InvalidArgument unless the checkpoint was saved from `engine`'s model
-// (tensors, chunk layout, world size) and `optimizer` can take its state.
-Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
-  const std::string where = dir.string();
-  if (manifest["world_size"].get<int>() != engine.world_size()) {
-    return InvalidArgument("checkpoint {} was saved by {} ranks; this engine is one of {}", where,
-                           manifest["world_size"].get<int>(), engine.world_size());
-  }
-  if (manifest["tensors"] != TensorsJson(engine.tensors())) {
-    return InvalidArgument(
-        "checkpoint {} holds another model: its registered "
-        "tensors (name, shape, dtype, trainable) "
-        "differ from this engine's",
-        where);
-  }
-  const std::vector<ChunkInfo> chunks = engine.chunks();
-  size_t expected = 0;
-  for (const ChunkInfo& c : chunks) expected += Saved(c) ? 1 : 0;
-  if (manifest["files"].size() != expected) {
-    return InvalidArgument(
-        "checkpoint {} holds {} chunks where this engine's "
-        "layout has {} (another chunk.size_elems?)",
-        where, manifest["files"].size(), expected);
-  }
-  for (const json& file : manifest["files"]) {
-    const uint32_t id = file["chunk"].get<uint32_t>();
-    if (id >= chunks.size() || !Saved(chunks[id]) || ChunkKindName(chunks[id].kind) != file["kind"] ||
-        DTypeName(chunks[id].dtype) != file["dtype"] || chunks[id].used_bytes != file["bytes"].get<uint64_t>() ||
-        chunks[id].shard_offset_bytes != file["shard_offset"].get<uint64_t>()) {
-      return InvalidArgument(
-          "checkpoint {}: its chunk {} ({}) does not match "
-          "this engine's chunk layout (another "
-          "chunk.size_elems or precision?)",
-          where, id, file["path"].get<std::string>());
-    }
-  }
-  const bool saved_scaler = !manifest["optimizer"]["loss_scaler"].is_null();
-  if (saved_scaler != (optimizer.scaler() != nullptr)) {
-    return InvalidArgument(
-        "checkpoint {} was saved {} a loss scaler and this "
-        "optimizer has {} (loss_scale.mode)",
-        where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
-  }
-  return Status::Ok();
-}
-
-// Runs `read` over a manifest's fields: a field of the wrong type or missing is
-// Corruption.
+// Runs `read` over a manifest's fields: a field of the wrong type or missing is Corruption.
 template <typename Read>
 auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {
   try {
@@ -304,11 +233,120 @@ auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {
   }
 }
 
+// Checks every file `manifest` lists under `dir` (size and CRC32C).
+Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest) {
+  CheckpointSummary summary;
+  summary.path = dir.string();
+  summary.step = manifest["step"].get<int64_t>();
+  uint64_t largest = 0;
+  for (const json& file : manifest["files"]) largest = std::max(largest, file["bytes"].get<uint64_t>());
+  Buffer buffer = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
+  for (const json& file : manifest["files"]) {
+    const uint64_t bytes = file["bytes"].get<uint64_t>();
+    STRATA_RETURN_IF_ERROR(
+        ReadVerified(dir / file["path"].get<std::string>(), bytes, file["crc32c"].get<uint32_t>(), buffer.data()));
+    summary.bytes += bytes;
+    summary.files++;
+  }
+  return summary;
+}
+
+// Whether every rank's `status` is OK, decided alike on every rank: a
+// failing rank gets its own error, the others an error naming the ranks
+// that failed, InvalidArgument if any of theirs was (another model: no
+// older checkpoint fits either), else IoError.
+Status Agree(Communicator* comm, const Status& status, const std::string& what) {
+  if (comm == nullptr || comm->world_size() == 1) return status;
+  const int world = comm->world_size();
+  std::vector<double> failed(2 * world, 0.0);  // failed, then failed with InvalidArgument, per rank
+  failed[comm->rank()] = status.ok() ? 0.0 : 1.0;
+  failed[world + comm->rank()] = status.code() == StatusCode::kInvalidArgument ? 1.0 : 0.0;
+  STRATA_RETURN_IF_ERROR(comm->AllReduceSum(failed).WithContext(fmt::format("checkpoint: agreeing on {}", what)));
+  if (!status.ok()) return status;
+  std::vector<int> ranks;
+  bool invalid = false;
+  for (int r = 0; r < world; ++r) {
+    if (failed[r] > 0) ranks.push_back(r);
+    invalid = invalid || failed[world + r] > 0;
+  }
+  if (ranks.empty()) return Status::Ok();
+  const std::string message =
+      fmt::format("checkpoint: {} failed on rank(s) {} (their own errors say why)", what, fmt::join(ranks, ", "));
+  return invalid ? InvalidArgument("{}", message) : IoError("{}", message);
+}
+
+// InvalidArgument unless the checkpoint holds `engine`'s model (the same
+// registered tensors) and `optimizer` can take its state.
+Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
+  const std::string where = dir.string();
+  if (manifest["tensors"] != TensorsJson(engine.tensors())) {
+    return InvalidArgument(
+        "checkpoint {} holds another model: its registered tensors (name, shape, dtype, trainable) differ from this "
+        "engine's",
+        where);
+  }
+  const bool saved_scaler = !manifest["optimizer"]["loss_scaler"].is_null();
+  if (saved_scaler != (optimizer.scaler() != nullptr)) {
+    return InvalidArgument("checkpoint {} was saved {} a loss scaler and this optimizer has {} (loss_scale.mode)",
+                           where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
+  }
+  return Status::Ok();
+}
+
+// Loads this rank's part of the checkpoint at `dir`: for each chunk it
+// holds (a whole chunk, or its shard of a group's), the bytes of the files
+// that cover its range of the group's whole chunk, whichever rank saved them
+// (so a checkpoint of W ranks loads on W'). Each file is read whole and
+// checked against its size and CRC32C before any of it is used.
 Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, const fs::path& dir) {
   return Guarded(dir, [&]() -> Result<CheckpointSummary> {
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
     STRATA_RETURN_IF_ERROR(CheckFits(manifest, dir, engine, optimizer));
-    STRATA_ASSIGN_OR_RETURN(CheckpointSummary summary, ReadFiles(dir, manifest, &engine));
+    std::map<std::pair<uint32_t, std::string>, std::vector<const json*>> by_group;  // (group, kind) -> files
+    uint64_t largest = 4096;
+    for (const json& file : manifest["files"]) {
+      by_group[{file["group"].get<uint32_t>(), file["kind"].get<std::string>()}].push_back(&file);
+      largest = std::max(largest, file["bytes"].get<uint64_t>());
+    }
+    Buffer buffer = AllocateAlignedHost(largest, 4096);
+    CheckpointSummary summary;
+    summary.path = dir.string();
+    summary.step = manifest["step"].get<int64_t>();
+    for (const ChunkInfo& c : engine.chunks()) {
+      if (!Saved(c)) continue;
+      const std::string kind(ChunkKindName(c.kind));
+      const uint64_t begin = c.shard_offset_bytes, end = begin + c.used_bytes;
+      uint64_t covered = 0;
+      std::optional<ChunkAccess> pinned;
+      for (const json* file : by_group[{c.group, kind}]) {
+        const uint64_t file_begin = (*file)["shard_offset"].get<uint64_t>();
+        const uint64_t bytes = (*file)["bytes"].get<uint64_t>();
+        const uint64_t from = std::max(begin, file_begin), to = std::min(end, file_begin + bytes);
+        if (from >= to) continue;
+        if ((*file)["dtype"] != DTypeName(c.dtype)) {
+          return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
+                                 dir.string(), kind, c.group, (*file)["dtype"].dump(), DTypeName(c.dtype));
+        }
+        // Named by chunk too, so that a caller can say what the chunk holds.
+        STRATA_RETURN_IF_ERROR(ReadVerified(dir / (*file)["path"].get<std::string>(), bytes,
+                                            (*file)["crc32c"].get<uint32_t>(), buffer.data())
+                                   .WithContext(fmt::format("chunk {} ({})", c.id.value(), kind)));
+        if (!pinned) {
+          STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(c.id, Tier::kHost));
+        }
+        std::memcpy(static_cast<std::byte*>(pinned->data()) + (from - begin),
+                    static_cast<const std::byte*>(buffer.data()) + (from - file_begin), to - from);
+        covered += to - from;
+        summary.bytes += bytes;
+        summary.files++;
+      }
+      if (covered != c.used_bytes) {
+        return InvalidArgument(
+            "checkpoint {}: its files cover {} of the {} bytes of the {} of chunk group {} this rank holds (saved "
+            "with another chunk.size_elems, precision or comm.shard_params?)",
+            dir.string(), covered, c.used_bytes, kind, c.group);
+      }
+    }
     const json& state = manifest["optimizer"];
     std::optional<optim::Optimizer::ScalerState> scaler;
     if (!state["loss_scaler"].is_null()) {
@@ -321,101 +359,137 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
   });
 }
 
+// This rank's files of a checkpoint into `staged`/rank<r>: its shards, and
+// on rank 0 the whole chunks too (every rank holds the same ones). Their
+// manifest entries.
+Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSummary& summary) {
+  const int rank = engine.rank();
+  const std::string rank_dir = fmt::format("rank{}", rank);
+  std::error_code ec;
+  fs::create_directories(staged / rank_dir, ec);
+  if (ec) return IoError("checkpoint: creating {}: {}", (staged / rank_dir).string(), ec.message());
+  const std::vector<ChunkInfo> chunks = engine.chunks();
+  uint64_t largest = 4096;
+  for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
+  // One chunk at a time through this buffer, from whatever tier it is on.
+  Buffer buffer = AllocateAlignedHost(largest, 4096);
+  json files = json::array();
+  for (const ChunkInfo& c : chunks) {
+    if (!Saved(c) || (!c.sharded && rank != 0)) continue;
+    STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer.data()).WithContext("checkpoint: reading a chunk to save"));
+    const std::string path = fmt::format("{}/chunk-{}.bin", rank_dir, c.id.value());
+    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / path, buffer.data(), c.used_bytes));
+    files.push_back({{"path", path},
+                     {"chunk", c.id.value()},
+                     {"kind", ChunkKindName(c.kind)},
+                     {"dtype", DTypeName(c.dtype)},
+                     {"group", c.group},
+                     {"rank", rank},
+                     {"shard_offset", c.shard_offset_bytes},
+                     {"bytes", c.used_bytes},
+                     {"crc32c", Crc32c(buffer.data(), c.used_bytes)}});
+    summary.bytes += c.used_bytes;
+    summary.files++;
+  }
+  if (rank != 0) {  // for rank 0 to merge into the manifest
+    const std::string text = files.dump();
+    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / rank_dir / kRankFiles, text.data(), text.size()));
+  }
+  STRATA_RETURN_IF_ERROR(SyncDirectory(staged / rank_dir));
+  return files;
+}
+
+// Rank 0: the manifest, every rank's entries merged, into `staged`.
+Status WriteManifest(const Engine& engine, const optim::Optimizer& optimizer, const fs::path& staged, json files) {
+  for (int r = 1; r < engine.world_size(); ++r) {
+    const fs::path theirs = staged / fmt::format("rank{}", r) / kRankFiles;
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(theirs));
+    json entries = json::parse(text, nullptr, /*allow_exceptions=*/false);
+    if (!entries.is_array()) return Corruption("checkpoint: {} is not a JSON array", theirs.string());
+    for (json& entry : entries) files.push_back(std::move(entry));
+  }
+  json scaler = nullptr;
+  if (const optim::LossScaler* s = optimizer.scaler()) {
+    scaler = {{"scale", s->scale()}, {"good_steps", s->good_steps()}, {"overflows", s->overflows()}};
+  }
+  json described = json::object();
+  for (const auto& [key, value] : DescribeOptions(engine.options())) described[key] = value;
+  const json manifest = {{"format", kFormat},
+                         {"version", kVersion},
+                         {"step", optimizer.steps_taken()},
+                         {"world_size", engine.world_size()},
+                         {"optimizer", {{"steps_taken", optimizer.steps_taken()}, {"loss_scaler", scaler}}},
+                         {"options", described},
+                         {"tensors", TensorsJson(engine.tensors())},
+                         {"files", std::move(files)}};
+  const std::string text = manifest.dump(1);
+  STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / kManifest, text.data(), text.size()));
+  return SyncDirectory(staged);
+}
+
+// InvalidArgument unless `comm` is the group `engine` is a rank of.
+Status CheckGroup(const Engine& engine, const Communicator* comm) {
+  if (engine.world_size() == 1 && comm == nullptr) return Status::Ok();
+  if (comm == nullptr || comm->world_size() != engine.world_size() || comm->rank() != engine.rank()) {
+    return InvalidArgument(
+        "checkpoint: this engine is rank {} of {}: pass its communicator (every rank saves and loads together)",
+        engine.rank(), engine.world_size());
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
-                                         const CheckpointOptions& options) {
+                                         const CheckpointOptions& options, Communicator* comm) {
   if (!engine.finalized()) return InvalidArgument("checkpoint: the engine is not finalized: nothing to save yet");
-  if (engine.world_size() > 1) {
-    return NotSupported(
-        "checkpoint: saving a data-parallel engine ({} ranks) "
-        "is not built yet; a single rank's is",
-        engine.world_size());
-  }
+  STRATA_RETURN_IF_ERROR(CheckGroup(engine, comm));
+  const bool lead = engine.rank() == 0;
   const fs::path dir(root);
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return IoError("checkpoint: creating {}: {}", root, ec.message());
-  // What a crashed save left: hidden temporaries (one saver per root).
-  for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (name.rfind(".step-", 0) == 0 || name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+  Status prepared = Status::Ok();
+  if (lead) {
+    fs::create_directories(dir, ec);
+    if (ec) prepared = IoError("checkpoint: creating {}: {}", root, ec.message());
+    // What a crashed save left: hidden temporaries (one saver per root).
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.rfind(".step-", 0) == 0 || name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+    }
   }
-  const int64_t step = optimizer.steps_taken();
-  const std::string name = StepName(step);
-  const fs::path staged = dir / fmt::format(".{}.tmp-{}", name, ::getpid());
-  fs::create_directories(staged / "rank0", ec);
-  if (ec) return IoError("checkpoint: creating {}: {}", (staged / "rank0").string(), ec.message());
+  // Every rank writes into rank 0's temporary directory.
+  int64_t token = ::getpid();
+  if (comm != nullptr && comm->world_size() > 1) STRATA_RETURN_IF_ERROR(comm->Broadcast(&token, sizeof token, 0));
+  STRATA_RETURN_IF_ERROR(Agree(comm, prepared, "preparing the checkpoint directory"));
+  const std::string name = StepName(optimizer.steps_taken());
+  const fs::path staged = dir / fmt::format(".{}.tmp-{}", name, token);
 
-  const auto written = [&]() -> Result<CheckpointSummary> {
-    const std::vector<ChunkInfo> chunks = engine.chunks();
-    uint64_t largest = 4096;
-    for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
-    // One chunk at a time through this buffer, from whatever tier it is on.
-    Buffer buffer = AllocateAlignedHost(largest, 4096);
-    CheckpointSummary summary;
-    json files = json::array();
-    for (const ChunkInfo& c : chunks) {
-      if (!Saved(c)) continue;
-      STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer.data()).WithContext("checkpoint: reading a chunk to save"));
-      const std::string path = fmt::format("rank0/chunk-{}.bin", c.id.value());
-      STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / path, buffer.data(), c.used_bytes));
-      files.push_back({{"path", path},
-                       {"chunk", c.id.value()},
-                       {"kind", ChunkKindName(c.kind)},
-                       {"dtype", DTypeName(c.dtype)},
-                       {"group", c.group},
-                       {"rank", 0},
-                       {"shard_offset", c.shard_offset_bytes},
-                       {"bytes", c.used_bytes},
-                       {"crc32c", Crc32c(buffer.data(), c.used_bytes)}});
-      summary.bytes += c.used_bytes;
-      summary.files++;
-    }
-    json scaler = nullptr;
-    if (const optim::LossScaler* s = optimizer.scaler()) {
-      scaler = {{"scale", s->scale()}, {"good_steps", s->good_steps()}, {"overflows", s->overflows()}};
-    }
-    json described = json::object();
-    for (const auto& [key, value] : DescribeOptions(engine.options())) described[key] = value;
-    const json manifest = {{"format", kFormat},
-                           {"version", kVersion},
-                           {"step", step},
-                           {"world_size", engine.world_size()},
-                           {"optimizer", {{"steps_taken", step}, {"loss_scaler", scaler}}},
-                           {"options", described},
-                           {"tensors", TensorsJson(engine.tensors())},
-                           {"files", files}};
-    const std::string text = manifest.dump(1);
-    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / kManifest, text.data(), text.size()));
-    STRATA_RETURN_IF_ERROR(SyncDirectory(staged / "rank0"));
-    STRATA_RETURN_IF_ERROR(SyncDirectory(staged));
-    return summary;
-  }();
-  if (!written.ok()) {
-    fs::remove_all(staged, ec);  // the last published checkpoint is untouched
-    return written.status();
-  }
-  CheckpointSummary summary = *written;
-  if (const Status published = Publish(dir, name, staged); !published.ok()) {
-    fs::remove_all(staged, ec);
-    return published;
-  }
-  STRATA_RETURN_IF_ERROR(PointLatestAt(dir, name));
-  if (options.keep_last > 0) {
+  CheckpointSummary summary;
+  Result<json> files = WriteRankFiles(engine, staged, summary);
+  Status written = Agree(comm, files.status(), "writing the checkpoint's files");
+  if (written.ok() && lead) written = WriteManifest(engine, optimizer, staged, std::move(files).value());
+  if (written.ok() && lead) written = Publish(dir, name, staged);
+  if (lead && !written.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
+  if (written.ok() && lead) written = PointLatestAt(dir, name);
+  if (written.ok() && lead && options.keep_last > 0) {
     const std::vector<fs::path> all = CheckpointsUnder(dir);
     for (size_t i = options.keep_last; i < all.size(); ++i) {
       if (all[i].filename() != name) fs::remove_all(all[i], ec);
     }
   }
+  // Rank 0's outcome is every rank's (a rank whose own files failed returns that).
+  const Status outcome = Agree(comm, lead ? written : Status::Ok(), "publishing the checkpoint");
+  STRATA_RETURN_IF_ERROR(written);
+  STRATA_RETURN_IF_ERROR(outcome);
   summary.path = (dir / name).string();
-  summary.step = step;
+  summary.step = optimizer.steps_taken();
   return summary;
 }
 
 Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,
-                                         const LoadOptions& options) {
+                                         const LoadOptions& options, Communicator* comm) {
   if (!engine.finalized()) return InvalidArgument("checkpoint: finalize the engine (the same model) before loading");
+  STRATA_RETURN_IF_ERROR(CheckGroup(engine, comm));
   std::optional<fs::path> root;
   Result<fs::path> named = Resolve(path, &root);
   std::vector<fs::path> candidates;
@@ -425,19 +499,19 @@ Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optim
       if (!named.ok() || older != *named) candidates.push_back(older);
     }
   }
+  // (Every rank sees the same directories: it decides the same candidates.)
   if (candidates.empty()) return named.status();
   std::vector<std::string> skipped;
   if (!named.ok()) skipped.push_back(named.status().ToString());
   Status last = Status::Ok();
   for (const fs::path& dir : candidates) {
     Result<CheckpointSummary> loaded = LoadOne(engine, optimizer, dir);
-    if (loaded.ok()) {
+    last = Agree(comm, loaded.status(), fmt::format("loading {}", dir.string()));
+    if (last.ok()) {
       loaded->skipped = std::move(skipped);
       return loaded;
     }
-    last = loaded.status();
-    // Another model or optimizer: no older checkpoint under this root fits
-    // either.
+    // Another model or optimizer: no older checkpoint under this root fits either.
     if (!options.fall_back || last.code() == StatusCode::kInvalidArgument) break;
     skipped.push_back(last.ToString());
   }
@@ -450,7 +524,7 @@ Result<CheckpointSummary> VerifyCheckpoint(const std::string& path) {
   STRATA_ASSIGN_OR_RETURN(fs::path dir, Resolve(path, nullptr));
   return Guarded(dir, [&]() -> Result<CheckpointSummary> {
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
-    return ReadFiles(dir, manifest, nullptr);
+    return VerifyFiles(dir, manifest);
   });
 }
 

@@ -34,13 +34,14 @@
 // file is Corruption naming it (the engine's state is then partly
 // overwritten: load another checkpoint); with fall_back the loader goes on
 // to the next older checkpoint under the root. A checkpoint of another model
-// (tensors or chunk layout) or another world size is InvalidArgument.
+// (its registered tensors) is InvalidArgument.
 #pragma once
 
 #include <cstdint>
 #include <string>
 
 #include "optim/optimizer.h"
+#include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/status.h"
 
@@ -69,16 +70,28 @@ struct CheckpointSummary {
 
 // Saves the engine's chunks and the optimizer's state as root/step-<N>
 // (N = optimizer.steps_taken()) and points root/latest at it. Between
-// steps (no update in flight). A checkpoint of the same step is replaced.
-// Data-parallel engines are NotSupported yet.
+// steps (no update in flight, no collective running on `comm`). A
+// checkpoint of the same step is replaced.
+//
+// Data parallel, every rank calls it with its engine's communicator and
+// the same root, a directory every rank sees (one node, or a shared file
+// system): each writes its shards into rank<r>/, rank 0 the whole chunks
+// too (every rank holds the same), and rank 0 merges the ranks' entries
+// into the manifest and publishes; the outcome is the same on every rank.
 Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
-                                         const CheckpointOptions& options = {});
+                                         const CheckpointOptions& options = {}, Communicator* comm = nullptr);
 
 // `path`: a root (its `latest` names the checkpoint) or one checkpoint's
 // directory. The engine must be finalized with the same tensors; the
-// optimizer must have a loss scaler exactly when the saved one had.
+// optimizer must have a loss scaler exactly when the saved one had. Each
+// chunk is filled from the files covering its range of its group, so a
+// checkpoint saved by W ranks loads on any number (with the same precision
+// and chunk.size_elems; a checkpoint saved with comm.shard_params holds no
+// parameters but the masters, and loads only with it). Data parallel,
+// every rank calls it with its communicator; the ranks load the same
+// checkpoint or all fail (with fall_back, all go on to the same older one).
 Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,
-                                         const LoadOptions& options = {});
+                                         const LoadOptions& options = {}, Communicator* comm = nullptr);
 
 // Checks every file of the checkpoint at `path` (a root or a checkpoint)
 // against its manifest, size and CRC32C, touching no engine.

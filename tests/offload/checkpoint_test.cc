@@ -262,5 +262,123 @@ TEST(CheckpointTest, TheLossScalerStateIsRestored) {
   EXPECT_EQ(loading->steps_taken(), 7);
 }
 
+// Steps [from, to) of `world` ranks' training: on a rank of a group, its
+// own gradients reduced by `reducer`; alone (`rank` -1), the mean of the
+// `world` ranks' gradients, formed as the reducer forms it.
+void TrainRanks(Model& model, int rank, int world, int from, int to, Communicator* comm = nullptr,
+                GradReducer* reducer = nullptr) {
+  for (int step = from; step < to; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      if (rank >= 0) {
+        model.Write(l, ChunkKind::kGrad, RankGrad(rank, l, step));
+        continue;
+      }
+      std::vector<float> sum(kChunkElems, 0.0f);
+      for (int r = 0; r < world; ++r) {
+        const std::vector<float> g = RankGrad(r, l, step);
+        for (size_t i = 0; i < kChunkElems; ++i) sum[i] += g[i];
+      }
+      for (float& x : sum) x *= 1.0f / static_cast<float>(world);
+      model.Write(l, ChunkKind::kGrad, sum);
+    }
+    ASSERT_OK(model.Iteration(comm, reducer).status());
+  }
+}
+
+std::vector<std::vector<float>> Params(Model& model) {
+  std::vector<std::vector<float>> params;
+  for (int l = 0; l < kLayers; ++l) params.push_back(model.Read(l, ChunkKind::kParam));
+  return params;
+}
+
+// Two ranks save (each its shard of the moments, rank 0 the parameters):
+// two fresh ranks that load it, and one rank alone, train on exactly as the
+// two would have; and one rank's checkpoint loads on two.
+TEST(CheckpointTest, DataParallelCheckpointsResumeExactlyOnAnyNumberOfRanks) {
+  ScratchDir two("ckpt"), one("ckpt");
+  std::vector<std::vector<std::vector<float>>> expected(2);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    Initialize(model);
+    TrainRanks(model, r, 2, 0, 3, &comm, &reducer);
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary saved,
+                         SaveCheckpoint(*model.engine, *model.optimizer, two.path(), {}, &comm));
+    EXPECT_EQ(saved.step, 3);
+    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+    expected[r] = Params(model);
+  });
+  ASSERT_EQ(expected[0], expected[1]);
+  // Rank 1 saved its shards only.
+  for (const fs::directory_entry& file : fs::directory_iterator(fs::path(two.path()) / "step-00000003" / "rank1")) {
+    if (file.path().filename() == "files.json") continue;
+    EXPECT_EQ(fs::file_size(file.path()), kChunkElems / 2 * sizeof(float)) << file.path();
+  }
+  ASSERT_OK(VerifyCheckpoint(two.path()).status());
+
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
+                         LoadCheckpoint(*model.engine, *model.optimizer, two.path(), {}, &comm));
+    EXPECT_EQ(loaded.step, 3);
+    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+    EXPECT_EQ(Params(model), expected[r]) << "rank " << r;
+  });
+
+  Model alone;  // the two ranks' shards of the moments, joined
+  ASSERT_OK(LoadCheckpoint(*alone.engine, *alone.optimizer, two.path()).status());
+  TrainRanks(alone, -1, 2, 3, 6);
+  EXPECT_EQ(Params(alone), expected[0]);
+
+  Model single;  // and one rank's checkpoint split across two
+  Initialize(single);
+  TrainRanks(single, -1, 2, 0, 3);
+  ASSERT_OK(SaveCheckpoint(*single.engine, *single.optimizer, one.path()).status());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    ASSERT_OK(LoadCheckpoint(*model.engine, *model.optimizer, one.path(), {}, &comm).status());
+    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+    EXPECT_EQ(Params(model), expected[r]) << "rank " << r;
+  });
+}
+
+// A rank whose part of the checkpoint is damaged fails the load on every
+// rank, and with fall_back every rank goes on to the same older one.
+TEST(CheckpointTest, ADamagedShardFailsTheLoadOnEveryRankAlike) {
+  ScratchDir dir("ckpt");
+  std::vector<std::vector<std::vector<float>>> at_one(2);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    Initialize(model);
+    TrainRanks(model, r, 2, 0, 1, &comm, &reducer);
+    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
+    at_one[r] = Params(model);
+    TrainRanks(model, r, 2, 1, 2, &comm, &reducer);
+    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
+  });
+  fs::path damaged;
+  for (const fs::directory_entry& file : fs::directory_iterator(fs::path(dir.path()) / "step-00000002" / "rank1")) {
+    if (file.path().extension() == ".bin") damaged = file.path();
+  }
+  fs::resize_file(damaged, 100);
+  std::vector<Status> strict(2, Status::Ok());
+  std::vector<int64_t> fell_back(2, -1);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    strict[r] = LoadCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status();
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
+                         LoadCheckpoint(*model.engine, *model.optimizer, dir.path(), {.fall_back = true}, &comm));
+    fell_back[r] = loaded.step;
+    EXPECT_EQ(Params(model), at_one[r]);
+  });
+  EXPECT_EQ(strict[1].code(), StatusCode::kCorruption) << strict[1].ToString();
+  EXPECT_EQ(strict[0].code(), StatusCode::kIoError) << strict[0].ToString();
+  EXPECT_NE(strict[0].message().find("failed on rank(s) 1"), std::string::npos) << strict[0].ToString();
+  EXPECT_EQ(fell_back, (std::vector<int64_t>{1, 1}));
+}
+
 }  // namespace
 }  // namespace strata::offload

@@ -3,15 +3,18 @@
 #pragma once
 
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "offload/grad_reducer.h"
 #include "offload/pipeline.h"
 #include "offload/train_step.h"
 #include "optim/optimizer.h"
+#include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/storage.h"
 
@@ -128,6 +131,22 @@ inline std::vector<float> Random(std::mt19937& rng, float scale) {
   std::vector<float> v(kChunkElems);
   for (float& x : v) x = normal(rng);
   return v;
+}
+
+// Runs `body(r, comm)` on every rank r of a loopback group of `world`, each
+// on a thread of its own; returns once all have.
+inline void OnRanks(int world, const std::function<void(int, Communicator&)>& body) {
+  auto group = CreateLoopbackGroup(world, {.timeout_ms = 20'000});
+  STRATA_CHECK(group.ok(), "{}", group.status().ToString());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { body(r, *(*group)[r]); });
+  for (std::thread& t : threads) t.join();
+}
+
+// Rank r's gradient for layer l at step k (the same on every call).
+inline std::vector<float> RankGrad(int rank, int layer, int step) {
+  std::mt19937 rng(static_cast<uint32_t>(1000 * rank + 10 * layer + step));
+  return Random(rng, 0.1f);
 }
 
 }  // namespace strata::offload

@@ -124,21 +124,6 @@ TEST(TrainStepTest, SkippedTensorsAreLeftAsTheyAreAndTheOthersUpdated) {
 namespace strata::offload {
 namespace {
 
-// Rank r's gradient for layer l at step k (the same on every call).
-// Runs `body(r, comm)` on every rank r of a loopback group of `world`, each
-// on a thread of its own; returns once all have.
-void OnRanks(int world, const std::function<void(int, Communicator&)>& body) {
-  auto group = CreateLoopbackGroup(world, {.timeout_ms = 20'000});
-  ASSERT_OK(group.status());
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) threads.emplace_back([&, r] { body(r, *(*group)[r]); });
-  for (std::thread& t : threads) t.join();
-}
-
-std::vector<float> RankGrad(int rank, int layer, int step) {
-  std::mt19937 rng(static_cast<uint32_t>(1000 * rank + 10 * layer + step));
-  return Random(rng, 0.1f);
-}
 
 // `world` ranks (threads) with their own gradients against one rank
 // stepping their mean: the same parameters on every rank, bit for bit
