@@ -533,20 +533,23 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "save_checkpoint",
       [summary](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
-                uint32_t keep_last) {
-        return summary(ValueOrThrow(Unlocked(
-            [&] { return strata::offload::SaveCheckpoint(engine, optimizer, root, {.keep_last = keep_last}); })));
+                uint32_t keep_last, strata::Communicator* comm) {
+        return summary(ValueOrThrow(Unlocked([&] {
+          return strata::offload::SaveCheckpoint(engine, optimizer, root, {.keep_last = keep_last}, comm);
+        })));
       },
-      py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0,
+      py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
       "saves every chunk but the gradients, and the optimizer's state, as root/step-<N>, then points root/latest "
       "at it");
   m.def(
       "load_checkpoint",
-      [summary](strata::Engine& engine, strata::optim::Optimizer& optimizer, const std::string& path, bool fall_back) {
-        return summary(ValueOrThrow(Unlocked(
-            [&] { return strata::offload::LoadCheckpoint(engine, optimizer, path, {.fall_back = fall_back}); })));
+      [summary](strata::Engine& engine, strata::optim::Optimizer& optimizer, const std::string& path, bool fall_back,
+                strata::Communicator* comm) {
+        return summary(ValueOrThrow(Unlocked([&] {
+          return strata::offload::LoadCheckpoint(engine, optimizer, path, {.fall_back = fall_back}, comm);
+        })));
       },
-      py::arg("engine"), py::arg("optimizer"), py::arg("path"), py::arg("fall_back") = false,
+      py::arg("engine"), py::arg("optimizer"), py::arg("path"), py::arg("fall_back") = false, py::arg("comm") = nullptr,
       "loads a checkpoint (a root's latest, or one checkpoint's directory), checking every file's size and CRC32C");
   m.def(
       "verify_checkpoint",

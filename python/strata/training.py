@@ -511,11 +511,14 @@ class TrainingEngine:
         them (NVMe-resident ones without moving them), with the step count and the loss scaler's state,
         each file with its size and CRC32C in a manifest. Crash-safe: the checkpoint is published by a
         rename once complete, so the last published one stays intact until then. keep_last > 0 keeps only
-        the newest keep_last checkpoints. Between steps; a single rank for now. Returns a dict: path,
-        step, bytes, files.
+        the newest keep_last checkpoints. Between steps. Data parallel, every rank calls it with the same
+        `path`, a directory every rank sees: each saves its shards, rank 0 publishes. Returns a dict: path,
+        step, bytes, files (this rank's).
         """
         self._check_between_steps("save_checkpoint")
-        return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path), keep_last)
+        self._drain()
+        return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path), keep_last,
+                             self._comm)
 
     def load_checkpoint(self, path, fall_back=False):
         """Loads a checkpoint: `path` is a root (its latest) or one checkpoint's directory.
@@ -523,11 +526,23 @@ class TrainingEngine:
         The model must be the one saved (same parameters, shapes, dtypes and chunk size) and the loss
         scaling the same. Every file's size and CRC32C is checked as it is read: a damaged checkpoint
         raises naming the file, and with fall_back=True the next older checkpoint under the root is
-        loaded instead (the dict's "skipped" says which failed and why). Between steps. Returns a dict:
-        path, step, bytes, files, skipped.
+        loaded instead (the dict's "skipped" says which failed and why). Between steps. Data parallel,
+        every rank calls it; a checkpoint saved by any number of ranks loads (each rank reads what covers
+        its shards), and the ranks load the same one or all raise. Returns a dict: path, step, bytes,
+        files, skipped.
         """
         self._check_between_steps("load_checkpoint")
-        return self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path), fall_back)
+        self._drain()
+        loaded = self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path), fall_back,
+                               self._comm)
+        if self._reducer is not None:  # gathered parameters and gathers ahead are of the masters before the load
+            self._reducer.release_gathered()
+        return loaded
+
+    def _drain(self):
+        """Waits for the reducer's collectives (gathers queued ahead), so that the caller's may begin."""
+        if self._reducer is not None:
+            self._checked(self._reducer.drain)
 
     def _check_between_steps(self, what):
         self._check_usable()

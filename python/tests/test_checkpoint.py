@@ -1,13 +1,15 @@
 """Checkpoints from the adapter: resuming is exact with states on NVMe, damage is named, and the CLI reads them."""
 
 import os
+import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
 import strata
-from models import TinyGPT, batches, strata_losses, three_tiers
+from models import TinyGPT, batches, relative_errors, strata_losses, three_tiers
 
 STRATA_BIN = os.path.join(os.path.dirname(strata.__file__), "..", "..", "bin", "strata")
 
@@ -56,7 +58,8 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
 
     fresh = trained(tmp_path, "fresh", "fp32", seed=1)
     # The file, and what its chunk holds.
-    with pytest.raises(strata._strata.CorruptionError, match=r"chunk-0\.bin does not match its CRC32C.*holds the param"):
+    damage = r"chunk-0\.bin does not match its CRC32C.*holds the param"
+    with pytest.raises(strata._strata.CorruptionError, match=damage):
         fresh.load_checkpoint(tmp_path / "ckpt")
     loaded = fresh.load_checkpoint(tmp_path / "ckpt", fall_back=True)
     assert loaded["step"] == 1 and "chunk-0.bin" in loaded["skipped"][0]
@@ -64,7 +67,8 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
 
     if not os.path.exists(STRATA_BIN):
         pytest.skip("no strata CLI in this build")
-    verify = subprocess.run([STRATA_BIN, "checkpoint", "verify", str(tmp_path / "ckpt")], capture_output=True, text=True)
+    verify = subprocess.run([STRATA_BIN, "checkpoint", "verify", str(tmp_path / "ckpt")], capture_output=True,
+                            text=True)
     assert verify.returncode == 1 and "chunk-0.bin does not match its CRC32C" in verify.stderr, verify.stderr
     older = tmp_path / "ckpt" / "step-00000001"
     verify = subprocess.run([STRATA_BIN, "checkpoint", "verify", str(older)], capture_output=True, text=True)
@@ -81,3 +85,33 @@ def test_saving_mid_step_is_refused(tmp_path):
         engine.save_checkpoint(tmp_path / "ckpt")
     engine.step()
     assert engine.save_checkpoint(tmp_path / "ckpt")["step"] == 1
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (OpenMPI's openmpi-bin)")
+@pytest.mark.parametrize("shard_params", ["false", "true"])
+def test_two_ranks_resume_exactly_and_one_process_loads_their_checkpoint(tmp_path, shard_params):
+    """Two ranks under mpirun save after 3 steps and train 3 more; two fresh ranks from another initialization
+    load and train the same 3: the same losses and masters, bit for bit (with comm.shard_params too). One
+    process on the whole batch loads the two ranks' checkpoint and trains on as they did (to 1e-5)."""
+    worker = os.path.join(os.path.dirname(__file__), "dp_checkpoint_worker.py")
+
+    def run(world, phase, name):
+        (tmp_path / name).mkdir()
+        args = [sys.executable, worker, phase, str(tmp_path / "ckpt"), str(tmp_path / name),
+                str(tmp_path / name / "out.pt"), shard_params]
+        command = [shutil.which("mpirun"), "-np", str(world), "--oversubscribe", *args] if world > 1 else args
+        env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+        done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return torch.load(tmp_path / name / "out.pt")
+
+    saved = run(2, "save", "saved")
+    loaded = run(2, "load", "loaded")
+    assert loaded["losses"] == saved["losses"]
+    assert all(torch.equal(value, loaded["final"][name]) for name, value in saved["final"].items())
+    if shard_params == "true":
+        return  # the checkpoint holds the masters only: it loads with comm.shard_params
+    alone = run(1, "load", "alone")
+    assert max(relative_errors(alone["losses"], saved["losses"])) <= 1e-5, (alone["losses"], saved["losses"])
+    assert all(torch.allclose(value, alone["final"][name], rtol=1e-4, atol=1e-6)
+               for name, value in saved["final"].items())
