@@ -1,8 +1,6 @@
 #include "offload/checkpoint.h"
 
 #include <fcntl.h>
-#include <fmt/format.h>
-#include <fmt/ranges.h>
 #include <stdio.h>
 #include <unistd.h>
 
@@ -12,10 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <optional>
 #include <sstream>
 
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "src/task_queue.h"
 #include "strata/buffer.h"
 #include "strata/crc32c.h"
 #include "strata/options.h"
@@ -70,6 +72,131 @@ Status WriteFileDurably(const fs::path& path, const void* data, size_t size) {
   return Status::Ok();
 }
 
+constexpr uint64_t kDirectAlignment = 4096;
+uint64_t RoundUp(uint64_t bytes) { return (bytes + kDirectAlignment - 1) / kDirectAlignment * kDirectAlignment; }
+
+// Opens `path` with O_DIRECT where the file system allows it (a chunk-sized
+// request then goes to the drive without a copy into the page cache), else
+// without (tmpfs).
+int OpenDirect(const fs::path& path, int flags) {
+  const int fd = ::open(path.c_str(), flags | O_DIRECT | O_CLOEXEC, 0644);
+  return fd >= 0 || errno != EINVAL ? fd : ::open(path.c_str(), flags | O_CLOEXEC, 0644);
+}
+
+// One chunk file's transfer in flight: its pieces written or read by the
+// threads of `pool` at once (the drive keeps many requests in flight, as
+// bench io's queue depth does), with O_DIRECT where the file system allows
+// it, while the caller prepares the next chunk in its other buffer.
+class FileTransfer {
+ public:
+  static constexpr size_t kPieceBytes = size_t{1} << 20;
+  static constexpr uint32_t kThreads = 8;
+
+  // Writes `size` bytes of `data` (4096-aligned, readable up to `size`
+  // rounded up to 4096: that tail is written too, and cut off by Finish) to
+  // a new file at `path`. FlushAll makes it durable.
+  static Result<std::unique_ptr<FileTransfer>> StartWrite(TaskQueue& pool, const fs::path& path, const std::byte* data,
+                                                          size_t size) {
+    const int fd = OpenDirect(path, O_WRONLY | O_CREAT | O_TRUNC);
+    if (fd < 0) return Errno("creating", path);
+    // Allocated up front: direct writes that extend a file are serialized by the file system.
+    if (const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(RoundUp(size))); error != 0) {
+      ::close(fd);
+      errno = error;
+      return Errno("allocating", path);
+    }
+    return Start(pool, fd, /*write=*/true, path, data, size);
+  }
+  // Reads the file at `path` into `data` (the same room), Corruption unless it is `size` bytes.
+  static Result<std::unique_ptr<FileTransfer>> StartRead(TaskQueue& pool, const fs::path& path, std::byte* data,
+                                                         size_t size) {
+    const int fd = OpenDirect(path, O_RDONLY);
+    if (fd < 0) return Errno("opening", path);
+    const off_t actual = ::lseek(fd, 0, SEEK_END);
+    if (actual != static_cast<off_t>(size)) {
+      ::close(fd);
+      return Corruption("checkpoint: {} is {} bytes, its manifest says {}", path.string(), actual, size);
+    }
+    return Start(pool, fd, /*write=*/false, path, data, size);
+  }
+
+  // Waits for every piece: the first error. A written file is then cut to its size.
+  Status Finish() {
+    Status first = Status::Ok();
+    for (const std::shared_future<Status>& piece : pieces_) {
+      const Status status = piece.get();
+      if (first.ok() && !status.ok()) first = status;
+    }
+    pieces_.clear();
+    if (fd_ < 0) return first;
+    if (first.ok() && write_ && ::ftruncate(fd_, static_cast<off_t>(size_)) != 0) first = Errno("truncating", path_);
+    if (::close(fd_) != 0 && first.ok()) first = Errno("closing", path_);
+    fd_ = -1;
+    return first;
+  }
+  // Never leaves a piece running into a buffer about to be freed.
+  ~FileTransfer() { (void)Finish(); }
+
+ private:
+  static Result<std::unique_ptr<FileTransfer>> Start(TaskQueue& pool, int fd, bool write, const fs::path& path,
+                                                     const std::byte* data, size_t size) {
+    auto transfer = std::unique_ptr<FileTransfer>(new FileTransfer(fd, write, path, size));
+    const size_t rounded = RoundUp(size);
+    for (size_t begin = 0; begin < rounded; begin += kPieceBytes) {
+      const size_t end = std::min(rounded, begin + kPieceBytes);
+      transfer->pieces_.push_back(pool.Push([fd, write, path, data, begin, end, size]() -> Status {
+        size_t at = begin;
+        while (at < end) {
+          const ssize_t n = write ? ::pwrite(fd, data + at, end - at, static_cast<off_t>(at))
+                                  : ::pread(fd, const_cast<std::byte*>(data) + at, end - at, static_cast<off_t>(at));
+          if (n < 0 && errno == EINTR) continue;
+          if (n < 0) return Errno(fmt::format("{} bytes {}..{} of", write ? "writing" : "reading", at, end), path);
+          if (n == 0) break;  // a read at the end of the file
+          at += static_cast<size_t>(n);
+        }
+        if (at < std::min(end, size)) {
+          return write ? IoError("checkpoint: writing {} stopped at byte {}", path.string(), at)
+                       : Corruption("checkpoint: {} ended at byte {} of {}", path.string(), at, size);
+        }
+        return Status::Ok();
+      }));
+    }
+    return transfer;
+  }
+  FileTransfer(int fd, bool write, fs::path path, size_t size)
+      : fd_(fd), write_(write), path_(std::move(path)), size_(size) {}
+
+  int fd_;
+  bool write_;
+  fs::path path_;
+  size_t size_;
+  std::vector<std::shared_future<Status>> pieces_;
+};
+
+// fsyncs every file of `paths` (the drive's cache and the file's size),
+// several at once on `pool` (the file system commits them together), and
+// drops any pages they left in the page cache (a file system without
+// O_DIRECT): a checkpoint is not read back soon.
+Status FlushAll(TaskQueue& pool, const std::vector<fs::path>& paths) {
+  std::vector<std::shared_future<Status>> flushed;
+  for (const fs::path& path : paths) {
+    flushed.push_back(pool.Push([path]() -> Status {
+      const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+      if (fd < 0) return Errno("opening", path);
+      const int synced = ::fsync(fd);
+      const Status error = synced != 0 ? Errno("flushing", path) : Status::Ok();
+      if (synced == 0) ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+      ::close(fd);
+      return error;
+    }));
+  }
+  Status first = Status::Ok();
+  for (const std::shared_future<Status>& done : flushed) {
+    if (const Status status = done.get(); first.ok() && !status.ok()) first = status;
+  }
+  return first;
+}
+
 // A directory's entries (a rename, a new file) made durable.
 Status SyncDirectory(const fs::path& path) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
@@ -80,36 +207,12 @@ Status SyncDirectory(const fs::path& path) {
   return error;
 }
 
-// Reads the file at `path` into `into`, checking it is `size` bytes whose
-// CRC32C is `crc`.
-Status ReadVerified(const fs::path& path, uint64_t size, uint32_t crc, void* into) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Errno("opening", path);
-  const off_t actual = ::lseek(fd, 0, SEEK_END);
-  if (actual != static_cast<off_t>(size)) {
-    ::close(fd);
-    return Corruption("checkpoint: {} is {} bytes, its manifest says {}", path.string(), actual, size);
-  }
-  auto* bytes = static_cast<std::byte*>(into);
-  size_t done = 0;
-  while (done < size) {
-    const ssize_t n = ::pread(fd, bytes + done, size - done, static_cast<off_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      const Status error = n == 0 ? Corruption("checkpoint: {} ended at byte {} of {}", path.string(), done, size)
-                                  : Errno(fmt::format("reading byte {} of", done), path);
-      ::close(fd);
-      return error;
-    }
-    done += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  const uint32_t found = Crc32c(into, size);
+// Checks the bytes a transfer read against the manifest's CRC32C.
+Status CheckCrc(const fs::path& path, const void* data, uint64_t size, uint32_t crc) {
+  const uint32_t found = Crc32c(data, size);
   if (found != crc) {
-    return Corruption(
-        "checkpoint: {} does not match its CRC32C: the manifest "
-        "says {:08x}, the bytes give {:08x}",
-        path.string(), crc, found);
+    return Corruption("checkpoint: {} does not match its CRC32C: the manifest says {:08x}, the bytes give {:08x}",
+                      path.string(), crc, found);
   }
   return Status::Ok();
 }
@@ -233,21 +336,61 @@ auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {
   }
 }
 
+// A file of a checkpoint to read, and what of it a chunk takes: bytes
+// [from, to) of its chunk group's whole chunk, into `chunk`.
+struct Piece {
+  const json* file = nullptr;
+  uint64_t from = 0, to = 0;
+  std::optional<ChunkInfo> chunk;
+};
+
+// Reads every piece's file, checked against its size and CRC32C, and hands
+// it to `use` in order; the next file is read while `use` runs on this one
+// (two file-sized buffers).
+template <typename Use>
+Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, Use use) {
+  uint64_t largest = 1;
+  for (const Piece& piece : pieces) largest = std::max(largest, (*piece.file)["bytes"].get<uint64_t>());
+  TaskQueue pool(FileTransfer::kThreads);
+  Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
+                       AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
+  std::unique_ptr<FileTransfer> reading[2];
+  const auto start = [&](size_t i) -> Status {
+    const json& file = *pieces[i].file;
+    STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::StartRead(pool, dir / file["path"].get<std::string>(),
+                                                                    static_cast<std::byte*>(buffers[i % 2].data()),
+                                                                    file["bytes"].get<uint64_t>()));
+    return Status::Ok();
+  };
+  if (!pieces.empty()) STRATA_RETURN_IF_ERROR(start(0));
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    if (i + 1 < pieces.size()) STRATA_RETURN_IF_ERROR(start(i + 1));
+    const json& file = *pieces[i].file;
+    const fs::path path = dir / file["path"].get<std::string>();
+    const auto* data = static_cast<const std::byte*>(buffers[i % 2].data());
+    // Named by chunk too, so that a caller can say what the chunk holds.
+    const std::string named =
+        fmt::format("chunk {} ({})", file["chunk"].get<uint32_t>(), file["kind"].get<std::string>());
+    STRATA_RETURN_IF_ERROR(reading[i % 2]->Finish().WithContext(named));
+    STRATA_RETURN_IF_ERROR(
+        CheckCrc(path, data, file["bytes"].get<uint64_t>(), file["crc32c"].get<uint32_t>()).WithContext(named));
+    STRATA_RETURN_IF_ERROR(use(pieces[i], data));
+  }
+  return Status::Ok();
+}
+
 // Checks every file `manifest` lists under `dir` (size and CRC32C).
 Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest) {
   CheckpointSummary summary;
   summary.path = dir.string();
   summary.step = manifest["step"].get<int64_t>();
-  uint64_t largest = 0;
-  for (const json& file : manifest["files"]) largest = std::max(largest, file["bytes"].get<uint64_t>());
-  Buffer buffer = AllocateAlignedHost(std::max<uint64_t>(largest, 4096), 4096);
-  for (const json& file : manifest["files"]) {
-    const uint64_t bytes = file["bytes"].get<uint64_t>();
-    STRATA_RETURN_IF_ERROR(
-        ReadVerified(dir / file["path"].get<std::string>(), bytes, file["crc32c"].get<uint32_t>(), buffer.data()));
-    summary.bytes += bytes;
+  std::vector<Piece> pieces;
+  for (const json& file : manifest["files"]) pieces.push_back({&file, 0, 0, std::nullopt});
+  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, [&](const Piece& piece, const std::byte*) {
+    summary.bytes += (*piece.file)["bytes"].get<uint64_t>();
     summary.files++;
-  }
+    return Status::Ok();
+  }));
   return summary;
 }
 
@@ -303,42 +446,30 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
     STRATA_RETURN_IF_ERROR(CheckFits(manifest, dir, engine, optimizer));
     std::map<std::pair<uint32_t, std::string>, std::vector<const json*>> by_group;  // (group, kind) -> files
-    uint64_t largest = 4096;
     for (const json& file : manifest["files"]) {
       by_group[{file["group"].get<uint32_t>(), file["kind"].get<std::string>()}].push_back(&file);
-      largest = std::max(largest, file["bytes"].get<uint64_t>());
     }
-    Buffer buffer = AllocateAlignedHost(largest, 4096);
     CheckpointSummary summary;
     summary.path = dir.string();
     summary.step = manifest["step"].get<int64_t>();
+    // What to read, and whether it covers every chunk this rank holds, before anything is read.
+    std::vector<Piece> pieces;
     for (const ChunkInfo& c : engine.chunks()) {
       if (!Saved(c)) continue;
       const std::string kind(ChunkKindName(c.kind));
       const uint64_t begin = c.shard_offset_bytes, end = begin + c.used_bytes;
       uint64_t covered = 0;
-      std::optional<ChunkAccess> pinned;
       for (const json* file : by_group[{c.group, kind}]) {
         const uint64_t file_begin = (*file)["shard_offset"].get<uint64_t>();
-        const uint64_t bytes = (*file)["bytes"].get<uint64_t>();
-        const uint64_t from = std::max(begin, file_begin), to = std::min(end, file_begin + bytes);
+        const uint64_t from = std::max(begin, file_begin);
+        const uint64_t to = std::min(end, file_begin + (*file)["bytes"].get<uint64_t>());
         if (from >= to) continue;
         if ((*file)["dtype"] != DTypeName(c.dtype)) {
           return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
                                  dir.string(), kind, c.group, (*file)["dtype"].dump(), DTypeName(c.dtype));
         }
-        // Named by chunk too, so that a caller can say what the chunk holds.
-        STRATA_RETURN_IF_ERROR(ReadVerified(dir / (*file)["path"].get<std::string>(), bytes,
-                                            (*file)["crc32c"].get<uint32_t>(), buffer.data())
-                                   .WithContext(fmt::format("chunk {} ({})", c.id.value(), kind)));
-        if (!pinned) {
-          STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(c.id, Tier::kHost));
-        }
-        std::memcpy(static_cast<std::byte*>(pinned->data()) + (from - begin),
-                    static_cast<const std::byte*>(buffer.data()) + (from - file_begin), to - from);
+        pieces.push_back({file, from, to, c});
         covered += to - from;
-        summary.bytes += bytes;
-        summary.files++;
       }
       if (covered != c.used_bytes) {
         return InvalidArgument(
@@ -347,6 +478,20 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
             dir.string(), covered, c.used_bytes, kind, c.group);
       }
     }
+    std::optional<ChunkAccess> pinned;
+    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, [&](const Piece& piece, const std::byte* data) -> Status {
+      if (!pinned || pinned->id() != piece.chunk->id) {
+        pinned.reset();
+        STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(piece.chunk->id, Tier::kHost));
+      }
+      const uint64_t file_begin = (*piece.file)["shard_offset"].get<uint64_t>();
+      std::memcpy(static_cast<std::byte*>(pinned->data()) + (piece.from - piece.chunk->shard_offset_bytes),
+                  data + (piece.from - file_begin), piece.to - piece.from);
+      summary.bytes += (*piece.file)["bytes"].get<uint64_t>();
+      summary.files++;
+      return Status::Ok();
+    }));
+    pinned.reset();
     const json& state = manifest["optimizer"];
     std::optional<optim::Optimizer::ScalerState> scaler;
     if (!state["loss_scaler"].is_null()) {
@@ -371,26 +516,85 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSu
   const std::vector<ChunkInfo> chunks = engine.chunks();
   uint64_t largest = 4096;
   for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
-  // One chunk at a time through this buffer, from whatever tier it is on.
-  Buffer buffer = AllocateAlignedHost(largest, 4096);
+  // Each chunk is written from where it lies when that is host memory
+  // (pinned there while its write runs), else read into one of two buffers
+  // while the chunk before is written from the other. Its CRC32C is taken
+  // beside its write.
+  TaskQueue pool(FileTransfer::kThreads);
+  Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
+                       AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
+  struct InFlight {
+    std::optional<ChunkAccess> pin;
+    std::unique_ptr<FileTransfer> transfer;
+    std::shared_future<Status> crc_done;
+    uint32_t crc = 0;
+    json entry;
+  };
+  InFlight flights[2];
   json files = json::array();
+  std::vector<fs::path> written;
+  const auto finish = [&](InFlight& flight) -> Status {
+    if (!flight.transfer) return Status::Ok();
+    Status status = flight.transfer->Finish();
+    const Status crc = flight.crc_done.get();
+    flight.transfer.reset();
+    flight.pin.reset();
+    STRATA_RETURN_IF_ERROR(status);
+    STRATA_RETURN_IF_ERROR(crc);
+    flight.entry["crc32c"] = flight.crc;
+    files.push_back(std::move(flight.entry));
+    return Status::Ok();
+  };
+  // On an early return: no write left running from a buffer or a pin about to go.
+  struct Drain {
+    InFlight* flights;
+    ~Drain() {
+      for (int i = 0; i < 2; ++i) {
+        if (flights[i].transfer) (void)flights[i].transfer->Finish();
+        if (flights[i].crc_done.valid()) flights[i].crc_done.wait();
+      }
+    }
+  } drain{flights};
+  int b = 0;
   for (const ChunkInfo& c : chunks) {
     if (!Saved(c) || (!c.sharded && rank != 0)) continue;
-    STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer.data()).WithContext("checkpoint: reading a chunk to save"));
+    InFlight& flight = flights[b];
+    STRATA_RETURN_IF_ERROR(finish(flight));
+    const std::byte* data = nullptr;
+    Result<Tier> tier = engine.ChunkTier(c.id);
+    if (tier.ok() && *tier == Tier::kHost && c.size_bytes >= RoundUp(c.used_bytes)) {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine.AccessChunk(c.id, Tier::kHost));
+      if (reinterpret_cast<uintptr_t>(pin.data()) % kDirectAlignment == 0) {
+        data = pin.data();
+        flight.pin = std::move(pin);
+      }
+    }
+    if (data == nullptr) {
+      auto* buffer = static_cast<std::byte*>(buffers[b].data());
+      STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer).WithContext("checkpoint: reading a chunk to save"));
+      data = buffer;
+    }
     const std::string path = fmt::format("{}/chunk-{}.bin", rank_dir, c.id.value());
-    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / path, buffer.data(), c.used_bytes));
-    files.push_back({{"path", path},
-                     {"chunk", c.id.value()},
-                     {"kind", ChunkKindName(c.kind)},
-                     {"dtype", DTypeName(c.dtype)},
-                     {"group", c.group},
-                     {"rank", rank},
-                     {"shard_offset", c.shard_offset_bytes},
-                     {"bytes", c.used_bytes},
-                     {"crc32c", Crc32c(buffer.data(), c.used_bytes)}});
+    STRATA_ASSIGN_OR_RETURN(flight.transfer, FileTransfer::StartWrite(pool, staged / path, data, c.used_bytes));
+    flight.crc_done = pool.Push([&flight, data, size = c.used_bytes] {
+      flight.crc = Crc32c(data, size);
+      return Status::Ok();
+    });
+    written.push_back(staged / path);
+    flight.entry = {{"path", path},
+                    {"chunk", c.id.value()},
+                    {"kind", ChunkKindName(c.kind)},
+                    {"dtype", DTypeName(c.dtype)},
+                    {"group", c.group},
+                    {"rank", rank},
+                    {"shard_offset", c.shard_offset_bytes},
+                    {"bytes", c.used_bytes}};
     summary.bytes += c.used_bytes;
     summary.files++;
+    b ^= 1;
   }
+  for (int i = 0; i < 2; ++i) STRATA_RETURN_IF_ERROR(finish(flights[b ^ i]));  // the older first
+  STRATA_RETURN_IF_ERROR(FlushAll(pool, written));
   if (rank != 0) {  // for rank 0 to merge into the manifest
     const std::string text = files.dump();
     STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / rank_dir / kRankFiles, text.data(), text.size()));

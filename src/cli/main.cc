@@ -21,6 +21,7 @@
 
 #include <CLI/CLI.hpp>
 
+#include "benchmarks/checkpoint_bench.h"
 #include "benchmarks/comm_bench.h"
 #include "benchmarks/io_bench.h"
 #include "benchmarks/optim_bench.h"
@@ -302,6 +303,23 @@ int RunPlan(PlanFlags flags) {
   return written.ok() ? 0 : Fail(written);
 }
 
+struct BenchCheckpointFlags {
+  strata::bench::CheckpointBenchConfig config;
+  std::string params = "32M";
+  std::string json_path;
+};
+
+int RunBenchCheckpoint(BenchCheckpointFlags flags) {
+  strata::Result<size_t> params = strata::ParseSize(flags.params);  // "32M": a count, as bench optim reads it
+  if (!params.ok()) return Fail(strata::InvalidArgument("--params: {}", params.status().message()));
+  flags.config.params = *params;
+  strata::Result<strata::bench::CheckpointBenchReport> report = strata::bench::RunCheckpointBench(flags.config);
+  if (!report.ok()) return Fail(report.status());
+  std::fputs(strata::bench::FormatCheckpointBench(*report).c_str(), stdout);
+  strata::Status written = WriteJsonFile(flags.json_path, strata::bench::CheckpointBenchJson(*report));
+  return written.ok() ? 0 : Fail(written);
+}
+
 struct CheckpointFlags {
   std::string path;
   bool json = false;
@@ -479,6 +497,21 @@ int main(int argc, char** argv) {
   bench_replay_command->add_flag("--no-baseline", bench_replay.no_baseline, "skip the LRU run");
   bench_replay_command->add_option("--json", bench_replay.json_path, "also write the results as JSON to this file");
 
+  BenchCheckpointFlags bench_checkpoint;
+  CLI::App* bench_checkpoint_command = bench_command->add_subcommand(
+      "checkpoint", "a checkpoint's save and load bandwidth against bench io's NVMe write and read in the same run");
+  bench_checkpoint_command->add_option("--dir", bench_checkpoint.config.dir, "where to save (and the NVMe tier)")
+      ->required();
+  bench_checkpoint_command->add_option("--params", bench_checkpoint.params, "fp32 parameters (12 bytes each saved)")
+      ->capture_default_str();
+  bench_checkpoint_command->add_option("--chunk-elems", bench_checkpoint.config.chunk_elems, "elements a chunk")
+      ->capture_default_str();
+  bench_checkpoint_command->add_flag("--states-on-nvme", bench_checkpoint.config.states_on_nvme,
+                                     "keep the optimizer states in the NVMe tier (saved from there)");
+  bench_checkpoint_command->add_option("--runs", bench_checkpoint.config.runs, "saves and loads, and bench io runs")
+      ->capture_default_str();
+  bench_checkpoint_command->add_option("--json", bench_checkpoint.json_path, "also write the results as JSON");
+
   PlanFlags plan_flags;
   CLI::App* plan_command =
       app.add_subcommand("plan", "what fits where for a GPT on a machine, the step time to expect and the bottleneck");
@@ -537,6 +570,7 @@ int main(int argc, char** argv) {
   if (bench_comm_command->parsed()) return RunBenchComm(bench_comm);
   if (bench_optim_command->parsed()) return RunBenchOptim(bench_optim);
   if (bench_replay_command->parsed()) return RunBenchReplay(bench_replay);
+  if (bench_checkpoint_command->parsed()) return RunBenchCheckpoint(bench_checkpoint);
   if (plan_command->parsed()) return RunPlan(plan_flags);
   if (checkpoint_inspect->parsed()) return RunCheckpointInspect(checkpoint_flags);
   if (checkpoint_verify->parsed()) return RunCheckpointVerify(checkpoint_flags);

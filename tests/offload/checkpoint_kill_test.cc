@@ -1,12 +1,13 @@
 // A process killed (SIGKILL) at random moments while it saves checkpoints
 // always leaves one that loads, the one before or the new one: over many
 // kill points, the saver (checkpoint_saver_main.cc) started afresh each time.
-#include <gtest/gtest.h>
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#include <gtest/gtest.h>
 
 #include <chrono>
 #include <filesystem>

@@ -1,0 +1,169 @@
+#include "benchmarks/checkpoint_bench.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "benchmarks/io_bench.h"
+#include "offload/checkpoint.h"
+#include "optim/optimizer.h"
+#include "strata/engine.h"
+#include "strata/options.h"
+
+namespace strata::bench {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+// A field of /proc/self/status in bytes (VmRSS, VmHWM), 0 if absent.
+uint64_t StatusBytes(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stoull(line.substr(field.size() + 1)) * 1024;
+  }
+  return 0;
+}
+
+// Resets the peak resident set (VmHWM) to the current one.
+void ResetPeakRss() { std::ofstream("/proc/self/clear_refs") << "5"; }
+
+}  // namespace
+
+Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config) {
+  if (config.dir.empty()) return InvalidArgument("bench checkpoint: --dir is required: where to save");
+  if (config.runs == 0) return InvalidArgument("bench checkpoint: --runs 0: at least one run is needed");
+  if (config.chunk_elems == 0 || config.params < config.chunk_elems) {
+    return InvalidArgument("bench checkpoint: --params {} must hold at least one chunk of --chunk-elems {} (> 0)",
+                           config.params, config.chunk_elems);
+  }
+  CheckpointBenchReport report;
+  report.config = config;
+  const uint64_t tensors = config.params / config.chunk_elems;
+  const uint64_t tensor_bytes = config.chunk_elems * sizeof(float);
+  const uint64_t states_bytes = tensors * 2 * tensor_bytes;
+
+  Options options;
+  options.device_backend = DeviceBackendKind::kEmulated;
+  options.device_budget_bytes = 4 * tensor_bytes;
+  options.chunk_size_elems = config.chunk_elems;
+  options.log_level = LogLevel::kWarning;
+  options.nvme_dirs = {(fs::path(config.dir) / "nvme").string()};
+  options.nvme_capacity_bytes = 3 * tensors * tensor_bytes + (uint64_t{64} << 20);
+  // Host room for the parameters and either every state or a few.
+  options.host_budget_bytes =
+      tensors * tensor_bytes + (config.states_on_nvme ? 4 * tensor_bytes : states_bytes + 16 * tensor_bytes);
+  std::error_code ec;
+  fs::create_directories(options.nvme_dirs[0], ec);
+  if (ec) return IoError("bench checkpoint: creating {}: {}", options.nvme_dirs[0], ec.message());
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
+  for (uint64_t t = 0; t < tensors; ++t) {
+    STRATA_RETURN_IF_ERROR(engine
+                               ->RegisterTensor({fmt::format("w{}", t),
+                                                 {static_cast<int64_t>(config.chunk_elems)},
+                                                 DType::kFloat32,
+                                                 true,
+                                                 fmt::format("m{}", t)})
+                               .status());
+  }
+  STRATA_RETURN_IF_ERROR(engine->Finalize());
+  // Every chunk given bytes (a free chunk has none to save), where its home is.
+  for (const ChunkInfo& c : engine->chunks()) {
+    if (c.kind == ChunkKind::kGrad) continue;
+    {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine->AccessChunk(c.id, Tier::kHost));
+      std::memset(access.data(), 0x3c + static_cast<int>(c.kind), c.used_bytes);
+    }
+    STRATA_ASSIGN_OR_RETURN(Tier home, engine->ChunkHome(c.id));
+    if (home != Tier::kHost) STRATA_RETURN_IF_ERROR(engine->MoveChunk(c.id, home));
+    report.saved_from_nvme += home == Tier::kNvme ? 1 : 0;
+  }
+  STRATA_ASSIGN_OR_RETURN(optim::OptimizerConfig optimizer_config, optim::OptimizerConfigFromOptions(options));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer, optim::Optimizer::Create(optimizer_config));
+
+  const std::string root = (fs::path(config.dir) / "checkpoint").string();
+  for (uint32_t run = 0; run < config.runs; ++run) {
+    fs::remove_all(root, ec);
+    const uint64_t before = StatusBytes("VmRSS");
+    ResetPeakRss();
+    Clock::time_point start = Clock::now();
+    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved, offload::SaveCheckpoint(*engine, *optimizer, root));
+    const double save_seconds = SecondsSince(start);
+    report.save_rss_growth_bytes =
+        std::max(report.save_rss_growth_bytes, StatusBytes("VmHWM") > before ? StatusBytes("VmHWM") - before : 0);
+    report.checkpoint_bytes = saved.bytes;
+    report.files = saved.files;
+    report.save_gbps.push_back(static_cast<double>(saved.bytes) / save_seconds / 1e9);
+    start = Clock::now();
+    STRATA_RETURN_IF_ERROR(offload::LoadCheckpoint(*engine, *optimizer, root).status());
+    report.load_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
+    STRATA_RETURN_IF_ERROR(engine->OffloadAll());  // the states back home, as they were when saved
+  }
+  fs::remove_all(root, ec);
+  report.buffer_bytes = 2 * tensor_bytes;  // a chunk read while the one before is written
+  report.save_median_gbps = Median(report.save_gbps);
+  report.load_median_gbps = Median(report.load_gbps);
+
+  // The reference: bench io on the same directory, a file as large as the checkpoint.
+  IoBenchConfig io;
+  io.dirs = {(fs::path(config.dir) / "io").string()};
+  fs::create_directories(io.dirs[0], ec);
+  io.file_size_bytes = std::max<uint64_t>(report.checkpoint_bytes, uint64_t{64} << 20) / (1 << 20) * (1 << 20);
+  io.runs = config.runs;
+  STRATA_ASSIGN_OR_RETURN(IoBenchReport measured, RunIoBench(io));
+  fs::remove_all(io.dirs[0], ec);
+  for (const IoBenchRow& row : measured.rows) {
+    (row.op == IoOp::kWrite ? report.io_write_gbps : report.io_read_gbps) = row.strata_median_gbps;
+  }
+  report.save_ratio = report.io_write_gbps > 0 ? report.save_median_gbps / report.io_write_gbps : 0;
+  report.load_ratio = report.io_read_gbps > 0 ? report.load_median_gbps / report.io_read_gbps : 0;
+  return report;
+}
+
+std::string FormatCheckpointBench(const CheckpointBenchReport& r) {
+  std::string out = fmt::format(
+      "strata bench checkpoint: {} fp32 parameters in {} chunks, {} of {} chunks saved from NVMe; a checkpoint of "
+      "{:.1f} MiB in {} files under {}\n",
+      r.config.params, r.config.params / r.config.chunk_elems, r.saved_from_nvme, r.files,
+      r.checkpoint_bytes / 1048576.0, r.files, r.config.dir);
+  out += fmt::format("           median GB/s   bench io GB/s   ratio   runs\n");
+  out += fmt::format("save       {:>11.3f}   {:>13.3f}   {:>5.2f}   {}\n", r.save_median_gbps, r.io_write_gbps,
+                     r.save_ratio, fmt::join(r.save_gbps, " "));
+  out += fmt::format("load       {:>11.3f}   {:>13.3f}   {:>5.2f}   {}\n", r.load_median_gbps, r.io_read_gbps,
+                     r.load_ratio, fmt::join(r.load_gbps, " "));
+  out += fmt::format("a save's peak resident memory above its start: {:.1f} MiB (its buffers: {:.1f} MiB)\n",
+                     r.save_rss_growth_bytes / 1048576.0, r.buffer_bytes / 1048576.0);
+  return out;
+}
+
+std::string CheckpointBenchJson(const CheckpointBenchReport& r) {
+  nlohmann::json j = {{"params", r.config.params},
+                      {"chunk_elems", r.config.chunk_elems},
+                      {"states_on_nvme", r.config.states_on_nvme},
+                      {"checkpoint_bytes", r.checkpoint_bytes},
+                      {"files", r.files},
+                      {"saved_from_nvme", r.saved_from_nvme},
+                      {"save_gbps", r.save_gbps},
+                      {"load_gbps", r.load_gbps},
+                      {"save_median_gbps", r.save_median_gbps},
+                      {"load_median_gbps", r.load_median_gbps},
+                      {"io_write_gbps", r.io_write_gbps},
+                      {"io_read_gbps", r.io_read_gbps},
+                      {"save_ratio", r.save_ratio},
+                      {"load_ratio", r.load_ratio},
+                      {"buffer_bytes", r.buffer_bytes},
+                      {"save_rss_growth_bytes", r.save_rss_growth_bytes}};
+  return j.dump(2);
+}
+
+}  // namespace strata::bench

@@ -1,0 +1,47 @@
+// `strata bench checkpoint`: a checkpoint's save and load bandwidth
+// (offload/checkpoint.h) against the NVMe write and read bandwidth that
+// `strata bench io` measures on the same directory in the same run, and the
+// host memory a save takes beyond what it held before.
+//
+// The model: fp32 trainable tensors of one chunk each, `params` in all, so a
+// checkpoint holds 12 bytes a parameter (the parameters and AdamW's two
+// moments). Its optimizer states stay in host memory, or with
+// states_on_nvme live in the NVMe tier (a directory under `dir`), as they do
+// when they outgrow the host. Each run saves, then loads, a checkpoint
+// under `dir` and removes it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "strata/status.h"
+
+namespace strata::bench {
+
+struct CheckpointBenchConfig {
+  std::string dir;
+  uint64_t params = uint64_t{32} << 20;
+  uint64_t chunk_elems = uint64_t{4} << 20;
+  bool states_on_nvme = false;
+  uint32_t runs = 3;
+};
+
+struct CheckpointBenchReport {
+  CheckpointBenchConfig config;
+  uint64_t checkpoint_bytes = 0;
+  uint32_t files = 0;
+  uint32_t saved_from_nvme = 0;              // chunks homed in the NVMe tier, read from there by a save
+  std::vector<double> save_gbps, load_gbps;  // per run
+  double save_median_gbps = 0, load_median_gbps = 0;
+  double io_write_gbps = 0, io_read_gbps = 0;  // strata bench io, sequential, 1 MiB x 32, median of runs
+  double save_ratio = 0, load_ratio = 0;       // the medians over bench io's
+  uint64_t buffer_bytes = 0;                   // the save's two chunk-sized buffers
+  uint64_t save_rss_growth_bytes = 0;          // the peak resident set during a save, above its start
+};
+
+Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config);
+std::string FormatCheckpointBench(const CheckpointBenchReport& report);
+std::string CheckpointBenchJson(const CheckpointBenchReport& report);
+
+}  // namespace strata::bench
