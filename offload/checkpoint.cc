@@ -99,8 +99,9 @@ class FileTransfer {
                                                           size_t size) {
     const int fd = OpenDirect(path, O_WRONLY | O_CREAT | O_TRUNC);
     if (fd < 0) return Errno("creating", path);
-    // Allocated up front: direct writes that extend a file are serialized by the file system.
-    if (const int error = ::posix_fallocate(fd, 0, static_cast<off_t>(RoundUp(size))); error != 0) {
+    // Allocated up front: direct writes that extend a file are serialized by
+    // the file system. (A rank's shard of a small group may be empty.)
+    if (const int error = size == 0 ? 0 : ::posix_fallocate(fd, 0, static_cast<off_t>(RoundUp(size))); error != 0) {
       ::close(fd);
       errno = error;
       return Errno("allocating", path);
@@ -146,7 +147,9 @@ class FileTransfer {
       const size_t end = std::min(rounded, begin + kPieceBytes);
       transfer->pieces_.push_back(pool.Push([fd, write, path, data, begin, end, size]() -> Status {
         size_t at = begin;
-        while (at < end) {
+        // A read stops at the end of the file: another direct read from its unaligned end may be EINVAL.
+        const size_t stop = write ? end : std::min(end, size);
+        while (at < stop) {
           const ssize_t n = write ? ::pwrite(fd, data + at, end - at, static_cast<off_t>(at))
                                   : ::pread(fd, const_cast<std::byte*>(data) + at, end - at, static_cast<off_t>(at));
           if (n < 0 && errno == EINTR) continue;
@@ -260,11 +263,25 @@ Status Publish(const fs::path& root, const std::string& name, const fs::path& st
   const fs::path final_path = root / name;
   std::error_code ec;
   if (fs::exists(final_path, ec)) {
-    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) != 0) {
+    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
+      STRATA_RETURN_IF_ERROR(SyncDirectory(root));
+      fs::remove_all(staged, ec);  // the replaced checkpoint
+      return Status::Ok();
+    }
+    if (errno != EINVAL && errno != ENOSYS)
       return Errno(fmt::format("exchanging {} with", staged.string()), final_path);
+    // A file system without the exchange (NFS): the old one moved aside
+    // first. A crash between the two renames leaves `latest` naming a
+    // missing directory; a load with fall_back then takes the one before.
+    const fs::path aside = root / fmt::format(".{}.old-{}", name, ::getpid());
+    if (::rename(final_path.c_str(), aside.c_str()) != 0) return Errno("moving aside", final_path);
+    if (::rename(staged.c_str(), final_path.c_str()) != 0) {
+      const Status error = Errno(fmt::format("renaming {} to", staged.string()), final_path);
+      ::rename(aside.c_str(), final_path.c_str());
+      return error;
     }
     STRATA_RETURN_IF_ERROR(SyncDirectory(root));
-    fs::remove_all(staged, ec);  // the replaced checkpoint
+    fs::remove_all(aside, ec);
     return Status::Ok();
   }
   if (::rename(staged.c_str(), final_path.c_str()) != 0)
@@ -309,12 +326,12 @@ Result<json> ReadManifest(const fs::path& dir) {
   for (const char* key : {"format", "version", "step", "world_size", "files", "tensors", "optimizer"}) {
     if (!manifest.contains(key)) return Corruption("checkpoint: {} lacks '{}'", where, key);
   }
-  if (manifest["format"] != kFormat || manifest["version"] != kVersion) {
+  if (manifest.at("format") != kFormat || manifest.at("version") != kVersion) {
     return InvalidArgument("checkpoint: {} is not a {} of version {} (format {}, version {})", where, kFormat, kVersion,
-                           manifest["format"].dump(), manifest["version"].dump());
+                           manifest.at("format").dump(), manifest.at("version").dump());
   }
   // Every file inside the checkpoint, under its rank's directory.
-  for (const json& file : manifest["files"]) {
+  for (const json& file : manifest.at("files")) {
     const std::string path = file.at("path").get<std::string>();
     const size_t slash = path.find('/');
     if (slash == std::string::npos || path.rfind("rank", 0) != 0 || path.find("..") != std::string::npos ||
@@ -350,30 +367,31 @@ struct Piece {
 template <typename Use>
 Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, Use use) {
   uint64_t largest = 1;
-  for (const Piece& piece : pieces) largest = std::max(largest, (*piece.file)["bytes"].get<uint64_t>());
+  for (const Piece& piece : pieces) largest = std::max(largest, (*piece.file).at("bytes").get<uint64_t>());
   TaskQueue pool(FileTransfer::kThreads);
   Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
                        AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
+  if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte read buffers", RoundUp(largest));
   std::unique_ptr<FileTransfer> reading[2];
   const auto start = [&](size_t i) -> Status {
     const json& file = *pieces[i].file;
-    STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::StartRead(pool, dir / file["path"].get<std::string>(),
+    STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::StartRead(pool, dir / file.at("path").get<std::string>(),
                                                                     static_cast<std::byte*>(buffers[i % 2].data()),
-                                                                    file["bytes"].get<uint64_t>()));
+                                                                    file.at("bytes").get<uint64_t>()));
     return Status::Ok();
   };
   if (!pieces.empty()) STRATA_RETURN_IF_ERROR(start(0));
   for (size_t i = 0; i < pieces.size(); ++i) {
     if (i + 1 < pieces.size()) STRATA_RETURN_IF_ERROR(start(i + 1));
     const json& file = *pieces[i].file;
-    const fs::path path = dir / file["path"].get<std::string>();
+    const fs::path path = dir / file.at("path").get<std::string>();
     const auto* data = static_cast<const std::byte*>(buffers[i % 2].data());
     // Named by chunk too, so that a caller can say what the chunk holds.
     const std::string named =
-        fmt::format("chunk {} ({})", file["chunk"].get<uint32_t>(), file["kind"].get<std::string>());
+        fmt::format("chunk {} ({})", file.at("chunk").get<uint32_t>(), file.at("kind").get<std::string>());
     STRATA_RETURN_IF_ERROR(reading[i % 2]->Finish().WithContext(named));
     STRATA_RETURN_IF_ERROR(
-        CheckCrc(path, data, file["bytes"].get<uint64_t>(), file["crc32c"].get<uint32_t>()).WithContext(named));
+        CheckCrc(path, data, file.at("bytes").get<uint64_t>(), file.at("crc32c").get<uint32_t>()).WithContext(named));
     STRATA_RETURN_IF_ERROR(use(pieces[i], data));
   }
   return Status::Ok();
@@ -383,11 +401,11 @@ Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, Use use
 Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest) {
   CheckpointSummary summary;
   summary.path = dir.string();
-  summary.step = manifest["step"].get<int64_t>();
+  summary.step = manifest.at("step").get<int64_t>();
   std::vector<Piece> pieces;
-  for (const json& file : manifest["files"]) pieces.push_back({&file, 0, 0, std::nullopt});
+  for (const json& file : manifest.at("files")) pieces.push_back({&file, 0, 0, std::nullopt});
   STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, [&](const Piece& piece, const std::byte*) {
-    summary.bytes += (*piece.file)["bytes"].get<uint64_t>();
+    summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
     summary.files++;
     return Status::Ok();
   }));
@@ -397,21 +415,25 @@ Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest)
 // Whether every rank's `status` is OK, decided alike on every rank: a
 // failing rank gets its own error, the others an error naming the ranks
 // that failed, InvalidArgument if any of theirs was (another model: no
-// older checkpoint fits either), else IoError.
-Status Agree(Communicator* comm, const Status& status, const std::string& what) {
+// older checkpoint fits either), else IoError. `any_invalid`: whether any
+// rank's was InvalidArgument, the same on every rank (what decides whether
+// a load falls back, so that every rank calls the same collectives).
+Status Agree(Communicator* comm, const Status& status, const std::string& what, bool* any_invalid = nullptr) {
+  if (any_invalid != nullptr) *any_invalid = status.code() == StatusCode::kInvalidArgument;
   if (comm == nullptr || comm->world_size() == 1) return status;
   const int world = comm->world_size();
   std::vector<double> failed(2 * world, 0.0);  // failed, then failed with InvalidArgument, per rank
   failed[comm->rank()] = status.ok() ? 0.0 : 1.0;
   failed[world + comm->rank()] = status.code() == StatusCode::kInvalidArgument ? 1.0 : 0.0;
   STRATA_RETURN_IF_ERROR(comm->AllReduceSum(failed).WithContext(fmt::format("checkpoint: agreeing on {}", what)));
-  if (!status.ok()) return status;
   std::vector<int> ranks;
   bool invalid = false;
   for (int r = 0; r < world; ++r) {
     if (failed[r] > 0) ranks.push_back(r);
     invalid = invalid || failed[world + r] > 0;
   }
+  if (any_invalid != nullptr) *any_invalid = invalid;  // the same on every rank
+  if (!status.ok()) return status;
   if (ranks.empty()) return Status::Ok();
   const std::string message =
       fmt::format("checkpoint: {} failed on rank(s) {} (their own errors say why)", what, fmt::join(ranks, ", "));
@@ -422,13 +444,13 @@ Status Agree(Communicator* comm, const Status& status, const std::string& what) 
 // registered tensors) and `optimizer` can take its state.
 Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
   const std::string where = dir.string();
-  if (manifest["tensors"] != TensorsJson(engine.tensors())) {
+  if (manifest.at("tensors") != TensorsJson(engine.tensors())) {
     return InvalidArgument(
         "checkpoint {} holds another model: its registered tensors (name, shape, dtype, trainable) differ from this "
         "engine's",
         where);
   }
-  const bool saved_scaler = !manifest["optimizer"]["loss_scaler"].is_null();
+  const bool saved_scaler = !manifest.at("optimizer").at("loss_scaler").is_null();
   if (saved_scaler != (optimizer.scaler() != nullptr)) {
     return InvalidArgument("checkpoint {} was saved {} a loss scaler and this optimizer has {} (loss_scale.mode)",
                            where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
@@ -446,36 +468,40 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
     STRATA_RETURN_IF_ERROR(CheckFits(manifest, dir, engine, optimizer));
     std::map<std::pair<uint32_t, std::string>, std::vector<const json*>> by_group;  // (group, kind) -> files
-    for (const json& file : manifest["files"]) {
-      by_group[{file["group"].get<uint32_t>(), file["kind"].get<std::string>()}].push_back(&file);
+    for (const json& file : manifest.at("files")) {
+      by_group[{file.at("group").get<uint32_t>(), file.at("kind").get<std::string>()}].push_back(&file);
     }
     CheckpointSummary summary;
     summary.path = dir.string();
-    summary.step = manifest["step"].get<int64_t>();
+    summary.step = manifest.at("step").get<int64_t>();
     // What to read, and whether it covers every chunk this rank holds, before anything is read.
     std::vector<Piece> pieces;
     for (const ChunkInfo& c : engine.chunks()) {
       if (!Saved(c)) continue;
       const std::string kind(ChunkKindName(c.kind));
       const uint64_t begin = c.shard_offset_bytes, end = begin + c.used_bytes;
-      uint64_t covered = 0;
+      const size_t first = pieces.size();
       for (const json* file : by_group[{c.group, kind}]) {
-        const uint64_t file_begin = (*file)["shard_offset"].get<uint64_t>();
+        const uint64_t file_begin = (*file).at("shard_offset").get<uint64_t>();
         const uint64_t from = std::max(begin, file_begin);
-        const uint64_t to = std::min(end, file_begin + (*file)["bytes"].get<uint64_t>());
+        const uint64_t to = std::min(end, file_begin + (*file).at("bytes").get<uint64_t>());
         if (from >= to) continue;
-        if ((*file)["dtype"] != DTypeName(c.dtype)) {
+        if ((*file).at("dtype") != DTypeName(c.dtype)) {
           return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
-                                 dir.string(), kind, c.group, (*file)["dtype"].dump(), DTypeName(c.dtype));
+                                 dir.string(), kind, c.group, (*file).at("dtype").dump(), DTypeName(c.dtype));
         }
         pieces.push_back({file, from, to, c});
-        covered += to - from;
       }
-      if (covered != c.used_bytes) {
+      // The files' ranges must tile the chunk's: no gap, no overlap.
+      std::sort(pieces.begin() + first, pieces.end(), [](const Piece& a, const Piece& b) { return a.from < b.from; });
+      uint64_t covered = begin;
+      size_t i = first;
+      for (; i < pieces.size() && pieces[i].from == covered; ++i) covered = pieces[i].to;
+      if (covered != end || i != pieces.size()) {
         return InvalidArgument(
-            "checkpoint {}: its files cover {} of the {} bytes of the {} of chunk group {} this rank holds (saved "
-            "with another chunk.size_elems, precision or comm.shard_params?)",
-            dir.string(), covered, c.used_bytes, kind, c.group);
+            "checkpoint {}: its files do not cover bytes {}..{} of the {} of chunk group {}, which this rank holds, "
+            "exactly once (saved with another chunk.size_elems, precision or comm.shard_params?)",
+            dir.string(), begin, end, kind, c.group);
       }
     }
     std::optional<ChunkAccess> pinned;
@@ -484,22 +510,22 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
         pinned.reset();
         STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(piece.chunk->id, Tier::kHost));
       }
-      const uint64_t file_begin = (*piece.file)["shard_offset"].get<uint64_t>();
+      const uint64_t file_begin = (*piece.file).at("shard_offset").get<uint64_t>();
       std::memcpy(static_cast<std::byte*>(pinned->data()) + (piece.from - piece.chunk->shard_offset_bytes),
                   data + (piece.from - file_begin), piece.to - piece.from);
-      summary.bytes += (*piece.file)["bytes"].get<uint64_t>();
+      summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
       summary.files++;
       return Status::Ok();
     }));
     pinned.reset();
-    const json& state = manifest["optimizer"];
+    const json& state = manifest.at("optimizer");
     std::optional<optim::Optimizer::ScalerState> scaler;
-    if (!state["loss_scaler"].is_null()) {
-      scaler = optim::Optimizer::ScalerState{state["loss_scaler"]["scale"].get<float>(),
-                                             state["loss_scaler"]["good_steps"].get<int64_t>(),
-                                             state["loss_scaler"]["overflows"].get<int64_t>()};
+    if (!state.at("loss_scaler").is_null()) {
+      scaler = optim::Optimizer::ScalerState{state.at("loss_scaler").at("scale").get<float>(),
+                                             state.at("loss_scaler").at("good_steps").get<int64_t>(),
+                                             state.at("loss_scaler").at("overflows").get<int64_t>()};
     }
-    STRATA_RETURN_IF_ERROR(optimizer.Restore(state["steps_taken"].get<int64_t>(), scaler));
+    STRATA_RETURN_IF_ERROR(optimizer.Restore(state.at("steps_taken").get<int64_t>(), scaler));
     return summary;
   });
 }
@@ -523,6 +549,7 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSu
   TaskQueue pool(FileTransfer::kThreads);
   Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
                        AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
+  if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte chunk buffers", RoundUp(largest));
   struct InFlight {
     std::optional<ChunkAccess> pin;
     std::unique_ptr<FileTransfer> transfer;
@@ -675,10 +702,13 @@ Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer&
   if (written.ok() && lead) written = Publish(dir, name, staged);
   if (lead && !written.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
   if (written.ok() && lead) written = PointLatestAt(dir, name);
+  // Pruned among this step and earlier ones: later steps belong to a run
+  // that was rewound (loaded from an earlier checkpoint), left to the user.
   if (written.ok() && lead && options.keep_last > 0) {
-    const std::vector<fs::path> all = CheckpointsUnder(dir);
-    for (size_t i = options.keep_last; i < all.size(); ++i) {
-      if (all[i].filename() != name) fs::remove_all(all[i], ec);
+    size_t kept = 0;
+    for (const fs::path& older : CheckpointsUnder(dir)) {
+      if (*StepOf(older.filename().string()) > optimizer.steps_taken()) continue;
+      if (++kept > options.keep_last) fs::remove_all(older, ec);
     }
   }
   // Rank 0's outcome is every rank's (a rank whose own files failed returns that).
@@ -698,9 +728,14 @@ Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optim
   Result<fs::path> named = Resolve(path, &root);
   std::vector<fs::path> candidates;
   if (named.ok()) candidates.push_back(*named);
-  if (options.fall_back && root) {
-    for (const fs::path& older : CheckpointsUnder(*root)) {
-      if (!named.ok() || older != *named) candidates.push_back(older);
+  // Falling back: the checkpoints of earlier steps than the one `latest`
+  // names (later ones belong to a run that was rewound), or all of them
+  // when `latest` is missing or unreadable (a first save killed before it).
+  if (options.fall_back && (root || !named.ok())) {
+    const fs::path under = root ? *root : fs::path(path);
+    const std::optional<int64_t> newest = named.ok() ? StepOf(named->filename().string()) : std::nullopt;
+    for (const fs::path& older : CheckpointsUnder(under)) {
+      if (!newest || *StepOf(older.filename().string()) < *newest) candidates.push_back(older);
     }
   }
   // (Every rank sees the same directories: it decides the same candidates.)
@@ -710,13 +745,14 @@ Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optim
   Status last = Status::Ok();
   for (const fs::path& dir : candidates) {
     Result<CheckpointSummary> loaded = LoadOne(engine, optimizer, dir);
-    last = Agree(comm, loaded.status(), fmt::format("loading {}", dir.string()));
+    bool invalid = false;
+    last = Agree(comm, loaded.status(), fmt::format("loading {}", dir.string()), &invalid);
     if (last.ok()) {
       loaded->skipped = std::move(skipped);
       return loaded;
     }
     // Another model or optimizer: no older checkpoint under this root fits either.
-    if (!options.fall_back || last.code() == StatusCode::kInvalidArgument) break;
+    if (!options.fall_back || invalid) break;
     skipped.push_back(last.ToString());
   }
   if (skipped.empty() || !options.fall_back) return last;
@@ -746,26 +782,27 @@ Result<std::string> DescribeCheckpoint(const std::string& path) {
     STRATA_ASSIGN_OR_RETURN(json manifest, ReadManifest(dir));
     std::map<std::string, std::pair<uint32_t, uint64_t>> kinds;  // files and bytes
     uint64_t total = 0;
-    for (const json& file : manifest["files"]) {
-      auto& [files, bytes] = kinds[file["kind"].get<std::string>()];
+    for (const json& file : manifest.at("files")) {
+      auto& [files, bytes] = kinds[file.at("kind").get<std::string>()];
       files++;
-      bytes += file["bytes"].get<uint64_t>();
-      total += file["bytes"].get<uint64_t>();
+      bytes += file.at("bytes").get<uint64_t>();
+      total += file.at("bytes").get<uint64_t>();
     }
-    const json& state = manifest["optimizer"];
+    const json& state = manifest.at("optimizer");
     std::string out = fmt::format("checkpoint {}\n", dir.string());
-    out += fmt::format("  step {}, saved by {} rank(s), {} of version {}\n", manifest["step"].get<int64_t>(),
-                       manifest["world_size"].get<int>(), kFormat, kVersion);
-    out += fmt::format("  optimizer: {} steps taken", state["steps_taken"].get<int64_t>());
-    if (state["loss_scaler"].is_null()) {
+    out += fmt::format("  step {}, saved by {} rank(s), {} of version {}\n", manifest.at("step").get<int64_t>(),
+                       manifest.at("world_size").get<int>(), kFormat, kVersion);
+    out += fmt::format("  optimizer: {} steps taken", state.at("steps_taken").get<int64_t>());
+    if (state.at("loss_scaler").is_null()) {
       out += ", no loss scaler\n";
     } else {
-      out += fmt::format(", loss scale {} ({} good steps, {} overflows)\n", state["loss_scaler"]["scale"].get<float>(),
-                         state["loss_scaler"]["good_steps"].get<int64_t>(),
-                         state["loss_scaler"]["overflows"].get<int64_t>());
+      out += fmt::format(", loss scale {} ({} good steps, {} overflows)\n",
+                         state.at("loss_scaler").at("scale").get<float>(),
+                         state.at("loss_scaler").at("good_steps").get<int64_t>(),
+                         state.at("loss_scaler").at("overflows").get<int64_t>());
     }
-    out += fmt::format("  {} tensors, {} files, {:.2f} MiB\n", manifest["tensors"].size(), manifest["files"].size(),
-                       total / 1048576.0);
+    out += fmt::format("  {} tensors, {} files, {:.2f} MiB\n", manifest.at("tensors").size(),
+                       manifest.at("files").size(), total / 1048576.0);
     for (const auto& [kind, counted] : kinds) {
       out += fmt::format("    {:<12} {:>5} files {:>10.2f} MiB\n", kind, counted.first, counted.second / 1048576.0);
     }

@@ -164,6 +164,9 @@ def initialize(model, config=None):
     return TrainingEngine(model, config)
 
 
+_LOAD_FAILED = "a checkpoint load failed part way"
+
+
 class TrainingEngine:
     """A model whose states live in strata's tiers: forward, backward, step, stats."""
 
@@ -528,15 +531,28 @@ class TrainingEngine:
         raises naming the file, and with fall_back=True the next older checkpoint under the root is
         loaded instead (the dict's "skipped" says which failed and why). Between steps. Data parallel,
         every rank calls it; a checkpoint saved by any number of ranks loads (each rank reads what covers
-        its shards), and the ranks load the same one or all raise. Returns a dict: path, step, bytes,
-        files, skipped.
+        its shards), and the ranks load the same one or all raise. A load that fails once it has begun
+        reading leaves the state partly overwritten: training then raises until a load succeeds.
+        Returns a dict: path, step, bytes, files, skipped.
         """
-        self._check_between_steps("load_checkpoint")
+        if self._broken is not None and not self._broken.startswith(_LOAD_FAILED):
+            self._check_usable()
+        if self._in_iteration or self._micro_steps:
+            raise RuntimeError("engine.load_checkpoint: between steps only (after step(), before the next training "
+                               "forward): a backward is in progress")
         self._drain()
-        loaded = self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path), fall_back,
-                               self._comm)
-        if self._reducer is not None:  # gathered parameters and gathers ahead are of the masters before the load
-            self._reducer.release_gathered()
+        try:
+            loaded = self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path),
+                                   fall_back, self._comm)
+        except ValueError:  # another model or optimizer: refused before anything was read
+            raise
+        except BaseException as error:
+            self._broken = f"{_LOAD_FAILED} ({type(error).__name__}: {error}); load a checkpoint that loads"
+            raise
+        finally:
+            if self._reducer is not None:  # gathered parameters and gathers ahead are of the masters before the load
+                self._reducer.release_gathered()
+        self._broken = None
         return loaded
 
     def _drain(self):

@@ -61,9 +61,13 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
     damage = r"chunk-0\.bin does not match its CRC32C.*holds the param"
     with pytest.raises(strata._strata.CorruptionError, match=damage):
         fresh.load_checkpoint(tmp_path / "ckpt")
+    # Its state is now partly overwritten: training raises until a load succeeds.
+    with pytest.raises(RuntimeError, match="a checkpoint load failed part way"):
+        fresh.save_checkpoint(tmp_path / "elsewhere")
     loaded = fresh.load_checkpoint(tmp_path / "ckpt", fall_back=True)
     assert loaded["step"] == 1 and "chunk-0.bin" in loaded["skipped"][0]
     assert all(torch.equal(value, fresh.state_dict()[name]) for name, value in at_one.items())
+    assert fresh.save_checkpoint(tmp_path / "elsewhere")["step"] == 1
 
     if not os.path.exists(STRATA_BIN):
         pytest.skip("no strata CLI in this build")

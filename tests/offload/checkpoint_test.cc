@@ -12,6 +12,8 @@
 #include <random>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "tests/offload/train_model.h"
 #include "tests/test_util.h"
 
@@ -379,6 +381,150 @@ TEST(CheckpointTest, ADamagedShardFailsTheLoadOnEveryRankAlike) {
   EXPECT_EQ(strict[0].code(), StatusCode::kIoError) << strict[0].ToString();
   EXPECT_NE(strict[0].message().find("failed on rank(s) 1"), std::string::npos) << strict[0].ToString();
   EXPECT_EQ(fell_back, (std::vector<int64_t>{1, 1}));
+}
+
+// A checkpoint saved at steps 1, 2, 3, then rewound: step 1 loaded, one
+// step trained and saved as step 2 again. keep_last prunes among this step
+// and earlier ones only (step 3 belongs to the abandoned run), and falling
+// back from a damaged step 2 takes step 1, never the later step 3.
+TEST(CheckpointTest, AfterARewindKeepLastAndFallBackGoOnlyToEarlierSteps) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  std::vector<std::vector<float>> at_one;
+  for (int step = 0; step < 3; ++step) {
+    Train(model, step, step + 1);
+    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+    if (step == 0) at_one = State(model);
+  }
+  Model rewound;
+  ASSERT_OK(
+      LoadCheckpoint(*rewound.engine, *rewound.optimizer, (fs::path(dir.path()) / "step-00000001").string()).status());
+  Train(rewound, 1, 2);
+  ASSERT_OK(SaveCheckpoint(*rewound.engine, *rewound.optimizer, dir.path(), {.keep_last = 2}).status());
+  EXPECT_EQ(Entries(dir.path()),
+            (std::vector<std::string>{"latest", "step-00000001", "step-00000002", "step-00000003"}));
+  EXPECT_EQ(Latest(dir.path()), "step-00000002");
+  fs::resize_file(fs::path(dir.path()) / "step-00000002" / "rank0" / "chunk-0.bin", 10);
+  Model fresh;
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
+                       LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(), {.fall_back = true}));
+  EXPECT_EQ(loaded.step, 1);
+  EXPECT_EQ(State(fresh), at_one);
+}
+
+// A first save killed before `latest` was written leaves a complete
+// checkpoint without a pointer: a load with fall_back finds it.
+TEST(CheckpointTest, WithoutLatestFallBackFindsTheCheckpoints) {
+  ScratchDir dir("ckpt");
+  Model model;
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  fs::remove(fs::path(dir.path()) / "latest");
+  Model fresh;
+  EXPECT_EQ(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status().code(), StatusCode::kIoError);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
+                       LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(), {.fall_back = true}));
+  EXPECT_EQ(loaded.step, 1);
+  EXPECT_EQ(State(fresh), at_one);
+}
+
+// A manifest entry that lacks a field is Corruption, not a read of
+// nothing; one listed twice (or a range covered twice) is refused before
+// anything is loaded.
+TEST(CheckpointTest, AManifestWithAFieldMissingOrAFileTwiceIsRefused) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+  const fs::path manifest_path = fs::path(dir.path()) / "step-00000000" / "manifest.json";
+  std::ifstream in(manifest_path);
+  const nlohmann::json manifest = nlohmann::json::parse(in);
+  const auto rewrite = [&](const nlohmann::json& changed) { std::ofstream(manifest_path) << changed.dump(); };
+
+  nlohmann::json missing = manifest;
+  missing["files"][3].erase("bytes");
+  rewrite(missing);
+  const Status verified = VerifyCheckpoint(dir.path()).status();
+  EXPECT_EQ(verified.code(), StatusCode::kCorruption) << verified.ToString();
+  EXPECT_NE(verified.message().find("bytes"), std::string::npos) << verified.ToString();
+
+  nlohmann::json twice = manifest;
+  twice["files"].push_back(twice["files"][3]);
+  rewrite(twice);
+  Model fresh;
+  const Status loaded = LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status();
+  EXPECT_EQ(loaded.code(), StatusCode::kInvalidArgument) << loaded.ToString();
+  EXPECT_NE(loaded.message().find("exactly once"), std::string::npos) << loaded.ToString();
+}
+
+// A group so small that rank 1's shard of its states is empty: saved as an
+// empty file, and loaded on two ranks and on one.
+TEST(CheckpointTest, AnEmptyShardIsSavedAndLoaded) {
+  ScratchDir dir("ckpt");
+  const auto make = [](Communicator* comm) {
+    Options options;
+    options.device_backend = DeviceBackendKind::kEmulated;
+    options.chunk_size_elems = kChunkElems;
+    options.log_level = LogLevel::kWarning;
+    auto engine = Engine::Create(options, {.comm = comm});
+    STRATA_CHECK(engine.ok(), "{}", engine.status().ToString());
+    STRATA_CHECK(
+        (*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "w"}).ok());
+    STRATA_CHECK((*engine)->RegisterTensor({"tiny", {8}, DType::kFloat32, true, "tiny"}).ok());
+    STRATA_CHECK((*engine)->Finalize().ok());
+    return std::move(engine).value();
+  };
+  auto optimizer_config = optim::OptimizerConfigFromOptions(Options{});
+  ASSERT_OK(optimizer_config.status());
+  std::vector<uint32_t> empty_shards(2, 0);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    std::unique_ptr<Engine> engine = make(&comm);
+    for (const ChunkInfo& c : engine->chunks()) empty_shards[r] += c.sharded && c.used_bytes == 0 ? 1 : 0;
+    auto optimizer = optim::Optimizer::Create(*optimizer_config);
+    ASSERT_OK(optimizer.status());
+    ASSERT_OK(SaveCheckpoint(*engine, **optimizer, dir.path(), {}, &comm).status());
+    ASSERT_OK(LoadCheckpoint(*engine, **optimizer, dir.path(), {}, &comm).status());
+  });
+  EXPECT_EQ(empty_shards, (std::vector<uint32_t>{0, 2})) << "the test means rank 1 to hold empty shards";
+  std::unique_ptr<Engine> alone = make(nullptr);
+  auto optimizer = optim::Optimizer::Create(*optimizer_config);
+  ASSERT_OK(optimizer.status());
+  ASSERT_OK(LoadCheckpoint(*alone, **optimizer, dir.path()).status());
+}
+
+// One rank's part refused (its coverage) and another's damaged: both ranks
+// stop at the same checkpoint with fall_back, instead of one going on to an
+// older one alone (a collective its peer never joins).
+TEST(CheckpointTest, RanksFailingDifferentlyStopAlike) {
+  ScratchDir dir("ckpt");
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    Initialize(model);
+    for (int step = 0; step < 2; ++step) {
+      TrainRanks(model, r, 2, step, step + 1, &comm, &reducer);
+      ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
+    }
+  });
+  const fs::path step_two = fs::path(dir.path()) / "step-00000002";
+  nlohmann::json manifest = nlohmann::json::parse(std::ifstream(step_two / "manifest.json"));
+  auto& files = manifest["files"];
+  for (size_t i = 0; i < files.size(); ++i) {
+    if (files[i]["rank"] == 1) {  // rank 1's chunk uncovered
+      files.erase(i);
+      break;
+    }
+  }
+  std::ofstream(step_two / "manifest.json") << manifest.dump();
+  fs::resize_file(step_two / "rank0" / "chunk-0.bin", 10);  // rank 0's damaged
+  std::vector<Status> results(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    results[r] = LoadCheckpoint(*model.engine, *model.optimizer, dir.path(), {.fall_back = true}, &comm).status();
+  });
+  EXPECT_EQ(results[1].code(), StatusCode::kInvalidArgument) << results[1].ToString();
+  EXPECT_EQ(results[0].code(), StatusCode::kCorruption) << results[0].ToString();  // its own error, not a Timeout
 }
 
 }  // namespace
