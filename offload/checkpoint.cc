@@ -38,7 +38,7 @@ std::string StepName(int64_t step) { return fmt::format("step-{:08}", step); }
 
 // The step of a checkpoint directory's name, or nothing for another name.
 std::optional<int64_t> StepOf(const std::string& name) {
-  if (name.size() != 13 || name.rfind("step-", 0) != 0) return std::nullopt;
+  if (name.size() < 13 || name.size() > 23 || name.rfind("step-", 0) != 0) return std::nullopt;  // 8 to 18 digits
   if (!std::all_of(name.begin() + 5, name.end(), [](char c) { return c >= '0' && c <= '9'; })) return std::nullopt;
   return std::stoll(name.substr(5));
 }
@@ -342,7 +342,6 @@ Result<json> ReadManifest(const fs::path& dir) {
   return manifest;
 }
 
-// Checks (and, with `engine`, loads) every file `manifest` lists under `dir`.
 // Runs `read` over a manifest's fields: a field of the wrong type or missing is Corruption.
 template <typename Read>
 auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {

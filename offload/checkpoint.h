@@ -1,44 +1,47 @@
 // Checkpoints: the training state saved from wherever each chunk lives and
 // loaded back, crash-safe.
 //
-//   STRATA_ASSIGN_OR_RETURN(auto saved, offload::SaveCheckpoint(*engine,
-//   *optimizer, "ckpt", {.keep_last = 3}));
+//   STRATA_ASSIGN_OR_RETURN(auto saved, offload::SaveCheckpoint(*engine, *optimizer, "ckpt", {.keep_last = 3}));
 //   ... a fresh process, the same model registered and finalized ...
-//   STRATA_ASSIGN_OR_RETURN(auto loaded, offload::LoadCheckpoint(*engine,
-//   *optimizer, "ckpt"));
+//   STRATA_ASSIGN_OR_RETURN(auto loaded, offload::LoadCheckpoint(*engine, *optimizer, "ckpt"));
 //
 // On disk, under a root directory:
-//   step-00000010/manifest.json     what the checkpoint holds (below)
-//   step-00000010/rank0/chunk-7.bin  chunk 7's bytes (ChunkInfo::used_bytes),
-//   as the engine holds them latest                           "step-00000010":
-//   the newest complete checkpoint
+//   step-00000010/manifest.json      what the checkpoint holds (below)
+//   step-00000010/rank0/chunk-7.bin  chunk 7's bytes (ChunkInfo::used_bytes), as the engine holds them
+//   step-00000010/rank1/chunk-9.bin  data parallel: rank 1's shard of a group's master or moments
+//   latest                           "step-00000010": the newest complete checkpoint
 // A checkpoint holds every chunk but the gradients and the transient
 // (gathered) param chunks: the parameters, the fp32 masters and the
-// optimizer moments, each read from its tier through one chunk-sized host
-// buffer (Engine::ReadChunk: an NVMe-resident chunk is never moved, and the
-// model never staged in host memory), with the optimizer's step count and
-// the loss scaler's state. The manifest (JSON) names the format and version,
-// the step, the world size, the optimizer state, the options, the registered
-// tensors (name, shape, dtype, trainable), and for every file its chunk (id,
-// kind, dtype, group, shard offset), its path, size and CRC32C.
+// optimizer moments, with the optimizer's step count and the loss scaler's
+// state. A chunk in host memory is written from where it lies (pinned);
+// another is read from its tier (Engine::ReadChunk: an NVMe-resident chunk
+// is not moved) into one of two chunk-sized buffers, so the model is never
+// staged in host memory. Files are written and read with O_DIRECT in 1 MiB
+// pieces by a few threads. The manifest (JSON) names the format and
+// version, the step, the world size, the optimizer state, the options, the
+// registered tensors (name, shape, dtype, trainable), and for every file
+// its chunk (id, kind, dtype, group, rank, shard offset), size and CRC32C.
 //
 // Crash safety: a save writes into a hidden temporary directory, fsyncs each
 // file and directory, and only then renames it to step-<N> and replaces
 // `latest` (a rename too), so a crash at any moment leaves the last
 // published checkpoint intact and `latest` naming a complete one;
 // temporaries a crashed save left are removed by the next save. keep_last
-// removes the oldest checkpoints only after the new one is published. One
-// saver at a time per root.
+// removes the oldest checkpoints only after the new one is published, and
+// only among the new step and earlier ones (later ones are a rewound run's).
+// One saver at a time per root.
 //
 // Loading checks every file's size and CRC32C as it reads it: a damaged
 // file is Corruption naming it (the engine's state is then partly
 // overwritten: load another checkpoint); with fall_back the loader goes on
-// to the next older checkpoint under the root. A checkpoint of another model
-// (its registered tensors) is InvalidArgument.
+// to the checkpoints of earlier steps under the root. A checkpoint of
+// another model (its registered tensors), or whose files do not tile this
+// engine's chunks, is InvalidArgument before anything is read.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "optim/optimizer.h"
 #include "strata/comm.h"
@@ -48,13 +51,13 @@
 namespace strata::offload {
 
 struct CheckpointOptions {
-  // After publishing, keep only the newest N checkpoints under the root (0:
-  // keep all).
+  // After publishing, keep only the newest N checkpoints of this step and
+  // earlier ones under the root (0: keep all).
   uint32_t keep_last = 0;
 };
 
 struct LoadOptions {
-  // A damaged or unreadable checkpoint: try the next older one under the root.
+  // A damaged or unreadable checkpoint: try the next earlier one under the root.
   bool fall_back = false;
 };
 
@@ -64,8 +67,7 @@ struct CheckpointSummary {
   int64_t step = 0;    // optimizer steps taken when it was saved
   uint64_t bytes = 0;  // of chunk files
   uint32_t files = 0;
-  std::vector<std::string> skipped;  // LoadCheckpoint with fall_back: the newer
-                                     // ones that failed, and why
+  std::vector<std::string> skipped;  // LoadCheckpoint with fall_back: the later ones that failed, and why
 };
 
 // Saves the engine's chunks and the optimizer's state as root/step-<N>
