@@ -540,8 +540,15 @@ Status UringStorage::RunShare(Op op, std::span<const IoSegment> segments, Clock:
 void UringStorage::Prepare(Ring& ring, Op op, uint32_t slot) {
   Request& request = ring.slot(slot);
   // The SQ has queue_depth entries and at most queue_depth requests are
-  // prepared between two submits, so an entry is always free.
+  // in flight, so an entry is free once the kernel has taken the ones
+  // submitted. With SQPOLL its thread frees them when it commits a batch,
+  // which can come after the completion of the batch's first request (seen
+  // once in CI): then wait for it to do so.
   io_uring_sqe* sqe = io_uring_get_sqe(ring.get());
+  for (int tries = 0; sqe == nullptr && tries < 1000; ++tries) {
+    io_uring_sqring_wait(ring.get());  // returns at once without SQPOLL
+    sqe = io_uring_get_sqe(ring.get());
+  }
   STRATA_CHECK(sqe != nullptr, "io_uring submission queue full with {} slots", ring.num_slots());
   int fd = ring.fixed_files() ? static_cast<int>(request.file_index) : files_[request.file_index].fd.get();
   auto length = static_cast<unsigned>(request.remaining_bytes);  // <= block size <= kMaxBlockSizeBytes
