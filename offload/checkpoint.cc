@@ -304,10 +304,8 @@ Result<fs::path> Resolve(const fs::path& path, std::optional<fs::path>* root) {
   std::error_code ec;
   if (fs::exists(path / kManifest, ec)) return path;
   if (!fs::exists(path / kLatest, ec)) {
-    return IoError(
-        "checkpoint: {} holds neither a checkpoint ({}) nor a "
-        "root's pointer to one ({})",
-        path.string(), kManifest, kLatest);
+    return IoError("checkpoint: {} holds neither a checkpoint ({}) nor a root's pointer to one ({})", path.string(),
+                   kManifest, kLatest);
   }
   STRATA_ASSIGN_OR_RETURN(std::string name, ReadText(path / kLatest));
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();

@@ -535,11 +535,9 @@ class TrainingEngine:
         reading leaves the state partly overwritten: training then raises until a load succeeds.
         Returns a dict: path, step, bytes, files, skipped.
         """
-        if self._broken is not None and not self._broken.startswith(_LOAD_FAILED):
-            self._check_usable()
-        if self._in_iteration or self._micro_steps:
-            raise RuntimeError("engine.load_checkpoint: between steps only (after step(), before the next training "
-                               "forward): a backward is in progress")
+        # A load is how an engine whose last load failed part way becomes usable again.
+        self._check_between_steps("load_checkpoint",
+                                  usable=self._broken is None or not self._broken.startswith(_LOAD_FAILED))
         self._drain()
         try:
             loaded = self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path),
@@ -560,8 +558,9 @@ class TrainingEngine:
         if self._reducer is not None:
             self._checked(self._reducer.drain)
 
-    def _check_between_steps(self, what):
-        self._check_usable()
+    def _check_between_steps(self, what, usable=True):
+        if usable:
+            self._check_usable()
         if self._in_iteration or self._micro_steps:
             raise RuntimeError(f"engine.{what}: between steps only (after step(), before the next training "
                                "forward): a backward is in progress")

@@ -449,6 +449,18 @@ TEST(CheckpointTest, AManifestWithAFieldMissingOrAFileTwiceIsRefused) {
   EXPECT_EQ(verified.code(), StatusCode::kCorruption) << verified.ToString();
   EXPECT_NE(verified.message().find("bytes"), std::string::npos) << verified.ToString();
 
+  nlohmann::json outside = manifest;  // a file outside its rank's directory
+  outside["files"][3]["path"] = "rank0/../../escaped.bin";
+  rewrite(outside);
+  const Status escaped = VerifyCheckpoint(dir.path()).status();
+  EXPECT_EQ(escaped.code(), StatusCode::kCorruption) << escaped.ToString();
+  EXPECT_NE(escaped.message().find("not a file of a rank's directory"), std::string::npos) << escaped.ToString();
+
+  nlohmann::json newer = manifest;  // a format this build does not know
+  newer["version"] = 2;
+  rewrite(newer);
+  EXPECT_EQ(VerifyCheckpoint(dir.path()).status().code(), StatusCode::kInvalidArgument);
+
   nlohmann::json twice = manifest;
   twice["files"].push_back(twice["files"][3]);
   rewrite(twice);
@@ -483,6 +495,10 @@ TEST(CheckpointTest, AnEmptyShardIsSavedAndLoaded) {
     for (const ChunkInfo& c : engine->chunks()) empty_shards[r] += c.sharded && c.used_bytes == 0 ? 1 : 0;
     auto optimizer = optim::Optimizer::Create(*optimizer_config);
     ASSERT_OK(optimizer.status());
+    // A rank's engine saved without its communicator: refused, naming what to pass.
+    const Status alone = SaveCheckpoint(*engine, **optimizer, dir.path()).status();
+    EXPECT_EQ(alone.code(), StatusCode::kInvalidArgument) << alone.ToString();
+    EXPECT_NE(alone.message().find("pass its communicator"), std::string::npos) << alone.ToString();
     ASSERT_OK(SaveCheckpoint(*engine, **optimizer, dir.path(), {}, &comm).status());
     ASSERT_OK(LoadCheckpoint(*engine, **optimizer, dir.path(), {}, &comm).status());
   });
