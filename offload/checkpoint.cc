@@ -6,12 +6,17 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
+#include <random>
 #include <sstream>
+#include <thread>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -33,6 +38,7 @@ constexpr int kVersion = 1;
 constexpr const char* kManifest = "manifest.json";
 constexpr const char* kLatest = "latest";
 constexpr const char* kRankFiles = "files.json";  // a rank's manifest entries, merged by rank 0
+constexpr const char* kRankFailed = "failed.txt";  // or why its files failed
 
 std::string StepName(int64_t step) { return fmt::format("step-{:08}", step); }
 
@@ -527,27 +533,40 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
   });
 }
 
+// Called once the save no longer reads a chunk out of the engine.
+using ChunkDone = std::function<void(const ChunkInfo&)>;
+
 // This rank's files of a checkpoint into `staged`/rank<r>: its shards, and
-// on rank 0 the whole chunks too (every rank holds the same ones). Their
-// manifest entries.
-Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSummary& summary) {
+// on rank 0 the whole chunks too (every rank holds the same ones), in
+// layout order (chunk group by chunk group). Their manifest entries.
+Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, bool in_place,
+                            const std::function<Status(ChunkId)>& before_chunk, const ChunkDone& done,
+                            CheckpointSummary& summary) {
   const int rank = engine.rank();
   const std::string rank_dir = fmt::format("rank{}", rank);
+  // Inside rank 0's directory, never creating it: a rank behind a save
+  // that rank 0 has given up on and removed fails.
   std::error_code ec;
-  fs::create_directories(staged / rank_dir, ec);
+  fs::create_directory(staged / rank_dir, ec);
   if (ec) return IoError("checkpoint: creating {}: {}", (staged / rank_dir).string(), ec.message());
-  const std::vector<ChunkInfo> chunks = engine.chunks();
+  std::vector<ChunkInfo> chunks;
+  for (ChunkInfo& c : engine.chunks()) {
+    if (Saved(c) && (c.sharded || rank == 0)) chunks.push_back(std::move(c));
+  }
+  std::stable_sort(chunks.begin(), chunks.end(),
+                   [](const ChunkInfo& a, const ChunkInfo& b) { return a.group < b.group; });
   uint64_t largest = 4096;
   for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
-  // Each chunk is written from where it lies when that is host memory
-  // (pinned there while its write runs), else read into one of two buffers
-  // while the chunk before is written from the other. Its CRC32C is taken
-  // beside its write.
+  // Each chunk is read into one of two buffers while the chunk before is
+  // written from the other; or, `in_place`, a chunk in host memory is
+  // written from where it lies (pinned there while its write runs). Its
+  // CRC32C is taken beside its write.
   TaskQueue pool(FileTransfer::kThreads);
   Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
                        AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
   if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte chunk buffers", RoundUp(largest));
   struct InFlight {
+    std::optional<ChunkInfo> pinned;  // written from where it lies
     std::optional<ChunkAccess> pin;
     std::unique_ptr<FileTransfer> transfer;
     std::shared_future<Status> crc_done;
@@ -563,6 +582,8 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSu
     const Status crc = flight.crc_done.get();
     flight.transfer.reset();
     flight.pin.reset();
+    if (flight.pinned) done(*flight.pinned);
+    flight.pinned.reset();
     STRATA_RETURN_IF_ERROR(status);
     STRATA_RETURN_IF_ERROR(crc);
     flight.entry["crc32c"] = flight.crc;
@@ -581,21 +602,23 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSu
   } drain{flights};
   int b = 0;
   for (const ChunkInfo& c : chunks) {
-    if (!Saved(c) || (!c.sharded && rank != 0)) continue;
     InFlight& flight = flights[b];
     STRATA_RETURN_IF_ERROR(finish(flight));
+    if (before_chunk) STRATA_RETURN_IF_ERROR(before_chunk(c.id));
     const std::byte* data = nullptr;
     Result<Tier> tier = engine.ChunkTier(c.id);
-    if (tier.ok() && *tier == Tier::kHost && c.size_bytes >= RoundUp(c.used_bytes)) {
+    if (in_place && tier.ok() && *tier == Tier::kHost && c.size_bytes >= RoundUp(c.used_bytes)) {
       STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine.AccessChunk(c.id, Tier::kHost));
       if (reinterpret_cast<uintptr_t>(pin.data()) % kDirectAlignment == 0) {
         data = pin.data();
         flight.pin = std::move(pin);
+        flight.pinned = c;
       }
     }
     if (data == nullptr) {
       auto* buffer = static_cast<std::byte*>(buffers[b].data());
       STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer).WithContext("checkpoint: reading a chunk to save"));
+      done(c);
       data = buffer;
     }
     const std::string path = fmt::format("{}/chunk-{}.bin", rank_dir, c.id.value());
@@ -619,40 +642,66 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, CheckpointSu
   }
   for (int i = 0; i < 2; ++i) STRATA_RETURN_IF_ERROR(finish(flights[b ^ i]));  // the older first
   STRATA_RETURN_IF_ERROR(FlushAll(pool, written));
-  if (rank != 0) {  // for rank 0 to merge into the manifest
-    const std::string text = files.dump();
-    STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / rank_dir / kRankFiles, text.data(), text.size()));
-  }
   STRATA_RETURN_IF_ERROR(SyncDirectory(staged / rank_dir));
   return files;
 }
 
-// Rank 0: the manifest, every rank's entries merged, into `staged`.
-Status WriteManifest(const Engine& engine, const optim::Optimizer& optimizer, const fs::path& staged, json files) {
-  for (int r = 1; r < engine.world_size(); ++r) {
-    const fs::path theirs = staged / fmt::format("rank{}", r) / kRankFiles;
-    STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(theirs));
+// Rank r > 0 tells rank 0 how its files went, in its directory of `staged`:
+// their manifest entries (files.json), or why they failed (failed.txt),
+// each published by a rename so that rank 0 never reads half of one.
+Status ReportToLead(const fs::path& staged, int rank, const Result<json>& files) {
+  const fs::path dir = staged / fmt::format("rank{}", rank);
+  const std::string text = files.ok() ? files->dump() : files.status().ToString();
+  const fs::path report = dir / (files.ok() ? kRankFiles : kRankFailed);
+  const fs::path temporary = dir / ".report.tmp";
+  STRATA_RETURN_IF_ERROR(WriteFileDurably(temporary, text.data(), text.size()));
+  if (::rename(temporary.c_str(), report.c_str()) != 0) return Errno("renaming over", report);
+  return SyncDirectory(dir);
+}
+
+// Rank 0: every other rank's manifest entries appended to `files`, as each
+// reports (ReportToLead); the first rank that failed, or that has not
+// reported `timeout_ms` after this call, fails it.
+Status CollectRankFiles(const fs::path& staged, int world, uint32_t timeout_ms, json& files) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  for (int r = 1; r < world; ++r) {
+    const fs::path dir = staged / fmt::format("rank{}", r);
+    std::error_code ec;
+    while (!fs::exists(dir / kRankFiles, ec)) {
+      if (fs::exists(dir / kRankFailed, ec)) {
+        Result<std::string> why = ReadText(dir / kRankFailed);
+        return IoError("checkpoint: rank {} failed writing its files: {}", r,
+                       why.ok() ? *why : why.status().ToString());
+      }
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Timeout("checkpoint: rank {} had not written its files {} ms after rank 0 had (comm.timeout_ms)", r,
+                       timeout_ms);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    STRATA_ASSIGN_OR_RETURN(std::string text, ReadText(dir / kRankFiles));
     json entries = json::parse(text, nullptr, /*allow_exceptions=*/false);
-    if (!entries.is_array()) return Corruption("checkpoint: {} is not a JSON array", theirs.string());
+    if (!entries.is_array()) return Corruption("checkpoint: {} is not a JSON array", (dir / kRankFiles).string());
     for (json& entry : entries) files.push_back(std::move(entry));
   }
+  return Status::Ok();
+}
+
+// What the manifest says besides its files, fixed as a save begins.
+json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
   json scaler = nullptr;
   if (const optim::LossScaler* s = optimizer.scaler()) {
     scaler = {{"scale", s->scale()}, {"good_steps", s->good_steps()}, {"overflows", s->overflows()}};
   }
   json described = json::object();
   for (const auto& [key, value] : DescribeOptions(engine.options())) described[key] = value;
-  const json manifest = {{"format", kFormat},
-                         {"version", kVersion},
-                         {"step", optimizer.steps_taken()},
-                         {"world_size", engine.world_size()},
-                         {"optimizer", {{"steps_taken", optimizer.steps_taken()}, {"loss_scaler", scaler}}},
-                         {"options", described},
-                         {"tensors", TensorsJson(engine.tensors())},
-                         {"files", std::move(files)}};
-  const std::string text = manifest.dump(1);
-  STRATA_RETURN_IF_ERROR(WriteFileDurably(staged / kManifest, text.data(), text.size()));
-  return SyncDirectory(staged);
+  return {{"format", kFormat},
+          {"version", kVersion},
+          {"step", optimizer.steps_taken()},
+          {"world_size", engine.world_size()},
+          {"optimizer", {{"steps_taken", optimizer.steps_taken()}, {"loss_scaler", scaler}}},
+          {"options", described},
+          {"tensors", TensorsJson(engine.tensors())}};
 }
 
 // InvalidArgument unless `comm` is the group `engine` is a rank of.
@@ -668,53 +717,184 @@ Status CheckGroup(const Engine& engine, const Communicator* comm) {
 
 }  // namespace
 
-Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
-                                         const CheckpointOptions& options, Communicator* comm) {
+// A save's state, shared by the thread that writes it and its caller.
+struct PendingCheckpoint::State {
+  Engine& engine;
+  Communicator* comm;
+  CheckpointOptions options;
+  bool in_place;   // host chunks written from where they lie (the caller waits)
+  fs::path dir;    // the root
+  std::string name;
+  fs::path staged;
+  json head;  // the manifest but its files
+  int64_t step;
+
+  std::mutex mu;
+  std::condition_variable released;
+  std::map<uint32_t, uint32_t> unread;  // chunk group -> its chunks this rank has yet to read out
+  bool finished = false;
+  Status own = Status::Ok();  // this rank's part (rank 0: the publishing too)
+  CheckpointSummary summary;
+  std::thread thread;
+
+  void Release(uint32_t group) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (auto it = unread.find(group); it != unread.end() && --it->second == 0) unread.erase(it);
+    released.notify_all();
+  }
+
+  // Writes this rank's files; rank 0 then gathers the others' entries,
+  // writes the manifest, publishes, points `latest` and prunes.
+  void Run() {
+    const int rank = engine.rank();
+    Result<json> files = WriteRankFiles(engine, staged, in_place, options.before_chunk,
+                                        [this](const ChunkInfo& c) { Release(c.group); }, summary);
+    Status status = files.status();
+    std::error_code ec;
+    if (rank != 0) {
+      const Status reported = ReportToLead(staged, rank, files);
+      if (status.ok()) status = reported;
+    } else {
+      json merged = files.ok() ? std::move(files).value() : json::array();
+      if (status.ok()) {
+        status = CollectRankFiles(staged, engine.world_size(), engine.options().comm_timeout_ms, merged);
+      }
+      if (status.ok()) {
+        json manifest = head;
+        manifest["files"] = std::move(merged);
+        const std::string text = manifest.dump(1);
+        status = WriteFileDurably(staged / kManifest, text.data(), text.size());
+      }
+      if (status.ok()) status = SyncDirectory(staged);
+      if (status.ok()) status = Publish(dir, name, staged);
+      if (!status.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
+      if (status.ok()) status = PointLatestAt(dir, name);
+      // Pruned among this step and earlier ones: later steps belong to a run
+      // that was rewound (loaded from an earlier checkpoint), left to the user.
+      if (status.ok() && options.keep_last > 0) {
+        size_t kept = 0;
+        for (const fs::path& older : CheckpointsUnder(dir)) {
+          if (*StepOf(older.filename().string()) > step) continue;
+          if (++kept > options.keep_last) fs::remove_all(older, ec);
+        }
+      }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    own = status;
+    finished = true;
+    unread.clear();  // a failed save needs nothing more
+    released.notify_all();
+  }
+};
+
+PendingCheckpoint::PendingCheckpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
+
+PendingCheckpoint::~PendingCheckpoint() { WaitLocal(); }
+
+void PendingCheckpoint::WaitLocal() {
+  if (state_->thread.joinable()) state_->thread.join();
+}
+
+Status PendingCheckpoint::BeforeUpdate(uint32_t group) {
+  std::unique_lock<std::mutex> lock(state_->mu);
+  state_->released.wait(lock, [&] { return state_->finished || !state_->unread.contains(group); });
+  return Status::Ok();
+}
+
+bool PendingCheckpoint::done() const {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->finished;
+}
+
+Result<CheckpointSummary> PendingCheckpoint::Wait() {
+  if (outcome_) return *outcome_;
+  WaitLocal();
+  State& s = *state_;
+  // Rank 0's outcome is every rank's (a rank whose own files failed returns that).
+  const Status agreed = Agree(s.comm, s.engine.rank() == 0 ? s.own : Status::Ok(), "publishing the checkpoint");
+  if (!s.own.ok()) {
+    outcome_ = s.own;
+  } else if (!agreed.ok()) {
+    outcome_ = agreed;
+  } else {
+    CheckpointSummary summary = s.summary;
+    summary.path = (s.dir / s.name).string();
+    summary.step = s.step;
+    outcome_ = std::move(summary);
+  }
+  return *outcome_;
+}
+
+namespace {
+
+// The part of a save every rank does together, before any file is written:
+// the directory prepared and named alike on every rank, and what the
+// manifest says fixed. Then the files, on a thread (`asynchronous`) or here.
+Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Optimizer& optimizer,
+                                                 const std::string& root, const CheckpointOptions& options,
+                                                 Communicator* comm, bool asynchronous) {
   if (!engine.finalized()) return InvalidArgument("checkpoint: the engine is not finalized: nothing to save yet");
   STRATA_RETURN_IF_ERROR(CheckGroup(engine, comm));
   const bool lead = engine.rank() == 0;
   const fs::path dir(root);
   std::error_code ec;
   Status prepared = Status::Ok();
+  // Every rank writes into rank 0's temporary directory, named afresh for
+  // each save (a report left by an earlier failed one is never read).
+  uint64_t token = (uint64_t{std::random_device{}()} << 32) | std::random_device{}();
+  if (comm != nullptr && comm->world_size() > 1) STRATA_RETURN_IF_ERROR(comm->Broadcast(&token, sizeof token, 0));
+  const std::string name = StepName(optimizer.steps_taken());
+  const fs::path staged = dir / fmt::format(".{}.tmp-{:016x}", name, token);
   if (lead) {
     fs::create_directories(dir, ec);
     if (ec) prepared = IoError("checkpoint: creating {}: {}", root, ec.message());
     // What a crashed save left: hidden temporaries (one saver per root).
     for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
-      const std::string name = entry.path().filename().string();
-      if (name.rfind(".step-", 0) == 0 || name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+      const std::string entry_name = entry.path().filename().string();
+      if (entry_name.rfind(".step-", 0) == 0 || entry_name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+    }
+    if (prepared.ok() && !fs::create_directory(staged, ec)) {
+      prepared = IoError("checkpoint: creating {}: {}", staged.string(), ec ? ec.message() : "it exists");
     }
   }
-  // Every rank writes into rank 0's temporary directory.
-  int64_t token = ::getpid();
-  if (comm != nullptr && comm->world_size() > 1) STRATA_RETURN_IF_ERROR(comm->Broadcast(&token, sizeof token, 0));
   STRATA_RETURN_IF_ERROR(Agree(comm, prepared, "preparing the checkpoint directory"));
-  const std::string name = StepName(optimizer.steps_taken());
-  const fs::path staged = dir / fmt::format(".{}.tmp-{}", name, token);
-
-  CheckpointSummary summary;
-  Result<json> files = WriteRankFiles(engine, staged, summary);
-  Status written = Agree(comm, files.status(), "writing the checkpoint's files");
-  if (written.ok() && lead) written = WriteManifest(engine, optimizer, staged, std::move(files).value());
-  if (written.ok() && lead) written = Publish(dir, name, staged);
-  if (lead && !written.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
-  if (written.ok() && lead) written = PointLatestAt(dir, name);
-  // Pruned among this step and earlier ones: later steps belong to a run
-  // that was rewound (loaded from an earlier checkpoint), left to the user.
-  if (written.ok() && lead && options.keep_last > 0) {
-    size_t kept = 0;
-    for (const fs::path& older : CheckpointsUnder(dir)) {
-      if (*StepOf(older.filename().string()) > optimizer.steps_taken()) continue;
-      if (++kept > options.keep_last) fs::remove_all(older, ec);
-    }
+  auto state = std::unique_ptr<PendingCheckpoint::State>(new PendingCheckpoint::State{
+      .engine = engine,
+      .comm = comm,
+      .options = options,
+      .in_place = !asynchronous,
+      .dir = dir,
+      .name = name,
+      .staged = staged,
+      .head = ManifestHead(engine, optimizer),
+      .step = optimizer.steps_taken(),
+  });
+  for (const ChunkInfo& c : engine.chunks()) {
+    if (Saved(c) && (c.sharded || lead)) state->unread[c.group]++;
   }
-  // Rank 0's outcome is every rank's (a rank whose own files failed returns that).
-  const Status outcome = Agree(comm, lead ? written : Status::Ok(), "publishing the checkpoint");
-  STRATA_RETURN_IF_ERROR(written);
-  STRATA_RETURN_IF_ERROR(outcome);
-  summary.path = (dir / name).string();
-  summary.step = optimizer.steps_taken();
-  return summary;
+  PendingCheckpoint::State* run = state.get();
+  auto pending = std::make_unique<PendingCheckpoint>(std::move(state));
+  if (asynchronous) {
+    run->thread = std::thread([run] { run->Run(); });
+  } else {
+    run->Run();
+  }
+  return pending;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const optim::Optimizer& optimizer,
+                                                           const std::string& root, const CheckpointOptions& options,
+                                                           Communicator* comm) {
+  return Start(engine, optimizer, root, options, comm, /*asynchronous=*/true);
+}
+
+Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
+                                         const CheckpointOptions& options, Communicator* comm) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<PendingCheckpoint> pending,
+                          Start(engine, optimizer, root, options, comm, /*asynchronous=*/false));
+  return pending->Wait();
 }
 
 Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,

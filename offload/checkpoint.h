@@ -40,9 +40,13 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "offload/train_step.h"
 #include "optim/optimizer.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
@@ -54,6 +58,9 @@ struct CheckpointOptions {
   // After publishing, keep only the newest N checkpoints of this step and
   // earlier ones under the root (0: keep all).
   uint32_t keep_last = 0;
+  // Tests: called on the saving thread before each chunk is read out (a
+  // slow or failing drive's stand-in); an error fails the save.
+  std::function<Status(ChunkId)> before_chunk;
 };
 
 struct LoadOptions {
@@ -82,6 +89,51 @@ struct CheckpointSummary {
 // into the manifest and publishes; the outcome is the same on every rank.
 Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer& optimizer, const std::string& root,
                                          const CheckpointOptions& options = {}, Communicator* comm = nullptr);
+
+// A save running on a thread of its own (StartCheckpoint): it writes the
+// state as it was when it started while training goes on. Each chunk group
+// is read out in layout order, so a step's update of a group waits
+// (BeforeUpdate, through RunTrainStep's fence) only until the save has read
+// that group; forward and backward, which change no saved chunk, do not
+// wait. Nothing else may change saved chunks until Wait (a load included).
+class PendingCheckpoint : public UpdateFence {
+ public:
+  struct State;
+  explicit PendingCheckpoint(std::unique_ptr<State> state);
+  // Waits for this rank's files; the outcome is lost (call Wait for it).
+  ~PendingCheckpoint() override;
+  PendingCheckpoint(const PendingCheckpoint&) = delete;
+  PendingCheckpoint& operator=(const PendingCheckpoint&) = delete;
+
+  // Returns once the save no longer needs `group`'s chunks as they were.
+  Status BeforeUpdate(uint32_t group) override;
+  // Whether this rank's part is finished (written, or failed).
+  bool done() const;
+  // Waits for this rank's part alone, as the destructor does (rank 0's
+  // publishes): for the end of a process that cannot call Wait.
+  void WaitLocal();
+  // Waits for the save and returns its outcome, SaveCheckpoint's. Data
+  // parallel it is a collective: every rank calls it at the same point (its
+  // next save, or the end of the run). Later calls return the same outcome.
+  Result<CheckpointSummary> Wait();
+
+ private:
+  std::unique_ptr<State> state_;
+  std::optional<Result<CheckpointSummary>> outcome_;
+};
+
+// SaveCheckpoint's work on a thread of its own: returns once the save has
+// begun (the step, the optimizer's state and the directory are fixed here,
+// with every rank, as SaveCheckpoint fixes them). The chunks are read into
+// two chunk-sized buffers (never written from where they lie, which would
+// keep them pinned while training goes on). Data parallel, every rank calls
+// it with its communicator, which the save then leaves alone until Wait:
+// rank 0 learns that the other ranks' files are written from the files
+// themselves (waiting at most comm.timeout_ms after its own), and publishes.
+Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const optim::Optimizer& optimizer,
+                                                           const std::string& root,
+                                                           const CheckpointOptions& options = {},
+                                                           Communicator* comm = nullptr);
 
 // `path`: a root (its `latest` names the checkpoint) or one checkpoint's
 // directory. The engine must be finalized with the same tensors; the

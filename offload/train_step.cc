@@ -169,7 +169,8 @@ Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param
 }  // namespace
 
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip, Communicator* comm, GradReducer* reducer) {
+                                     const std::vector<bool>& skip, Communicator* comm, GradReducer* reducer,
+                                     UpdateFence* fence) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
   const bool parallel = comm != nullptr && comm->world_size() > 1;
@@ -231,6 +232,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
       lo = range.begin;
       hi = range.end;
     }
+    if (fence != nullptr) STRATA_RETURN_IF_ERROR(fence->BeforeUpdate(g[ChunkKind::kParam].group));
     STRATA_RETURN_IF_ERROR(pipeline.BeginHostMoment().status());
     // Released before EndMoment, so the plan's write-backs may take them.
     std::array<ChunkAccess, kNumChunkKinds> held;

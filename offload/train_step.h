@@ -39,6 +39,16 @@ struct TrainStepReport {
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
 };
 
+// What an update waits for before it changes a chunk group's chunks (its
+// param, master and optimizer states): an asynchronous checkpoint that has
+// not yet read them out (offload::PendingCheckpoint).
+class UpdateFence {
+ public:
+  virtual ~UpdateFence() = default;
+  // Returns once `group`'s chunks may change.
+  virtual Status BeforeUpdate(uint32_t group) = 0;
+};
+
 // Needs an open pipeline iteration and no open moment; leaves the iteration
 // open (the caller ends it). `skip[tensor id]`: tensors left as they are
 // this step (no gradient reached them: torch.optim skips a parameter whose
@@ -60,8 +70,10 @@ struct TrainStepReport {
 // taken from it (their reduction overlapped backward), the others submitted
 // now; without, every group is reduced here (parameters sharded: the reducer
 // that gathered them is required, InvalidArgument without one).
+//
+// With `fence`, each group's update first waits for fence->BeforeUpdate.
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
                                      const std::vector<bool>& skip = {}, Communicator* comm = nullptr,
-                                     GradReducer* reducer = nullptr);
+                                     GradReducer* reducer = nullptr, UpdateFence* fence = nullptr);
 
 }  // namespace strata::offload

@@ -449,13 +449,14 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "train_step",
       [](strata::Engine& engine, strata::offload::Pipeline& pipeline, strata::optim::Optimizer& optimizer,
-         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm, PyGradReducer* reducer) {
+         const std::vector<uint32_t>& skip_tensors, strata::Communicator* comm, PyGradReducer* reducer,
+         strata::offload::PendingCheckpoint* fence) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         const strata::offload::TrainStepReport report = ValueOrThrow(Unlocked(
             [&] {
               return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm,
-                                                   reducer != nullptr ? &reducer->get() : nullptr);
+                                                   reducer != nullptr ? &reducer->get() : nullptr, fence);
             }));
         py::dict d;
         d["skipped"] = report.plan.skip;
@@ -470,9 +471,10 @@ PYBIND11_MODULE(_strata, m) {
         return d;
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
-      py::arg("comm") = nullptr, py::arg("reducer") = nullptr,
+      py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
-      "skip_tensors (ids) are left as they are");
+      "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
+      "until the save has read the group");
 
   py::class_<PyGradReducer, std::unique_ptr<PyGradReducer>>(
       m, "GradReducer",
@@ -541,6 +543,34 @@ PYBIND11_MODULE(_strata, m) {
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
       "saves every chunk but the gradients, and the optimizer's state, as root/step-<N>, then points root/latest "
       "at it");
+  py::class_<strata::offload::PendingCheckpoint>(
+      m, "PendingCheckpoint", "a save written on a thread of its own while training goes on (start_checkpoint)")
+      .def(
+          "wait",
+          [summary](strata::offload::PendingCheckpoint& p) {
+            return summary(ValueOrThrow(Unlocked([&] { return p.Wait(); })));
+          },
+          "waits for the save and returns what save_checkpoint would (data parallel: every rank calls it)")
+      .def("wait_local",
+           [](strata::offload::PendingCheckpoint& p) {
+             py::gil_scoped_release unlocked;
+             p.WaitLocal();
+           },
+           "waits for this rank's files alone, no collective (rank 0's publishes): the end of a process")
+      .def_property_readonly("done", &strata::offload::PendingCheckpoint::done,
+                             "whether this rank's part is finished");
+  m.def(
+      "start_checkpoint",
+      [](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
+         uint32_t keep_last, strata::Communicator* comm) {
+        return ValueOrThrow(Unlocked([&] {
+          return strata::offload::StartCheckpoint(engine, optimizer, root, {.keep_last = keep_last}, comm);
+        }));
+      },
+      py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
+      py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
+      "save_checkpoint on a thread of its own: the state as it is now, written while training goes on "
+      "(pass it to train_step as its fence); wait() for the outcome");
   m.def(
       "load_checkpoint",
       [summary](strata::Engine& engine, strata::optim::Optimizer& optimizer, const std::string& path, bool fall_back,

@@ -249,6 +249,7 @@ class TrainingEngine:
         self._reducing = False     # this backward submits complete grad chunks to the reducer
         self._comm_mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
         self._broken = None        # why training cannot go on (a step or backward that failed part way)
+        self._pending = None       # an asynchronous save still to be waited for
         self._hooks = []
         self._install_hooks(model)
 
@@ -415,8 +416,9 @@ class TrainingEngine:
             # A step's bytes run from here to here next step: every collective begun in between is done by
             # then (gathers queued ahead by this step's updates are the next forward's, and counted there).
             mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
+            # An asynchronous save reads each group out before its update changes it.
             self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
-                                            self._comm, self._reducer)
+                                            self._comm, self._reducer, self._pending)
         except BaseException as error:
             self._broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk groups are "
                             "updated and others not")
@@ -507,7 +509,7 @@ class TrainingEngine:
             out[record.name] = view.to(self.dtype if not master else dtype, copy=True).reshape(record.shape)
         return out
 
-    def save_checkpoint(self, path, keep_last=0):
+    def save_checkpoint(self, path, keep_last=0, asynchronous=False):
         """Saves the training state under `path` as path/step-<N> (N: steps taken) and points path/latest at it.
 
         The parameters, the fp32 masters and the optimizer moments are written from whichever tier holds
@@ -517,11 +519,31 @@ class TrainingEngine:
         the newest keep_last checkpoints. Between steps. Data parallel, every rank calls it with the same
         `path`, a directory every rank sees: each saves its shards, rank 0 publishes. Returns a dict: path,
         step, bytes, files (this rank's).
+
+        asynchronous=True returns at once (None) and writes the state as it is now while training goes on:
+        each chunk group's update in a later step waits until the save has read that group. The next save,
+        load, wait_checkpoint() or close() waits for it and raises its error; at exit this rank's files
+        are finished (and rank 0's publishing), without the ranks agreeing on the outcome.
         """
         self._check_between_steps("save_checkpoint")
         self._drain()
-        return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path), keep_last,
-                             self._comm)
+        self.wait_checkpoint()
+        if not asynchronous:
+            return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path),
+                                 keep_last, self._comm)
+        self._pending = self._checked(_strata.start_checkpoint, self._engine, self._optimizer, os.fspath(path),
+                                      keep_last, self._comm)
+        atexit.register(self._pending.wait_local)
+        return None
+
+    def wait_checkpoint(self):
+        """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its
+        error. Data parallel, every rank calls it at the same point."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        atexit.unregister(pending.wait_local)
+        return self._checked(pending.wait)
 
     def load_checkpoint(self, path, fall_back=False):
         """Loads a checkpoint: `path` is a root (its latest) or one checkpoint's directory.
@@ -539,6 +561,7 @@ class TrainingEngine:
         self._check_between_steps("load_checkpoint",
                                   usable=self._broken is None or not self._broken.startswith(_LOAD_FAILED))
         self._drain()
+        self.wait_checkpoint()
         try:
             loaded = self._checked(_strata.load_checkpoint, self._engine, self._optimizer, os.fspath(path),
                                    fall_back, self._comm)
@@ -589,7 +612,9 @@ class TrainingEngine:
     def close(self):
         """Ends data-parallel training: waits for the collectives in flight (the gathers queued ahead for a
         forward that will not come included) and stops the reducer's thread, here and now rather than when
-        the engine is collected or at exit. Every rank calls it; the engine trains no more after."""
+        the engine is collected or at exit. Waits for an asynchronous save first (raising its error). Every
+        rank calls it; the engine trains no more after."""
+        self.wait_checkpoint()
         if self._reducer is not None:
             self._broken = self._broken or "the engine was closed"
             try:

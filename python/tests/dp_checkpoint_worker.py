@@ -1,7 +1,7 @@
 """One rank of the data-parallel checkpoint test (run by test_checkpoint.py under mpirun, or alone).
 
 save: TinyGPT from seed 0 trains 3 steps on this rank's share of each batch, saves a checkpoint under
-ROOT, trains 3 more. load: TinyGPT from seed 1 loads ROOT and trains the same 3 more. Either way rank 0
+ROOT, trains 3 more (save-async: the save written while they run, waited for by close()). load: TinyGPT from seed 1 loads ROOT and trains the same 3 more. Either way rank 0
 writes the last 3 steps' mean losses over the ranks and the final fp32 masters to OUT.
 """
 
@@ -39,9 +39,9 @@ def main(phase, root, nvme_dir, out, shard_params):
             losses.append(total / engine.world_size)
         return losses
 
-    if phase == "save":
+    if phase.startswith("save"):
         train(data[:3])
-        engine.save_checkpoint(root)
+        assert engine.save_checkpoint(root, asynchronous=phase == "save-async") is None or phase == "save"
     else:
         engine.load_checkpoint(root)
     losses = train(data[3:])

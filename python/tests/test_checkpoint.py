@@ -81,6 +81,46 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
     assert inspect.returncode == 0 and "step 1, saved by 1 rank(s)" in inspect.stdout, inspect.stdout + inspect.stderr
 
 
+def test_an_asynchronous_save_holds_the_state_of_its_start(tmp_path):
+    """5 steps, a save written while 5 more run: a fresh engine that loads it and runs the 5 has the same
+    losses and masters, bit for bit. The next save waits for it."""
+    data = list(batches(10))
+    first = trained(tmp_path, "first", "fp32")
+    strata_losses(first, data[:5])
+    assert first.save_checkpoint(tmp_path / "ckpt", asynchronous=True) is None
+    expected = strata_losses(first, data[5:])
+    saved = first.wait_checkpoint()
+    assert (saved["step"], saved["path"]) == (5, str(tmp_path / "ckpt" / "step-00000005"))
+    assert first.wait_checkpoint() is None
+    assert first.save_checkpoint(tmp_path / "ckpt", asynchronous=True) is None
+    assert first.save_checkpoint(tmp_path / "ckpt")["step"] == 10  # waited for the one before
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000005", "step-00000010"]
+
+    second = trained(tmp_path, "second", "fp32", seed=1)
+    second.load_checkpoint(tmp_path / "ckpt" / "step-00000005")
+    assert strata_losses(second, data[5:]) == expected
+    theirs, ours = first.state_dict(master=True), second.state_dict(master=True)
+    assert all(torch.equal(theirs[name], ours[name]) for name in theirs)
+
+
+def test_an_asynchronous_save_is_finished_when_the_process_exits(tmp_path):
+    """A process that starts a save and exits at once, without waiting, leaves it published."""
+    script = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import torch, strata
+from models import TinyGPT, batches, strata_losses, three_tiers
+torch.manual_seed(0)
+engine = strata.initialize(TinyGPT(), three_tiers({str(tmp_path)!r}))
+strata_losses(engine, list(batches(2)))
+engine.save_checkpoint({str(tmp_path / "ckpt")!r}, asynchronous=True)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    verified = strata._strata.verify_checkpoint(str(tmp_path / "ckpt"))
+    assert verified["step"] == 2 and verified["files"] > 0
+
+
 def test_saving_mid_step_is_refused(tmp_path):
     engine = trained(tmp_path, "run", "fp32")
     tokens = next(iter(batches(1)))
@@ -92,11 +132,12 @@ def test_saving_mid_step_is_refused(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun (OpenMPI's openmpi-bin)")
-@pytest.mark.parametrize("shard_params", ["false", "true"])
-def test_two_ranks_resume_exactly_and_one_process_loads_their_checkpoint(tmp_path, shard_params):
+@pytest.mark.parametrize("shard_params,save", [("false", "save"), ("true", "save"), ("false", "save-async")])
+def test_two_ranks_resume_exactly_and_one_process_loads_their_checkpoint(tmp_path, shard_params, save):
     """Two ranks under mpirun save after 3 steps and train 3 more; two fresh ranks from another initialization
-    load and train the same 3: the same losses and masters, bit for bit (with comm.shard_params too). One
-    process on the whole batch loads the two ranks' checkpoint and trains on as they did (to 1e-5)."""
+    load and train the same 3: the same losses and masters, bit for bit (with comm.shard_params too, and with
+    the save written while the 3 steps run). One process on the whole batch loads the two ranks' checkpoint
+    and trains on as they did (to 1e-5)."""
     worker = os.path.join(os.path.dirname(__file__), "dp_checkpoint_worker.py")
 
     def run(world, phase, name):
@@ -109,7 +150,7 @@ def test_two_ranks_resume_exactly_and_one_process_loads_their_checkpoint(tmp_pat
         assert done.returncode == 0, done.stdout + done.stderr
         return torch.load(tmp_path / name / "out.pt")
 
-    saved = run(2, "save", "saved")
+    saved = run(2, save, "saved")
     loaded = run(2, "load", "loaded")
     assert loaded["losses"] == saved["losses"]
     assert all(torch.equal(value, loaded["final"][name]) for name, value in saved["final"].items())

@@ -6,10 +6,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -294,6 +296,18 @@ std::vector<std::vector<float>> Params(Model& model) {
   return params;
 }
 
+// Two fresh ranks load the checkpoint at `path` (saved at step 3) and train
+// steps 3 to 6: each ends with `expected[rank]`'s parameters.
+void ExpectTwoRanksResume(const std::string& path, const std::vector<std::vector<std::vector<float>>>& expected) {
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    ASSERT_OK(LoadCheckpoint(*model.engine, *model.optimizer, path, {}, &comm).status());
+    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+    EXPECT_EQ(Params(model), expected[r]) << "rank " << r;
+  });
+}
+
 // Two ranks save (each its shard of the moments, rank 0 the parameters):
 // two fresh ranks that load it, and one rank alone, train on exactly as the
 // two would have; and one rank's checkpoint loads on two.
@@ -338,13 +352,7 @@ TEST(CheckpointTest, DataParallelCheckpointsResumeExactlyOnAnyNumberOfRanks) {
   Initialize(single);
   TrainRanks(single, -1, 2, 0, 3);
   ASSERT_OK(SaveCheckpoint(*single.engine, *single.optimizer, one.path()).status());
-  OnRanks(2, [&](int r, Communicator& comm) {
-    Model model(0.0, &comm);
-    GradReducer reducer(*model.engine, comm);
-    ASSERT_OK(LoadCheckpoint(*model.engine, *model.optimizer, one.path(), {}, &comm).status());
-    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
-    EXPECT_EQ(Params(model), expected[r]) << "rank " << r;
-  });
+  ExpectTwoRanksResume(one.path(), expected);
 }
 
 // A rank whose part of the checkpoint is damaged fails the load on every
@@ -541,6 +549,128 @@ TEST(CheckpointTest, RanksFailingDifferentlyStopAlike) {
   });
   EXPECT_EQ(results[1].code(), StatusCode::kInvalidArgument) << results[1].ToString();
   EXPECT_EQ(results[0].code(), StatusCode::kCorruption) << results[0].ToString();  // its own error, not a Timeout
+}
+
+// A save that reads each chunk out slowly (`ms` before each), so that
+// training goes on well past its start.
+CheckpointOptions Slow(int ms) {
+  return {.keep_last = 0, .before_chunk = [ms](ChunkId) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+            return Status::Ok();
+          }};
+}
+
+// A save whose third chunk cannot be read (an NVMe read error's stand-in).
+CheckpointOptions FailingThirdChunk() {
+  return {.keep_last = 0, .before_chunk = [n = 0](ChunkId chunk) mutable {
+            return ++n == 3 ? IoError("reading chunk {}: injected", chunk.value()) : Status::Ok();
+          }};
+}
+
+// An asynchronous save at step 4, written while 4 more steps run, holds
+// step 4's state: a fresh engine that loads it and runs the 4 steps ends
+// bit for bit where the first did (states partly on NVMe). The updates
+// waited for the save (without the fence the later groups are saved as
+// updated by step 5 and this fails).
+TEST(CheckpointTest, AnAsynchronousSaveHoldsTheStateOfItsStartWhileTrainingGoesOn) {
+  ScratchDir dir("ckpt");
+  Model first;
+  Initialize(first);
+  Train(first, 0, 4);
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                       StartCheckpoint(*first.engine, *first.optimizer, dir.path(), Slow(15)));
+  EXPECT_FALSE(pending->done());  // 19 chunks at 15 ms each
+  first.fence = pending.get();
+  Train(first, 4, 8);
+  first.fence = nullptr;
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary saved, pending->Wait());
+  EXPECT_TRUE(pending->done());
+  EXPECT_EQ(saved.step, 4);
+  EXPECT_EQ(saved.files, 3u * kLayers + 1);
+  EXPECT_EQ(Latest(dir.path()), "step-00000004");
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary again, pending->Wait());  // the same outcome
+  EXPECT_EQ(again.path, saved.path);
+  ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+
+  Model second;
+  ASSERT_OK(LoadCheckpoint(*second.engine, *second.optimizer, dir.path()).status());
+  Train(second, 4, 8);
+  EXPECT_EQ(State(second), State(first));
+}
+
+// An asynchronous save that fails (a chunk it cannot read) reports it from
+// Wait; the updates it held back go on, and the last checkpoint stays.
+TEST(CheckpointTest, AFailedAsynchronousSaveReportsAtWaitAndTrainingGoesOn) {
+  ScratchDir dir("ckpt");
+  Model model;
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), FailingThirdChunk()));
+  model.fence = pending.get();
+  Train(model, 2, 3);
+  model.fence = nullptr;
+  const Status failed = pending->Wait().status();
+  EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.ToString();
+  EXPECT_EQ(model.optimizer->steps_taken(), 3);
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(State(fresh), at_one);
+}
+
+// Two ranks save asynchronously while both train on (their collectives on
+// the communicator the save leaves alone): two fresh ranks that load it
+// train on exactly as the two did.
+TEST(CheckpointTest, DataParallelAsynchronousSavesResumeExactly) {
+  ScratchDir dir("ckpt");
+  std::vector<std::vector<std::vector<float>>> expected(2);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    Initialize(model);
+    TrainRanks(model, r, 2, 0, 3, &comm, &reducer);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(), Slow(10 * (r + 1)), &comm));
+    model.fence = pending.get();
+    TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+    model.fence = nullptr;
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary saved, pending->Wait());
+    EXPECT_EQ(saved.step, 3);
+    expected[r] = Params(model);
+  });
+  ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+  ExpectTwoRanksResume(dir.path(), expected);
+}
+
+// A rank whose files fail, and a rank that never reports (dead, or far
+// behind): rank 0 names it, every rank's save fails, nothing is published.
+TEST(CheckpointTest, ARankThatFailsOrNeverReportsFailsTheSaveOnEveryRank) {
+  ScratchDir dir("ckpt");
+  std::vector<Status> failed(2, Status::Ok()), late(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model model(0.0, &comm, false, /*comm_timeout_ms=*/300);
+    GradReducer reducer(*model.engine, comm);
+    Initialize(model);
+    TrainRanks(model, r, 2, 0, 1, &comm, &reducer);
+    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
+    TrainRanks(model, r, 2, 1, 2, &comm, &reducer);
+    failed[r] = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(),
+                               r == 1 ? FailingThirdChunk() : CheckpointOptions{}, &comm)
+                    .status();
+    // Rank 1 reads its first chunk out 1.5 s late, beyond rank 0's 300 ms.
+    late[r] = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), r == 1 ? Slow(1500) : CheckpointOptions{},
+                             &comm)
+                  .status();
+  });
+  EXPECT_EQ(failed[1].code(), StatusCode::kIoError) << failed[1].ToString();
+  EXPECT_EQ(failed[0].code(), StatusCode::kIoError) << failed[0].ToString();
+  EXPECT_NE(failed[0].message().find("rank 1 failed writing its files"), std::string::npos) << failed[0].ToString();
+  EXPECT_EQ(late[0].code(), StatusCode::kTimeout) << late[0].ToString();
+  EXPECT_NE(late[0].message().find("rank 1 had not written its files"), std::string::npos) << late[0].ToString();
+  EXPECT_FALSE(late[1].ok());
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  ASSERT_OK(VerifyCheckpoint(dir.path()).status());
 }
 
 }  // namespace

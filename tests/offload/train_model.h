@@ -31,11 +31,14 @@ struct Model {
   std::unique_ptr<Engine> engine;
   std::unique_ptr<Pipeline> pipeline;
   std::unique_ptr<optim::Optimizer> optimizer;
+  UpdateFence* fence = nullptr;  // the updates' (an asynchronous checkpoint)
 
   // With `comm`, one rank of its group (the states sharded across them).
   // With `shard_params`, the params too (option comm.shard_params).
-  explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr, bool shard_params = false) {
+  explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr, bool shard_params = false,
+                 uint32_t comm_timeout_ms = 60'000) {
     Options options;
+    options.comm_timeout_ms = comm_timeout_ms;
     options.comm_shard_params = shard_params;
     options.device_backend = DeviceBackendKind::kEmulated;
     options.device_budget_bytes = 4 * kChunkElems * 4;
@@ -117,7 +120,7 @@ struct Model {
         backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
       }
     }
-    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm, reducer)
+    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm, reducer, fence)
                                                    : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
