@@ -415,32 +415,9 @@ Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest)
   return summary;
 }
 
-// Whether every rank's `status` is OK, decided alike on every rank: a
-// failing rank gets its own error, the others an error naming the ranks
-// that failed, InvalidArgument if any of theirs was (another model: no
-// older checkpoint fits either), else IoError. `any_invalid`: whether any
-// rank's was InvalidArgument, the same on every rank (what decides whether
-// a load falls back, so that every rank calls the same collectives).
+// AgreeOnStatus, for a checkpoint's `what`.
 Status Agree(Communicator* comm, const Status& status, const std::string& what, bool* any_invalid = nullptr) {
-  if (any_invalid != nullptr) *any_invalid = status.code() == StatusCode::kInvalidArgument;
-  if (comm == nullptr || comm->world_size() == 1) return status;
-  const int world = comm->world_size();
-  std::vector<double> failed(2 * world, 0.0);  // failed, then failed with InvalidArgument, per rank
-  failed[comm->rank()] = status.ok() ? 0.0 : 1.0;
-  failed[world + comm->rank()] = status.code() == StatusCode::kInvalidArgument ? 1.0 : 0.0;
-  STRATA_RETURN_IF_ERROR(comm->AllReduceSum(failed).WithContext(fmt::format("checkpoint: agreeing on {}", what)));
-  std::vector<int> ranks;
-  bool invalid = false;
-  for (int r = 0; r < world; ++r) {
-    if (failed[r] > 0) ranks.push_back(r);
-    invalid = invalid || failed[world + r] > 0;
-  }
-  if (any_invalid != nullptr) *any_invalid = invalid;  // the same on every rank
-  if (!status.ok()) return status;
-  if (ranks.empty()) return Status::Ok();
-  const std::string message =
-      fmt::format("checkpoint: {} failed on rank(s) {} (their own errors say why)", what, fmt::join(ranks, ", "));
-  return invalid ? InvalidArgument("{}", message) : IoError("{}", message);
+  return AgreeOnStatus(comm, status, "checkpoint: " + what, any_invalid);
 }
 
 // InvalidArgument unless the checkpoint holds `engine`'s model (the same

@@ -122,4 +122,13 @@ bool LaunchedByMpi();
 // or wrong numbers later.
 Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::string_view value);
 
+// Whether every rank's `status` is OK, decided alike on every rank (one
+// small all-reduce): a failing rank gets its own error back, the others an
+// error naming the ranks that failed, InvalidArgument if any of theirs was,
+// else IoError. `any_invalid`: whether any rank's was InvalidArgument, the
+// same on every rank (so that what the ranks do next, such as a load
+// falling back to an older checkpoint, is the same). A null `comm` or a
+// single rank: `status` itself.
+Status AgreeOnStatus(Communicator* comm, const Status& status, std::string_view what, bool* any_invalid = nullptr);
+
 }  // namespace strata

@@ -90,6 +90,28 @@ Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::strin
                              : fmt::format(" (this is rank {}: {})", comm.rank(), value));
 }
 
+Status AgreeOnStatus(Communicator* comm, const Status& status, std::string_view what, bool* any_invalid) {
+  if (any_invalid != nullptr) *any_invalid = status.code() == StatusCode::kInvalidArgument;
+  if (comm == nullptr || comm->world_size() == 1) return status;
+  const int world = comm->world_size();
+  std::vector<double> failed(2 * world, 0.0);  // failed, then failed with InvalidArgument, per rank
+  failed[comm->rank()] = status.ok() ? 0.0 : 1.0;
+  failed[world + comm->rank()] = status.code() == StatusCode::kInvalidArgument ? 1.0 : 0.0;
+  STRATA_RETURN_IF_ERROR(comm->AllReduceSum(failed).WithContext(fmt::format("agreeing on {}", what)));
+  std::vector<int> ranks;
+  bool invalid = false;
+  for (int r = 0; r < world; ++r) {
+    if (failed[r] > 0) ranks.push_back(r);
+    invalid = invalid || failed[world + r] > 0;
+  }
+  if (any_invalid != nullptr) *any_invalid = invalid;  // the same on every rank
+  if (!status.ok()) return status;
+  if (ranks.empty()) return Status::Ok();
+  const std::string message =
+      fmt::format("{} failed on rank(s) {} (their own errors say why)", what, fmt::join(ranks, ", "));
+  return invalid ? InvalidArgument("{}", message) : IoError("{}", message);
+}
+
 #if !defined(STRATA_WITH_MPI)
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions) {
   return NotSupported("MPI: strata was built without it (install libopenmpi-dev and rebuild)");

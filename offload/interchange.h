@@ -1,0 +1,85 @@
+// Interchange with the rest of the ecosystem: the parameters exported to a
+// safetensors file, and set from one, a chunk group at a time (the model is
+// never staged whole in host memory).
+//
+//   STRATA_ASSIGN_OR_RETURN(auto out, offload::ExportSafetensors(*engine, "model.safetensors", {.fp32 = true}));
+//   ... another engine of the same tensors, before training ...
+//   STRATA_ASSIGN_OR_RETURN(auto in, offload::ImportSafetensors(*other, "model.safetensors"));
+//
+// A safetensors file is an 8-byte little-endian header length, a JSON header
+// naming each tensor's dtype (F64, F32, BF16, F16 here), shape and byte
+// range [begin, end) of the data that follows, and the data (tensors
+// contiguous, row-major, little-endian). An export writes the tensors in
+// chunk layout order, so that each chunk is read once, under their
+// registered names, with "__metadata__": {"format": "pt"} as the
+// transformers library expects; it writes a temporary file beside `path`,
+// fsyncs it and renames it into place.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "strata/comm.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+struct ExportOptions {
+  // fp32: the fp32 masters where the engine keeps them (bf16/fp16
+  // training), other parameters widened to fp32. Else the parameters in the
+  // dtype their chunks hold (the compute dtype).
+  bool fp32 = false;
+};
+
+struct ImportOptions {
+  // Every registered tensor must be in the file and every tensor of the
+  // file registered (InvalidArgument naming those that are not). false:
+  // registered tensors the file lacks keep their values, and the file's
+  // other tensors are left unread (both listed in the summary).
+  bool strict = true;
+};
+
+struct InterchangeSummary {
+  std::string path;
+  uint32_t tensors = 0;  // written, or set
+  uint64_t bytes = 0;    // tensor data written, or read
+  std::vector<std::string> missing;  // import, not strict: registered tensors the file lacks
+  std::vector<std::string> unused;   // import, not strict: the file's tensors that no registered one takes
+};
+
+// Writes every registered tensor's parameters to a safetensors file at
+// `path`. Data parallel, every rank calls it with its communicator (the
+// shards of the masters are gathered: rank 0 writes) and every rank
+// returns the same outcome. With comm.shard_params the parameters come
+// from the masters (rounded to the compute dtype, as the update rounds them).
+Result<InterchangeSummary> ExportSafetensors(Engine& engine, const std::string& path,
+                                             const ExportOptions& options = {}, Communicator* comm = nullptr);
+
+// Sets every registered tensor's parameters from the safetensors file at
+// `path`, by name: the param chunk in its dtype (rounded to nearest even)
+// and the fp32 master from the file's values (this rank's shard of it, data
+// parallel: every rank reads the file itself, no collective). Shapes must
+// match (InvalidArgument naming the tensor); any of F64, F32, BF16 and F16
+// converts to the engine's dtypes. Gradients and optimizer states are left
+// as they are: it is how a model is initialized, before training. A file
+// that is not safetensors, or whose ranges fall outside it, is
+// InvalidArgument naming the file; a read error is IoError.
+Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& path,
+                                             const ImportOptions& options = {});
+
+// One tensor of a safetensors file: its dtype ("F32", ...), shape, and where
+// its bytes are, from the start of the file.
+struct SafetensorsEntry {
+  std::string dtype;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+// The file's tensors by name, the header checked (each range inside the
+// file and of its shape's size); InvalidArgument naming the file otherwise.
+Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::string& path);
+
+}  // namespace strata::offload
