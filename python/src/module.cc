@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "offload/checkpoint.h"
+#include "offload/interchange.h"
 #include "offload/pipeline.h"
 #include "offload/train_step.h"
 #include "optim/optimizer.h"
@@ -587,6 +588,49 @@ PYBIND11_MODULE(_strata, m) {
         return summary(ValueOrThrow(Unlocked([&] { return strata::offload::VerifyCheckpoint(path); })));
       },
       py::arg("path"), "checks every file of a checkpoint against its manifest (size, CRC32C)");
+
+  // safetensors (offload/interchange.h).
+  const auto interchanged = [](const strata::offload::InterchangeSummary& s) {
+    py::dict d;
+    d["path"] = s.path;
+    d["tensors"] = s.tensors;
+    d["bytes"] = s.bytes;
+    d["missing"] = s.missing;
+    d["unused"] = s.unused;
+    return d;
+  };
+  m.def(
+      "export_safetensors",
+      [interchanged](strata::Engine& engine, const std::string& path, bool fp32, strata::Communicator* comm) {
+        return interchanged(ValueOrThrow(
+            Unlocked([&] { return strata::offload::ExportSafetensors(engine, path, {.fp32 = fp32}, comm); })));
+      },
+      py::arg("engine"), py::arg("path"), py::arg("fp32") = false, py::arg("comm") = nullptr,
+      "writes every registered tensor's parameters to a safetensors file (compute dtype, or fp32 masters)");
+  m.def(
+      "import_safetensors",
+      [interchanged](strata::Engine& engine, const std::string& path, bool strict) {
+        return interchanged(ValueOrThrow(
+            Unlocked([&] { return strata::offload::ImportSafetensors(engine, path, {.strict = strict}); })));
+      },
+      py::arg("engine"), py::arg("path"), py::arg("strict") = true,
+      "sets the parameters (and this rank's masters) from a safetensors file, chunk group by chunk group");
+  m.def(
+      "safetensors_index",
+      [](const std::string& path) {
+        const auto entries = ValueOrThrow(Unlocked([&] { return strata::offload::ReadSafetensorsIndex(path); }));
+        py::dict out;
+        for (const auto& [name, entry] : entries) {
+          py::dict d;
+          d["dtype"] = entry.dtype;
+          d["shape"] = entry.shape;
+          d["offset"] = entry.offset;
+          d["bytes"] = entry.bytes;
+          out[py::str(name)] = d;
+        }
+        return out;
+      },
+      py::arg("path"), "a safetensors file's tensors: name -> dtype, shape, offset (from the file's start), bytes");
 
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(strata::ParseSize(text)); }, py::arg("text"),

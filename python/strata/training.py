@@ -36,6 +36,7 @@ chunks directly, outside the pipeline, so they do not disturb the plan; an
 """
 
 import atexit
+import inspect
 import json
 import os
 import re
@@ -48,6 +49,20 @@ from . import _strata, distributed
 from .config import load_config
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# safetensors dtype names (those torch holds).
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _read_safetensors_tensor(path, entry):
+    """One tensor of a safetensors file (an entry of _strata.safetensors_index), read alone."""
+    with open(path, "rb") as f:
+        f.seek(entry["offset"])
+        raw = bytearray(f.read(entry["bytes"]))
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:
+        raise ValueError(f"strata: {path}: dtype {entry['dtype']} is not one torch holds")
+    return torch.frombuffer(raw, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
 def _held_part(chunk, offset, numel, itemsize):
@@ -156,12 +171,15 @@ def _close_reducer(reducer):
     reducer.close()
 
 
-def initialize(model, config=None):
+def initialize(model, config=None, weights=None):
     """Moves `model`'s parameters into strata's chunks and returns the Engine that trains it.
 
     `config`: a dict, the path of a JSON file, or None for the defaults (see strata.load_config).
+    `weights`: the parameters' initial values instead of the model's own (engine.load_weights: a
+    safetensors file, a PyTorch state dict or its file), streamed into the chunks; the model may then
+    be built on the meta device (`with torch.device("meta"): model = Net()`), never materialized.
     """
-    return TrainingEngine(model, config)
+    return TrainingEngine(model, config, weights)
 
 
 _LOAD_FAILED = "a checkpoint load failed part way"
@@ -170,7 +188,7 @@ _LOAD_FAILED = "a checkpoint load failed part way"
 class TrainingEngine:
     """A model whose states live in strata's tiers: forward, backward, step, stats."""
 
-    def __init__(self, model, config=None):
+    def __init__(self, model, config=None, weights=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         self.config = load_config(config)
@@ -202,8 +220,10 @@ class TrainingEngine:
         # Everything that can refuse the configuration before the model is touched.
         self._pipeline = _strata.Pipeline(self._engine)
         self._optimizer = _strata.Optimizer(self.config.options)
-        self._copy_in()
+        self._copy_in(from_model=weights is None)
         for buffer in model.buffers():
+            if buffer.is_meta:  # its value comes with the weights, below
+                continue
             if self.world_size > 1:  # running statistics and the like: rank 0's too
                 values = buffer.data.to("cpu", copy=True).contiguous()
                 self._broadcast(values)
@@ -252,6 +272,12 @@ class TrainingEngine:
         self._pending = None       # an asynchronous save still to be waited for
         self._hooks = []
         self._install_hooks(model)
+        if weights is not None:
+            self.load_weights(weights)
+        for name, buffer in model.named_buffers():
+            if buffer.is_meta:
+                raise ValueError(f"strata.initialize: buffer {name} is on the meta device and the weights do not "
+                                 "hold it")
 
     # --- set-up ------------------------------------------------------------
 
@@ -287,17 +313,49 @@ class TrainingEngine:
             if (record.tensor_id, "master") in where:
                 record.master_chunk, record.master_offset = where[(record.tensor_id, "master")]
 
-    def _copy_in(self):
-        """Writes the model's values into their chunks (on the host) and drops the model's storage."""
-        values = []
+    def _copy_in(self, from_model=True):
+        """Writes the model's values into their chunks (unless the weights will) and drops its storage."""
+        if from_model:
+            values = {}
+            for record in self._params:
+                if record.param.is_meta:
+                    raise ValueError(f"strata.initialize: parameter {record.name} is on the meta device: pass "
+                                     "weights= (a safetensors file, a state dict or its file) to initialize from")
+                flat = record.param.detach().reshape(-1)
+                if self.world_size > 1:  # every rank starts from rank 0's values
+                    flat = flat.to("cpu", copy=True).contiguous()
+                    self._broadcast(flat)
+                values[record] = flat
+            self._write_values(values)
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        self._accumulators = []
+        holders = {}  # id(parameter) -> [(module, name)] of the meta-device parameters
+        for module in self.module.modules():
+            for name, p in module._parameters.items():
+                if p is not None and p.is_meta:
+                    holders.setdefault(id(p), []).append((module, name))
         for record in self._params:
-            flat = record.param.detach().reshape(-1)
-            if self.world_size > 1:  # every rank starts from rank 0's values
-                flat = flat.to("cpu", copy=True).contiguous()
-                self._broadcast(flat)
-            values.append(flat)
+            if record.param.is_meta:
+                self._replace_meta(record, holders[id(record.param)])
+            self._hook_param(record)
+
+    def _replace_meta(self, record, holders):
+        """A meta-device parameter (its values come from the weights) replaced, in every module holding it,
+        by one on the compute device that autograd can hook (its storage is dropped at once after)."""
+        old = record.param
+        new = torch.nn.Parameter(torch.empty(old.shape, device=self.device, dtype=self.dtype),
+                                 requires_grad=old.requires_grad)
+        for module, name in holders:
+            module._parameters[name] = new
+        del self._by_param[id(old)]
+        self._by_param[id(new)] = record
+        record.param = new
+
+    def _write_values(self, values):
+        """Each record's flat values (any float dtype, on any device) into its param chunk and its master
+        (this rank's part), converted chunk part by chunk part: nothing is staged whole."""
         targets = {}
-        for record, flat in zip(self._params, values):
+        for record, flat in values.items():
             if not self._chunk_info[record.chunk]["transient"]:  # else the master shard is the stored copy
                 targets.setdefault(record.chunk, []).append((flat, record.offset, self.dtype))
             if record.master_chunk is not None:
@@ -314,10 +372,6 @@ class TrainingEngine:
                             view.copy_(flat[lo:hi])
                 finally:
                     access.release()
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
-        self._accumulators = []
-        for record in self._params:
-            self._hook_param(record)
 
     def _hook_param(self, record):
         # The AccumulateGrad node holds its hooks in C++, out of the garbage
@@ -535,6 +589,104 @@ class TrainingEngine:
                                       keep_last, self._comm)
         atexit.register(self._pending.wait_local)
         return None
+
+    def export_safetensors(self, path, fp32=False):
+        """Writes every parameter to a safetensors file at `path` under its name in the model, in the
+        compute dtype, or in fp32 (the fp32 masters under bf16/fp16), chunk by chunk from wherever each
+        lies; the file is written beside `path` and renamed into place. Buffers are not included. Data
+        parallel, every rank calls it (the masters' shards are gathered) and rank 0 writes. Returns a
+        dict: path, tensors, bytes."""
+        self._check_between_steps("export_safetensors")
+        self._drain()
+        out = self._checked(_strata.export_safetensors, self._engine, os.fspath(path), fp32, self._comm)
+        return {key: out[key] for key in ("path", "tensors", "bytes")}
+
+    def load_weights(self, source, strict=True):
+        """Sets the parameters (and named buffers) from `source`: a safetensors file (read tensor by
+        tensor straight into the chunks), a PyTorch state dict, or a file torch.load reads (memory-mapped
+        where torch can, 2.1 on, so that its tensors are read as they are copied). The parameters' fp32
+        masters are set from the values as given; optimizer states are left as they are (this is how a
+        model starts, or takes new weights). Names are the model's: a tied parameter may come under any
+        of its names (model.state_dict() holds each). strict=True: every parameter must be in `source`,
+        and nothing else but buffers; a shape that differs is always a ValueError; both are raised before
+        anything is set. Between steps; data parallel, each rank reads `source` itself. Returns a dict:
+        tensors (parameters set), missing (parameters left as they were), unused (names not taken)."""
+        self._check_between_steps("load_weights")
+        self._drain()
+        self.wait_checkpoint()
+        names = self._parameter_names()
+        buffers = dict(self.module.named_buffers())
+        path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
+        safetensors = path is not None and path.endswith(".safetensors")
+        if safetensors:
+            index = self._checked(_strata.safetensors_index, path)
+            shapes = {name: tuple(entry["shape"]) for name, entry in index.items()}
+        else:
+            if path is not None:
+                # Memory-mapped where torch can (2.1): tensors are then read as they are copied.
+                mapped = {"mmap": True} if "mmap" in inspect.signature(torch.load).parameters else {}
+                source = torch.load(path, map_location="cpu", weights_only=True, **mapped)
+            if not isinstance(source, dict):
+                raise TypeError(f"strata: load_weights takes a path or a state dict, got {type(source).__name__}")
+            shapes = {name: tuple(value.shape) for name, value in source.items()}
+
+        def here(name):  # the shape this model has for `name`, or None
+            return names[name].shape if name in names else tuple(buffers[name].shape) if name in buffers else None
+        wrong = [f"{name} is {list(shape)} there, {list(here(name))} here" for name, shape in shapes.items()
+                 if here(name) is not None and shape != here(name)]
+        chosen = {}  # record -> the name its values come under (its registered one first)
+        for name, record in names.items():
+            if name in shapes and (record not in chosen or name == record.name):
+                chosen[record] = name
+        missing = [record.name for record in self._params if record not in chosen]
+        unused = [name for name in shapes if name not in names and name not in buffers]
+        if wrong or (strict and (missing or unused)):
+            def few(items):
+                return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
+            parts = wrong + ([f"it lacks {few(missing)}"] if strict and missing else [])
+            parts += [f"it has {few(unused)} that the model does not"] if strict and unused else []
+            raise ValueError(f"strata: load_weights: the weights do not fit this model: {'; '.join(parts)}")
+        try:
+            if safetensors:
+                # Those under their registered names straight from the file, the others (a tied parameter
+                # under another of its names) one by one.
+                self._checked(_strata.import_safetensors, self._engine, path, False)
+                self._write_values({record: _read_safetensors_tensor(path, index[name]).reshape(-1)
+                                    for record, name in chosen.items() if name != record.name})
+                values = {name: _read_safetensors_tensor(path, index[name]) for name in shapes if name in buffers}
+            else:
+                self._write_values({record: source[name].detach().reshape(-1) for record, name in chosen.items()})
+                values = {name: source[name] for name in shapes if name in buffers}
+            with torch.no_grad():
+                for name, value in values.items():
+                    if buffers[name].is_meta:
+                        self._set_buffer(name, value.to(self.device, copy=True))
+                    else:
+                        buffers[name].copy_(value)
+        finally:
+            if self._reducer is not None:  # gathered parameters are of the masters before
+                self._reducer.release_gathered()
+        return {"tensors": len(chosen), "missing": missing, "unused": unused}
+
+    def _parameter_names(self):
+        """Every name the model knows a registered parameter by (tied ones have several) -> its record."""
+        names = {}
+
+        def walk(module, prefix):
+            for leaf, p in module._parameters.items():
+                if p is not None and id(p) in self._by_param:
+                    names.setdefault(prefix + leaf, self._by_param[id(p)])
+            for child, sub in module._modules.items():
+                if sub is not None:
+                    walk(sub, f"{prefix}{child}.")
+        walk(self.module, "")
+        return names
+
+    def _set_buffer(self, name, value):
+        """Replaces the buffer `name` (a dotted path in the model) by `value`."""
+        module_name, _, leaf = name.rpartition(".")
+        module = self.module.get_submodule(module_name) if module_name else self.module
+        module._buffers[leaf] = value
 
     def wait_checkpoint(self):
         """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its
