@@ -210,10 +210,10 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
     std::memset(dst, 0, chunk.size_bytes);
     return Status::Ok();
   }
-  // A pinned chunk cannot move; any other is marked in flight for the
-  // duration, so nobody moves or frees its slot while it is read.
-  const bool mark = chunk.refs == 0;
-  if (mark) chunk.in_flight = true;
+  // Marked in flight for the duration, pinned or not (its pins may all be
+  // released meanwhile), so nobody moves, compacts or frees its slot while
+  // it is read; an access to it waits.
+  chunk.in_flight = true;
   Tier from = *chunk.tier;
   Extent extent = chunk.extent;
   lock.unlock();
@@ -236,9 +236,74 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
     }
   }
   lock.lock();
-  if (mark) chunk.in_flight = false;
+  chunk.in_flight = false;
   moved_.notify_all();
   return status.WithContext(fmt::format("reading chunk {} on {}", id.value(), TierName(from)));
+}
+
+Status ResidencyManager::WriteChunk(ChunkId id, const std::byte* src) {
+  if (id.value() >= chunks_.size()) {
+    return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());
+  }
+  if (reinterpret_cast<uintptr_t>(src) % kSlotAlignmentBytes != 0) {
+    return InvalidArgument("WriteChunk of chunk {}: the source is not {}-byte aligned", id.value(), kSlotAlignmentBytes);
+  }
+  Lock lock(mu_);
+  STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
+  Chunk& chunk = chunks_[id.value()];
+  if (!chunk.tier && chunk.home != Tier::kNvme) {
+    chunk.in_flight = true;
+    std::vector<ChunkId> chain;
+    STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, chunk.home, chain));
+  }
+  const Tier to = chunk.tier.value_or(Tier::kNvme);
+  chunk.in_flight = true;  // as ReadChunk: nobody moves its slot while it is written
+  std::optional<Extent> fresh;
+  if (to == Tier::kNvme) {
+    std::vector<ChunkId> chain{id};
+    Result<Extent> reserved = Reserve(lock, Tier::kNvme, chunk.size_bytes, chain);
+    if (reserved.ok()) {
+      fresh = *reserved;
+    } else if (!chunk.tier) {
+      chunk.in_flight = false;
+      moved_.notify_all();
+      return reserved.status().WithContext(fmt::format("writing chunk {} to its nvme home", id.value()));
+    }
+  }
+  const Extent extent = fresh ? *fresh : chunk.extent;
+  const uint64_t size = chunk.size_bytes;
+  lock.unlock();
+  Status status;
+  if (to == Tier::kNvme) {
+    status = config_.nvme_pool->Write(extent, src, size);
+  } else if (to == Tier::kHost) {
+    std::memcpy(Address(to, extent), src, size);
+  } else {
+    Result<Buffer> staging = AcquireStaging();
+    status = staging.status();
+    if (staging.ok()) {
+      std::memcpy(staging->data(), src, size);
+      Result<std::shared_ptr<Event>> event =
+          config_.device->CopyAsync(CopyStream::kHostToDevice, Address(to, extent), staging->data(), size);
+      status = event.ok() ? (*event)->Wait(config_.wait_timeout_ms) : event.status();
+      ReleaseStaging(std::move(staging).value(), status);
+    }
+  }
+  lock.lock();
+  if (fresh && status.ok()) {
+    if (chunk.tier) {
+      pool(Tier::kNvme)->Free(chunk.extent);
+    } else {
+      stats_.materializations++;
+    }
+    chunk.tier = Tier::kNvme;
+    chunk.extent = *fresh;
+  } else if (fresh) {
+    pool(Tier::kNvme)->Free(*fresh);
+  }
+  chunk.in_flight = false;
+  moved_.notify_all();
+  return status.WithContext(fmt::format("writing chunk {} on {}", id.value(), TierName(to)));
 }
 
 Status ResidencyManager::MoveAllHome() {

@@ -93,6 +93,15 @@ class ResidencyManager final : public AccessOwner {
   // chunk. For checkpoints and verification. A pinned chunk is read as it
   // is; whoever holds it must not be writing it.
   Status ReadChunk(ChunkId id, std::byte* dst);
+  // Overwrites a chunk's bytes (chunk_size_bytes from `src`, 4096-aligned
+  // host memory) where they are, without reading them first: on the host a
+  // copy, on the device a copy through a staging buffer, on NVMe a write to
+  // a fresh slot that replaces the old one once written (in place when the
+  // tier has no room for both: a failed write then leaves the slot failing
+  // its CRC). A free chunk homed on NVMe is written there; another free
+  // chunk is materialized at home first. A pinned chunk is written where it
+  // is pinned; whoever holds it sees the new bytes. For checkpoint loads.
+  Status WriteChunk(ChunkId id, const std::byte* src);
 
   // Moves every chunk that is not pinned and not free to its home tier:
   // first the ones going down, so that the ones coming up find room.

@@ -15,6 +15,7 @@
 #include <mutex>
 #include <optional>
 #include <random>
+#include <set>
 #include <sstream>
 #include <thread>
 
@@ -25,6 +26,7 @@
 #include "src/task_queue.h"
 #include "strata/buffer.h"
 #include "strata/crc32c.h"
+#include "strata/logging.h"
 #include "strata/options.h"
 
 namespace strata::offload {
@@ -365,11 +367,11 @@ struct Piece {
 };
 
 // Reads every piece's file, checked against its size and CRC32C, and hands
-// it to `use` in order; the next file is read while `use` runs on this one
-// (two file-sized buffers).
+// it to `use` in order, in a buffer of at least `room` bytes that `use` may
+// change; the next file is read while `use` runs on this one (two buffers).
 template <typename Use>
-Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, Use use) {
-  uint64_t largest = 1;
+Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_t room, Use use) {
+  uint64_t largest = std::max<uint64_t>(room, 1);
   for (const Piece& piece : pieces) largest = std::max(largest, (*piece.file).at("bytes").get<uint64_t>());
   TaskQueue pool(FileTransfer::kThreads);
   Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
@@ -388,7 +390,7 @@ Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, Use use
     if (i + 1 < pieces.size()) STRATA_RETURN_IF_ERROR(start(i + 1));
     const json& file = *pieces[i].file;
     const fs::path path = dir / file.at("path").get<std::string>();
-    const auto* data = static_cast<const std::byte*>(buffers[i % 2].data());
+    auto* data = static_cast<std::byte*>(buffers[i % 2].data());
     // Named by chunk too, so that a caller can say what the chunk holds.
     const std::string named =
         fmt::format("chunk {} ({})", file.at("chunk").get<uint32_t>(), file.at("kind").get<std::string>());
@@ -407,7 +409,7 @@ Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest)
   summary.step = manifest.at("step").get<int64_t>();
   std::vector<Piece> pieces;
   for (const json& file : manifest.at("files")) pieces.push_back({&file, 0, 0, std::nullopt});
-  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, [&](const Piece& piece, const std::byte*) {
+  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, 0, [&](const Piece& piece, std::byte*) {
     summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
     summary.files++;
     return Status::Ok();
@@ -484,8 +486,24 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
             dir.string(), begin, end, kind, c.group);
       }
     }
+    // A file that is exactly its chunk's bytes is written where the chunk
+    // lives (Engine::WriteChunk: an NVMe-resident chunk is not read first);
+    // a chunk made of several files (another number of ranks) is filled in
+    // host memory, pinned there.
+    uint64_t largest_slot = 0;
+    for (const Piece& piece : pieces) largest_slot = std::max(largest_slot, piece.chunk->size_bytes);
     std::optional<ChunkAccess> pinned;
-    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, [&](const Piece& piece, const std::byte* data) -> Status {
+    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, [&](const Piece& piece, std::byte* data) -> Status {
+      const uint64_t bytes = (*piece.file).at("bytes").get<uint64_t>();
+      const ChunkInfo& c = *piece.chunk;
+      if (piece.from == c.shard_offset_bytes && piece.to == c.shard_offset_bytes + c.used_bytes &&
+          (*piece.file).at("shard_offset").get<uint64_t>() == piece.from && bytes == c.used_bytes) {
+        pinned.reset();
+        std::memset(data + bytes, 0, c.size_bytes - bytes);  // the slot's tail past the tensors
+        summary.bytes += bytes;
+        summary.files++;
+        return engine.WriteChunk(c.id, data).WithContext("checkpoint: loading a chunk");
+      }
       if (!pinned || pinned->id() != piece.chunk->id) {
         pinned.reset();
         STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(piece.chunk->id, Tier::kHost));
@@ -694,12 +712,41 @@ Status CheckGroup(const Engine& engine, const Communicator* comm) {
 
 }  // namespace
 
+namespace {
+
+// The engines with an asynchronous save not yet waited for: another save or
+// a load of theirs is refused meanwhile.
+std::mutex pending_mu;
+std::set<const Engine*> pending_engines;
+
+Status CheckNoSavePending(const Engine& engine) {
+  std::lock_guard<std::mutex> lock(pending_mu);
+  if (pending_engines.contains(&engine)) {
+    return InvalidArgument(
+        "checkpoint: an asynchronous save of this engine is in flight: wait for it (PendingCheckpoint::Wait) before "
+        "another save or a load");
+  }
+  return Status::Ok();
+}
+
+void SetSavePending(const Engine& engine, bool pending) {
+  std::lock_guard<std::mutex> lock(pending_mu);
+  if (pending) {
+    pending_engines.insert(&engine);
+  } else {
+    pending_engines.erase(&engine);
+  }
+}
+
+}  // namespace
+
 // A save's state, shared by the thread that writes it and its caller.
 struct PendingCheckpoint::State {
   Engine& engine;
   Communicator* comm;
   CheckpointOptions options;
-  bool in_place;   // host chunks written from where they lie (the caller waits)
+  bool asynchronous;  // on a thread of its own, the communicator left alone; else the caller's, host
+                      // chunks written from where they lie
   fs::path dir;    // the root
   std::string name;
   fs::path staged;
@@ -724,14 +771,18 @@ struct PendingCheckpoint::State {
   // writes the manifest, publishes, points `latest` and prunes.
   void Run() {
     const int rank = engine.rank();
-    Result<json> files = WriteRankFiles(engine, staged, in_place, options.before_chunk,
+    Result<json> files = WriteRankFiles(engine, staged, /*in_place=*/!asynchronous, options.before_chunk,
                                         [this](const ChunkInfo& c) { Release(c.group); }, summary);
     Status status = files.status();
     std::error_code ec;
     if (rank != 0) {
       const Status reported = ReportToLead(staged, rank, files);
       if (status.ok()) status = reported;
-    } else {
+    }
+    // The caller's thread: the ranks' outcomes agreed at once (a rank that
+    // failed, even to report, is known now, not after rank 0's wait).
+    if (!asynchronous) status = Agree(comm, status, "writing the checkpoint's files");
+    if (rank == 0) {
       json merged = files.ok() ? std::move(files).value() : json::array();
       if (status.ok()) {
         status = CollectRankFiles(staged, engine.world_size(), engine.options().comm_timeout_ms, merged);
@@ -766,7 +817,16 @@ struct PendingCheckpoint::State {
 
 PendingCheckpoint::PendingCheckpoint(std::unique_ptr<State> state) : state_(std::move(state)) {}
 
-PendingCheckpoint::~PendingCheckpoint() { WaitLocal(); }
+PendingCheckpoint::~PendingCheckpoint() {
+  WaitLocal();
+  if (!outcome_) {
+    SetSavePending(state_->engine, false);
+    if (!state_->own.ok()) {
+      STRATA_LOG_ERROR("checkpoint: the asynchronous save of step {} failed and was never waited for: {}",
+                       state_->step, state_->own.ToString());
+    }
+  }
+}
 
 void PendingCheckpoint::WaitLocal() {
   if (state_->thread.joinable()) state_->thread.join();
@@ -787,8 +847,9 @@ Result<CheckpointSummary> PendingCheckpoint::Wait() {
   if (outcome_) return *outcome_;
   WaitLocal();
   State& s = *state_;
-  // Rank 0's outcome is every rank's (a rank whose own files failed returns that).
-  const Status agreed = Agree(s.comm, s.engine.rank() == 0 ? s.own : Status::Ok(), "publishing the checkpoint");
+  SetSavePending(s.engine, false);
+  // Every rank's outcome is every rank's (a rank that failed returns its own error).
+  const Status agreed = Agree(s.comm, s.own, "saving the checkpoint");
   if (!s.own.ok()) {
     outcome_ = s.own;
   } else if (!agreed.ok()) {
@@ -812,6 +873,7 @@ Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Op
                                                  Communicator* comm, bool asynchronous) {
   if (!engine.finalized()) return InvalidArgument("checkpoint: the engine is not finalized: nothing to save yet");
   STRATA_RETURN_IF_ERROR(CheckGroup(engine, comm));
+  STRATA_RETURN_IF_ERROR(CheckNoSavePending(engine));
   const bool lead = engine.rank() == 0;
   const fs::path dir(root);
   std::error_code ec;
@@ -839,7 +901,7 @@ Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Op
       .engine = engine,
       .comm = comm,
       .options = options,
-      .in_place = !asynchronous,
+      .asynchronous = asynchronous,
       .dir = dir,
       .name = name,
       .staged = staged,
@@ -852,6 +914,7 @@ Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Op
   PendingCheckpoint::State* run = state.get();
   auto pending = std::make_unique<PendingCheckpoint>(std::move(state));
   if (asynchronous) {
+    SetSavePending(engine, true);
     run->thread = std::thread([run] { run->Run(); });
   } else {
     run->Run();
@@ -878,6 +941,7 @@ Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optim
                                          const LoadOptions& options, Communicator* comm) {
   if (!engine.finalized()) return InvalidArgument("checkpoint: finalize the engine (the same model) before loading");
   STRATA_RETURN_IF_ERROR(CheckGroup(engine, comm));
+  STRATA_RETURN_IF_ERROR(CheckNoSavePending(engine));
   std::optional<fs::path> root;
   Result<fs::path> named = Resolve(path, &root);
   std::vector<fs::path> candidates;

@@ -324,6 +324,11 @@ Status Engine::ReadChunk(ChunkId chunk, void* dst) {
   return impl_->residency->ReadChunk(chunk, static_cast<std::byte*>(dst));
 }
 
+Status Engine::WriteChunk(ChunkId chunk, const void* src) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->WriteChunk(chunk, static_cast<const std::byte*>(src));
+}
+
 Status Engine::OffloadAll() {
   STRATA_RETURN_IF_ERROR(impl_->CheckFinalized("OffloadAll"));
   return impl_->residency->MoveAllHome();

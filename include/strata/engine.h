@@ -124,6 +124,11 @@ class Engine {
   // Copies a chunk's bytes into host memory at `dst` (ChunkInfo::size_bytes,
   // 4096-aligned) from wherever the chunk is, without moving it.
   Status ReadChunk(ChunkId chunk, void* dst);
+  // Overwrites a chunk's bytes (ChunkInfo::size_bytes from `src`,
+  // 4096-aligned) where the chunk is, without reading them first: an
+  // NVMe-resident chunk (or a free one homed there) is written to a fresh
+  // NVMe slot that then replaces its old one. For checkpoint loads.
+  Status WriteChunk(ChunkId chunk, const void* src);
   // Sends every unpinned chunk that has a payload back to its home tier.
   Status OffloadAll();
 

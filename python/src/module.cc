@@ -12,12 +12,14 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
 #include <span>
 #include <memory>
 #include <stdexcept>
 
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "offload/checkpoint.h"
@@ -563,13 +565,19 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "start_checkpoint",
       [](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
-         uint32_t keep_last, strata::Communicator* comm) {
-        return ValueOrThrow(Unlocked([&] {
-          return strata::offload::StartCheckpoint(engine, optimizer, root, {.keep_last = keep_last}, comm);
-        }));
+         uint32_t keep_last, strata::Communicator* comm, uint32_t delay_ms) {
+        strata::offload::CheckpointOptions options{.keep_last = keep_last};
+        if (delay_ms > 0) {  // tests: a slow drive's stand-in
+          options.before_chunk = [delay_ms](strata::ChunkId) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+            return strata::Status::Ok();
+          };
+        }
+        return ValueOrThrow(
+            Unlocked([&] { return strata::offload::StartCheckpoint(engine, optimizer, root, options, comm); }));
       },
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
-      py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
+      py::arg("delay_ms_per_chunk") = 0, py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
       "save_checkpoint on a thread of its own: the state as it is now, written while training goes on "
       "(pass it to train_step as its fence); wait() for the outcome");
   m.def(

@@ -36,6 +36,7 @@ chunks directly, outside the pipeline, so they do not disturb the plan; an
 """
 
 import atexit
+import functools
 import inspect
 import json
 import os
@@ -160,6 +161,14 @@ def _grad_hook(engine, record):
 _deferred_reducers = []
 
 
+def _finish_save(pending):
+    """At exit: this rank's files of an asynchronous save nobody waited for are finished (rank 0's
+    publishing too). Holds the save weakly, so that an engine dropped meanwhile is freed."""
+    pending = pending()
+    if pending is not None:
+        pending.wait_local()
+
+
 def _close_reducer(reducer):
     """Closes an engine's reducer when the engine is collected or at exit. The garbage collector may
     run this on the reducer's own thread (inside a collective of a Python communicator), which the
@@ -270,6 +279,8 @@ class TrainingEngine:
         self._comm_mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
         self._broken = None        # why training cannot go on (a step or backward that failed part way)
         self._pending = None       # an asynchronous save still to be waited for
+        self._pending_exit = None  # its exit hook
+        self._save_delay_ms = 0    # tests: each chunk of an asynchronous save read out this much later
         self._hooks = []
         self._install_hooks(model)
         if weights is not None:
@@ -586,8 +597,9 @@ class TrainingEngine:
             return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path),
                                  keep_last, self._comm)
         self._pending = self._checked(_strata.start_checkpoint, self._engine, self._optimizer, os.fspath(path),
-                                      keep_last, self._comm)
-        atexit.register(self._pending.wait_local)
+                                      keep_last, self._comm, self._save_delay_ms)
+        self._pending_exit = functools.partial(_finish_save, weakref.ref(self._pending))
+        atexit.register(self._pending_exit)
         return None
 
     def export_safetensors(self, path, fp32=False):
@@ -691,10 +703,11 @@ class TrainingEngine:
     def wait_checkpoint(self):
         """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its
         error. Data parallel, every rank calls it at the same point."""
-        pending, self._pending = self._pending, None
-        if pending is None:
+        if self._pending is None:
             return None
-        atexit.unregister(pending.wait_local)
+        self._drain()  # the reducer's collectives (gathers queued ahead) before the save's agreement
+        pending, self._pending = self._pending, None
+        atexit.unregister(self._pending_exit)
         return self._checked(pending.wait)
 
     def load_checkpoint(self, path, fall_back=False):
@@ -766,12 +779,12 @@ class TrainingEngine:
         forward that will not come included) and stops the reducer's thread, here and now rather than when
         the engine is collected or at exit. Waits for an asynchronous save first (raising its error). Every
         rank calls it; the engine trains no more after."""
-        self.wait_checkpoint()
-        if self._reducer is not None:
-            self._broken = self._broken or "the engine was closed"
-            try:
-                self._checked(self._reducer.drain)
-            finally:
+        try:
+            self._drain()
+            self.wait_checkpoint()
+        finally:
+            if self._reducer is not None:
+                self._broken = self._broken or "the engine was closed"
                 self._closed_gathers = (self._reducer.gathers, self._reducer.gathered_ahead)
                 self._reducer.close()
                 self._reducer = None

@@ -137,6 +137,40 @@ TEST(ResidencyTest, ReadChunkCopiesFromAnyTierWithoutMovingIt) {
   EXPECT_EQ(copy.bytes()[10], std::byte{0});
 }
 
+// WriteChunk overwrites a chunk where it is, reading nothing: on NVMe into
+// a fresh slot (a failed write leaves the old bytes), a free chunk homed on
+// NVMe straight there.
+TEST(ResidencyTest, WriteChunkOverwritesWhereTheChunkIsWithoutReadingIt) {
+  ResidencyStack s({});
+  Buffer bytes = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  const auto pattern = [&](uint8_t value) {
+    for (uint64_t i = 0; i < bytes.size_bytes(); ++i) bytes.bytes()[i] = std::byte(static_cast<uint8_t>(value + i * 7));
+  };
+  for (Tier tier : {Tier::kHost, Tier::kDevice, Tier::kNvme}) {
+    ASSERT_OK(s.Fill(0, 1));
+    ASSERT_OK(s.residency->Move(ChunkId(0), tier));
+    const int reads = s.faults->reads();
+    pattern(static_cast<uint8_t>(40 + static_cast<int>(tier)));
+    ASSERT_OK(s.residency->WriteChunk(ChunkId(0), bytes.bytes()));
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), tier);
+    EXPECT_EQ(s.faults->reads(), reads) << TierName(tier);
+    EXPECT_TRUE(s.Holds(0, static_cast<uint8_t>(40 + static_cast<int>(tier)))) << TierName(tier);
+  }
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kNvme));
+  const uint64_t used = s.nvme_pool->usage().used_bytes;
+  pattern(90);
+  s.faults->FailWrites(EIO);
+  EXPECT_EQ(s.residency->WriteChunk(ChunkId(0), bytes.bytes()).code(), StatusCode::kIoError);
+  EXPECT_EQ(s.nvme_pool->usage().used_bytes, used);  // the fresh slot returned
+  EXPECT_TRUE(s.Holds(0, 40 + static_cast<int>(Tier::kNvme)));  // the bytes before the failed write
+  s.residency->SetHome(ChunkId(5), Tier::kNvme);
+  pattern(70);
+  ASSERT_OK(s.residency->WriteChunk(ChunkId(5), bytes.bytes()));
+  EXPECT_EQ(s.residency->tier(ChunkId(5)), Tier::kNvme);
+  EXPECT_TRUE(s.Holds(5, 70));
+  EXPECT_EQ(s.residency->WriteChunk(ChunkId(5), bytes.bytes() + 8).code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ResidencyTest, AccessOnAnotherTierWhilePinnedIsInvalid) {
   ResidencyStack s({});
   ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(0), Tier::kHost));

@@ -643,8 +643,9 @@ TEST(CheckpointTest, DataParallelAsynchronousSavesResumeExactly) {
   ExpectTwoRanksResume(dir.path(), expected);
 }
 
-// A rank whose files fail, and a rank that never reports (dead, or far
-// behind): rank 0 names it, every rank's save fails, nothing is published.
+// A rank whose files fail, and a rank that never reports to an
+// asynchronous save (dead, or far behind): rank 0 names it, every rank's
+// save fails, nothing is published.
 TEST(CheckpointTest, ARankThatFailsOrNeverReportsFailsTheSaveOnEveryRank) {
   ScratchDir dir("ckpt");
   std::vector<Status> failed(2, Status::Ok()), late(2, Status::Ok());
@@ -659,18 +660,40 @@ TEST(CheckpointTest, ARankThatFailsOrNeverReportsFailsTheSaveOnEveryRank) {
                                r == 1 ? FailingThirdChunk() : CheckpointOptions{}, &comm)
                     .status();
     // Rank 1 reads its first chunk out 1.5 s late, beyond rank 0's 300 ms.
-    late[r] = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), r == 1 ? Slow(1500) : CheckpointOptions{},
-                             &comm)
-                  .status();
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(),
+                                         r == 1 ? Slow(1500) : CheckpointOptions{}, &comm));
+    late[r] = pending->Wait().status();
   });
   EXPECT_EQ(failed[1].code(), StatusCode::kIoError) << failed[1].ToString();
   EXPECT_EQ(failed[0].code(), StatusCode::kIoError) << failed[0].ToString();
-  EXPECT_NE(failed[0].message().find("rank 1 failed writing its files"), std::string::npos) << failed[0].ToString();
+  EXPECT_NE(failed[0].message().find("failed on rank(s) 1"), std::string::npos) << failed[0].ToString();
   EXPECT_EQ(late[0].code(), StatusCode::kTimeout) << late[0].ToString();
   EXPECT_NE(late[0].message().find("rank 1 had not written its files"), std::string::npos) << late[0].ToString();
   EXPECT_FALSE(late[1].ok());
   EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
   ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+}
+
+// While an asynchronous save is in flight, another save or a load of the
+// same engine is refused (the load would change what the save reads).
+TEST(CheckpointTest, ASaveOrLoadWhileASaveIsInFlightIsRefused) {
+  ScratchDir dir("ckpt");
+  Model model;
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), Slow(10)));
+  const Status load = LoadCheckpoint(*model.engine, *model.optimizer, dir.path()).status();
+  EXPECT_EQ(load.code(), StatusCode::kInvalidArgument) << load.ToString();
+  EXPECT_NE(load.message().find("in flight"), std::string::npos) << load.ToString();
+  EXPECT_EQ(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(StartCheckpoint(*model.engine, *model.optimizer, dir.path()).status().code(),
+            StatusCode::kInvalidArgument);
+  ASSERT_OK(pending->Wait().status());
+  EXPECT_EQ(Latest(dir.path()), "step-00000002");
+  ASSERT_OK(LoadCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
 }
 
 }  // namespace
