@@ -1,6 +1,7 @@
 // A process killed (SIGKILL) at random moments while it saves checkpoints
 // always leaves one that loads, the one before or the new one: over many
-// kill points, the saver (checkpoint_saver_main.cc) started afresh each time.
+// kill points, the saver (checkpoint_saver_main.cc) started afresh each time,
+// every other time saving asynchronously while it trains.
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -26,8 +27,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Starts the saver on `root`; its pid, once it says the first checkpoint is published.
-pid_t StartSaver(const std::string& root) {
+// Starts the saver on `root` (`asynchronous`: its saves run while it
+// trains); its pid, once it says the first checkpoint is published.
+pid_t StartSaver(const std::string& root, bool asynchronous) {
   const std::string saver = (fs::read_symlink("/proc/self/exe").parent_path() / "checkpoint_saver").string();
   int out[2];
   if (::pipe(out) != 0) return -1;
@@ -35,7 +37,9 @@ pid_t StartSaver(const std::string& root) {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&actions, out[0]);
-  char* argv[] = {const_cast<char*>(saver.c_str()), const_cast<char*>(root.c_str()), nullptr};
+  char async_arg[] = "async";
+  char* argv[] = {const_cast<char*>(saver.c_str()), const_cast<char*>(root.c_str()), asynchronous ? async_arg : nullptr,
+                  nullptr};
   pid_t pid = -1;
   const int spawned = ::posix_spawn(&pid, saver.c_str(), &actions, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&actions);
@@ -66,7 +70,8 @@ TEST(CheckpointKillTest, AProcessKilledWhileSavingAlwaysLeavesACheckpointThatLoa
   int torn = 0;  // kills that left a save half done
   for (int trial = 0; trial < kTrials; ++trial) {
     testing::ScratchDir dir("kill");
-    const pid_t pid = StartSaver(dir.path());
+    // Every other trial's saves are asynchronous (written while the next step trains).
+    const pid_t pid = StartSaver(dir.path(), trial % 2 == 1);
     ASSERT_GT(pid, 0);
     std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300'000)(rng)));
     ASSERT_EQ(::kill(pid, SIGKILL), 0);
