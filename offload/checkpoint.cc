@@ -23,6 +23,7 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include "optim/half.h"
 #include "src/task_queue.h"
 #include "strata/buffer.h"
 #include "strata/crc32c.h"
@@ -362,8 +363,9 @@ auto Guarded(const fs::path& dir, Read read) -> decltype(read()) {
 // [from, to) of its chunk group's whole chunk, into `chunk`.
 struct Piece {
   const json* file = nullptr;
-  uint64_t from = 0, to = 0;
+  uint64_t from = 0, to = 0;  // elements of the group's whole chunk
   std::optional<ChunkInfo> chunk;
+  DType dtype = DType::kFloat32;  // the file's
 };
 
 // Reads every piece's file, checked against its size and CRC32C, and hands
@@ -461,18 +463,30 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
     for (const ChunkInfo& c : engine.chunks()) {
       if (!Saved(c)) continue;
       const std::string kind(ChunkKindName(c.kind));
-      const uint64_t begin = c.shard_offset_bytes, end = begin + c.used_bytes;
+      const uint64_t width = DTypeSizeBytes(c.dtype);
+      const uint64_t begin = c.shard_offset_bytes / width, end = begin + c.used_bytes / width;
+      // A checkpoint saved with comm.shard_params holds a group's masters but
+      // no params, and one of an fp32 run without it params but no masters:
+      // the other kind stands in (masters rounded to the param dtype, as the
+      // update rounds them; fp32 params are their own masters).
+      std::string source = kind;
+      if (by_group[{c.group, kind}].empty() && (c.kind == ChunkKind::kParam || c.kind == ChunkKind::kMaster)) {
+        source = c.kind == ChunkKind::kParam ? "master" : "param";
+      }
       const size_t first = pieces.size();
-      for (const json* file : by_group[{c.group, kind}]) {
-        const uint64_t file_begin = (*file).at("shard_offset").get<uint64_t>();
+      for (const json* file : by_group[{c.group, source}]) {
+        Result<DType> dtype = ParseDType((*file).at("dtype").get<std::string>());
+        if (!dtype.ok()) return Corruption("checkpoint {}: {}", dir.string(), dtype.status().message());
+        const uint64_t file_width = DTypeSizeBytes(*dtype);
+        const uint64_t file_begin = (*file).at("shard_offset").get<uint64_t>() / file_width;
         const uint64_t from = std::max(begin, file_begin);
-        const uint64_t to = std::min(end, file_begin + (*file).at("bytes").get<uint64_t>());
+        const uint64_t to = std::min(end, file_begin + (*file).at("bytes").get<uint64_t>() / file_width);
         if (from >= to) continue;
-        if ((*file).at("dtype") != DTypeName(c.dtype)) {
+        if (*dtype != c.dtype && !(c.kind == ChunkKind::kParam && *dtype == DType::kFloat32)) {
           return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
-                                 dir.string(), kind, c.group, (*file).at("dtype").dump(), DTypeName(c.dtype));
+                                 dir.string(), source, c.group, (*file).at("dtype").dump(), DTypeName(c.dtype));
         }
-        pieces.push_back({file, from, to, c});
+        pieces.push_back({file, from, to, c, *dtype});
       }
       // The files' ranges must tile the chunk's: no gap, no overlap.
       std::sort(pieces.begin() + first, pieces.end(), [](const Piece& a, const Piece& b) { return a.from < b.from; });
@@ -481,38 +495,43 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       for (; i < pieces.size() && pieces[i].from == covered; ++i) covered = pieces[i].to;
       if (covered != end || i != pieces.size()) {
         return InvalidArgument(
-            "checkpoint {}: its files do not cover bytes {}..{} of the {} of chunk group {}, which this rank holds, "
-            "exactly once (saved with another chunk.size_elems, precision or comm.shard_params?)",
+            "checkpoint {}: its files do not cover elements {}..{} of the {} of chunk group {}, which this rank "
+            "holds, exactly once (saved with another chunk.size_elems or precision?)",
             dir.string(), begin, end, kind, c.group);
       }
     }
     // A file that is exactly its chunk's bytes is written where the chunk
     // lives (Engine::WriteChunk: an NVMe-resident chunk is not read first);
-    // a chunk made of several files (another number of ranks) is filled in
-    // host memory, pinned there.
+    // a chunk made of several files (another number of ranks), or of
+    // another dtype, is filled in host memory, pinned there.
     uint64_t largest_slot = 0;
     for (const Piece& piece : pieces) largest_slot = std::max(largest_slot, piece.chunk->size_bytes);
     std::optional<ChunkAccess> pinned;
     STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, [&](const Piece& piece, std::byte* data) -> Status {
       const uint64_t bytes = (*piece.file).at("bytes").get<uint64_t>();
       const ChunkInfo& c = *piece.chunk;
-      if (piece.from == c.shard_offset_bytes && piece.to == c.shard_offset_bytes + c.used_bytes &&
-          (*piece.file).at("shard_offset").get<uint64_t>() == piece.from && bytes == c.used_bytes) {
+      const uint64_t width = DTypeSizeBytes(c.dtype), file_width = DTypeSizeBytes(piece.dtype);
+      const uint64_t begin = c.shard_offset_bytes / width;
+      const uint64_t file_begin = (*piece.file).at("shard_offset").get<uint64_t>() / file_width;
+      summary.bytes += bytes;
+      summary.files++;
+      if (piece.dtype == c.dtype && piece.from == begin && file_begin == begin && bytes == c.used_bytes) {
         pinned.reset();
         std::memset(data + bytes, 0, c.size_bytes - bytes);  // the slot's tail past the tensors
-        summary.bytes += bytes;
-        summary.files++;
         return engine.WriteChunk(c.id, data).WithContext("checkpoint: loading a chunk");
       }
-      if (!pinned || pinned->id() != piece.chunk->id) {
+      if (!pinned || pinned->id() != c.id) {
         pinned.reset();
-        STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(piece.chunk->id, Tier::kHost));
+        STRATA_ASSIGN_OR_RETURN(pinned, engine.AccessChunk(c.id, Tier::kHost));
       }
-      const uint64_t file_begin = (*piece.file).at("shard_offset").get<uint64_t>();
-      std::memcpy(static_cast<std::byte*>(pinned->data()) + (piece.from - piece.chunk->shard_offset_bytes),
-                  data + (piece.from - file_begin), piece.to - piece.from);
-      summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
-      summary.files++;
+      std::byte* to = pinned->data() + (piece.from - begin) * width;
+      const std::byte* from = data + (piece.from - file_begin) * file_width;
+      const uint64_t n = piece.to - piece.from;
+      if (piece.dtype == c.dtype) {
+        std::memcpy(to, from, n * width);
+      } else {
+        for (uint64_t e = 0; e < n; ++e) optim::StoreFloat(to, c.dtype, e, optim::FloatAt(from, piece.dtype, e));
+      }
       return Status::Ok();
     }));
     pinned.reset();

@@ -140,8 +140,11 @@ Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const
 // optimizer must have a loss scaler exactly when the saved one had. Each
 // chunk is filled from the files covering its range of its group, so a
 // checkpoint saved by W ranks loads on any number (with the same precision
-// and chunk.size_elems; a checkpoint saved with comm.shard_params holds no
-// parameters but the masters, and loads only with it). Data parallel,
+// and chunk.size_elems), with comm.shard_params or without: a checkpoint
+// saved with it holds masters but no params (the params are then the
+// masters rounded to their dtype, as the update rounds them), and one of an
+// fp32 run without it params but no masters (its params are the masters).
+// Data parallel,
 // every rank calls it with its communicator; the ranks load the same
 // checkpoint or all fail (with fall_back, all go on to the same older one).
 Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,

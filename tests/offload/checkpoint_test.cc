@@ -696,5 +696,60 @@ TEST(CheckpointTest, ASaveOrLoadWhileASaveIsInFlightIsRefused) {
   ASSERT_OK(LoadCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
 }
 
+// Parameters sharded (comm.shard_params: masters, no params saved) or not
+// (fp32: params, no masters saved): a checkpoint of either loads into the
+// other, and training goes on bit for bit as it would have.
+TEST(CheckpointTest, ACheckpointWithParamsShardedOrNotLoadsEitherWay) {
+  ScratchDir sharded("ckpt"), whole("ckpt");
+  std::vector<std::vector<float>> initial;
+  std::mt19937 rng(11);
+  for (int l = 0; l < kLayers; ++l) initial.push_back(Random(rng, 0.5f));
+  std::vector<std::vector<std::vector<float>>> expected(2), theirs(2);
+  const auto params = [](Model& model, bool shard_params, GradReducer& reducer) {
+    std::vector<std::vector<float>> out;
+    for (int l = 0; l < kLayers; ++l) {
+      out.push_back(shard_params ? model.Gathered(l, reducer) : model.Read(l, ChunkKind::kParam));
+    }
+    EXPECT_OK(reducer.Drain());
+    return out;
+  };
+  for (bool shard_params : {false, true}) {
+    OnRanks(2, [&](int r, Communicator& comm) {
+      Model model(0.0, &comm, shard_params);
+      GradReducer reducer(*model.engine, comm);
+      for (int l = 0; l < kLayers; ++l) {
+        if (shard_params) {
+          model.WriteShard(l, initial[l]);
+        } else {
+          model.Write(l, ChunkKind::kParam, initial[l]);
+        }
+      }
+      TrainRanks(model, r, 2, 0, 3, &comm, &reducer);
+      ASSERT_OK(reducer.Drain());  // the gathers queued ahead: the save's collectives come after them
+      ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, shard_params ? sharded.path() : whole.path(), {},
+                               &comm)
+                    .status());
+      TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+      (shard_params ? theirs : expected)[r] = params(model, shard_params, reducer);
+    });
+  }
+  ASSERT_EQ(theirs, expected);  // the same training either way
+  for (bool shard_params : {false, true}) {  // each loads the other's checkpoint
+    OnRanks(2, [&](int r, Communicator& comm) {
+      Model model(0.0, &comm, shard_params);
+      GradReducer reducer(*model.engine, comm);
+      ASSERT_OK(
+          LoadCheckpoint(*model.engine, *model.optimizer, shard_params ? whole.path() : sharded.path(), {}, &comm)
+              .status());
+      TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
+      EXPECT_EQ(params(model, shard_params, reducer), expected[r]) << "rank " << r << ", sharded " << shard_params;
+    });
+  }
+  Model alone;  // one process from the sharded one
+  ASSERT_OK(LoadCheckpoint(*alone.engine, *alone.optimizer, sharded.path()).status());
+  TrainRanks(alone, -1, 2, 3, 6);
+  EXPECT_EQ(Params(alone), expected[0]);
+}
+
 }  // namespace
 }  // namespace strata::offload
