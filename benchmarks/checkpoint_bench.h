@@ -34,6 +34,12 @@ struct CheckpointBenchReport {
   uint32_t saved_from_nvme = 0;              // chunks homed in the NVMe tier, read from there by a save
   std::vector<double> save_gbps, load_gbps;  // per run
   double save_median_gbps = 0, load_median_gbps = 0;
+  // Asynchronous saves (StartCheckpoint, then Wait, nothing training
+  // between): their bandwidth per run, and the longest StartCheckpoint took
+  // to return (what the training loop waits).
+  std::vector<double> async_save_gbps;
+  double async_save_median_gbps = 0, async_save_ratio = 0;
+  double async_start_max_ms = 0;
   double io_write_gbps = 0, io_read_gbps = 0;  // strata bench io, sequential, 1 MiB x 32, median of runs
   double save_ratio = 0, load_ratio = 0;       // the medians over bench io's
   uint64_t buffer_bytes = 0;                   // the save's two chunk-sized buffers

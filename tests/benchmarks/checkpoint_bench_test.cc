@@ -1,0 +1,52 @@
+#include "benchmarks/checkpoint_bench.h"
+
+#include <filesystem>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata::bench {
+namespace {
+
+TEST(CheckpointBenchTest, BadConfigurationsAreInvalidArgument) {
+  CheckpointBenchConfig config;
+  EXPECT_EQ(RunCheckpointBench(config).status().code(), StatusCode::kInvalidArgument);  // no dir
+  testing::ScratchDir dir("bench");
+  config.dir = dir.path();
+  config.runs = 0;
+  EXPECT_EQ(RunCheckpointBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.runs = 1;
+  config.params = 1000;  // less than a chunk
+  EXPECT_EQ(RunCheckpointBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
+// A small run, states on NVMe: every row measured, the files counted, the
+// JSON keys written, and nothing left in the directory.
+TEST(CheckpointBenchTest, ASmallRunMeasuresEveryRow) {
+  testing::ScratchDir dir("bench");
+  CheckpointBenchConfig config{.dir = dir.path(), .params = 1 << 20, .chunk_elems = 256 << 10,
+                               .states_on_nvme = true, .runs = 2};
+  ASSERT_OK_AND_ASSIGN(CheckpointBenchReport report, RunCheckpointBench(config));
+  EXPECT_EQ(report.files, 12u);  // 4 chunks of params and of each moment
+  EXPECT_EQ(report.checkpoint_bytes, 12u * (256 << 10) * 4);
+  EXPECT_GT(report.saved_from_nvme, 0u);
+  for (const auto* runs : {&report.save_gbps, &report.load_gbps, &report.async_save_gbps}) {
+    ASSERT_EQ(runs->size(), 2u);
+    for (double gbps : *runs) EXPECT_GT(gbps, 0);
+  }
+  EXPECT_GT(report.io_write_gbps, 0);
+  EXPECT_GT(report.async_save_ratio, 0);
+  EXPECT_GT(report.async_start_max_ms, 0);
+  const std::string text = FormatCheckpointBench(report);
+  EXPECT_NE(text.find("save async"), std::string::npos) << text;
+  const nlohmann::json json = nlohmann::json::parse(CheckpointBenchJson(report));
+  for (const char* key : {"save_ratio", "load_ratio", "async_save_ratio", "async_start_max_ms"}) {
+    EXPECT_TRUE(json.contains(key)) << key;
+  }
+  std::error_code ec;
+  EXPECT_FALSE(std::filesystem::exists(std::filesystem::path(dir.path()) / "checkpoint", ec));
+}
+
+}  // namespace
+}  // namespace strata::bench
