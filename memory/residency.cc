@@ -291,11 +291,7 @@ Status ResidencyManager::WriteChunk(ChunkId id, const std::byte* src) {
   }
   lock.lock();
   if (fresh && status.ok()) {
-    if (chunk.tier) {
-      pool(Tier::kNvme)->Free(chunk.extent);
-    } else {
-      stats_.materializations++;
-    }
+    if (chunk.tier) pool(Tier::kNvme)->Free(chunk.extent);
     chunk.tier = Tier::kNvme;
     chunk.extent = *fresh;
   } else if (fresh) {

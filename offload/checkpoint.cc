@@ -483,8 +483,14 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
         const uint64_t to = std::min(end, file_begin + (*file).at("bytes").get<uint64_t>() / file_width);
         if (from >= to) continue;
         if (*dtype != c.dtype && !(c.kind == ChunkKind::kParam && *dtype == DType::kFloat32)) {
+          if (source != kind) {  // a bf16/fp16 run's params cannot stand in for fp32 masters
+            return InvalidArgument(
+                "checkpoint {}: it holds no masters of chunk group {}, and its params are {}: only fp32 params "
+                "stand in for the fp32 masters this engine keeps",
+                dir.string(), c.group, (*file).at("dtype").dump());
+          }
           return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
-                                 dir.string(), source, c.group, (*file).at("dtype").dump(), DTypeName(c.dtype));
+                                 dir.string(), kind, c.group, (*file).at("dtype").dump(), DTypeName(c.dtype));
         }
         pieces.push_back({file, from, to, c, *dtype});
       }
@@ -495,9 +501,9 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       for (; i < pieces.size() && pieces[i].from == covered; ++i) covered = pieces[i].to;
       if (covered != end || i != pieces.size()) {
         return InvalidArgument(
-            "checkpoint {}: its files do not cover elements {}..{} of the {} of chunk group {}, which this rank "
+            "checkpoint {}: its files do not cover elements {}..{} of the {} of chunk group {}{}, which this rank "
             "holds, exactly once (saved with another chunk.size_elems or precision?)",
-            dir.string(), begin, end, kind, c.group);
+            dir.string(), begin, end, kind, c.group, source == kind ? "" : fmt::format(" (from its {})", source));
       }
     }
     // A file that is exactly its chunk's bytes is written where the chunk

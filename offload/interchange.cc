@@ -9,7 +9,9 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <map>
 #include <optional>
+#include <set>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -32,12 +34,18 @@ Status Errno(const std::string& what, const std::string& path) {
   return IoError("safetensors: {} {}: {}", what, path, std::strerror(errno));
 }
 
-// Bytes per element of a safetensors dtype this reads (0: another).
-uint64_t WidthOf(const std::string& dtype) {
-  if (dtype == "F64") return 8;
-  if (dtype == "F32") return 4;
-  if (dtype == "BF16" || dtype == "F16") return 2;
-  return 0;
+// Bytes per element of a safetensors dtype (0: not one).
+uint64_t SizeOf(const std::string& dtype) {
+  static const std::map<std::string, uint64_t> sizes = {
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2},  {"U16", 2}, {"F16", 2},
+      {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"F64", 8},     {"I64", 8},  {"U64", 8}};
+  auto it = sizes.find(dtype);
+  return it == sizes.end() ? 0 : it->second;
+}
+
+// Whether an import converts `dtype` into the engine's dtypes.
+bool Convertible(const std::string& dtype) {
+  return dtype == "F64" || dtype == "F32" || dtype == "BF16" || dtype == "F16";
 }
 
 const char* SafetensorsDType(DType dtype) {
@@ -49,7 +57,7 @@ const char* SafetensorsDType(DType dtype) {
   return "F32";
 }
 
-// A file dtype this reads (WidthOf not 0): F64, or one of the engine's.
+// A file dtype an import converts (Convertible): F64, or one of the engine's.
 struct FileDType {
   bool f64 = false;
   DType dtype = DType::kFloat32;
@@ -186,13 +194,15 @@ Result<InterchangeSummary> Export(Engine& engine, const std::string& path, const
   summary.bytes = data_bytes;
 
   const std::string staged = fmt::format("{}.tmp-{}", path, ::getpid());
+  // An error on any rank is kept, not returned: every rank goes on through
+  // the gathers and the agreements, so that the collectives line up.
+  Status status = Status::Ok();
   int fd = -1;
   if (lead) {
     fd = ::open(staged.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return Errno("creating", staged);
+    if (fd < 0) status = Errno("creating", staged);
   }
-  Status status = Status::Ok();
-  if (lead) {
+  if (lead && status.ok()) {
     std::array<std::byte, 8> length{};
     const uint64_t n = text.size();
     for (int i = 0; i < 8; ++i) length[i] = static_cast<std::byte>((n >> (8 * i)) & 0xff);  // little-endian
@@ -201,7 +211,6 @@ Result<InterchangeSummary> Export(Engine& engine, const std::string& path, const
   }
   std::vector<std::byte> whole, converted;
   for (const Source& source : sources) {
-    // Every rank joins a gather, whatever the lead's state, so that the collectives line up.
     if (!source.chunk.sharded && !lead) continue;
     const Status read = ReadWhole(engine, comm, source.chunk, source.group_elems, whole);
     if (status.ok()) status = read;
@@ -221,13 +230,19 @@ Result<InterchangeSummary> Export(Engine& engine, const std::string& path, const
       status = WriteAll(fd, converted.data(), converted.size(), staged);
     }
   }
-  if (lead) {
+  if (lead && fd >= 0) {
     if (status.ok() && ::fsync(fd) != 0) status = Errno("flushing", staged);
     if (::close(fd) != 0 && status.ok()) status = Errno("closing", staged);
-    if (status.ok() && ::rename(staged.c_str(), path.c_str()) != 0) status = Errno(fmt::format("renaming {} to", staged), path);
-    if (!status.ok()) ::unlink(staged.c_str());
   }
-  STRATA_RETURN_IF_ERROR(AgreeOnStatus(comm, lead ? status : Status::Ok(), "exporting safetensors"));
+  // Published only once every rank's part (its shards' reads) is known good.
+  status = AgreeOnStatus(comm, status, "exporting safetensors");
+  Status published = Status::Ok();
+  if (lead && status.ok() && ::rename(staged.c_str(), path.c_str()) != 0) {
+    published = Errno(fmt::format("renaming {} to", staged), path);
+  }
+  if (lead && (!status.ok() || !published.ok())) ::unlink(staged.c_str());
+  STRATA_RETURN_IF_ERROR(status);
+  STRATA_RETURN_IF_ERROR(AgreeOnStatus(comm, published, "publishing the safetensors file"));
   return summary;
 }
 
@@ -257,8 +272,25 @@ Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::
   }
   std::string text(header_bytes, '\0');
   STRATA_RETURN_IF_ERROR(ReadAll(fd, text.data(), text.size(), 8, path));
-  const json header = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  // A key twice in the header is refused (a JSON parser keeps one of them).
+  std::set<std::string> keys;
+  std::string repeated;
+  const json::parser_callback_t once = [&](int depth, json::parse_event_t event, json& parsed) {
+    if (depth == 1 && event == json::parse_event_t::key && !keys.insert(parsed.get<std::string>()).second) {
+      repeated = parsed.get<std::string>();
+    }
+    return true;
+  };
+  const json header = json::parse(text, once, /*allow_exceptions=*/false);
   if (header.is_discarded() || !header.is_object()) return not_one("its header is not a JSON object");
+  if (!repeated.empty()) return not_one(fmt::format("its header names '{}' twice", repeated));
+  if (header.contains("__metadata__")) {
+    const json& metadata = header["__metadata__"];
+    if (!metadata.is_object() ||
+        std::any_of(metadata.begin(), metadata.end(), [](const json& value) { return !value.is_string(); })) {
+      return not_one("its __metadata__ is not an object of strings");
+    }
+  }
   const uint64_t data_begin = 8 + header_bytes, data_bytes = file_bytes - data_begin;
   std::map<std::string, SafetensorsEntry> entries;
   for (const auto& [name, value] : header.items()) {
@@ -271,11 +303,15 @@ Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::
     }
     SafetensorsEntry entry;
     entry.dtype = value["dtype"].get<std::string>();
-    uint64_t numel = 1;
+    const uint64_t width = SizeOf(entry.dtype);
+    if (width == 0) return bad(fmt::format("dtype '{}' is not one of safetensors'", entry.dtype));
+    uint64_t bytes = width;
     for (const json& dim : value["shape"]) {
-      if (!dim.is_number_unsigned()) return bad(fmt::format("shape {} is not of non-negative integers", value["shape"].dump()));
+      if (!dim.is_number_unsigned() || dim.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ||
+          __builtin_mul_overflow(bytes, dim.get<uint64_t>(), &bytes)) {
+        return bad(fmt::format("shape {} is not of non-negative integers of a size that fits", value["shape"].dump()));
+      }
       entry.shape.push_back(dim.get<int64_t>());
-      numel *= dim.get<uint64_t>();
     }
     const json& offsets = value["data_offsets"];
     if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) return bad("data_offsets are not integers");
@@ -283,15 +319,27 @@ Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::
     if (begin > end || end > data_bytes) {
       return bad(fmt::format("data_offsets [{}, {}] fall outside the {} bytes of data", begin, end, data_bytes));
     }
-    const uint64_t width = WidthOf(entry.dtype);
-    if (width != 0 && end - begin != numel * width) {
+    if (end - begin != bytes) {
       return bad(fmt::format("data_offsets [{}, {}] hold {} bytes, its shape and dtype {} need {}", begin, end,
-                             end - begin, entry.dtype, numel * width));
+                             end - begin, entry.dtype, bytes));
     }
     entry.offset = data_begin + begin;
     entry.bytes = end - begin;
     entries.emplace(name, std::move(entry));
   }
+  // The tensors' ranges tile the data: no overlap, no hole.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const auto& [name, entry] : entries) ranges.emplace_back(entry.offset, entry.offset + entry.bytes);
+  std::sort(ranges.begin(), ranges.end());
+  uint64_t covered = data_begin;
+  for (const auto& [begin, end] : ranges) {
+    if (begin != covered) {
+      return not_one(fmt::format("its tensors' data_offsets {} at byte {} of the data", begin < covered ? "overlap" : "leave a hole",
+                                 std::min(begin, covered) - data_begin));
+    }
+    covered = end;
+  }
+  if (covered != file_bytes) return not_one(fmt::format("{} bytes follow its last tensor", file_bytes - covered));
   return entries;
 }
 
@@ -306,8 +354,9 @@ Result<InterchangeSummary> ExportSafetensors(Engine& engine, const std::string& 
   return Export(engine, path, options, engine.world_size() > 1 ? comm : nullptr);
 }
 
-Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& path, const ImportOptions& options) {
-  if (!engine.finalized()) return InvalidArgument("safetensors: finalize the engine (register its tensors) first");
+namespace {
+
+Result<InterchangeSummary> Import(Engine& engine, const std::string& path, const ImportOptions& options) {
   STRATA_ASSIGN_OR_RETURN(auto entries, ReadSafetensorsIndex(path));
   const std::vector<TensorSpec>& specs = engine.tensors();
   InterchangeSummary summary;
@@ -323,7 +372,7 @@ Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& 
     if (it->second.shape != spec.shape) {
       wrong.push_back(fmt::format("{} is {} in the file, [{}] here", spec.name, fmt::format("[{}]", fmt::join(it->second.shape, ", ")),
                                   fmt::join(spec.shape, ", ")));
-    } else if (WidthOf(it->second.dtype) == 0) {
+    } else if (!Convertible(it->second.dtype)) {
       wrong.push_back(fmt::format("{} is {} in the file (F64, F32, BF16 or F16 convert)", spec.name, it->second.dtype));
     }
   }
@@ -367,7 +416,7 @@ Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& 
       if (it == entries.end()) continue;
       const SafetensorsEntry& entry = it->second;
       const FileDType dtype(entry.dtype);
-      const uint64_t width = WidthOf(entry.dtype), n = entry.bytes / width;
+      const uint64_t width = SizeOf(entry.dtype), n = entry.bytes / width;
       const uint64_t at = ElemOffset(*g.param, i);  // in the group's whole chunk
       for (uint64_t from = 0; from < n; from += kPieceElems) {
         const uint64_t count = std::min<uint64_t>(kPieceElems, n - from);
@@ -385,6 +434,17 @@ Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& 
     }
   }
   return summary;
+}
+
+}  // namespace
+
+Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& path, const ImportOptions& options,
+                                             Communicator* comm) {
+  if (!engine.finalized()) return InvalidArgument("safetensors: finalize the engine (register its tensors) first");
+  Result<InterchangeSummary> imported = Import(engine, path, options);
+  STRATA_RETURN_IF_ERROR(AgreeOnStatus(engine.world_size() > 1 ? comm : nullptr, imported.status(),
+                                       fmt::format("importing {}", path)));
+  return imported;
 }
 
 }  // namespace strata::offload

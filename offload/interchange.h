@@ -66,9 +66,11 @@ Result<InterchangeSummary> ExportSafetensors(Engine& engine, const std::string& 
 // converts to the engine's dtypes. Gradients and optimizer states are left
 // as they are: it is how a model is initialized, before training. A file
 // that is not safetensors, or whose ranges fall outside it, is
-// InvalidArgument naming the file; a read error is IoError.
+// InvalidArgument naming the file; a read error is IoError. With `comm`
+// (data parallel), the ranks agree: every rank returns an error when any
+// failed (the file missing on one node, say).
 Result<InterchangeSummary> ImportSafetensors(Engine& engine, const std::string& path,
-                                             const ImportOptions& options = {});
+                                             const ImportOptions& options = {}, Communicator* comm = nullptr);
 
 // One tensor of a safetensors file: its dtype ("F32", ...), shape, and where
 // its bytes are, from the start of the file.
@@ -78,8 +80,10 @@ struct SafetensorsEntry {
   uint64_t offset = 0;
   uint64_t bytes = 0;
 };
-// The file's tensors by name, the header checked (each range inside the
-// file and of its shape's size); InvalidArgument naming the file otherwise.
+// The file's tensors by name, the header checked as the format says: each
+// dtype one of safetensors', each range of its shape's size (no overflow),
+// the ranges tiling the data, no name twice, __metadata__ an object of
+// strings; InvalidArgument naming the file otherwise.
 Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::string& path);
 
 }  // namespace strata::offload

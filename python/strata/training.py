@@ -288,7 +288,8 @@ class TrainingEngine:
         for name, buffer in model.named_buffers():
             if buffer.is_meta:
                 raise ValueError(f"strata.initialize: buffer {name} is on the meta device and the weights do not "
-                                 "hold it")
+                                 "hold it (a buffer the model computes, such as rotary frequencies, must be made "
+                                 "on a real device)")
 
     # --- set-up ------------------------------------------------------------
 
@@ -614,20 +615,55 @@ class TrainingEngine:
         return {key: out[key] for key in ("path", "tensors", "bytes")}
 
     def load_weights(self, source, strict=True):
-        """Sets the parameters (and named buffers) from `source`: a safetensors file (read tensor by
-        tensor straight into the chunks), a PyTorch state dict, or a file torch.load reads (memory-mapped
-        where torch can, 2.1 on, so that its tensors are read as they are copied). The parameters' fp32
-        masters are set from the values as given; optimizer states are left as they are (this is how a
-        model starts, or takes new weights). Names are the model's: a tied parameter may come under any
-        of its names (model.state_dict() holds each). strict=True: every parameter must be in `source`,
-        and nothing else but buffers; a shape that differs is always a ValueError; both are raised before
-        anything is set. Between steps; data parallel, each rank reads `source` itself. Returns a dict:
-        tensors (parameters set), missing (parameters left as they were), unused (names not taken)."""
-        self._check_between_steps("load_weights")
+        """Sets the parameters (and buffers) from `source`: a safetensors file (read tensor by tensor
+        straight into the chunks), a PyTorch state dict, or a file torch.load reads (memory-mapped where
+        torch can, 2.1 on, so that its tensors are read as they are copied). The parameters' fp32 masters
+        are set from the values as given; optimizer states are left as they are (this is how a model
+        starts, or takes new weights). Names are the model's: a tied parameter, or a shared module's
+        buffer, may come under any of its names (model.state_dict() holds each). strict=True: every
+        parameter must be in `source`, and nothing else but buffers; a shape that differs, or a tensor
+        that cannot be read, is always an error; all are raised before anything is set. Between steps.
+        Data parallel, each rank reads `source` itself and the ranks agree: all raise or none does. A
+        load that fails once setting has begun leaves the model partly set: training then raises until
+        a load succeeds. Returns a dict: tensors (parameters set), missing (parameters left as they
+        were), unused (names not taken)."""
+        self._check_between_steps("load_weights",
+                                  usable=self._broken is None or not self._broken.startswith(_LOAD_FAILED))
         self._drain()
         self.wait_checkpoint()
-        names = self._parameter_names()
-        buffers = dict(self.module.named_buffers())
+        params, buffers = self._tensor_names()
+        error = None
+        try:  # everything that can refuse, before anything is set
+            plan = self._plan_weights(source, params, buffers, strict)
+        except Exception as failed:  # noqa: BLE001 (agreed with the other ranks, then raised)
+            error = failed
+        self._agree(error, "load_weights")
+        path, _, values, result = plan
+        try:
+            if path is not None:  # those under their registered names straight from the file
+                self._checked(_strata.import_safetensors, self._engine, path, False)
+            self._write_values(values)
+            with torch.no_grad():
+                for name, value in result.pop("buffer_values").items():
+                    module, leaf = buffers[name]
+                    if module._buffers[leaf].is_meta:
+                        module._buffers[leaf] = value.to(self.device, copy=True)
+                    else:
+                        module._buffers[leaf].copy_(value)
+        except BaseException as failed:
+            error = failed
+            self._broken = f"{_LOAD_FAILED} ({type(failed).__name__}: {failed}); load weights or a checkpoint that loads"
+        finally:
+            if self._reducer is not None:  # gathered parameters are of the masters before
+                self._reducer.release_gathered()
+        self._agree(error, "load_weights")
+        self._broken = None
+        return result
+
+    def _plan_weights(self, source, params, buffers, strict):
+        """What load_weights sets, every check made and every tensor not imported by C++ read: (the
+        safetensors path the C++ import reads, or None; record -> name; record -> flat values to write;
+        the result dict, with the buffers' values)."""
         path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
         safetensors = path is not None and path.endswith(".safetensors")
         if safetensors:
@@ -643,62 +679,60 @@ class TrainingEngine:
             shapes = {name: tuple(value.shape) for name, value in source.items()}
 
         def here(name):  # the shape this model has for `name`, or None
-            return names[name].shape if name in names else tuple(buffers[name].shape) if name in buffers else None
+            if name in params:
+                return params[name].shape
+            return tuple(getattr(*buffers[name]).shape) if name in buffers else None
         wrong = [f"{name} is {list(shape)} there, {list(here(name))} here" for name, shape in shapes.items()
                  if here(name) is not None and shape != here(name)]
         chosen = {}  # record -> the name its values come under (its registered one first)
-        for name, record in names.items():
+        for name, record in params.items():
             if name in shapes and (record not in chosen or name == record.name):
                 chosen[record] = name
         missing = [record.name for record in self._params if record not in chosen]
-        unused = [name for name in shapes if name not in names and name not in buffers]
+        unused = [name for name in shapes if name not in params and name not in buffers]
         if wrong or (strict and (missing or unused)):
             def few(items):
                 return ", ".join(items[:5]) + (f" and {len(items) - 5} more" if len(items) > 5 else "")
             parts = wrong + ([f"it lacks {few(missing)}"] if strict and missing else [])
             parts += [f"it has {few(unused)} that the model does not"] if strict and unused else []
             raise ValueError(f"strata: load_weights: the weights do not fit this model: {'; '.join(parts)}")
-        try:
-            if safetensors:
-                # Those under their registered names straight from the file, the others (a tied parameter
-                # under another of its names) one by one.
-                self._checked(_strata.import_safetensors, self._engine, path, False)
-                self._write_values({record: _read_safetensors_tensor(path, index[name]).reshape(-1)
-                                    for record, name in chosen.items() if name != record.name})
-                values = {name: _read_safetensors_tensor(path, index[name]) for name in shapes if name in buffers}
-            else:
-                self._write_values({record: source[name].detach().reshape(-1) for record, name in chosen.items()})
-                values = {name: source[name] for name in shapes if name in buffers}
-            with torch.no_grad():
-                for name, value in values.items():
-                    if buffers[name].is_meta:
-                        self._set_buffer(name, value.to(self.device, copy=True))
-                    else:
-                        buffers[name].copy_(value)
-        finally:
-            if self._reducer is not None:  # gathered parameters are of the masters before
-                self._reducer.release_gathered()
-        return {"tensors": len(chosen), "missing": missing, "unused": unused}
+        if safetensors:  # a tied parameter under another of its names, and the buffers: read now
+            values = {record: _read_safetensors_tensor(path, index[name]).reshape(-1)
+                      for record, name in chosen.items() if name != record.name}
+            buffer_values = {name: _read_safetensors_tensor(path, index[name]) for name in shapes if name in buffers}
+        else:
+            values = {record: source[name].detach().reshape(-1) for record, name in chosen.items()}
+            buffer_values = {name: source[name] for name in shapes if name in buffers}
+        result = {"tensors": len(chosen), "missing": missing, "unused": unused, "buffer_values": buffer_values}
+        return (path if safetensors else None), chosen, values, result
 
-    def _parameter_names(self):
-        """Every name the model knows a registered parameter by (tied ones have several) -> its record."""
-        names = {}
+    def _agree(self, error, what):
+        """Raises `error` (this rank's, or None) on every rank when any rank has one (data parallel: a
+        rank whose file is missing, say), so that no rank goes on alone."""
+        if self.world_size > 1:
+            failed = self._comm.all_reduce_sum([0.0 if error is None else 1.0])[0]
+            if error is None and failed:
+                error = RuntimeError(f"strata: {what} failed on another rank (its own error says why)")
+        if error is not None:
+            raise error
+
+    def _tensor_names(self):
+        """Every name the model knows a registered parameter by (tied ones have several) -> its record,
+        and every name of a buffer (a shared module's under each path) -> (its module, its name there)."""
+        params, buffers = {}, {}
 
         def walk(module, prefix):
             for leaf, p in module._parameters.items():
                 if p is not None and id(p) in self._by_param:
-                    names.setdefault(prefix + leaf, self._by_param[id(p)])
+                    params.setdefault(prefix + leaf, self._by_param[id(p)])
+            for leaf, b in module._buffers.items():
+                if b is not None:
+                    buffers.setdefault(prefix + leaf, (module, leaf))
             for child, sub in module._modules.items():
                 if sub is not None:
                     walk(sub, f"{prefix}{child}.")
         walk(self.module, "")
-        return names
-
-    def _set_buffer(self, name, value):
-        """Replaces the buffer `name` (a dotted path in the model) by `value`."""
-        module_name, _, leaf = name.rpartition(".")
-        module = self.module.get_submodule(module_name) if module_name else self.module
-        module._buffers[leaf] = value
+        return params, buffers
 
     def wait_checkpoint(self):
         """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its

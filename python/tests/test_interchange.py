@@ -160,3 +160,69 @@ def test_a_tied_parameter_comes_under_any_of_its_names(tmp_path):
     assert not engine.state_dict()["wte.weight"].any()
     engine.load_weights({name: value for name, value in state.items() if name != "wte.weight"})
     assert torch.equal(engine.state_dict()["wte.weight"], state["head.weight"])
+
+
+def write_safetensors(path, tensors):
+    """A safetensors file written by the format's rules: {name: (dtype name, shape, raw bytes)}."""
+    header, data = {}, b""
+    for name, (dtype, shape, raw) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + data)
+
+
+def batchnorm_net():
+    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
+
+
+def test_a_safetensors_file_with_a_bad_buffer_is_refused_before_anything_is_set(tmp_path):
+    """Buffers come from a safetensors file too; one that cannot be read (its bytes not its shape's, for
+    its dtype) is refused before the parameters are touched."""
+    torch.manual_seed(0)
+    source = batchnorm_net()
+    source(torch.randn(16, 8))
+    state = source.state_dict()
+    (tmp_path / "run").mkdir()
+    engine = strata.initialize(batchnorm_net(), three_tiers(tmp_path / "run", precision="fp32"))
+    before = engine.state_dict()
+    dtypes = {torch.float32: "F32", torch.int64: "I64"}
+    good = {name: (dtypes[value.dtype], tuple(value.shape), value.numpy().tobytes()) for name, value in state.items()}
+    write_safetensors(tmp_path / "good.safetensors", good)
+    engine.load_weights(tmp_path / "good.safetensors")
+    assert engine.module[1].running_var.equal(state["1.running_var"])
+    assert int(engine.module[1].num_batches_tracked) == 1
+    assert all(torch.equal(engine.state_dict()[name], state[name]) for name in before)
+
+    bad = dict(good)
+    bad["1.num_batches_tracked"] = ("I64", (), b"\0\0\0")  # 3 bytes for an 8-byte scalar
+    write_safetensors(tmp_path / "bad.safetensors", bad)
+    engine.load_weights({name: torch.zeros_like(value) for name, value in before.items()}, strict=False)
+    with pytest.raises(ValueError, match="1.num_batches_tracked"):
+        engine.load_weights(tmp_path / "bad.safetensors")
+    assert all(not value.any() for value in engine.state_dict().values())  # the parameters untouched
+
+
+def test_a_shared_modules_buffers_come_under_each_of_its_names(tmp_path):
+    """A module used twice (net.a is net.b): its buffers are listed under both names by state_dict()."""
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.BatchNorm1d(4)
+            self.b = self.a
+            self.out = torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.out(self.b(self.a(x)))
+
+    torch.manual_seed(0)
+    source = Net()
+    source(torch.randn(8, 4))
+    state = source.state_dict()
+    assert "b.running_mean" in state
+    engine = strata.initialize(Net(), three_tiers(tmp_path, precision="fp32"))
+    loaded = engine.load_weights(state)
+    assert loaded["unused"] == []
+    assert engine.module.a.running_mean.equal(state["a.running_mean"])

@@ -195,6 +195,31 @@ TEST(InterchangeTest, MismatchesAndDamagedFilesAreRefused) {
   write(header, data.substr(0, data.size() - 4));  // cut
   refused("fall outside the");
 
+  // What the format forbids, checked in the header alone.
+  const auto header_refused = [&](const std::string& text, const std::string& expected) {
+    std::string file(8, '\0');
+    for (int i = 0; i < 8; ++i) file[i] = static_cast<char>((text.size() >> (8 * i)) & 0xff);
+    WriteBytes(path, file + text + std::string(8, '\0'));
+    const Status status = ReadSafetensorsIndex(path).status();
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << text;
+    EXPECT_NE(status.message().find(expected), std::string::npos) << status.ToString();
+  };
+  header_refused(R"({"a": {"dtype": "F32", "shape": [8589934592, 2147483648], "data_offsets": [0, 0]}})",
+                 "of a size that fits");  // 2^33 x 2^31 x 4 bytes wraps to 0
+  header_refused(R"({"a": {"dtype": "F32", "shape": [9223372036854775808, 2], "data_offsets": [0, 8]}})",
+                 "of a size that fits");
+  header_refused(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                     "b": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})",
+                 "overlap");
+  header_refused(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}})", "leave a hole");
+  header_refused(R"({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}})", "4 bytes follow");
+  header_refused(R"({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                     "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+                 "names 'a' twice");
+  header_refused(R"({"__metadata__": {"x": [1, 2]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})",
+                 "not an object of strings");
+  header_refused(R"({"a": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", "dtype 'Q4'");
+
   WriteBytes(path, "not a safetensors file at all");
   refused("is not a safetensors file");
   WriteBytes(path, std::string("\x10\0\0\0\0\0\0\0[1, 2, 3]       ", 24));
@@ -227,6 +252,40 @@ TEST(InterchangeTest, ShardedMastersExportWholeAndImportIntoShards) {
     EXPECT_EQ(ExportSafetensors(*rank.engine, second).status().code(), StatusCode::kInvalidArgument);
   });
   EXPECT_EQ(ReadBytes(second), ReadBytes(first));
+}
+
+// Data parallel, a rank that fails (its shard unreadable; the file not
+// creatable on rank 0; the file missing on one rank for an import) fails
+// the export or import on every rank at once, and no file is published.
+TEST(InterchangeTest, ARankThatFailsFailsEveryRankAndPublishesNothing) {
+  ScratchDir dir("st");
+  const std::string path = dir.path() + "/model.safetensors";
+  std::vector<Status> unreadable(2, Status::Ok()), uncreatable(2, Status::Ok()), missing(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    std::mt19937 rng(3);
+    for (int l = 0; l < kLayers; ++l) rank.WriteShard(l, Random(rng, 0.5f));
+    if (r == 1) {
+      for (const ChunkInfo& c : rank.engine->chunks()) {
+        if (c.kind == ChunkKind::kMaster) ASSERT_OK(rank.engine->MoveChunk(c.id, Tier::kNvme));
+      }
+      rank.faults->FailReads(EIO, 1000);
+    }
+    unreadable[r] = ExportSafetensors(*rank.engine, path, {}, &comm).status();
+    rank.faults->FailReads(EIO, 0);
+    uncreatable[r] = ExportSafetensors(*rank.engine, dir.path() + "/no/such/dir/x.safetensors", {}, &comm).status();
+    ASSERT_OK(ExportSafetensors(*rank.engine, path, {}, &comm).status());
+    missing[r] = ImportSafetensors(*rank.engine, r == 1 ? path + ".gone" : path, {}, &comm).status();
+  });
+  EXPECT_EQ(unreadable[1].code(), StatusCode::kIoError) << unreadable[1].ToString();
+  EXPECT_NE(unreadable[0].message().find("failed on rank(s) 1"), std::string::npos) << unreadable[0].ToString();
+  EXPECT_EQ(uncreatable[0].code(), StatusCode::kIoError) << uncreatable[0].ToString();
+  EXPECT_NE(uncreatable[1].message().find("failed on rank(s) 0"), std::string::npos) << uncreatable[1].ToString();
+  EXPECT_EQ(missing[1].code(), StatusCode::kIoError) << missing[1].ToString();
+  EXPECT_NE(missing[0].message().find("failed on rank(s) 1"), std::string::npos) << missing[0].ToString();
+  for (const fs::directory_entry& entry : fs::directory_iterator(dir.path())) {
+    EXPECT_EQ(entry.path().filename(), "model.safetensors");  // no temporary left
+  }
 }
 
 }  // namespace
