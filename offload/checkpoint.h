@@ -95,7 +95,8 @@ Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer&
 // is read out in layout order, so a step's update of a group waits
 // (BeforeUpdate, through RunTrainStep's fence) only until the save has read
 // that group; forward and backward, which change no saved chunk, do not
-// wait. Nothing else may change saved chunks until Wait (a load included).
+// wait. Nothing else may change saved chunks until Wait: a save or load of
+// the engine meanwhile is InvalidArgument.
 class PendingCheckpoint : public UpdateFence {
  public:
   struct State;
@@ -130,6 +131,8 @@ class PendingCheckpoint : public UpdateFence {
 // it with its communicator, which the save then leaves alone until Wait:
 // rank 0 learns that the other ranks' files are written from the files
 // themselves (waiting at most comm.timeout_ms after its own), and publishes.
+// Wait's agreement is a collective like any other: drain a GradReducer's
+// gathers first (parameters sharded).
 Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const optim::Optimizer& optimizer,
                                                            const std::string& root,
                                                            const CheckpointOptions& options = {},
@@ -144,9 +147,9 @@ Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const
 // saved with it holds masters but no params (the params are then the
 // masters rounded to their dtype, as the update rounds them), and one of an
 // fp32 run without it params but no masters (its params are the masters).
-// Data parallel,
-// every rank calls it with its communicator; the ranks load the same
-// checkpoint or all fail (with fall_back, all go on to the same older one).
+// Data parallel, every rank calls it with its communicator; the ranks load
+// the same checkpoint or all fail (with fall_back, all go on to the same
+// older one).
 Result<CheckpointSummary> LoadCheckpoint(Engine& engine, optim::Optimizer& optimizer, const std::string& path,
                                          const LoadOptions& options = {}, Communicator* comm = nullptr);
 

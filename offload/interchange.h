@@ -60,8 +60,8 @@ Result<InterchangeSummary> ExportSafetensors(Engine& engine, const std::string& 
 
 // Sets every registered tensor's parameters from the safetensors file at
 // `path`, by name: the param chunk in its dtype (rounded to nearest even)
-// and the fp32 master from the file's values (this rank's shard of it, data
-// parallel: every rank reads the file itself, no collective). Shapes must
+// and the fp32 master from the file's values (this rank's shard of it; data
+// parallel, every rank reads the file itself). Shapes must
 // match (InvalidArgument naming the tensor); any of F64, F32, BF16 and F16
 // converts to the engine's dtypes. Gradients and optimizer states are left
 // as they are: it is how a model is initialized, before training. A file
