@@ -58,6 +58,10 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-params", action="store_true",
                    help="data parallel: shard the parameters too (comm.shard_params, ZeRO-3)")
+    p.add_argument("--save-every", type=int, default=0,
+                   help="save a checkpoint every N steps under OUT/ckpt, the newest two kept (default 0: none)")
+    p.add_argument("--async-save", action="store_true",
+                   help="with --save-every: write each checkpoint while the next steps train")
     p.add_argument("--short", action="store_true", help="a tiny model and a few steps (the test suite's run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     args = p.parse_args(argv)
@@ -203,7 +207,8 @@ def main(argv=None):
     text = corpus()
     batches = make_batches(text, args.steps, args.batch, args.seq, args.seed + 1)
     tokens_per_step = args.batch * args.seq
-    losses, times = [], []
+    losses, times, save_times = [], [], []
+    checkpoints = os.path.join(args.out, "ckpt")
     progress = None
     if not args.no_progress and rank == 0:
         from tqdm import tqdm
@@ -215,6 +220,10 @@ def main(argv=None):
         engine.backward(loss)
         engine.step()
         losses.append(loss.item() if world == 1 else engine.comm.all_reduce_sum([loss.item()])[0] / world)
+        if args.save_every and step % args.save_every == 0:  # the time the training loop spends on it
+            saving = time.perf_counter()
+            engine.save_checkpoint(checkpoints, keep_last=2, asynchronous=args.async_save)
+            save_times.append(time.perf_counter() - saving)
         times.append(time.perf_counter() - start)
         tiers = engine.stats()["tiers"]
         where = " ".join(f"{t[:3]}={u['used_bytes'] / 2**20:.0f}M" for t, u in tiers.items())
@@ -226,6 +235,8 @@ def main(argv=None):
             say(f"step {step}/{args.steps} " + " ".join(f"{k} {v}" for k, v in status.items()), flush=True)
     if progress is not None:
         progress.close()
+    if args.save_every:  # the last asynchronous save, waited for outside the loop's time
+        engine.wait_checkpoint()
     stats = engine.stats()
     tiers_of_kind = engine.chunk_tiers()
     kinds = {kind: sum(tiers.values()) for kind, tiers in tiers_of_kind.items()}
@@ -271,6 +282,8 @@ def main(argv=None):
         "model_state_bytes": states,
         "loss": losses,
         "step_time_s": times,
+        "train_seconds": sum(times),
+        "checkpoint_seconds_in_loop": save_times,
         "baseline_loss": baseline_losses,
         "baseline_step_time_s": steady(baseline_times) if baseline_times else None,
         "baseline_step_times_s": baseline_times,
@@ -306,6 +319,9 @@ def main(argv=None):
               f"params stored per rank: {', '.join(mib(k.get('param', 0)) for k in rank_stored)}; "
               f"rank 0 sent {mib(comm['last_step_bytes'])} in the last step "
               f"(ZeRO-3 would send {mib(comm['zero3_bytes_per_step'])})")
+    if save_times:
+        print(f"checkpoints: {len(save_times)} {'asynchronous' if args.async_save else 'synchronous'} saves under "
+              f"{checkpoints}, {sum(save_times):.2f} s of the training loop's {sum(times):.2f} s")
     print(f"wrote {args.out}/report.json, memory.png, loss.png")
     return report
 

@@ -11,11 +11,16 @@ ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 def test_demo_short_run_writes_its_report(tmp_path):
     out = tmp_path / "demo"
     run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune.py"), "--short", "--no-progress",
-                          "--out", str(out)], capture_output=True, text=True, timeout=600)
+                          "--out", str(out), "--save-every", "2", "--async-save"],
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     report = json.loads((out / "report.json").read_text())
     steps = len(report["loss"])
     assert steps == 6 and len(report["step_time_s"]) == steps
+    # Checkpoints written while training went on (the losses below are still PyTorch's): the last two kept.
+    assert len(report["checkpoint_seconds_in_loop"]) == 3
+    assert (out / "ckpt" / "latest").read_text().strip() == "step-00000006"
+    assert sorted(p.name for p in (out / "ckpt").glob("step-*")) == ["step-00000004", "step-00000006"]
     assert report["baseline_step_time_s"] > 0
     # Plain PyTorch from the same weights on the same batches: the same losses.
     for ours, theirs in zip(report["loss"], report["baseline_loss"]):
