@@ -12,6 +12,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -121,6 +122,23 @@ Status ReadWhole(Engine& engine, Communicator* comm, const ChunkInfo& chunk, uin
   whole = std::move(all);
   return Status::Ok();
 }
+
+// A file open for reading, closed when it goes.
+struct ReadOnlyFile {
+  int fd = -1;
+  static Result<ReadOnlyFile> Open(const std::string& path) {
+    ReadOnlyFile file;
+    file.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (file.fd < 0) return Errno("opening", path);
+    return file;
+  }
+  ReadOnlyFile() = default;
+  ReadOnlyFile(ReadOnlyFile&& other) noexcept : fd(std::exchange(other.fd, -1)) {}
+  ReadOnlyFile& operator=(ReadOnlyFile&&) = delete;
+  ~ReadOnlyFile() {
+    if (fd >= 0) ::close(fd);
+  }
+};
 
 Status WriteAll(int fd, const void* data, size_t size, const std::string& path) {
   const auto* bytes = static_cast<const std::byte*>(data);
@@ -249,12 +267,8 @@ Result<InterchangeSummary> Export(Engine& engine, const std::string& path, const
 }  // namespace
 
 Result<std::map<std::string, SafetensorsEntry>> ReadSafetensorsIndex(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Errno("opening", path);
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  STRATA_ASSIGN_OR_RETURN(ReadOnlyFile file, ReadOnlyFile::Open(path));
+  const int fd = file.fd;
   struct stat st{};
   if (::fstat(fd, &st) != 0) return Errno("reading the size of", path);
   const uint64_t file_bytes = static_cast<uint64_t>(st.st_size);
@@ -390,12 +404,8 @@ Result<InterchangeSummary> Import(Engine& engine, const std::string& path, const
                            path, what);
   }
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) return Errno("opening", path);
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{fd};
+  STRATA_ASSIGN_OR_RETURN(ReadOnlyFile file, ReadOnlyFile::Open(path));
+  const int fd = file.fd;
   ::posix_fadvise(fd, 0, 0, POSIX_FADV_SEQUENTIAL);
   std::vector<std::byte> piece;
   for (const Group& g : GroupsOf(engine)) {
