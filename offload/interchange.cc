@@ -96,12 +96,12 @@ uint64_t ElemOffset(const ChunkInfo& chunk, size_t i) {
 }
 
 // `chunk`'s bytes as its group's whole chunk (`group_elems` elements): read
-// where it lies, or, for a rank's shard (data parallel), gathered from every
-// rank's: a collective every rank joins, even after its own read failed.
-Status ReadWhole(Engine& engine, Communicator* comm, const ChunkInfo& chunk, uint64_t group_elems,
+// where it lies (through `read`, a buffer of the largest chunk, or null when
+// it could not be had), or, for a rank's shard (data parallel), gathered from
+// every rank's: a collective every rank joins, even after its own read failed.
+Status ReadWhole(Engine& engine, Communicator* comm, const ChunkInfo& chunk, uint64_t group_elems, Buffer& read,
                  std::vector<std::byte>& whole) {
   const size_t width = DTypeSizeBytes(chunk.dtype);
-  Buffer read = AllocateAlignedHost(std::max<uint64_t>(chunk.size_bytes, 4096), 4096);
   Status status = read ? engine.ReadChunk(chunk.id, read.data())
                        : OutOfMemory("safetensors: a {}-byte chunk buffer", chunk.size_bytes);
   if (!chunk.sharded) {
@@ -227,11 +227,15 @@ Result<InterchangeSummary> Export(Engine& engine, const std::string& path, const
     status = WriteAll(fd, length.data(), length.size(), staged);
     if (status.ok()) status = WriteAll(fd, text.data(), text.size(), staged);
   }
+  // One read buffer for every chunk, not one per chunk.
+  uint64_t largest = 4096;
+  for (const Source& source : sources) largest = std::max(largest, source.chunk.size_bytes);
+  Buffer read = AllocateAlignedHost(largest, 4096);
   std::vector<std::byte> whole, converted;
   for (const Source& source : sources) {
     if (!source.chunk.sharded && !lead) continue;
-    const Status read = ReadWhole(engine, comm, source.chunk, source.group_elems, whole);
-    if (status.ok()) status = read;
+    const Status got = ReadWhole(engine, comm, source.chunk, source.group_elems, read, whole);
+    if (status.ok()) status = got;
     if (!lead || !status.ok()) continue;
     const size_t in_width = DTypeSizeBytes(source.chunk.dtype), out_width = DTypeSizeBytes(source.out);
     for (size_t i = 0; i < source.chunk.tensors.size() && status.ok(); ++i) {

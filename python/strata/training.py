@@ -58,11 +58,11 @@ _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch
 
 def _read_safetensors_tensor(path, entry):
     """One tensor of a safetensors file (an entry of _strata.safetensors_index), read alone."""
+    if entry["dtype"] not in _SAFETENSORS_DTYPES:  # before reading its bytes
+        raise ValueError(f"strata: {path}: dtype {entry['dtype']} is not one torch holds")
     with open(path, "rb") as f:
         f.seek(entry["offset"])
         raw = bytearray(f.read(entry["bytes"]))
-    if entry["dtype"] not in _SAFETENSORS_DTYPES:
-        raise ValueError(f"strata: {path}: dtype {entry['dtype']} is not one torch holds")
     return torch.frombuffer(raw, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
 
 
