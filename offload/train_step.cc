@@ -173,7 +173,9 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
                                      UpdateFence* fence) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
-  const bool parallel = comm != nullptr && comm->world_size() > 1;
+  // A communicator of one rank (comm.backend nccl on a single GPU) takes the
+  // data-parallel path too: its collectives are copies, but they run.
+  const bool parallel = comm != nullptr;
   const int world = parallel ? comm->world_size() : 1;
   if (world != engine.world_size() || (parallel && comm->rank() != engine.rank())) {
     return InvalidArgument(

@@ -286,6 +286,12 @@ const std::vector<OptionEntry>& Table() {
                           "after the update (fp32: 3 x parameter bytes x (W-1)/W a step instead of 2 x), and the "
                           "parameters take 1/W of each rank's host and NVMe memory",
                           &Options::comm_shard_params));
+    t.push_back(ChoiceEntry("comm.backend",
+                            "data parallel: what carries the collectives: auto (NCCL when the device is a GPU and "
+                            "there are several ranks, else host), host (MPI under mpirun, torch.distributed's gloo "
+                            "under torchrun; host buffers) or nccl (one GPU per rank, bootstrapped by the host "
+                            "backend; also with a single rank)",
+                            &Options::comm_backend, {"auto", "host", "nccl"}));
     t.push_back(ChoiceEntry("comm.reduce_dtype",
                             "data parallel: the dtype gradients are reduce-scattered in: grad (the grad chunk's, the "
                             "compute dtype; 16-bit sums are rounded, fp16 ones may overflow into a skipped step) or "

@@ -3,9 +3,10 @@
 //
 // Implementations: an in-process loopback (ranks as threads; how tests and
 // `strata bench comm --backend loopback` run several ranks in one process),
-// and MPI over MPI_COMM_WORLD (src/comm/mpi_comm.cc, the only file that
-// includes <mpi.h>; host buffers). NCCL for GPU buffers joins them on a GPU
-// machine.
+// MPI over MPI_COMM_WORLD (src/comm/mpi_comm.cc, the only file that
+// includes <mpi.h>; host buffers), and NCCL over one GPU per rank
+// (src/comm/nccl_comm.cc, the only file that includes <nccl.h>; device
+// buffers as they are, host buffers staged through the device).
 //
 // Contract: every rank of the group calls the same collectives in the same
 // order with the same sizes. A collective that does not complete within
@@ -113,6 +114,21 @@ Result<std::unique_ptr<Communicator>> CreateThrottledCommunicator(Communicator& 
 // MPI_COMM_WORLD (initializing MPI with thread support if nobody has).
 // NotSupported when strata was built without MPI.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options = {});
+// NCCL over the ranks of `bootstrap`, each on its CUDA device `device_index`.
+// `bootstrap` (borrowed, needed only during the call) carries NCCL's unique
+// id from rank 0 to the others, one broadcast, and nothing after: MPI under
+// mpirun, torch.distributed's gloo under torchrun; null for a group of one
+// rank. A buffer in this device's memory goes to NCCL as it is; host memory
+// is staged through device buffers the communicator keeps (grown to the
+// largest message). Failures follow the seam's contract: a collective or the
+// group's creation not complete within `options.timeout_ms` is a Timeout, an
+// error NCCL reports meanwhile (a peer gone) a CommError with NCCL's text;
+// either aborts the NCCL communicator (ncclCommAbort) and breaks this one.
+// NotSupported when strata was built without CUDA or no GPU is visible;
+// InvalidArgument for a device index this process does not see.
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* bootstrap, int device_index,
+                                                             CommOptions options = {});
+
 // Whether this process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE or PMI_SIZE).
 bool LaunchedByMpi();
 

@@ -91,6 +91,9 @@ struct Options {
   // dropped when evicted. Off: every rank keeps every parameter, gathered
   // once after the update (2/3 of ZeRO-3's volume in fp32).
   bool comm_shard_params = false;  // key comm.shard_params
+  // What carries the collectives (chosen by the launcher's adapter,
+  // python/strata/distributed.py): auto, host or nccl.
+  std::string comm_backend = "auto";  // key comm.backend: auto, host or nccl
   // The dtype gradients are reduce-scattered in: grad (the grad chunk's, the
   // compute dtype: ZeRO's volume) or fp32 (twice the bytes under bf16/fp16,
   // the sums unrounded). 16-bit sums round; fp16 sums can overflow where

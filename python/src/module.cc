@@ -312,6 +312,17 @@ PYBIND11_MODULE(_strata, m) {
       [](uint32_t timeout_ms) { return ValueOrThrow(strata::CreateMpiCommunicator({.timeout_ms = timeout_ms})); },
       py::arg("timeout_ms") = 60'000, "MPI_COMM_WORLD (this process was started by mpirun)");
   m.def("launched_by_mpi", &strata::LaunchedByMpi, "whether mpirun started this process");
+  m.def(
+      "nccl_communicator",
+      [](strata::Communicator* bootstrap, int device_index, uint32_t timeout_ms) {
+        // Released: a Python bootstrap (gloo) takes the GIL for its broadcast.
+        return ValueOrThrow(Unlocked(
+            [&] { return strata::CreateNcclCommunicator(bootstrap, device_index, {.timeout_ms = timeout_ms}); }));
+      },
+      py::arg("bootstrap"), py::arg("device_index"), py::arg("timeout_ms") = 60'000,
+      "NCCL over bootstrap's ranks (None: one rank), on CUDA device device_index; bootstrap carries NCCL's id only");
+  m.def("cuda_device_available", &strata::CudaDeviceAvailable,
+        "whether strata was built with CUDA and a GPU is visible");
 
   py::class_<strata::Engine, std::unique_ptr<strata::Engine>>(m, "Engine",
                                                                "the engine: tensors in chunks on three tiers")

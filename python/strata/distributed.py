@@ -4,8 +4,9 @@ Under mpirun the group is MPI_COMM_WORLD (strata's MPI communicator). Under
 torchrun (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment) it
 is torch.distributed's gloo backend, through TorchCommunicator: strata's
 collectives carry host buffers, which gloo carries between the processes
-torchrun started, on one node or many. Either way the training script needs
-no change.
+torchrun started, on one node or many. On GPUs (comm.backend auto or nccl)
+that group only bootstraps NCCL, which then carries every collective. Either
+way the training script needs no change.
 """
 
 import datetime
@@ -29,6 +30,32 @@ def local_rank():
         if key in os.environ:
             return int(os.environ[key])
     return None
+
+
+def wants_nccl(backend, world_size, device_backend):
+    """Whether comm.backend `backend` means NCCL for a group of `world_size` on device.backend `device_backend`.
+
+    auto: NCCL when there are several ranks and each computes on a GPU (device.backend cuda, or auto with a GPU
+    visible to a build with CUDA); host otherwise. nccl: always, a single rank included (ValueError on the
+    emulated device, whose memory is the host's). host: never.
+    """
+    if backend == "nccl":
+        if device_backend == "emulated":
+            raise ValueError("comm.backend nccl needs a GPU per rank, but device.backend is emulated: set "
+                             "device.backend to cuda or auto, or comm.backend to host")
+        return True
+    if backend == "auto":
+        on_gpu = device_backend == "cuda" or (device_backend == "auto" and _strata.cuda_device_available())
+        return world_size > 1 and on_gpu
+    return False
+
+
+def nccl_communicator(bootstrap, device_index, timeout_ms):
+    """NCCL over the ranks of `bootstrap` (None: this process alone), each on its GPU `device_index`.
+
+    The bootstrap group only carries NCCL's unique id from rank 0 to the others; the caller keeps it.
+    """
+    return _strata.nccl_communicator(bootstrap, device_index, timeout_ms)
 
 
 def communicator(timeout_ms):

@@ -208,7 +208,8 @@ class TrainingEngine:
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
         # Data parallel when mpirun or torchrun started the process: each rank
         # trains on its own batches, gradients are averaged over the ranks in step().
-        self._comm = distributed.communicator(int(options["comm.timeout_ms"]))
+        timeout_ms = int(options["comm.timeout_ms"])
+        self._comm = distributed.communicator(timeout_ms)
         self.rank = self._comm.rank if self._comm else 0
         self.world_size = self._comm.world_size if self._comm else 1
         # One GPU per process on a node: device.index left at 0 follows the
@@ -218,6 +219,14 @@ class TrainingEngine:
         if self.world_size > 1 and local is not None and int(options["device.index"]) == 0 and (
                 options["device.backend"] == "emulated" or local < torch.cuda.device_count()):
             self.config.options.set("device.index", str(local))
+        # On GPUs the host group (MPI or gloo) only bootstraps NCCL, which carries the collectives.
+        self._bootstrap = None
+        if distributed.wants_nccl(options["comm.backend"], self.world_size, options["device.backend"]):
+            self._bootstrap = self._comm
+            self._comm = distributed.nccl_communicator(
+                self._bootstrap, int(self.config.options.describe()["device.index"]), timeout_ms)
+        # With a communicator, even of one rank (NCCL on a single GPU), gradients take the data-parallel path.
+        self._parallel = self._comm is not None
         self._engine = _strata.Engine(self.config.options, self._comm)
         self._emulated = "emulated" in self._engine.describe_backends()
         # Where the model computes: the CPU for the emulated device (its memory is the host's).
@@ -262,7 +271,7 @@ class TrainingEngine:
         # before it in that order are complete; at the step the rest follow
         # in the same order. So the ranks' collectives line up even when a
         # parameter is used on some ranks only.
-        self._reducer = _strata.GradReducer(self._engine, self._comm) if self.world_size > 1 else None
+        self._reducer = _strata.GradReducer(self._engine, self._comm) if self._parallel else None
         self._closed_gathers = (0, 0)  # the reducer's gather counts once close() has stopped it
         if self._reducer is not None:  # at exit, before MPI is finalized: no reduction left in flight
             weakref.finalize(self, _close_reducer, self._reducer)
@@ -276,7 +285,7 @@ class TrainingEngine:
         self._submitted = 0        # how many of _reduce_order this backward has submitted
         self._late = set()         # submitted grad chunks a gradient arrived in after (reduced again at the step)
         self._reducing = False     # this backward submits complete grad chunks to the reducer
-        self._comm_mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
+        self._comm_mark = self._comm.stats()["total_bytes"] if self._parallel else 0
         self._broken = None        # why training cannot go on (a step or backward that failed part way)
         self._pending = None       # an asynchronous save still to be waited for
         self._pending_exit = None  # its exit hook
@@ -476,12 +485,12 @@ class TrainingEngine:
         self._end_moment()
         try:
             stepped = [float(r.stepped) for r in self._params]
-            if self.world_size > 1:
+            if self._parallel:
                 stepped = self._reduce_rest(stepped)
             skip = [r.tensor_id for r, s in zip(self._params, stepped) if r.trainable and s == 0]
             # A step's bytes run from here to here next step: every collective begun in between is done by
             # then (gathers queued ahead by this step's updates are the next forward's, and counted there).
-            mark = self._comm.stats()["total_bytes"] if self.world_size > 1 else 0
+            mark = self._comm.stats()["total_bytes"] if self._parallel else 0
             # An asynchronous save reads each group out before its update changes it.
             self._last_step = self._checked(_strata.train_step, self._engine, self._pipeline, self._optimizer, skip,
                                             self._comm, self._reducer, self._pending)
@@ -495,7 +504,7 @@ class TrainingEngine:
         for record in self._params:
             record.stepped = False
         self._last_step["seconds"] = time.perf_counter() - start
-        if self.world_size > 1:  # since the last step: the reductions in backward and the unused-parameter vote too
+        if self._parallel:  # since the last step: the reductions in backward and the unused-parameter vote too
             self._last_step["comm_bytes"], self._comm_mark = mark - self._comm_mark, mark
         self._micro_steps = 0
         return True
@@ -516,7 +525,7 @@ class TrainingEngine:
         stats["loss_scale"] = self._optimizer.loss_scale
         stats["timeline"] = list(self._last_timeline)
         stats["chunk_tiers"] = self.chunk_tiers()
-        if self.world_size > 1:
+        if self._parallel:
             stats["comm"] = self.comm_stats()
         return stats
 

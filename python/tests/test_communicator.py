@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 import strata
 from strata import _strata
@@ -144,3 +145,25 @@ def test_a_closed_reducer_refuses_work():
     reducer.close()  # twice is fine
     with pytest.raises(RuntimeError, match="GradReducer: closed"):
         reducer.submit([c["id"] for c in engine.chunks() if c["kind"] == "grad"][0])
+
+
+def test_comm_backend_picks_nccl_only_for_gpu_ranks_or_when_asked():
+    from strata import distributed
+    assert not distributed.wants_nccl("auto", 1, "cuda")  # one rank: no communicator at all
+    assert distributed.wants_nccl("auto", 2, "cuda")
+    assert not distributed.wants_nccl("auto", 2, "emulated")
+    assert distributed.wants_nccl("auto", 2, "auto") == _strata.cuda_device_available()
+    assert not distributed.wants_nccl("host", 4, "cuda")
+    assert distributed.wants_nccl("nccl", 1, "auto")
+    with pytest.raises(ValueError, match="device.backend is emulated"):
+        distributed.wants_nccl("nccl", 2, "emulated")
+
+
+def test_comm_backend_nccl_without_a_gpu_is_a_clear_error_before_the_engine_is_made():
+    if _strata.cuda_device_available():
+        pytest.skip("a GPU is present")
+    model = torch.nn.Linear(4, 4)
+    with pytest.raises(RuntimeError, match="comm.backend host"):
+        strata.initialize(model, {"comm": {"backend": "nccl"}, "log": {"level": "error"}})
+    with pytest.raises(ValueError, match="comm.backend"):
+        strata.initialize(model, {"comm": {"backend": "gloo"}})

@@ -138,6 +138,18 @@ def test_ranks_with_sharded_params_train_like_one_process_and_send_zero3s_volume
 
 
 @needs_mpirun
+def test_one_rank_with_a_communicator_takes_the_data_parallel_path_and_trains_the_same(tmp_path):
+    """mpirun -np 1 (as comm.backend nccl on a single GPU): gradients go through the reducer, one rank."""
+    steps, batch = 6, 8
+    result = run_ranks(tmp_path, 1, steps, batch)
+    assert_trains_like_pytorch(result, steps, batch)
+    rank = result["ranks"][0]
+    assert rank["reduced_in_backward"] == [rank["grad_chunks"]] * steps, rank["reduced_in_backward"]
+    assert rank["comm"]["reduce_scatter"]["calls"] >= steps * rank["grad_chunks"], rank["comm"]
+    assert rank["comm"]["last_step_bytes"] == 0  # a group of one sends nothing
+
+
+@needs_mpirun
 def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):
     steps, batch, accumulation = 12, 8, 2
     result = run_ranks(tmp_path, 2, steps, batch, accumulation=accumulation)

@@ -122,4 +122,19 @@ Status MpiRawReduceScatterSum(const float*, float*, size_t) { return NotSupporte
 }  // namespace comm
 #endif
 
+#if !defined(STRATA_WITH_NCCL)
+Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator*, int, CommOptions) {
+  return NotSupported("NCCL communicator: strata was built without CUDA and NCCL (/usr/local/cuda); use "
+                      "comm.backend host (MPI or gloo)");
+}
+namespace comm {
+Status NcclRawAllGather(Communicator&, const void*, void*, size_t) {
+  return NotSupported("NCCL: strata was built without it");
+}
+Status NcclRawReduceScatterSum(Communicator&, const float*, float*, size_t) {
+  return NotSupported("NCCL: strata was built without it");
+}
+}  // namespace comm
+#endif
+
 }  // namespace strata

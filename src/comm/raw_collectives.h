@@ -1,15 +1,21 @@
-// The MPI library's own blocking collectives, without strata's timeout
-// polling: the reference `strata bench comm` measures its communicator
-// against in the same run. Internal (src/comm); NotSupported without MPI.
+// The backends' own blocking collectives, without strata's timeout polling
+// or staging: the reference `strata bench comm` measures its communicators
+// against in the same run. Internal (src/comm). MPI's are NotSupported
+// without MPI; NCCL's take a communicator CreateNcclCommunicator made and
+// buffers in its device's memory (InvalidArgument for any other
+// communicator, NotSupported without CUDA).
 #pragma once
 
 #include <cstddef>
 
+#include "strata/comm.h"
 #include "strata/status.h"
 
 namespace strata::comm {
 
 Status MpiRawAllGather(const void* send, void* recv, size_t bytes_per_rank);
 Status MpiRawReduceScatterSum(const float* send, float* recv, size_t count_per_rank);
+Status NcclRawAllGather(Communicator& nccl, const void* send, void* recv, size_t bytes_per_rank);
+Status NcclRawReduceScatterSum(Communicator& nccl, const float* send, float* recv, size_t count_per_rank);
 
 }  // namespace strata::comm

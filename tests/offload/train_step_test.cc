@@ -188,6 +188,7 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
       }
       if (reducer) EXPECT_OK(reducer->Drain());  // the gathers ahead of the next step too
       all_bytes[r] = (*group)[r]->stats().total_bytes() - before;
+      EXPECT_GE((*group)[r]->stats().reduce_scatter.calls, static_cast<uint64_t>(kSteps * kLayers)) << "rank " << r;
       // From the second step on, every layer's chunk was gathered ahead
       // (the sequence of the step before), and nothing twice.
       if (shard_params) {
@@ -232,7 +233,7 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
     // (Parameters sharded: the fp32 params gain a master shard.)
     const uint64_t states = shard_params ? whole_state_bytes * 3 / 2 : whole_state_bytes;
     EXPECT_LE(state_bytes[r], states / world + 3 * kLayers * memory::kSlotAlignmentBytes) << "rank " << r;
-    if (!shard_params) {
+    if (!shard_params && world > 1) {
       EXPECT_LT(state_bytes[r], whole_state_bytes) << "rank " << r;
     }
   }
@@ -256,6 +257,12 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
 
 TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) {
   RunDataParallel(2, 0.0, /*exact=*/true);
+}
+
+// A group of one rank (NCCL on a single GPU) runs the data-parallel path,
+// its gradients reduced during backward: it steps like no communicator.
+TEST(TrainStepTest, OneRankWithACommunicatorStepsLikeNone) {
+  RunDataParallel(1, 0.0, /*exact=*/true, /*during_backward=*/true);
 }
 
 // 4096 elements over three ranks: shards of 1376, the last one short (1344).
