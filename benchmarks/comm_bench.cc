@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -12,6 +13,7 @@
 
 #include "src/comm/raw_collectives.h"
 #include "strata/comm.h"
+#include "strata/device.h"
 #include "strata/options.h"
 
 namespace strata::bench {
@@ -35,11 +37,19 @@ Result<double> Time(Communicator& comm, uint32_t iterations, const std::function
   return std::chrono::duration<double>(Clock::now() - start).count() / iterations;
 }
 
+// Copies `bytes` between host and device memory and waits.
+Status CopyAndWait(Device& device, CopyStream stream, void* dst, const void* src, size_t bytes, uint32_t timeout_ms) {
+  STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Event> done, device.CopyAsync(stream, dst, src, bytes));
+  return done->Wait(timeout_ms);
+}
+
 // Every size on one rank; `shards[r]` and `fulls[r]` are rank r's send
 // buffers (constant during the run, so the loopback's raw ops may read them).
+// With `device` (NCCL), the raw ops run on device copies of the buffers, and
+// strata's communicator too unless `host_buffers`.
 Result<std::vector<CommBenchRow>> RunRank(Communicator& comm, const CommBenchConfig& config, const RawOps& raw,
                                           std::vector<std::vector<float>>& shards,
-                                          std::vector<std::vector<float>>& fulls) {
+                                          std::vector<std::vector<float>>& fulls, Device* device = nullptr) {
   const int world = comm.world_size(), me = comm.rank();
   std::vector<CommBenchRow> rows;
   for (uint64_t bytes : config.sizes) {
@@ -49,22 +59,51 @@ Result<std::vector<CommBenchRow>> RunRank(Communicator& comm, const CommBenchCon
     shards[me].assign(shard, static_cast<float>(me));
     fulls[me].assign(shard * world, 1.0f);
     std::vector<float> gathered(shard * world), reduced(shard);
+    // The buffers each side is given: host vectors, or their device copies.
+    float *shard_at = shards[me].data(), *full_at = fulls[me].data(), *gathered_at = gathered.data(),
+          *reduced_at = reduced.data();
+    float *raw_shard = shard_at, *raw_full = full_at, *raw_gathered = gathered_at, *raw_reduced = reduced_at;
+    std::vector<Buffer> on_device;
+    if (device != nullptr) {
+      for (size_t n : {shard, shard * world, shard * world, shard}) {
+        STRATA_ASSIGN_OR_RETURN(Buffer b, device->Allocate(n * sizeof(float)));
+        on_device.push_back(std::move(b));
+      }
+      raw_shard = static_cast<float*>(on_device[0].data());
+      raw_full = static_cast<float*>(on_device[1].data());
+      raw_gathered = static_cast<float*>(on_device[2].data());
+      raw_reduced = static_cast<float*>(on_device[3].data());
+      STRATA_RETURN_IF_ERROR(CopyAndWait(*device, CopyStream::kHostToDevice, raw_shard, shard_at,
+                                         shard * sizeof(float), config.timeout_ms));
+      STRATA_RETURN_IF_ERROR(CopyAndWait(*device, CopyStream::kHostToDevice, raw_full, full_at,
+                                         shard * world * sizeof(float), config.timeout_ms));
+      if (!config.host_buffers) {
+        shard_at = raw_shard, full_at = raw_full, gathered_at = raw_gathered, reduced_at = raw_reduced;
+      }
+    }
     STRATA_RETURN_IF_ERROR(comm.Barrier());  // every rank's buffers are in place
+    // Bus bandwidth; a group of one moves nothing between ranks, so its figure is the algorithm bandwidth.
     const auto bus = [&](double seconds) {
-      return static_cast<double>(row.bytes) / seconds * (world - 1) / world;
+      return static_cast<double>(row.bytes) / seconds * (world > 1 ? (world - 1.0) / world : 1.0);
     };
     STRATA_ASSIGN_OR_RETURN(double ag, Time(comm, config.iterations, [&] {
-      return comm.AllGather(shards[me].data(), gathered.data(), shard * sizeof(float));
+      return comm.AllGather(shard_at, gathered_at, shard * sizeof(float));
     }));
     STRATA_ASSIGN_OR_RETURN(double ag_raw, Time(comm, config.iterations, [&] {
-      return raw.all_gather(shards[me].data(), gathered.data(), shard);
+      return raw.all_gather(raw_shard, raw_gathered, shard);
     }));
     STRATA_ASSIGN_OR_RETURN(double rs, Time(comm, config.iterations, [&] {
-      return comm.ReduceScatterSum(fulls[me].data(), reduced.data(), shard);
+      return comm.ReduceScatterSum(full_at, reduced_at, shard);
     }));
     STRATA_ASSIGN_OR_RETURN(double rs_raw, Time(comm, config.iterations, [&] {
-      return raw.reduce_scatter(fulls[me].data(), reduced.data(), shard);
+      return raw.reduce_scatter(raw_full, raw_reduced, shard);
     }));
+    if (device != nullptr) {  // the raw ops wrote last; strata's results are the same bytes
+      STRATA_RETURN_IF_ERROR(CopyAndWait(*device, CopyStream::kDeviceToHost, gathered.data(), raw_gathered,
+                                         gathered.size() * sizeof(float), config.timeout_ms));
+      STRATA_RETURN_IF_ERROR(CopyAndWait(*device, CopyStream::kDeviceToHost, reduced.data(), raw_reduced,
+                                         reduced.size() * sizeof(float), config.timeout_ms));
+    }
     if (gathered[shard * (world - 1)] != static_cast<float>(world - 1) || reduced[0] != static_cast<float>(world)) {
       return Internal("bench comm: rank {} got wrong results ({} and {})", me, gathered[shard * (world - 1)],
                       reduced[0]);
@@ -130,6 +169,38 @@ Result<CommBenchReport> RunMpi(const CommBenchConfig& config) {
                          .rank = comm->rank(), .rows = std::move(rows)};
 }
 
+// NCCL on this process's GPU (device.index: the local rank under mpirun),
+// bootstrapped by MPI under mpirun, else a group of one rank.
+Result<CommBenchReport> RunNccl(const CommBenchConfig& config) {
+  std::unique_ptr<Communicator> bootstrap;
+  if (LaunchedByMpi()) {
+    STRATA_ASSIGN_OR_RETURN(bootstrap, CreateMpiCommunicator({.timeout_ms = config.timeout_ms}));
+  }
+  int device_index = config.device_index;
+  if (device_index < 0) {
+    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+    device_index = local != nullptr ? std::atoi(local) : 0;
+  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
+                          CreateNcclCommunicator(bootstrap.get(), device_index, {.timeout_ms = config.timeout_ms}));
+  const uint64_t largest = *std::max_element(config.sizes.begin(), config.sizes.end());
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateCudaDevice(device_index, 3 * largest + (8 << 20)));
+  RawOps raw;
+  raw.all_gather = [&](const float* shard, float* full, size_t n) {
+    return comm::NcclRawAllGather(*comm, shard, full, n * sizeof(float));
+  };
+  raw.reduce_scatter = [&](const float* full, float* shard, size_t n) {
+    return comm::NcclRawReduceScatterSum(*comm, full, shard, n);
+  };
+  std::vector<std::vector<float>> shards(comm->world_size()), fulls(comm->world_size());
+  STRATA_ASSIGN_OR_RETURN(std::vector<CommBenchRow> rows, RunRank(*comm, config, raw, shards, fulls, device.get()));
+  return CommBenchReport{.config = config,
+                         .backend = comm->Describe() + (config.host_buffers ? ", strata given host buffers" : ""),
+                         .world = comm->world_size(),
+                         .rank = comm->rank(),
+                         .rows = std::move(rows)};
+}
+
 }  // namespace
 
 Result<CommBenchReport> RunCommBench(const CommBenchConfig& config) {
@@ -137,16 +208,22 @@ Result<CommBenchReport> RunCommBench(const CommBenchConfig& config) {
   if (config.sizes.empty()) return InvalidArgument("bench comm: --sizes is empty");
   std::string backend = config.backend;
   if (backend == "auto") backend = LaunchedByMpi() ? "mpi" : "loopback";
+  if (config.host_buffers && backend != "nccl") {
+    return InvalidArgument("bench comm: --host-buffers is for --backend nccl (the others carry host buffers only)");
+  }
   if (backend == "loopback") return RunLoopback(config);
   if (backend == "mpi") return RunMpi(config);
-  return InvalidArgument("bench comm: --backend {}: expected auto, loopback or mpi", config.backend);
+  if (backend == "nccl") return RunNccl(config);
+  return InvalidArgument("bench comm: --backend {}: expected auto, loopback, mpi or nccl", config.backend);
 }
 
 std::string FormatCommBench(const CommBenchReport& r) {
   std::string out = fmt::format(
-      "strata bench comm: {}; {} ranks; bus bandwidth GB/s (bytes x (W-1)/W / seconds), mean of {}\n"
+      "strata bench comm: {}; {} ranks; {}, mean of {}\n"
       "{:>10} {:>12} {:>12} {:>7} {:>14} {:>12} {:>7}\n",
-      r.backend, r.world, r.config.iterations, "chunk", "all-gather", "raw", "ratio", "reduce-scatter", "raw",
+      r.backend, r.world,
+      r.world > 1 ? "bus bandwidth GB/s (bytes x (W-1)/W / seconds)" : "algorithm bandwidth GB/s (bytes / seconds)",
+      r.config.iterations, "chunk", "all-gather", "raw", "ratio", "reduce-scatter", "raw",
       "ratio");
   for (const CommBenchRow& row : r.rows) {
     out += fmt::format("{:>10} {:>12.2f} {:>12.2f} {:>7.2f} {:>14.2f} {:>12.2f} {:>7.2f}\n", FormatSize(row.bytes),

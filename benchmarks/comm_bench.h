@@ -8,6 +8,12 @@
 //   mpi       — the MPI library's own blocking MPI_Allgather and
 //               MPI_Reduce_scatter_block (strata's communicator runs the
 //               non-blocking calls polled against its timeout);
+//   nccl      — ncclAllGather and ncclReduceScatter on device buffers,
+//               waited for with cudaStreamSynchronize (nccl-tests' way);
+//               strata's communicator gets device buffers too, or host
+//               buffers with `host_buffers` (staged through the device, as
+//               the gradient reducer's are today). One rank without mpirun
+//               (bus bandwidth is then 0: the algorithm bandwidth is shown);
 //   loopback  — the same bytes moved (all-gather: copied from the other
 //               ranks' buffers; reduce-scatter: summed from them) by the same
 //               threads at the same time, without the group's barriers.
@@ -25,11 +31,13 @@
 namespace strata::bench {
 
 struct CommBenchConfig {
-  std::string backend = "auto";  // auto (mpi under mpirun, else loopback), loopback or mpi
+  std::string backend = "auto";  // auto (mpi under mpirun, else loopback), loopback, mpi or nccl
   int ranks = 2;                 // loopback: ranks as threads
   std::vector<uint64_t> sizes = {uint64_t{1} << 20, uint64_t{4} << 20, uint64_t{16} << 20};
   uint32_t iterations = 20;
   uint32_t timeout_ms = 60'000;
+  bool host_buffers = false;  // nccl: strata's communicator given host buffers
+  int device_index = -1;      // nccl: the GPU; -1 = the local rank under mpirun, else 0
 };
 
 struct CommBenchRow {

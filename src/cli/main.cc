@@ -409,7 +409,13 @@ int main(int argc, char** argv) {
   BenchCommFlags bench_comm;
   CLI::App* bench_comm_command = bench_command->add_subcommand(
       "comm", "all-gather and reduce-scatter of chunk-sized messages against the backend's raw collectives");
-  bench_comm_command->add_option("--backend", bench_comm.config.backend, "auto (mpi under mpirun, else loopback), loopback or mpi")
+  bench_comm_command->add_option("--backend", bench_comm.config.backend,
+                                 "auto (mpi under mpirun, else loopback), loopback, mpi or nccl (a GPU per rank)")
+      ->capture_default_str();
+  bench_comm_command->add_flag("--host-buffers", bench_comm.config.host_buffers,
+                               "nccl: give strata's communicator host buffers (staged through the GPU)");
+  bench_comm_command->add_option("--device-index", bench_comm.config.device_index,
+                                 "nccl: the GPU (-1: the local rank under mpirun, else 0)")
       ->capture_default_str();
   bench_comm_command->add_option("--ranks", bench_comm.config.ranks, "loopback: ranks (threads)")->capture_default_str();
   bench_comm_command->add_option("--sizes", bench_comm.sizes, "whole-chunk sizes (fp32), comma separated")
