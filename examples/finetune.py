@@ -58,6 +58,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--shard-params", action="store_true",
                    help="data parallel: shard the parameters too (comm.shard_params, ZeRO-3)")
+    p.add_argument("--comm-backend", choices=["auto", "host", "nccl"], default="auto",
+                   help="data parallel: what carries the collectives (comm.backend; nccl also for one process)")
     p.add_argument("--save-every", type=int, default=0,
                    help="save a checkpoint every N steps under OUT/ckpt, the newest two kept (default 0: none)")
     p.add_argument("--async-save", action="store_true",
@@ -186,10 +188,12 @@ def main(argv=None):
         # memory, outside its budget. On a GPU the adapter measures them.
         "non_model_memory": 0 if args.device == "emulated" else "measured",
         "log": {"level": "warning"},
-        "comm": {"shard_params": args.shard_params},
+        "comm": {"shard_params": args.shard_params, "backend": args.comm_backend},
     }
     engine = strata.initialize(model, config)
     rank, world = engine.rank, engine.world_size
+    if engine.comm is not None and rank == 0:
+        print(f"strata: collectives over {engine.comm.describe()}")
     if args.batch % world:
         raise SystemExit(f"finetune: --batch {args.batch} does not split over {world} ranks: use a multiple of {world}")
     share = args.batch // world
