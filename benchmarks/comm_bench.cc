@@ -169,7 +169,7 @@ Result<CommBenchReport> RunMpi(const CommBenchConfig& config) {
                          .rank = comm->rank(), .rows = std::move(rows)};
 }
 
-// NCCL on this process's GPU (device.index: the local rank under mpirun),
+// NCCL on this process's GPU (--device-index, else the local rank under mpirun or SLURM),
 // bootstrapped by MPI under mpirun, else a group of one rank.
 Result<CommBenchReport> RunNccl(const CommBenchConfig& config) {
   std::unique_ptr<Communicator> bootstrap;
@@ -177,14 +177,15 @@ Result<CommBenchReport> RunNccl(const CommBenchConfig& config) {
     STRATA_ASSIGN_OR_RETURN(bootstrap, CreateMpiCommunicator({.timeout_ms = config.timeout_ms}));
   }
   int device_index = config.device_index;
-  if (device_index < 0) {
-    const char* local = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-    device_index = local != nullptr ? std::atoi(local) : 0;
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
+    const char* local = std::getenv(name);
+    if (device_index < 0 && local != nullptr) device_index = std::atoi(local);
   }
+  device_index = std::max(device_index, 0);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm,
                           CreateNcclCommunicator(bootstrap.get(), device_index, {.timeout_ms = config.timeout_ms}));
   const uint64_t largest = *std::max_element(config.sizes.begin(), config.sizes.end());
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateCudaDevice(device_index, 3 * largest + (8 << 20)));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, CreateCudaDevice(device_index, 4 * largest + (8 << 20)));
   RawOps raw;
   raw.all_gather = [&](const float* shard, float* full, size_t n) {
     return comm::NcclRawAllGather(*comm, shard, full, n * sizeof(float));

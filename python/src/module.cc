@@ -323,6 +323,16 @@ PYBIND11_MODULE(_strata, m) {
       "NCCL over bootstrap's ranks (None: one rank), on CUDA device device_index; bootstrap carries NCCL's id only");
   m.def("cuda_device_available", &strata::CudaDeviceAvailable,
         "whether strata was built with CUDA and a GPU is visible");
+  m.def(
+      "nccl_available",
+      [] {
+#if defined(STRATA_WITH_NCCL)
+        return true;
+#else
+        return false;
+#endif
+      },
+      "whether strata was built with NCCL");
 
   py::class_<strata::Engine, std::unique_ptr<strata::Engine>>(m, "Engine",
                                                                "the engine: tensors in chunks on three tiers")

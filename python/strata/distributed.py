@@ -11,6 +11,7 @@ way the training script needs no change.
 
 import datetime
 import os
+import sys
 
 import torch
 
@@ -35,9 +36,9 @@ def local_rank():
 def wants_nccl(backend, world_size, device_backend):
     """Whether comm.backend `backend` means NCCL for a group of `world_size` on device.backend `device_backend`.
 
-    auto: NCCL when there are several ranks and each computes on a GPU (device.backend cuda, or auto with a GPU
-    visible to a build with CUDA); host otherwise. nccl: always, a single rank included (ValueError on the
-    emulated device, whose memory is the host's). host: never.
+    auto: NCCL when there are several ranks, strata was built with NCCL, and each rank computes on a GPU
+    (device.backend cuda, or auto with a GPU visible); host otherwise. nccl: always, a single rank included
+    (ValueError on the emulated device, whose memory is the host's). host: never.
     """
     if backend == "nccl":
         if device_backend == "emulated":
@@ -46,16 +47,26 @@ def wants_nccl(backend, world_size, device_backend):
         return True
     if backend == "auto":
         on_gpu = device_backend == "cuda" or (device_backend == "auto" and _strata.cuda_device_available())
-        return world_size > 1 and on_gpu
+        return world_size > 1 and on_gpu and _strata.nccl_available()
     return False
 
 
-def nccl_communicator(bootstrap, device_index, timeout_ms):
+def nccl_communicator(bootstrap, device_index, timeout_ms, required=True):
     """NCCL over the ranks of `bootstrap` (None: this process alone), each on its GPU `device_index`.
 
     The bootstrap group only carries NCCL's unique id from rank 0 to the others; the caller keeps it.
+    Ranks that share a GPU are a ValueError on every rank alike; unless `required` (comm.backend auto),
+    they return None instead, to go on over the bootstrap group.
     """
-    return _strata.nccl_communicator(bootstrap, device_index, timeout_ms)
+    try:
+        return _strata.nccl_communicator(bootstrap, device_index, timeout_ms)
+    except ValueError as error:
+        if required or "on the same GPU" not in str(error):
+            raise
+        if bootstrap is None or bootstrap.rank == 0:
+            print(f"strata: comm.backend auto: collectives stay on {bootstrap.describe() if bootstrap else 'host'} "
+                  f"({error})", file=sys.stderr)
+        return None
 
 
 def communicator(timeout_ms):

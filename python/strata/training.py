@@ -222,9 +222,10 @@ class TrainingEngine:
         # On GPUs the host group (MPI or gloo) only bootstraps NCCL, which carries the collectives.
         self._bootstrap = None
         if distributed.wants_nccl(options["comm.backend"], self.world_size, options["device.backend"]):
-            self._bootstrap = self._comm
-            self._comm = distributed.nccl_communicator(
-                self._bootstrap, int(self.config.options.describe()["device.index"]), timeout_ms)
+            nccl = distributed.nccl_communicator(self._comm, int(self.config.options.describe()["device.index"]),
+                                                 timeout_ms, required=options["comm.backend"] == "nccl")
+            if nccl is not None:  # None: ranks share a GPU (comm.backend auto), so the host group carries on
+                self._bootstrap, self._comm = self._comm, nccl
         # With a communicator, even of one rank (NCCL on a single GPU), gradients take the data-parallel path.
         self._parallel = self._comm is not None
         self._engine = _strata.Engine(self.config.options, self._comm)

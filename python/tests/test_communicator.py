@@ -150,7 +150,7 @@ def test_a_closed_reducer_refuses_work():
 def test_comm_backend_picks_nccl_only_for_gpu_ranks_or_when_asked():
     from strata import distributed
     assert not distributed.wants_nccl("auto", 1, "cuda")  # one rank: no communicator at all
-    assert distributed.wants_nccl("auto", 2, "cuda")
+    assert distributed.wants_nccl("auto", 2, "cuda") == _strata.nccl_available()
     assert not distributed.wants_nccl("auto", 2, "emulated")
     assert distributed.wants_nccl("auto", 2, "auto") == _strata.cuda_device_available()
     assert not distributed.wants_nccl("host", 4, "cuda")

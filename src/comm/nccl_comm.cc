@@ -18,10 +18,15 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -101,8 +106,9 @@ class NcclCommunicator final : public Communicator {
     // its buffers are left to the process's exit rather than freed under it.
     if (!broken_.empty()) return;
     for (Staging* s : {&send_stage_, &recv_stage_}) {
-      if (s->data != nullptr) cudaFree(s->data);
+      if (s->data != nullptr) cudaFreeAsync(s->data, stream_);
     }
+    cudaStreamSynchronize(stream_);
     cudaStreamDestroy(stream_);
   }
 
@@ -124,23 +130,22 @@ class NcclCommunicator final : public Communicator {
   }
 
   // The bench's raw figure: NCCL's all-gather and reduce-scatter on device
-  // buffers, waited for with cudaStreamSynchronize as nccl-tests do.
+  // buffers as they are (no pointer checks, no staging, not counted), waited
+  // for on the stream (bounded like any collective: a dead peer is a Timeout).
   Status RawAllGather(const void* send, void* recv, size_t bytes_per_rank) {
-    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
-    STRATA_RETURN_IF_ERROR(
-        Call("ncclAllGather", ncclAllGather(send, recv, bytes_per_rank, ncclInt8, comm_, stream_), deadline));
-    STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return Status::Ok();
+    return Run("raw all-gather", [&](Clock::time_point deadline) -> Status {
+      STRATA_RETURN_IF_ERROR(
+          Call("ncclAllGather", ncclAllGather(send, recv, bytes_per_rank, ncclInt8, comm_, stream_), deadline));
+      return Finish(deadline, recv, recv, 0);
+    });
   }
   Status RawReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
-    STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    const auto deadline = Clock::now() + std::chrono::milliseconds(options_.timeout_ms);
-    STRATA_RETURN_IF_ERROR(Call("ncclReduceScatter",
-                                ncclReduceScatter(send, recv, count_per_rank, ncclFloat32, ncclSum, comm_, stream_),
-                                deadline));
-    STRATA_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream_));
-    return Status::Ok();
+    return Run("raw reduce-scatter", [&](Clock::time_point deadline) -> Status {
+      STRATA_RETURN_IF_ERROR(Call("ncclReduceScatter",
+                                  ncclReduceScatter(send, recv, count_per_rank, ncclFloat32, ncclSum, comm_, stream_),
+                                  deadline));
+      return Finish(deadline, recv, recv, 0);
+    });
   }
   bool broken() const { return !broken_.empty(); }
 
@@ -196,6 +201,15 @@ class NcclCommunicator final : public Communicator {
   // still be carrying out is aborted first.
   template <typename Body>
   Status Run(const char* op, Body body) {
+    // Barrier and the raw calls bypass Communicator's guard, and every call shares the staging buffers.
+    if (running_.exchange(true)) {
+      return CommError("NCCL {} on rank {}: another collective is running on this communicator (on another thread)",
+                       op, rank_);
+    }
+    struct Done {
+      std::atomic<bool>& running;
+      ~Done() { running = false; }
+    } done{running_};
     if (!broken_.empty()) return CommError("NCCL {} on rank {}: the communicator is broken: {}", op, rank_, broken_);
     // The current device is per thread: the gradient reducer's is not the creator's.
     STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -233,12 +247,15 @@ class NcclCommunicator final : public Communicator {
     return true;
   }
 
+  // Stream-ordered (cudaMallocAsync/cudaFreeAsync on the idle stream): a
+  // plain cudaFree would wait for the whole device, other streams' work and
+  // other libraries' collectives included, with no timeout.
   Status Reserve(Staging& s, size_t bytes) {
     if (s.bytes >= bytes) return Status::Ok();
-    if (s.data != nullptr) STRATA_CUDA_RETURN_IF_ERROR(cudaFree(s.data));
+    if (s.data != nullptr) STRATA_CUDA_RETURN_IF_ERROR(cudaFreeAsync(s.data, stream_));
     s = Staging{};
     const size_t grown = std::max<size_t>(bytes, size_t{1} << 20);
-    STRATA_CUDA_RETURN_IF_ERROR(cudaMalloc(&s.data, grown));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMallocAsync(&s.data, grown, stream_));
     s.bytes = grown;
     return Status::Ok();
   }
@@ -249,7 +266,7 @@ class NcclCommunicator final : public Communicator {
     if (on_device) return p;
     STRATA_RETURN_IF_ERROR(Reserve(stage, bytes));
     if (bytes > 0) {
-      STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage.data, p, bytes, cudaMemcpyHostToDevice, stream_));
+      STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(stage.data, p, bytes, cudaMemcpyDefault, stream_));
     }
     return const_cast<const void*>(stage.data);
   }
@@ -267,7 +284,10 @@ class NcclCommunicator final : public Communicator {
   Status Finish(Clock::time_point deadline, void* dst, const void* written, size_t bytes) {
     for (int poll = 0;; ++poll) {
       ncclResult_t async = ncclSuccess;
-      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess && async != ncclInProgress) {
+      if (const ncclResult_t asked = ncclCommGetAsyncError(comm_, &async); asked != ncclSuccess) {
+        return CommError("ncclCommGetAsyncError failed: {}", NcclText(comm_, asked));
+      }
+      if (async != ncclSuccess && async != ncclInProgress) {
         return CommError("NCCL reported {} while the collective ran (a rank died or a link broke)",
                          NcclText(comm_, async));
       }
@@ -285,10 +305,10 @@ class NcclCommunicator final : public Communicator {
       }
     }
     if (dst == written || bytes == 0) return Status::Ok();
-    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, written, bytes, cudaMemcpyDeviceToHost, stream_));
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
-    return internal::WaitForCudaWork([&] { return cudaStreamQuery(stream_); },
-                                     static_cast<uint32_t>(std::max<int64_t>(left, 1)), "copying NCCL's result out");
+    // The collective is done: the copy out is local, and gets a timeout of its own.
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, written, bytes, cudaMemcpyDefault, stream_));
+    return internal::WaitForCudaWork([&] { return cudaStreamQuery(stream_); }, options_.timeout_ms,
+                                     "copying NCCL's result out");
   }
 
   const CommOptions options_;
@@ -299,7 +319,45 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_;
   Staging send_stage_, recv_stage_;
   std::string broken_;
+  std::atomic<bool> running_{false};
 };
+
+// NCCL refuses two ranks on one GPU (and would deadlock on some versions):
+// every rank's host and PCI bus id are gathered over the bootstrap group and
+// a GPU named twice is InvalidArgument on every rank alike, before NCCL is
+// asked. A rank that cannot read its bus id says so in the same gather.
+Status CheckOneGpuPerRank(Communicator& bootstrap, int device_index) {
+  struct Where {
+    char host[64];
+    char bus[32];
+    char failed;
+  };
+  Where mine{};
+  gethostname(mine.host, sizeof mine.host - 1);
+  const cudaError_t read = cudaDeviceGetPCIBusId(mine.bus, sizeof mine.bus, device_index);
+  if (read != cudaSuccess) static_cast<void>(cudaGetLastError());
+  mine.failed = read != cudaSuccess ? 1 : 0;
+  std::vector<Where> all(static_cast<size_t>(bootstrap.world_size()));
+  STRATA_RETURN_IF_ERROR(bootstrap.AllGather(&mine, all.data(), sizeof mine)
+                             .WithContext("gathering every rank's GPU before forming the NCCL group"));
+  for (int r = 0; r < bootstrap.world_size(); ++r) {
+    if (all[r].failed) {
+      return DeviceError("NCCL communicator: rank {} could not read the PCI bus id of its GPU{}", r,
+                         r == bootstrap.rank() ? fmt::format(" (cuda:{}: {})", device_index, cudaGetErrorString(read))
+                                               : std::string());
+    }
+    for (int q = 0; q < r; ++q) {
+      if (std::strncmp(all[q].host, all[r].host, sizeof mine.host) == 0 &&
+          std::strncmp(all[q].bus, all[r].bus, sizeof mine.bus) == 0) {
+        return InvalidArgument(
+            "NCCL communicator: ranks {} and {} are on the same GPU ({} on {}): NCCL needs a GPU of its own for "
+            "each rank; give each rank its own device.index (or CUDA_VISIBLE_DEVICES), or use comm.backend host",
+            q, r, all[r].bus, all[r].host);
+      }
+    }
+  }
+  return Status::Ok();
+}
 
 }  // namespace
 
@@ -319,6 +377,7 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* boots
   }
   const int rank = bootstrap != nullptr ? bootstrap->rank() : 0;
   const int world = bootstrap != nullptr ? bootstrap->world_size() : 1;
+  if (world > 1) STRATA_RETURN_IF_ERROR(CheckOneGpuPerRank(*bootstrap, device_index));
   ncclUniqueId id{};
   Status got = Status::Ok();
   if (rank == 0) {
@@ -335,6 +394,12 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* boots
   }
 
   STRATA_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_index));
+  // The stream first: once the group has formed, a failure here would have
+  // to undo it (ncclCommDestroy waits for the other local ranks).
+  cudaStream_t stream = nullptr;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Non-blocking, so that creation and every call are polled against the
+  // timeout. (NCCL_COMM_BLOCKING=1 in the environment would make NCCL block.)
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t comm = nullptr;
@@ -342,9 +407,9 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* boots
   ncclResult_t state = ncclCommInitRankConfig(&comm, world, id, rank, &config);
   if (comm != nullptr) state = SettleNccl(comm, state, deadline);
   if (state != ncclSuccess) {
-    const std::string text =
-        state == ncclInProgress ? std::string("timed out") : NcclText(comm, state);
+    const std::string text = state == ncclInProgress ? std::string("timed out") : NcclText(comm, state);
     if (comm != nullptr) ncclCommAbort(comm);
+    cudaStreamDestroy(stream);
     if (state == ncclInProgress) {
       return Timeout("NCCL communicator: rank {} of {} on cuda:{}: the group did not form within {} ms "
                      "(comm.timeout_ms): a rank died or never started",
@@ -352,11 +417,6 @@ Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* boots
     }
     return CommError("NCCL communicator: ncclCommInitRankConfig on rank {} of {} (cuda:{}): {}", rank, world,
                      device_index, text);
-  }
-  cudaStream_t stream = nullptr;
-  if (const cudaError_t error = cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking); error != cudaSuccess) {
-    ncclCommDestroy(comm);
-    return internal::CudaErrorToStatus(error, "cudaStreamCreateWithFlags", __FILE__, __LINE__);
   }
   return std::unique_ptr<Communicator>(
       std::make_unique<NcclCommunicator>(options, rank, world, device_index, comm, stream));

@@ -126,9 +126,26 @@ TEST(NcclCommTest, AModelTrainedThroughOneNcclRankMatchesOneWithout) {
   EXPECT_GE(comm->stats().reduce_scatter.calls, static_cast<uint64_t>(3 * kLayers));
 }
 
-// Rank 1 of the bootstrap group passes NCCL's id on (as CreateNcclCommunicator
-// would: a status vote, then the id's broadcast) but never joins the NCCL
-// group: rank 0 gets a Timeout within its timeout, not a hang.
+// Two ranks on one GPU: refused on both, alike, before NCCL is asked.
+TEST(NcclCommTest, TwoRanksOnOneGpuAreRefusedOnBoth) {
+  if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_OK_AND_ASSIGN(auto bootstrap, CreateLoopbackGroup(2, {.timeout_ms = kWaitMs}));
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] { results[r] = CreateNcclCommunicator(bootstrap[r].get(), 0).status(); });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& status : results) {
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+    EXPECT_NE(status.message().find("ranks 0 and 1 are on the same GPU"), std::string::npos) << status.ToString();
+  }
+}
+
+// Rank 1 of the bootstrap group does what CreateNcclCommunicator does
+// before NCCL (its GPU's host and bus id gathered, a status vote, NCCL's id
+// broadcast) but never joins the NCCL group: rank 0 gets a Timeout within
+// its timeout, not a hang.
 TEST(NcclCommTest, ARankThatNeverJoinsIsATimeoutNotAHang) {
   if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   ASSERT_OK_AND_ASSIGN(auto bootstrap, CreateLoopbackGroup(2, {.timeout_ms = kWaitMs}));
@@ -140,6 +157,9 @@ TEST(NcclCommTest, ARankThatNeverJoinsIsATimeoutNotAHang) {
     joined = CreateNcclCommunicator(bootstrap[0].get(), 0, {.timeout_ms = kTimeoutMs}).status();
     seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   });
+  std::vector<char> where(64 + 32 + 1, 0), all(2 * where.size());  // host, bus id, failed: another GPU
+  std::memcpy(where.data(), "another-host", 12);
+  EXPECT_OK(bootstrap[1]->AllGather(where.data(), all.data(), where.size()));
   std::vector<char> id(128);  // NCCL_UNIQUE_ID_BYTES
   EXPECT_OK(AgreeOnStatus(bootstrap[1].get(), Status::Ok(), "creating NCCL's unique id"));
   EXPECT_OK(bootstrap[1]->Broadcast(id.data(), id.size(), 0));
