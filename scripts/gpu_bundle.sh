@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Packs what the GPU checks need into build/gpu-bundle (about 10 MB), for a
+# GPU machine that has CUDA's driver but none of strata's Debian packages:
+# the gpu-labelled test binaries and the strata CLI, stripped, and the shared
+# libraries they load from this machine (not NCCL's 200 MB: the GPU machine's
+# own libnccl.so.2 is used). Run after scripts/build.sh build; then, through
+# the device tool, carry build/gpu-bundle and run scripts/gpu_check.sh there.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build}
+bundle="$build/gpu-bundle"
+rm -rf "$bundle"
+mkdir -p "$bundle/tests" "$bundle/bin" "$bundle/lib"
+for test in cuda_device_test cuda_kernels_test nccl_comm_test comm_bench_test; do
+  if [[ ! -x "$build/tests/$test" ]]; then
+    echo "gpu_bundle: $build/tests/$test is missing: build with CUDA first (scripts/build.sh $build)" >&2
+    exit 1
+  fi
+  strip -o "$bundle/tests/$test" "$build/tests/$test"
+done
+strip -o "$bundle/bin/strata" "$build/bin/strata"
+# Every library the binaries load, but the C and C++ runtimes (the GPU
+# machine's are newer, and its NCCL needs its own) and NCCL.
+for binary in "$bundle"/tests/* "$bundle/bin/strata"; do
+  ldd "$binary" | awk '$3 ~ /^\// {print $3}'
+done | sort -u | while read -r library; do
+  case "$(basename "$library")" in
+    libc.so.*|libm.so.*|libdl.so.*|libpthread.so.*|librt.so.*|ld-linux*|libstdc++.so.*|libgcc_s.so.*) ;;
+    libnccl.so.*|libcuda.so.*) ;;
+    *) cp -L "$library" "$bundle/lib/" ;;
+  esac
+done
+du -sh "$bundle"

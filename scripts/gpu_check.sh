@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# On a GPU machine (the device tool's; see scripts/gpu_bundle.sh): runs the
+# gpu-labelled tests and the GPU benchmarks from the bundle, logs and JSON
+# under $OUT (or /tmp/strata-gpu), a summary last. Exit status: 1 if any test
+# failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bundle=$(realpath "${1:-build/gpu-bundle}")
+out=${OUT:-/tmp/strata-gpu}
+mkdir -p "$out"
+# NCCL from the toolkit, else the one Python's nvidia-nccl package brings.
+nccl=""
+for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
+  [[ -e "$dir/libnccl.so.2" ]] && nccl=$dir && break
+done
+if [[ -z "$nccl" ]]; then
+  nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
+fi
+export LD_LIBRARY_PATH="$bundle/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export STRATA_TEST_DIR="$out/scratch"
+mkdir -p "$STRATA_TEST_DIR"
+(nvidia-smi -L || echo "no nvidia-smi") > "$out/gpu.txt" 2>&1
+echo "NCCL from: ${nccl:-not found}" >> "$out/gpu.txt"
+status=0
+summary=""
+for test in "$bundle"/tests/*; do
+  name=$(basename "$test")
+  if "$test" > "$out/$name.log" 2>&1; then result=passed; else result=FAILED; status=1; fi
+  summary+="$name: $result ($(grep -c '^\[       OK \]' "$out/$name.log") ok, $(grep -c '^\[  SKIPPED \]' "$out/$name.log") skipped lines, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines)"$'\n'
+done
+strata="$bundle/bin/strata"
+"$strata" bench comm --backend nccl --sizes 1MiB,4MiB,16MiB,64MiB,256MiB --iterations 50 \
+  --json "$out/bench-comm-nccl.json" > "$out/bench-comm-nccl.txt" 2>&1 || status=1
+"$strata" bench comm --backend nccl --host-buffers --sizes 1MiB,4MiB,16MiB,64MiB,256MiB --iterations 50 \
+  --json "$out/bench-comm-nccl-host.json" > "$out/bench-comm-nccl-host.txt" 2>&1 || status=1
+"$strata" bench io --dir "$out/scratch" --dest device --device-backend cuda --json "$out/bench-io-device.json" \
+  > "$out/bench-io-device.txt" 2>&1 || status=1
+cat "$out/gpu.txt"
+printf '%s' "$summary"
+cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
+tail -n 12 "$out/bench-io-device.txt"
+exit $status
