@@ -186,7 +186,8 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       if (reducer && comm_moments.take[k]) {
         if (sharded_params && !updating) reducer->ReleaseGathered();  // as RunTrainStep does before its updates
         updating = true;
-        STRATA_RETURN_IF_ERROR(reducer->Take(*comm_moments.take[k]).status());
+        STRATA_ASSIGN_OR_RETURN(offload::GradReducer::Reduced reduced, reducer->Take(*comm_moments.take[k]));
+        reducer->Recycle(std::move(reduced.shard));  // as RunTrainStep does after the update
       }
       double compute = m.compute_seconds;
       Tier runs_on = m.tier;

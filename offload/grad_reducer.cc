@@ -120,6 +120,13 @@ Status GradReducer::Submit(ChunkId grad) {
       }
     }
     const float mean = 1.0f / static_cast<float>(world);
+    {
+      std::lock_guard lock(spare_shards_mu_);
+      if (!spare_shards_.empty()) {
+        into->shard = std::move(spare_shards_.back());
+        spare_shards_.pop_back();
+      }
+    }
     into->shard.resize(elems);
     for (size_t i = 0; i < elems; ++i) into->shard[i] = optim::FloatAt(mine.data(), wire, i) * mean;
     return Status::Ok();
@@ -149,6 +156,11 @@ Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
   pending_.erase(it);
   STRATA_RETURN_IF_ERROR(status);
   return reduced;
+}
+
+void GradReducer::Recycle(std::vector<float> shard) {
+  std::lock_guard lock(spare_shards_mu_);
+  spare_shards_.push_back(std::move(shard));
 }
 
 std::shared_future<Status> GradReducer::Enqueue(std::function<Status(Communicator&)> job) {

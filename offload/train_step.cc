@@ -255,6 +255,7 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
     }
   }
   report.update_seconds = SecondsSince(start);
+  for (std::vector<float>& shard : reduced) reducer->Recycle(std::move(shard));
   STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
   return report;
 }

@@ -503,6 +503,27 @@ TEST(TrainStepTest, AResubmittedChunkIsReducedWithItsLatestGradients) {
   }
 }
 
+// A recycled shard's memory takes the next reduction (no fresh pages per
+// reduction), and its values are that reduction's, not the old ones.
+TEST(TrainStepTest, ARecycledShardIsReusedForTheNextReduction) {
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm);
+    GradReducer reducer(*rank.engine, comm);
+    const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+    rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 1.0f + r));
+    ASSERT_OK_AND_ASSIGN(GradReducer::Reduced first, reducer.Take(grad));
+    EXPECT_EQ(first.shard, std::vector<float>(kChunkElems / 2, 1.5f));
+    first.shard.reserve(kChunkElems);  // a capacity no fresh shard has: recognizable when it comes back
+    const float* memory = first.shard.data();
+    reducer.Recycle(std::move(first.shard));
+    rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 5.0f + r));
+    ASSERT_OK_AND_ASSIGN(GradReducer::Reduced second, reducer.Take(grad));
+    EXPECT_EQ(second.shard.data(), memory) << "rank " << r;
+    EXPECT_EQ(second.shard.capacity(), kChunkElems) << "rank " << r;
+    EXPECT_EQ(second.shard, std::vector<float>(kChunkElems / 2, 5.5f)) << "rank " << r;
+  });
+}
+
 // A sharded engine stepped without its communicator (or with another
 // group's) would update a range its chunks do not hold: refused up front.
 TEST(TrainStepTest, ShardedEngineNeedsItsOwnCommunicator) {
