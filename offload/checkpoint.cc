@@ -781,6 +781,8 @@ struct PendingCheckpoint::State {
   std::mutex mu;
   std::condition_variable released;
   std::map<uint32_t, uint32_t> unread;  // chunk group -> its chunks this rank has yet to read out
+  bool reading = false;     // a chunk is being read out of the engine (asynchronous saves)
+  std::string abandoned;    // why an update stopped waiting for the save; then no chunk is read again
   bool finished = false;
   Status own = Status::Ok();  // this rank's part (rank 0: the publishing too)
   CheckpointSummary summary;
@@ -788,15 +790,29 @@ struct PendingCheckpoint::State {
 
   void Release(uint32_t group) {
     std::lock_guard<std::mutex> lock(mu);
+    reading = false;
     if (auto it = unread.find(group); it != unread.end() && --it->second == 0) unread.erase(it);
     released.notify_all();
+  }
+
+  // Before each chunk is read: the test hook, then (asynchronous) a chunk
+  // is read only while the save has not been abandoned, flagged as being
+  // read until Release.
+  Status BeginRead(ChunkId id) {
+    if (options.before_chunk) STRATA_RETURN_IF_ERROR(options.before_chunk(id));
+    if (!asynchronous) return Status::Ok();
+    std::lock_guard<std::mutex> lock(mu);
+    if (!abandoned.empty()) return Timeout("{}", abandoned);
+    reading = true;
+    return Status::Ok();
   }
 
   // Writes this rank's files; rank 0 then gathers the others' entries,
   // writes the manifest, publishes, points `latest` and prunes.
   void Run() {
     const int rank = engine.rank();
-    Result<json> files = WriteRankFiles(engine, staged, /*in_place=*/!asynchronous, options.before_chunk,
+    Result<json> files = WriteRankFiles(engine, staged, /*in_place=*/!asynchronous,
+                                        [this](ChunkId id) { return BeginRead(id); },
                                         [this](const ChunkInfo& c) { Release(c.group); }, summary);
     Status status = files.status();
     std::error_code ec;
@@ -858,8 +874,19 @@ void PendingCheckpoint::WaitLocal() {
 }
 
 Status PendingCheckpoint::BeforeUpdate(uint32_t group) {
-  std::unique_lock<std::mutex> lock(state_->mu);
-  state_->released.wait(lock, [&] { return state_->finished || !state_->unread.contains(group); });
+  State& s = *state_;
+  std::unique_lock<std::mutex> lock(s.mu);
+  const auto ready = [&] { return s.finished || !s.abandoned.empty() || !s.unread.contains(group); };
+  if (!s.released.wait_for(lock, std::chrono::milliseconds(s.options.update_wait_ms), ready)) {
+    s.abandoned = fmt::format(
+        "checkpoint: the asynchronous save of step {} was abandoned: the update of chunk group {} waited {} ms "
+        "(CheckpointOptions::update_wait_ms) for the save to read it (the drive or file system stalled); "
+        "training went on, and the last published checkpoint is intact",
+        s.step, group, s.options.update_wait_ms);
+    STRATA_LOG_WARNING("{}", s.abandoned);
+  }
+  // A chunk being read as the save was abandoned is read to its end first.
+  s.released.wait(lock, [&] { return s.finished || !s.reading; });
   return Status::Ok();
 }
 

@@ -58,6 +58,11 @@ struct CheckpointOptions {
   // After publishing, keep only the newest N checkpoints of this step and
   // earlier ones under the root (0: keep all).
   uint32_t keep_last = 0;
+  // Asynchronous saves: how long a step's update of a chunk group waits for
+  // the save to read that group out. Past it the save is abandoned (its
+  // Wait returns Timeout, nothing is published) and training goes on: a
+  // stalled drive or file system never holds training for longer.
+  uint32_t update_wait_ms = 60'000;
   // Tests: called on the saving thread before each chunk is read out (a
   // slow or failing drive's stand-in); an error fails the save.
   std::function<Status(ChunkId)> before_chunk;
@@ -106,7 +111,9 @@ class PendingCheckpoint : public UpdateFence {
   PendingCheckpoint(const PendingCheckpoint&) = delete;
   PendingCheckpoint& operator=(const PendingCheckpoint&) = delete;
 
-  // Returns once the save no longer needs `group`'s chunks as they were.
+  // Returns once the save no longer needs `group`'s chunks as they were, or
+  // after CheckpointOptions::update_wait_ms, abandoning the save (a chunk
+  // being read then is read to its end first, bounded by the tiers' own timeouts).
   Status BeforeUpdate(uint32_t group) override;
   // Whether this rank's part is finished (written, or failed).
   bool done() const;

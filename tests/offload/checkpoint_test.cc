@@ -10,6 +10,7 @@
 #include <csignal>
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <random>
 #include <thread>
 #include <vector>
@@ -614,6 +615,42 @@ TEST(CheckpointTest, AFailedAsynchronousSaveReportsAtWaitAndTrainingGoesOn) {
   EXPECT_EQ(failed.code(), StatusCode::kIoError) << failed.ToString();
   EXPECT_EQ(model.optimizer->steps_taken(), 3);
   EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(State(fresh), at_one);
+}
+
+// A save that stalls (its third chunk's read held, as a hung file write
+// would hold it) is abandoned once a step's update has waited
+// update_wait_ms for it: the step ends while the save is still held, its
+// Wait is a Timeout saying so, nothing is published, and training went on
+// exactly as without a save.
+TEST(CheckpointTest, AStalledAsynchronousSaveIsAbandonedAndTrainingGoesOn) {
+  ScratchDir dir("ckpt");
+  Model model, unsaved;
+  std::vector<std::vector<float>> at_one;
+  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  Initialize(unsaved);
+  Train(unsaved, 0, 3);
+  std::promise<void> step_done;
+  std::shared_future<void> stepped = step_done.get_future().share();
+  CheckpointOptions stalls{.keep_last = 0, .update_wait_ms = 200, .before_chunk = [stepped, n = 0](ChunkId) mutable {
+                             // Bounded, so that a fence that waits for ever fails the test instead of hanging it.
+                             if (++n == 3) stepped.wait_for(std::chrono::seconds(30));
+                             return Status::Ok();
+                           }};
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), stalls));
+  model.fence = pending.get();
+  Train(model, 2, 3);
+  EXPECT_FALSE(pending->done()) << "the step waited for the stalled save";
+  step_done.set_value();
+  model.fence = nullptr;
+  const Status abandoned = pending->Wait().status();
+  EXPECT_EQ(abandoned.code(), StatusCode::kTimeout) << abandoned.ToString();
+  EXPECT_NE(abandoned.message().find("abandoned"), std::string::npos) << abandoned.ToString();
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  EXPECT_EQ(State(model), State(unsaved));
   Model fresh;
   ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
   EXPECT_EQ(State(fresh), at_one);
