@@ -267,12 +267,15 @@ std::vector<fs::path> CheckpointsUnder(const fs::path& root) {
 
 // Publishes the complete checkpoint `staged` as root/name: a rename, or, where
 // a checkpoint of that name exists, an atomic exchange with it (the old one
-// then removed), so that root/name is never missing.
-Status Publish(const fs::path& root, const std::string& name, const fs::path& staged) {
+// then removed), so that root/name is never missing. `exchange` false:
+// CheckpointOptions::exchange (tests).
+Status Publish(const fs::path& root, const std::string& name, const fs::path& staged, bool exchange) {
   const fs::path final_path = root / name;
   std::error_code ec;
   if (fs::exists(final_path, ec)) {
-    if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
+    if (!exchange) {
+      errno = EINVAL;  // as a file system without the exchange answers
+    } else if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
       STRATA_RETURN_IF_ERROR(SyncDirectory(root));
       fs::remove_all(staged, ec);  // the replaced checkpoint
       return Status::Ok();
@@ -835,7 +838,7 @@ struct PendingCheckpoint::State {
         status = WriteFileDurably(staged / kManifest, text.data(), text.size());
       }
       if (status.ok()) status = SyncDirectory(staged);
-      if (status.ok()) status = Publish(dir, name, staged);
+      if (status.ok()) status = Publish(dir, name, staged, options.exchange);
       if (!status.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
       if (status.ok()) status = PointLatestAt(dir, name);
       // Pruned among this step and earlier ones: later steps belong to a run

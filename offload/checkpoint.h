@@ -66,6 +66,10 @@ struct CheckpointOptions {
   // Tests: called on the saving thread before each chunk is read out (a
   // slow or failing drive's stand-in); an error fails the save.
   std::function<Status(ChunkId)> before_chunk;
+  // Tests: false publishes a re-save of a step as on a file system without
+  // renameat2's RENAME_EXCHANGE (NFS): the old directory moved aside, then
+  // the new one renamed in place.
+  bool exchange = true;
 };
 
 struct LoadOptions {

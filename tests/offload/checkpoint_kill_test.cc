@@ -1,7 +1,10 @@
 // A process killed (SIGKILL) at random moments while it saves checkpoints
 // always leaves one that loads, the one before or the new one: over many
 // kill points, the saver (checkpoint_saver_main.cc) started afresh each time,
-// every other time saving asynchronously while it trains.
+// in turn saving synchronously, asynchronously while it trains, and as on a
+// file system without RENAME_EXCHANGE (NFS), where a kill between the two
+// renames of a re-save leaves `latest` naming a missing directory and a
+// load with fall_back takes the one before.
 #include <poll.h>
 #include <signal.h>
 #include <spawn.h>
@@ -27,9 +30,9 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// Starts the saver on `root` (`asynchronous`: its saves run while it
-// trains); its pid, once it says the first checkpoint is published.
-pid_t StartSaver(const std::string& root, bool asynchronous) {
+// Starts the saver on `root` in `mode` ("", "async" or "nfs"); its pid,
+// once it says the first checkpoint is published.
+pid_t StartSaver(const std::string& root, std::string mode) {
   const std::string saver = (fs::read_symlink("/proc/self/exe").parent_path() / "checkpoint_saver").string();
   int out[2];
   if (::pipe(out) != 0) return -1;
@@ -37,9 +40,8 @@ pid_t StartSaver(const std::string& root, bool asynchronous) {
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, out[1], STDOUT_FILENO);
   posix_spawn_file_actions_addclose(&actions, out[0]);
-  char async_arg[] = "async";
-  char* argv[] = {const_cast<char*>(saver.c_str()), const_cast<char*>(root.c_str()), asynchronous ? async_arg : nullptr,
-                  nullptr};
+  char* argv[] = {const_cast<char*>(saver.c_str()), const_cast<char*>(root.c_str()),
+                  mode.empty() ? nullptr : mode.data(), nullptr};
   pid_t pid = -1;
   const int spawned = ::posix_spawn(&pid, saver.c_str(), &actions, nullptr, argv, environ);
   posix_spawn_file_actions_destroy(&actions);
@@ -70,8 +72,8 @@ TEST(CheckpointKillTest, AProcessKilledWhileSavingAlwaysLeavesACheckpointThatLoa
   int torn = 0;  // kills that left a save half done
   for (int trial = 0; trial < kTrials; ++trial) {
     testing::ScratchDir dir("kill");
-    // Every other trial's saves are asynchronous (written while the next step trains).
-    const pid_t pid = StartSaver(dir.path(), trial % 2 == 1);
+    const std::string mode = trial % 3 == 0 ? "" : trial % 3 == 1 ? "async" : "nfs";
+    const pid_t pid = StartSaver(dir.path(), mode);
     ASSERT_GT(pid, 0);
     std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 300'000)(rng)));
     ASSERT_EQ(::kill(pid, SIGKILL), 0);
@@ -84,10 +86,12 @@ TEST(CheckpointKillTest, AProcessKilledWhileSavingAlwaysLeavesACheckpointThatLoa
         break;
       }
     }
-    SCOPED_TRACE("trial " + std::to_string(trial));
-    ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+    SCOPED_TRACE("trial " + std::to_string(trial) + " (" + (mode.empty() ? "sync" : mode) + ")");
+    if (mode != "nfs") ASSERT_OK(VerifyCheckpoint(dir.path()).status());
     Model fresh;
-    ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded, LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()));
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded, LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(),
+                                                                  {.fall_back = mode == "nfs"}));
+    ASSERT_OK(VerifyCheckpoint(loaded.path).status());
     EXPECT_GE(loaded.step, 1);
     EXPECT_EQ(fresh.optimizer->steps_taken(), loaded.step);
   }

@@ -3,7 +3,8 @@
 // process checkpoint_kill_test kills at random moments. Prints "published"
 // once the first checkpoint is, so that every kill lands after one exists.
 // With "async", each step is saved once, asynchronously, while the next
-// step trains.
+// step trains. With "nfs", the second save of a step replaces the first as
+// on a file system without RENAME_EXCHANGE (CheckpointOptions::exchange).
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -13,11 +14,12 @@
 #include "tests/offload/train_model.h"
 
 int main(int argc, char** argv) {
-  if (argc < 2 || argc > 3 || (argc == 3 && std::string(argv[2]) != "async")) {
-    std::fprintf(stderr, "usage: checkpoint_saver ROOT [async]\n");
+  const std::string mode = argc == 3 ? argv[2] : "";
+  if (argc < 2 || argc > 3 || (argc == 3 && mode != "async" && mode != "nfs")) {
+    std::fprintf(stderr, "usage: checkpoint_saver ROOT [async|nfs]\n");
     return 2;
   }
-  const bool asynchronous = argc == 3;
+  const bool asynchronous = mode == "async";
   using namespace strata::offload;
   Model model;
   std::mt19937 rng(5);
@@ -34,7 +36,8 @@ int main(int argc, char** argv) {
     model.fence = nullptr;
     pending.reset();
     for (int again = 0; again < (asynchronous ? 0 : 2) && waited.ok(); ++again) {
-      auto saved = SaveCheckpoint(*model.engine, *model.optimizer, argv[1], {.keep_last = 2});
+      auto saved =
+          SaveCheckpoint(*model.engine, *model.optimizer, argv[1], {.keep_last = 2, .exchange = mode != "nfs"});
       if (!saved.ok()) {
         std::fprintf(stderr, "save at step %d: %s\n", step + 1, saved.status().ToString().c_str());
         return 1;

@@ -211,6 +211,15 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
   Model fresh;
   ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
   EXPECT_EQ(fresh.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.25f));
+
+  // Again as on a file system without RENAME_EXCHANGE (NFS): the old one
+  // moved aside and removed, the new one in its place.
+  model.Write(0, ChunkKind::kParam, std::vector<float>(kChunkElems, 0.5f));
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2, .exchange = false}).status());
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  Model again;
+  ASSERT_OK(LoadCheckpoint(*again.engine, *again.optimizer, dir.path()).status());
+  EXPECT_EQ(again.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.5f));
 }
 
 // A checkpoint of another model, or of an optimizer with a loss scaler into
