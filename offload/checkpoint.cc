@@ -265,6 +265,23 @@ std::vector<fs::path> CheckpointsUnder(const fs::path& root) {
   return paths;
 }
 
+// The name a published checkpoint `name` is moved aside under while a
+// re-save of its step replaces it without RENAME_EXCHANGE, the pid appended.
+std::string AsidePrefix(const std::string& name) { return fmt::format(".{}.old-", name); }
+
+// A checkpoint `name` that a crash left moved aside under `root` (see
+// Publish), when `name` itself is missing.
+std::optional<fs::path> FindAside(const fs::path& root, const std::string& name) {
+  std::error_code ec;
+  if (fs::exists(root / name, ec)) return std::nullopt;
+  for (const fs::directory_entry& entry : fs::directory_iterator(root, ec)) {
+    if (entry.path().filename().string().rfind(AsidePrefix(name), 0) == 0 && fs::exists(entry.path() / kManifest, ec)) {
+      return entry.path();
+    }
+  }
+  return std::nullopt;
+}
+
 // Publishes the complete checkpoint `staged` as root/name: a rename, or, where
 // a checkpoint of that name exists, an atomic exchange with it (the old one
 // then removed), so that root/name is never missing. `exchange` false:
@@ -283,9 +300,10 @@ Status Publish(const fs::path& root, const std::string& name, const fs::path& st
     if (errno != EINVAL && errno != ENOSYS)
       return Errno(fmt::format("exchanging {} with", staged.string()), final_path);
     // A file system without the exchange (NFS): the old one moved aside
-    // first. A crash between the two renames leaves `latest` naming a
-    // missing directory; a load with fall_back then takes the one before.
-    const fs::path aside = root / fmt::format(".{}.old-{}", name, ::getpid());
+    // first. A crash between the two renames leaves it there, complete:
+    // Resolve takes it where `latest` names the missing one, and the next
+    // save puts it back.
+    const fs::path aside = root / fmt::format("{}{}", AsidePrefix(name), ::getpid());
     if (::rename(final_path.c_str(), aside.c_str()) != 0) return Errno("moving aside", final_path);
     if (::rename(staged.c_str(), final_path.c_str()) != 0) {
       const Status error = Errno(fmt::format("renaming {} to", staged.string()), final_path);
@@ -323,6 +341,8 @@ Result<fs::path> Resolve(const fs::path& path, std::optional<fs::path>* root) {
   while (!name.empty() && (name.back() == '\n' || name.back() == ' ')) name.pop_back();
   if (!StepOf(name)) return Corruption("checkpoint: {} names '{}', not a checkpoint", (path / kLatest).string(), name);
   if (root != nullptr) *root = path;
+  // A re-save that crashed between its two renames (no RENAME_EXCHANGE) left the old one aside.
+  if (std::optional<fs::path> aside = FindAside(path, name)) return *aside;
   return path / name;
 }
 
@@ -818,6 +838,13 @@ struct PendingCheckpoint::State {
                                         [this](ChunkId id) { return BeginRead(id); },
                                         [this](const ChunkInfo& c) { Release(c.group); }, summary);
     Status status = files.status();
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      reading = false;  // a read that failed never reached Release
+      released.notify_all();
+      // Abandoned as its last chunk was read: the update went on, so it is not published either.
+      if (status.ok() && !abandoned.empty()) status = Timeout("{}", abandoned);
+    }
     std::error_code ec;
     if (rank != 0) {
       const Status reported = ReportToLead(staged, rank, files);
@@ -880,16 +907,22 @@ Status PendingCheckpoint::BeforeUpdate(uint32_t group) {
   State& s = *state_;
   std::unique_lock<std::mutex> lock(s.mu);
   const auto ready = [&] { return s.finished || !s.abandoned.empty() || !s.unread.contains(group); };
-  if (!s.released.wait_for(lock, std::chrono::milliseconds(s.options.update_wait_ms), ready)) {
+  uint32_t wait_ms = s.options.update_wait_ms;
+  // Data parallel, the other ranks wait in the collective after their update meanwhile: give up well within it.
+  if (s.engine.world_size() > 1) wait_ms = std::min(wait_ms, std::max(1u, s.engine.options().comm_timeout_ms / 2));
+  if (s.options.update_wait_ms == 0) {
+    s.released.wait(lock, ready);
+  } else if (!s.released.wait_for(lock, std::chrono::milliseconds(wait_ms), ready)) {
     s.abandoned = fmt::format(
         "checkpoint: the asynchronous save of step {} was abandoned: the update of chunk group {} waited {} ms "
-        "(CheckpointOptions::update_wait_ms) for the save to read it (the drive or file system stalled); "
-        "training went on, and the last published checkpoint is intact",
-        s.step, group, s.options.update_wait_ms);
+        "(CheckpointOptions::update_wait_ms, at most half of comm.timeout_ms with several ranks) for the save to "
+        "read it (the drive or file system stalled); training went on, nothing of this save is published, and the "
+        "last published checkpoint is intact",
+        s.step, group, wait_ms);
     STRATA_LOG_WARNING("{}", s.abandoned);
+    // A chunk being read as the save was abandoned is read to its end first.
+    s.released.wait(lock, [&] { return s.finished || !s.reading; });
   }
-  // A chunk being read as the save was abandoned is read to its end first.
-  s.released.wait(lock, [&] { return s.finished || !s.reading; });
   return Status::Ok();
 }
 
@@ -942,10 +975,19 @@ Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Op
   if (lead) {
     fs::create_directories(dir, ec);
     if (ec) prepared = IoError("checkpoint: creating {}: {}", root, ec.message());
-    // What a crashed save left: hidden temporaries (one saver per root).
-    for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) {
-      const std::string entry_name = entry.path().filename().string();
-      if (entry_name.rfind(".step-", 0) == 0 || entry_name.rfind(".latest.", 0) == 0) fs::remove_all(entry.path(), ec);
+    // What a crashed save left: hidden temporaries (one saver per root),
+    // but a published checkpoint moved aside by a re-save that crashed
+    // before its replacement was in place, which goes back.
+    std::vector<fs::path> leftovers;
+    for (const fs::directory_entry& entry : fs::directory_iterator(dir, ec)) leftovers.push_back(entry.path());
+    for (const fs::path& entry : leftovers) {
+      const std::string entry_name = entry.filename().string();
+      const size_t old = entry_name.find(".old-");
+      if (entry_name.rfind(".step-", 0) == 0 && old != std::string::npos) {
+        const std::string original = entry_name.substr(1, old - 1);
+        if (FindAside(dir, original) == entry && ::rename(entry.c_str(), (dir / original).c_str()) == 0) continue;
+      }
+      if (entry_name.rfind(".step-", 0) == 0 || entry_name.rfind(".latest.", 0) == 0) fs::remove_all(entry, ec);
     }
     if (prepared.ok() && !fs::create_directory(staged, ec)) {
       prepared = IoError("checkpoint: creating {}: {}", staged.string(), ec ? ec.message() : "it exists");

@@ -59,9 +59,13 @@ struct CheckpointOptions {
   // earlier ones under the root (0: keep all).
   uint32_t keep_last = 0;
   // Asynchronous saves: how long a step's update of a chunk group waits for
-  // the save to read that group out. Past it the save is abandoned (its
-  // Wait returns Timeout, nothing is published) and training goes on: a
-  // stalled drive or file system never holds training for longer.
+  // the save to read that group out (with several ranks, at most half of
+  // comm.timeout_ms, so that the others' next collective does not time out
+  // first); 0: no limit. Past it the save is abandoned (its Wait returns
+  // Timeout on this rank, an error on every rank; nothing is published) and
+  // training goes on: a stalled drive or file system holds the steps no
+  // longer. It still holds whatever waits for the save's thread: Wait, the
+  // next save or load, the PendingCheckpoint's destructor.
   uint32_t update_wait_ms = 60'000;
   // Tests: called on the saving thread before each chunk is read out (a
   // slow or failing drive's stand-in); an error fails the save.

@@ -173,9 +173,11 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
                                      UpdateFence* fence) {
   TrainStepReport report;
   const std::vector<Group> groups = TrainableGroups(engine);
-  // A communicator of one rank (comm.backend nccl on a single GPU) takes the
-  // data-parallel path too: its collectives are copies, but they run.
-  const bool parallel = comm != nullptr;
+  // A communicator of one rank takes the data-parallel path when a reducer
+  // comes with it (comm.backend nccl on a single GPU: its collectives are
+  // copies, but they run); without one, the single-rank path, which holds no
+  // reduction buffers.
+  const bool parallel = comm != nullptr && (comm->world_size() > 1 || reducer != nullptr);
   const int world = parallel ? comm->world_size() : 1;
   if (world != engine.world_size() || (parallel && comm->rank() != engine.rank())) {
     return InvalidArgument(

@@ -221,13 +221,16 @@ class TrainingEngine:
             self.config.options.set("device.index", str(local))
         # On GPUs the host group (MPI or gloo) only bootstraps NCCL, which carries the collectives.
         self._bootstrap = None
+        on_nccl = False
         if distributed.wants_nccl(options["comm.backend"], self.world_size, options["device.backend"]):
             nccl = distributed.nccl_communicator(self._comm, int(self.config.options.describe()["device.index"]),
                                                  timeout_ms, required=options["comm.backend"] == "nccl")
             if nccl is not None:  # None: ranks share a GPU (comm.backend auto), so the host group carries on
-                self._bootstrap, self._comm = self._comm, nccl
-        # With a communicator, even of one rank (NCCL on a single GPU), gradients take the data-parallel path.
-        self._parallel = self._comm is not None
+                self._bootstrap, self._comm, on_nccl = self._comm, nccl, True
+        # Gradients take the data-parallel path with several ranks, and on NCCL with one (how that backend
+        # runs on a single GPU); a single rank otherwise (mpirun -np 1) takes the plain one, which holds no
+        # reduction buffers.
+        self._parallel = self._comm is not None and (self.world_size > 1 or on_nccl)
         self._engine = _strata.Engine(self.config.options, self._comm)
         self._emulated = "emulated" in self._engine.describe_backends()
         # Where the model computes: the CPU for the emulated device (its memory is the host's).

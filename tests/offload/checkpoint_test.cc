@@ -220,6 +220,21 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
   Model again;
   ASSERT_OK(LoadCheckpoint(*again.engine, *again.optimizer, dir.path()).status());
   EXPECT_EQ(again.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.5f));
+
+  // What a crash between that path's two renames leaves: step 3 moved
+  // aside, `latest` naming it. It verifies and loads from where it lies,
+  // and the next save puts it back.
+  const fs::path root(dir.path());
+  fs::rename(root / "step-00000003", root / ".step-00000003.old-4242");
+  ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+  Model crashed;
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded, LoadCheckpoint(*crashed.engine, *crashed.optimizer, dir.path()));
+  EXPECT_EQ(loaded.step, 3);
+  EXPECT_EQ(crashed.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.5f));
+  Train(model, 3, 4);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
+  EXPECT_EQ(Entries(dir.path()),
+            (std::vector<std::string>{"latest", "step-00000002", "step-00000003", "step-00000004"}));
 }
 
 // A checkpoint of another model, or of an optimizer with a loss scaler into
