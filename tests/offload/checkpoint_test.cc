@@ -704,6 +704,67 @@ TEST(CheckpointTest, DataParallelAsynchronousSavesResumeExactly) {
   ExpectTwoRanksResume(dir.path(), expected);
 }
 
+// Data parallel, a rank whose save stalls gives up within half of
+// comm.timeout_ms (not the 60 s of update_wait_ms), so that the other
+// rank's collective after its update completes: both train on, and the
+// save fails on both, nothing published.
+TEST(CheckpointTest, ARankWhoseSaveStallsGivesUpBeforeItsPeersCollectiveTimesOut) {
+  ScratchDir dir("ckpt");
+  constexpr uint32_t kTimeoutMs = 3'000;
+  ASSERT_OK_AND_ASSIGN(auto group, CreateLoopbackGroup(2, {.timeout_ms = kTimeoutMs}));
+  std::promise<void> steps_done;
+  std::shared_future<void> stepped = steps_done.get_future().share();
+  std::vector<Status> trained(2, Status::Ok()), saved(2, Status::Ok());
+  std::vector<std::unique_ptr<PendingCheckpoint>> pending(2);
+  std::vector<std::unique_ptr<Model>> models(2);
+  std::vector<std::unique_ptr<GradReducer>> reducers(2);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Communicator& comm = *group[r];
+      models[r] = std::make_unique<Model>(0.0, &comm, false, kTimeoutMs);
+      Model& model = *models[r];
+      reducers[r] = std::make_unique<GradReducer>(*model.engine, comm);
+      Initialize(model);
+      TrainRanks(model, r, 2, 0, 1, &comm, reducers[r].get());
+      ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
+      CheckpointOptions options;  // update_wait_ms left at 60 s: the communicator's timeout caps it
+      if (r == 1) {
+        options.before_chunk = [stepped, n = 0](ChunkId) mutable {
+          if (++n == 2) stepped.wait_for(std::chrono::seconds(30));  // bounded: a failing test ends
+          return Status::Ok();
+        };
+      }
+      Result<std::unique_ptr<PendingCheckpoint>> started =
+          StartCheckpoint(*model.engine, *model.optimizer, dir.path(), options, &comm);
+      ASSERT_OK(started.status());
+      pending[r] = std::move(started).value();
+      model.fence = pending[r].get();
+      for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, RankGrad(r, l, 1));
+      trained[r] = model.Iteration(&comm, reducers[r].get()).status();
+      model.fence = nullptr;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  steps_done.set_value();
+  threads.clear();
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      if (pending[r]) saved[r] = pending[r]->Wait().status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_TRUE(trained[r].ok()) << "rank " << r << ": " << trained[r].ToString();
+    EXPECT_FALSE(saved[r].ok()) << "rank " << r;
+  }
+  EXPECT_EQ(saved[1].code(), StatusCode::kTimeout) << saved[1].ToString();
+  EXPECT_NE(saved[1].message().find("abandoned"), std::string::npos) << saved[1].ToString();
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
+  pending.clear();
+  reducers.clear();
+}
+
 // A rank whose files fail, and a rank that never reports to an
 // asynchronous save (dead, or far behind): rank 0 names it, every rank's
 // save fails, nothing is published.
