@@ -167,3 +167,23 @@ def test_comm_backend_nccl_without_a_gpu_is_a_clear_error_before_the_engine_is_m
         strata.initialize(model, {"comm": {"backend": "nccl"}, "log": {"level": "error"}})
     with pytest.raises(ValueError, match="comm.backend"):
         strata.initialize(model, {"comm": {"backend": "gloo"}})
+
+
+def test_ranks_sharing_a_gpu_stay_on_the_host_group_under_auto_and_fail_under_nccl(monkeypatch, capsys):
+    from strata import distributed
+
+    def shared(bootstrap, device_index, timeout_ms):
+        raise ValueError("NCCL communicator: ranks 0 and 1 are on the same GPU (0000:01:00.0 on node0)")
+
+    monkeypatch.setattr(distributed._strata, "nccl_communicator", shared)
+    assert distributed.nccl_communicator(None, 0, 1000, required=False) is None
+    assert "collectives stay on host" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="on the same GPU"):
+        distributed.nccl_communicator(None, 0, 1000, required=True)
+
+    def other(bootstrap, device_index, timeout_ms):
+        raise ValueError("NCCL communicator: device.index 7 is not one of this process's 1 CUDA device(s)")
+
+    monkeypatch.setattr(distributed._strata, "nccl_communicator", other)
+    with pytest.raises(ValueError, match="device.index 7"):  # any other refusal stands, even under auto
+        distributed.nccl_communicator(None, 7, 1000, required=False)
