@@ -327,7 +327,15 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   const uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());
-  const offload::GptStep step = ReplayStep(config, specs, layout);
+  // The trace names the chunks of the ranks' own layout (the same on every
+  // rank), which sharding can give more chunks than the whole one (a master
+  // shard for every group whose params are sharded).
+  STRATA_ASSIGN_OR_RETURN(
+      memory::ChunkLayout ranks_layout,
+      memory::ChunkLayout::Build(specs, options.chunk_size_elems, options.chunk_search_min_elems,
+                                 options.chunk_search_max_elems,
+                                 {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm_shard_params}));
+  const offload::GptStep step = ReplayStep(config, specs, ranks_layout);
   ReplayBenchReport report;
   report.config = config;
   report.model_states_bytes = total;

@@ -221,12 +221,13 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
     }
     for (int k = 0; k < kNumChunkKinds; ++k) {
       auto kind = static_cast<ChunkKind>(k);
-      const bool params_sharded = shard.params && shard.world > 1 && p.trainable;
-      bool exists = kind == ChunkKind::kParam ||
-                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32 || params_sharded));
+      const bool params_sharded = shard.params && shard.world > 1;
+      bool exists = kind == ChunkKind::kParam || (kind == ChunkKind::kMaster && params_sharded) ||
+                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32));
       if (!exists) continue;
-      ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, ChunkKindDType(kind, p.dtype), g,
-                     p.capacity_elems, p.used_elems};
+      const DType dtype = kind == ChunkKind::kMaster && !p.trainable ? p.dtype : ChunkKindDType(kind, p.dtype);
+      ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, dtype, g, p.capacity_elems,
+                     p.used_elems};
       desc.transient = params_sharded && kind == ChunkKind::kParam;
       if (shard.world > 1 && IsOptimizerState(kind)) {
         const ShardRange range = ShardOf(p.used_elems, shard.rank, shard.world);

@@ -15,12 +15,13 @@
 // ShardOf(used, rank, world) of the param chunk's element space — so each
 // rank stores 1/W of them; param and grad chunks stay whole. Every rank's
 // layout has the same chunks of the same sizes. With ShardSpec::params
-// (ZeRO-3), every trainable group has a master shard, fp32 params too, and
+// (ZeRO-3), every group has a master shard, fp32 params too, and
 // that shard is the rank's only stored copy of the parameters: the group's
 // param chunk is transient (ChunkDesc::transient), a whole chunk gathered
 // from every rank's shard while compute uses it, homed on no tier (nothing
 // of it is written below the tier it is on).
-// Frozen groups stay whole on every rank.
+// A frozen group's params are sharded too: its master shard is in the
+// param dtype (nothing updates it), and it has no grad or state chunks.
 //
 // The chunk size (in elements) is given, or searched between two bounds for
 // the least padding waste; sizes within one percentage point of the least
@@ -67,7 +68,7 @@ ShardRange ShardOf(uint64_t n, int rank, int world);
 struct ShardSpec {
   int rank = 0;
   int world = 1;
-  bool params = false;  // trainable params sharded too (with world > 1)
+  bool params = false;  // params sharded too, frozen ones included (with world > 1)
 };
 
 struct ChunkDesc {

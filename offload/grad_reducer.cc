@@ -216,6 +216,7 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   }
   const ChunkId master_id = master->id;
   const DType dtype = info.dtype;
+  const DType master_dtype = master->dtype;
   const uint32_t group = info.group;
   std::shared_future<Status> done = queue_->Push([=, this]() -> Status {
     // The queue's one thread owns the scratch buffers.
@@ -232,8 +233,8 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     if (read.ok()) {
       const float* weights = static_cast<const float*>(gather_shard_.data());
       const size_t mine = range.end - range.begin;
-      if (dtype == DType::kFloat32) {
-        std::memcpy(send.data(), weights, mine * sizeof(float));
+      if (dtype == master_dtype) {
+        std::memcpy(send.data(), gather_shard_.data(), mine * width);
       } else if (dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
         optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
       } else {

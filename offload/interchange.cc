@@ -422,8 +422,10 @@ Result<InterchangeSummary> Import(Engine& engine, const std::string& path, const
     if (g.master) {
       STRATA_ASSIGN_OR_RETURN(master, engine.AccessChunk(g.master->id, Tier::kHost));
     }
-    const uint64_t master_begin = g.master ? g.master->shard_offset_bytes / 4 : 0;
-    const uint64_t master_end = g.master ? master_begin + g.master->used_bytes / 4 : 0;
+    // fp32, or a frozen group's param dtype (its params sharded: comm.shard_params).
+    const uint64_t master_width = g.master ? DTypeSizeBytes(g.master->dtype) : 1;
+    const uint64_t master_begin = g.master ? g.master->shard_offset_bytes / master_width : 0;
+    const uint64_t master_end = g.master ? master_begin + g.master->used_bytes / master_width : 0;
     for (size_t i = 0; i < g.param->tensors.size(); ++i) {
       const TensorSpec& spec = specs[g.param->tensors[i].value()];
       auto it = entries.find(spec.name);
@@ -440,7 +442,9 @@ Result<InterchangeSummary> Import(Engine& engine, const std::string& path, const
           const float value = dtype.At(piece.data(), e);
           const uint64_t k = at + from + e;
           if (param) optim::StoreFloat(param->data(), g.param->dtype, k, value);
-          if (master && k >= master_begin && k < master_end) reinterpret_cast<float*>(master->data())[k - master_begin] = value;
+          if (master && k >= master_begin && k < master_end) {
+            optim::StoreFloat(master->data(), g.master->dtype, k - master_begin, value);
+          }
         }
       }
       summary.tensors++;

@@ -281,7 +281,7 @@ const std::vector<OptionEntry>& Table() {
                          "every rank (a rank that died or hangs)",
                          &Options::comm_timeout_ms, 1, 86'400'000));
     t.push_back(BoolEntry("comm.shard_params",
-                          "data parallel: each rank keeps 1/W of the trainable parameters (ZeRO-3); a param chunk is "
+                          "data parallel: each rank keeps 1/W of the parameters, frozen ones too (ZeRO-3); a param chunk is "
                           "all-gathered when compute needs it, in forward and again in backward, instead of once "
                           "after the update (fp32: 3 x parameter bytes x (W-1)/W a step instead of 2 x), and the "
                           "parameters take 1/W of each rank's host and NVMe memory",

@@ -86,8 +86,8 @@ struct Options {
   // --- data parallelism (strata/comm.h) ----------------------------------
   // A collective waiting longer than this for its ranks (one died) is a Timeout on every rank that waited.
   uint32_t comm_timeout_ms = 60'000;  // key comm.timeout_ms
-  // ZeRO-3: each rank keeps 1/W of the trainable parameters too (as its fp32
-  // master shard); a param chunk is all-gathered when compute needs it and
+  // ZeRO-3: each rank keeps 1/W of the parameters too (as its fp32 master
+  // shard; a frozen one's in its own dtype); a param chunk is all-gathered when compute needs it and
   // dropped when evicted. Off: every rank keeps every parameter, gathered
   // once after the update (2/3 of ZeRO-3's volume in fp32).
   bool comm_shard_params = false;  // key comm.shard_params

@@ -383,8 +383,9 @@ class TrainingEngine:
         for record, flat in values.items():
             if not self._chunk_info[record.chunk]["transient"]:  # else the master shard is the stored copy
                 targets.setdefault(record.chunk, []).append((flat, record.offset, self.dtype))
-            if record.master_chunk is not None:
-                targets.setdefault(record.master_chunk, []).append((flat, record.master_offset, torch.float32))
+            if record.master_chunk is not None:  # fp32, or a frozen parameter's dtype (comm.shard_params)
+                master_dtype = _TORCH_DTYPES[self._chunk_info[record.master_chunk]["dtype"]]
+                targets.setdefault(record.master_chunk, []).append((flat, record.master_offset, master_dtype))
         with torch.no_grad():
             for chunk, entries in targets.items():
                 access = self._engine.access_chunk(chunk, "host")
@@ -581,7 +582,8 @@ class TrainingEngine:
             chunk, offset, dtype = record.chunk, record.offset, self.dtype
             # Parameters sharded: the gathered masters are the parameters.
             if record.master_chunk is not None and (master or self._chunk_info[chunk]["transient"]):
-                chunk, offset, dtype = record.master_chunk, record.master_offset, torch.float32
+                chunk, offset = record.master_chunk, record.master_offset
+                dtype = _TORCH_DTYPES[self._chunk_info[chunk]["dtype"]]  # a frozen parameter's is its own
             if chunk not in copies:
                 copies[chunk] = self._read_whole_chunk(chunk)
             view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)

@@ -4,7 +4,8 @@ Trains TinyGPT with strata on this rank's share of every batch. Rank 0
 writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
-DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params).
+DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params);
+DP_FREEZE=NAME freezes the parameters whose names start with NAME.
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
 """
@@ -25,6 +26,9 @@ from models import batches, pair  # noqa: E402
 
 def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     model, _ = pair()
+    for name, param in model.named_parameters():
+        if os.environ.get("DP_FREEZE") and name.startswith(os.environ["DP_FREEZE"]):
+            param.requires_grad_(False)
     config = {"optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
               "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
               "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},

@@ -28,12 +28,12 @@ def launch(launcher, world, args, mpi_options=(), env=None):
 
 
 def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1,
-              shard_params=False):
+              shard_params=False, freeze=""):
     """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
     run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation],
-                 env={"DP_SHARD_PARAMS": "true" if shard_params else "false"})
+                 env={"DP_SHARD_PARAMS": "true" if shard_params else "false", "DP_FREEZE": freeze})
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
         result = json.load(f)
@@ -146,6 +146,35 @@ def test_one_rank_under_mpirun_takes_the_plain_path_and_trains_the_same(tmp_path
     rank = result["ranks"][0]
     assert rank["reduced_in_backward"] == [], rank["reduced_in_backward"]
     assert rank["comm"] is None
+
+
+@needs_mpirun
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_with_sharded_params_frozen_parameters_are_sharded_too(tmp_path, precision):
+    """comm.shard_params with the position embedding frozen: it is gathered like the others from a master
+    shard in its own dtype (nothing updates it), no rank stores it whole, and training is unchanged."""
+    steps, batch, world = 6, 8, 2
+    result = run_ranks(tmp_path, world, steps, batch, precision=precision, shard_params=True, freeze="wpe")
+    (tmp_path / "whole").mkdir()
+    whole = run_ranks(tmp_path / "whole", world, steps, batch, precision=precision, freeze="wpe")
+    assert result["losses"] == whole["losses"]  # bit for bit: sharding moves bytes, it computes nothing
+    assert torch.equal(result["final"]["wpe"], result["initial"]["wpe"])  # frozen: as it started
+    for name in result["final"]:
+        assert torch.equal(result["final"][name], whole["final"][name]), name
+    dtype = "fp32" if precision == "fp32" else "bf16"
+    for rank in result["ranks"]:
+        assert rank["stored_of_kind"]["param"] == 0, rank["stored_of_kind"]
+        groups = {c["group"] for c in rank["chunks"] if c["kind"] == "param"}
+        frozen = [g for g in groups if not any(c["group"] == g and c["kind"] == "grad" for c in rank["chunks"])]
+        assert frozen, "no frozen chunk group"
+        for g in frozen:
+            master = [c for c in rank["chunks"] if c["group"] == g and c["kind"] == "master"]
+            assert len(master) == 1 and master[0]["sharded"] and master[0]["dtype"] == dtype, master
+    if precision == "fp32":
+        _, reference = pair()
+        reference.wpe.requires_grad_(False)
+        theirs = torch_losses(reference, batches(steps, batch=batch))
+        assert max(relative_errors(result["losses"], theirs)) <= 1e-5, (result["losses"], theirs)
 
 
 @needs_mpirun

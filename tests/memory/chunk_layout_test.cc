@@ -148,9 +148,9 @@ namespace {
 // (stored nowhere, not in total_bytes) and every trainable group has a master
 // shard, fp32 params too; a frozen group stays whole. One rank, or the
 // option off, lays out as before.
-TEST(ChunkLayoutTest, ShardedParamsMakeTheParamChunkTransientAndGiveEveryGroupAMasterShard) {
+TEST(ChunkLayoutTest, ShardedParamsMakeEveryParamChunkTransientAndGiveEveryGroupAMasterShard) {
   std::vector<TensorSpec> tensors = {T("a", {3000}, "m"), T("b", {1000}, "m"),
-                                     T("frozen", {500}, "f", DType::kFloat32, /*trainable=*/false)};
+                                     T("frozen", {500}, "f", DType::kBFloat16, /*trainable=*/false)};
   ASSERT_OK_AND_ASSIGN(ChunkLayout plain, ChunkLayout::Build(tensors, 8192, 0, 0, {0, 2}));
   ASSERT_OK_AND_ASSIGN(ChunkLayout alone, ChunkLayout::Build(tensors, 8192, 0, 0, {0, 1, /*params=*/true}));
   for (const ChunkDesc& c : alone.chunks()) EXPECT_FALSE(c.transient);
@@ -170,10 +170,19 @@ TEST(ChunkLayoutTest, ShardedParamsMakeTheParamChunkTransientAndGiveEveryGroupAM
     EXPECT_TRUE(master.sharded);
     EXPECT_EQ(master.dtype, DType::kFloat32);
     EXPECT_EQ(master.shard_begin_elems, ShardOf(4008, r, 2).begin);
-    EXPECT_FALSE(mine.chunk(*frozen.chunk_of_kind[static_cast<int>(ChunkKind::kParam)]).transient);
-    EXPECT_FALSE(frozen.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)].has_value());
-    // Stored: less than with whole params, by the param chunk less the master shard.
-    EXPECT_EQ(mine.report().total_bytes + param.size_bytes() - master.size_bytes(), plain.report().total_bytes);
+    // A frozen group's params are sharded too: its master shard is in the param dtype, and there is no grad.
+    const ChunkDesc& frozen_param = mine.chunk(*frozen.chunk_of_kind[static_cast<int>(ChunkKind::kParam)]);
+    EXPECT_TRUE(frozen_param.transient);
+    ASSERT_TRUE(frozen.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)].has_value());
+    const ChunkDesc& frozen_master = mine.chunk(*frozen.chunk_of_kind[static_cast<int>(ChunkKind::kMaster)]);
+    EXPECT_TRUE(frozen_master.sharded);
+    EXPECT_EQ(frozen_master.dtype, DType::kBFloat16);
+    EXPECT_EQ(frozen_master.shard_begin_elems, ShardOf(512, r, 2).begin);
+    EXPECT_FALSE(frozen.chunk_of_kind[static_cast<int>(ChunkKind::kGrad)].has_value());
+    // Stored: less than with whole params, by each param chunk less its master shard.
+    EXPECT_EQ(mine.report().total_bytes + param.size_bytes() - master.size_bytes() + frozen_param.size_bytes() -
+                  frozen_master.size_bytes(),
+              plain.report().total_bytes);
     // A transient chunk is homed on the host without taking any of it.
     const std::vector<std::optional<Tier>> homes = AssignHomes(mine.chunks(), 0, uint64_t{1} << 30);
     EXPECT_EQ(homes[param.id.value()], Tier::kHost);
