@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <map>
 #include <optional>
+#include <set>
 #include <thread>
 
 #include <fmt/ranges.h>
@@ -173,8 +174,10 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   };
   const bool sharded_params = comm != nullptr && options.comm_shard_params;
   std::map<uint32_t, ChunkId> param_of_group;
+  std::set<uint32_t> trained_groups;  // those with gradients; the others are frozen
   for (const ChunkInfo& chunk : chunks) {
     if (chunk.kind == ChunkKind::kParam) param_of_group.emplace(chunk.group, chunk.id);
+    if (chunk.kind == ChunkKind::kGrad) trained_groups.insert(chunk.group);
   }
   for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
     const double waited = reducer ? reducer->wait_seconds() : 0;
@@ -184,7 +187,12 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
     for (size_t k = 0; k < step.moments.size(); ++k) {
       const offload::TraceMoment& m = step.moments[k];
       if (reducer && comm_moments.take[k]) {
-        if (sharded_params && !updating) reducer->ReleaseGathered();  // as RunTrainStep does before its updates
+        if (sharded_params && !updating) {  // as RunTrainStep does before its updates
+          reducer->ReleaseGathered();
+          for (const ChunkInfo& c : chunks) {  // and the frozen groups' gathers ahead, their shards final
+            if (c.kind == ChunkKind::kParam && c.transient && !trained_groups.contains(c.group)) reducer->Updated(c.id);
+          }
+        }
         updating = true;
         STRATA_ASSIGN_OR_RETURN(offload::GradReducer::Reduced reduced, reducer->Take(*comm_moments.take[k]));
         reducer->Recycle(std::move(reduced.shard));  // as RunTrainStep does after the update

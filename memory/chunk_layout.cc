@@ -108,8 +108,7 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
   std::vector<std::optional<Tier>> homes(chunks.size());
   for (bool states : {false, true}) {
     for (size_t i = 0; i < chunks.size(); ++i) {
-      const ChunkKind kind = chunks[i].kind;
-      if (IsOptimizerState(kind) != states) continue;
+      if (IsStateChunk(chunks[i]) != states) continue;
       const uint64_t size = chunks[i].size_bytes();
       if (chunks[i].transient) {
         homes[i] = Tier::kHost;
@@ -136,8 +135,7 @@ HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint6
       const std::optional<ChunkId> c = group.chunk_of_kind[k];
       if (!c) continue;
       largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
-      const auto kind = static_cast<ChunkKind>(k);
-      if (IsOptimizerState(kind)) states += layout.chunk(*c).size_bytes();
+      if (IsStateChunk(layout.chunk(*c))) states += layout.chunk(*c).size_bytes();
     }
     group_states.push_back(states);
   }
@@ -229,6 +227,7 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, dtype, g, p.capacity_elems,
                      p.used_elems};
       desc.transient = params_sharded && kind == ChunkKind::kParam;
+      desc.trainable = p.trainable;
       if (shard.world > 1 && IsOptimizerState(kind)) {
         const ShardRange range = ShardOf(p.used_elems, shard.rank, shard.world);
         desc.capacity_elems = range.elems;

@@ -8,7 +8,8 @@
 // trainable class has a group of state chunks that mirror it — the same
 // tensors at the same element offsets — so an optimizer walks one group at a
 // time: grad (param dtype), master (fp32, only when the param dtype is not
-// fp32), exp_avg and exp_avg_sq (fp32). Frozen tensors get param chunks only.
+// fp32), exp_avg and exp_avg_sq (fp32). Frozen tensors get param chunks only
+// (and, parameters sharded, a master shard: below).
 //
 // Data parallel (a ShardSpec of more than one rank): a group's master and
 // optimizer-state chunks hold only this rank's shard of the group — elements
@@ -87,8 +88,14 @@ struct ChunkDesc {
   // A param chunk of a group whose params are sharded (ShardSpec::params):
   // no home of its own; its bytes are gathered from the master shards.
   bool transient = false;
+  bool trainable = true;  // its group's
   uint64_t size_bytes() const;  // capacity in bytes, rounded up to the 4KiB slot alignment
 };
+
+// An optimizer state proper: a trainable group's master or moments. A
+// frozen group's master shard (parameters sharded) is its parameters, and
+// is homed and counted like them.
+inline bool IsStateChunk(const ChunkDesc& chunk) { return IsOptimizerState(chunk.kind) && chunk.trainable; }
 
 struct ChunkGroup {
   DType param_dtype = DType::kFloat32;

@@ -117,7 +117,7 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   for (size_t i = 0; i < homes.size(); ++i) {
     const memory::ChunkDesc& chunk = layout.chunks()[i];
     const uint64_t size = chunk.size_bytes();
-    const bool state = IsOptimizerState(chunk.kind);
+    const bool state = memory::IsStateChunk(chunk);
     (chunk.kind == ChunkKind::kParam ? plan.param_bytes : chunk.kind == ChunkKind::kGrad ? plan.grad_bytes
                                                                                           : plan.state_bytes) += size;
     input.chunk_bytes.push_back(size);

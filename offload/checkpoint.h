@@ -160,8 +160,10 @@ Result<std::unique_ptr<PendingCheckpoint>> StartCheckpoint(Engine& engine, const
 // checkpoint saved by W ranks loads on any number (with the same precision
 // and chunk.size_elems), with comm.shard_params or without: a checkpoint
 // saved with it holds masters but no params (the params are then the
-// masters rounded to their dtype, as the update rounds them), and one of an
-// fp32 run without it params but no masters (its params are the masters).
+// masters rounded to their dtype, as the update rounds them; a frozen
+// group's master shards are its params), and one of an fp32 run without it
+// params but no masters (its params are the masters; a frozen group's
+// params are its master shards).
 // Data parallel, every rank calls it with its communicator; the ranks load
 // the same checkpoint or all fail (with fall_back, all go on to the same
 // older one).

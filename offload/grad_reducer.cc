@@ -277,7 +277,7 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
 Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   if (param.value() >= chunks_.size() || !chunks_[param.value()].transient) {
     return InvalidArgument(
-        "parameter all-gather: chunk {} is not a transient param chunk (only a trainable group's param chunk is, "
+        "parameter all-gather: chunk {} is not a transient param chunk (only a param chunk is, "
         "with comm.shard_params and more than one rank)",
         param.value());
   }

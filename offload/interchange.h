@@ -29,7 +29,7 @@ namespace strata::offload {
 
 struct ExportOptions {
   // fp32: the fp32 masters where the engine keeps them (bf16/fp16
-  // training), other parameters widened to fp32. Else the parameters in the
+  // training), other parameters (frozen ones) widened to fp32. Else the parameters in the
   // dtype their chunks hold (the compute dtype).
   bool fp32 = false;
 };

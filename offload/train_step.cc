@@ -6,6 +6,7 @@
 #include <cstring>
 #include <map>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include <fmt/format.h>
@@ -225,6 +226,15 @@ Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::
   };
   count_sent();  // the norm's all-reduce
   report.stats_seconds = SecondsSince(start);
+  if (parallel && reducer != nullptr) {
+    // Frozen groups' master shards never change: the next forward's gathers
+    // of their param chunks may be queued now, after the step's own collective.
+    std::set<uint32_t> trainable;
+    for (const Group& g : groups) trainable.insert(g[ChunkKind::kParam].group);
+    for (const ChunkInfo& c : engine.chunks()) {
+      if (c.kind == ChunkKind::kParam && c.transient && !trainable.contains(c.group)) reducer->Updated(c.id);
+    }
+  }
 
   start = Clock::now();
   for (size_t k = 0; k < groups.size(); ++k) {

@@ -184,7 +184,7 @@ Status Engine::Finalize() {
   const bool fixed = o.placement_policy == "static";
   uint64_t state_bytes = 0, largest_state_chunk = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    if (!IsOptimizerState(chunk.kind)) continue;
+    if (!memory::IsStateChunk(chunk)) continue;
     state_bytes += chunk.size_bytes();
     largest_state_chunk = std::max(largest_state_chunk, chunk.size_bytes());
   }
@@ -215,8 +215,7 @@ Status Engine::Finalize() {
   if (fixed) {
     uint64_t host_states = 0;
     for (size_t i = 0; i < homes.size(); ++i) {
-      const ChunkKind kind = layout.chunks()[i].kind;
-      if (homes[i] == Tier::kHost && IsOptimizerState(kind)) {
+      if (homes[i] == Tier::kHost && memory::IsStateChunk(layout.chunks()[i])) {
         host_states += layout.chunks()[i].size_bytes();
       }
     }

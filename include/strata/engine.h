@@ -67,8 +67,8 @@ struct ChunkInfo {
   // false for whole chunks.
   uint64_t shard_offset_bytes = 0;
   bool sharded = false;
-  // Parameters sharded (option comm.shard_params): a param chunk of a
-  // trainable group homed nowhere. Its bytes are valid only once gathered
+  // Parameters sharded (option comm.shard_params): a param chunk (of a
+  // trainable or a frozen group) homed nowhere. Its bytes are valid only once gathered
   // (offload::GradReducer::Gather) from the ranks' master shards, until the
   // next update (then stale until gathered again); moved off the device it
   // is dropped, and read while never gathered it is zeros.

@@ -164,6 +164,10 @@ def test_with_sharded_params_frozen_parameters_are_sharded_too(tmp_path, precisi
     dtype = "fp32" if precision == "fp32" else "bf16"
     for rank in result["ranks"]:
         assert rank["stored_of_kind"]["param"] == 0, rank["stored_of_kind"]
+        # The frozen chunk starts the forward: it is gathered ahead like the others (queued after the step's
+        # all-reduce, its shard never changing), all but the first step's gathers.
+        comm = rank["comm"]
+        assert comm["param_gathers_ahead"] >= (steps - 1) / steps * comm["param_gathers"] - 2, comm
         groups = {c["group"] for c in rank["chunks"] if c["kind"] == "param"}
         frozen = [g for g in groups if not any(c["group"] == g and c["kind"] == "grad" for c in rank["chunks"])]
         assert frozen, "no frozen chunk group"

@@ -144,9 +144,9 @@ TEST(ChunkLayoutTest, ShardedLayoutKeepsTheRanksRangeOfTheStates) {
 namespace strata::memory {
 namespace {
 
-// Parameters sharded (ZeRO-3): a trainable group's param chunk is transient
-// (stored nowhere, not in total_bytes) and every trainable group has a master
-// shard, fp32 params too; a frozen group stays whole. One rank, or the
+// Parameters sharded (ZeRO-3): every group's param chunk is transient
+// (stored nowhere, not in total_bytes) and every group has a master shard,
+// fp32 params too, a frozen group's in its param dtype. One rank, or the
 // option off, lays out as before.
 TEST(ChunkLayoutTest, ShardedParamsMakeEveryParamChunkTransientAndGiveEveryGroupAMasterShard) {
   std::vector<TensorSpec> tensors = {T("a", {3000}, "m"), T("b", {1000}, "m"),

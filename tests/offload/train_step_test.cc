@@ -216,8 +216,8 @@ void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_ba
     EXPECT_EQ(comm_bytes[r], reduced + (shard_params ? 0 : gathered) + norm) << "rank " << r;
     EXPECT_EQ(all_bytes[r], kSteps * (reduced + gathered + norm) + ahead) << "rank " << r;
   }
-  // Parameters sharded, a rank stores 1/W of the params too: only the
-  // (whole) grad chunks and the frozen layer stay whole.
+  // Parameters sharded, a rank stores 1/W of the params too, the frozen
+  // layer's included: only the (whole) grad chunks stay whole.
   for (int r = 0; r < world && shard_params; ++r) {
     const uint64_t whole = single.engine->layout().total_bytes;
     const uint64_t grads = kLayers * kChunkElems * sizeof(float);
