@@ -183,6 +183,13 @@ TEST(ChunkLayoutTest, ShardedParamsMakeEveryParamChunkTransientAndGiveEveryGroup
     EXPECT_EQ(mine.report().total_bytes + param.size_bytes() - master.size_bytes() + frozen_param.size_bytes() -
                   frozen_master.size_bytes(),
               plain.report().total_bytes);
+    // A frozen group's master shard is its parameters, not an optimizer
+    // state: with no host room for states (the static policy's share), it
+    // is still homed on the host, the trainable master on NVMe.
+    const std::vector<std::optional<Tier>> no_states =
+        AssignHomes(mine.chunks(), uint64_t{1} << 30, uint64_t{1} << 30, /*max_host_state_bytes=*/0);
+    EXPECT_EQ(no_states[frozen_master.id.value()], Tier::kHost);
+    EXPECT_EQ(no_states[master.id.value()], Tier::kNvme);
     // A transient chunk is homed on the host without taking any of it.
     const std::vector<std::optional<Tier>> homes = AssignHomes(mine.chunks(), 0, uint64_t{1} << 30);
     EXPECT_EQ(homes[param.id.value()], Tier::kHost);
