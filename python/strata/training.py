@@ -539,7 +539,8 @@ class TrainingEngine:
 
         Bytes are those this rank sends under the ring algorithm. ZeRO-3 sends
         3 x the parameters in the compute dtype x (W - 1) / W a step (gathered
-        in forward and in backward, gradients reduce-scattered). By default
+        in forward and in backward, gradients reduce-scattered; a frozen
+        parameter has no gradient, so 2 x for it). By default
         strata keeps parameters whole on every rank, so a step sends the
         gradients (fp32) reduce-scattered and the updated parameters gathered
         once; with comm.shard_params each param chunk is gathered when a
@@ -547,9 +548,11 @@ class TrainingEngine:
         of the last two gathered), as ZeRO-3 does.
         """
         out = self._comm.stats()
-        model_bytes = sum(r.numel for r in self._params) * torch.finfo(self.dtype).bits // 8
+        width = torch.finfo(self.dtype).bits // 8
+        model_bytes = sum(r.numel for r in self._params) * width
+        trainable_bytes = sum(r.numel for r in self._params if r.trainable) * width
         out["model_bytes"] = model_bytes
-        out["zero3_bytes_per_step"] = 3 * model_bytes * (self.world_size - 1) // self.world_size
+        out["zero3_bytes_per_step"] = (2 * model_bytes + trainable_bytes) * (self.world_size - 1) // self.world_size
         out["last_step_bytes"] = self._last_step.get("comm_bytes", 0)
         gathers = (self._reducer.gathers, self._reducer.gathered_ahead) if self._reducer else self._closed_gathers
         out["param_gathers"], out["param_gathers_ahead"] = gathers

@@ -174,6 +174,10 @@ def test_with_sharded_params_frozen_parameters_are_sharded_too(tmp_path, precisi
         for g in frozen:
             master = [c for c in rank["chunks"] if c["group"] == g and c["kind"] == "master"]
             assert len(master) == 1 and master[0]["sharded"] and master[0]["dtype"] == dtype, master
+        # ZeRO-3's volume counts the frozen embedding twice (gathered in forward and backward), not three times.
+        _, reference = pair()
+        frozen_bytes = reference.wpe.numel() * (4 if precision == "fp32" else 2)
+        assert comm["zero3_bytes_per_step"] == (3 * comm["model_bytes"] - frozen_bytes) * (world - 1) // world
     if precision == "fp32":
         _, reference = pair()
         reference.wpe.requires_grad_(False)
