@@ -1,6 +1,7 @@
 #include "benchmarks/replay_bench.h"
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <filesystem>
 #include <map>
@@ -53,6 +54,18 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
     m.compute_seconds =
         config.compute_ms > 0 ? config.compute_ms / 1e3 : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9);
+  }
+  if (config.ranks > 1) {
+    // Data parallel, the updates run as RunTrainStep runs them: after
+    // backward (the gradient norm is all-reduced first), in model order, so
+    // that with parameters sharded the next forward's first chunks are the
+    // first gathered ahead, behind the rest of the updates.
+    std::vector<offload::TraceMoment>& moments = step.trace.moments;
+    const auto updates = std::stable_partition(moments.begin(), moments.end(),
+                                               [](const offload::TraceMoment& m) { return !m.device_compute_seconds; });
+    std::stable_sort(updates, moments.end(), [&](const offload::TraceMoment& x, const offload::TraceMoment& y) {
+      return layout.chunk(x.chunks.front()).group < layout.chunk(y.chunks.front()).group;
+    });
   }
   return step;
 }
@@ -182,6 +195,9 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
     const double waited = reducer ? reducer->wait_seconds() : 0;
     const uint64_t sent = comm != nullptr ? comm->stats().total_bytes() : 0;
+    const std::array<uint64_t, 3> gathered =
+        reducer ? std::array<uint64_t, 3>{reducer->gathers(), reducer->gathered_ahead(), reducer->filled_ahead()}
+                : std::array<uint64_t, 3>{};
     STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
     bool updating = false;
     for (size_t k = 0; k < step.moments.size(); ++k) {
@@ -234,6 +250,9 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
     if (reducer) {
       result.run.comm_stall_seconds += (reducer->wait_seconds() - waited) / config.iterations;
       result.run.comm_bytes += (comm->stats().total_bytes() - sent) / config.iterations;
+      result.run.gathers += static_cast<double>(reducer->gathers() - gathered[0]) / config.iterations;
+      result.run.gathered_ahead += static_cast<double>(reducer->gathered_ahead() - gathered[1]) / config.iterations;
+      result.run.filled_ahead += static_cast<double>(reducer->filled_ahead() - gathered[2]) / config.iterations;
     }
     for (int l = 0; l < offload::kNumLinks; ++l) result.run.bytes[l] += s.bytes[l] / config.iterations;
   }
@@ -471,6 +490,12 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
         FormatSize(r.planned.comm_bytes), network_ms, 1e3 * r.planned.comm_stall_seconds,
         100 * r.planned.comm_stall_fraction,
         r.config.baseline ? fmt::format("; LRU run {:.1f}%", 100 * r.lru.comm_stall_fraction) : std::string());
+    if (r.config.shard_params) {
+      out += fmt::format(
+          "param chunks gathered a step: {:.0f}, {:.0f} of them ahead of their need, {:.0f} of those filled into "
+          "their device slot ahead too\n",
+          r.planned.gathers, r.planned.gathered_ahead, r.planned.filled_ahead);
+    }
   }
   out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU; compute at least its chunks' "
                      "transfer time in {} of {} moments\n",
@@ -522,6 +547,11 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
     j["comm_bytes_per_rank"] = r.planned.comm_bytes;
     j["comm_stall_seconds"] = r.planned.comm_stall_seconds;
     j["comm_stall_fraction"] = r.planned.comm_stall_fraction;
+    if (r.config.shard_params) {
+      j["param_gathers"] = r.planned.gathers;
+      j["param_gathers_ahead"] = r.planned.gathered_ahead;
+      j["param_gathers_filled_ahead"] = r.planned.filled_ahead;
+    }
   }
   j["bytes_moved"] = links(r.planned);
   j["bytes_moved_total"] = r.planned.bytes_moved();

@@ -78,6 +78,10 @@ struct ReplayRun {
   double comm_stall_seconds = 0;
   double comm_stall_fraction = 0;
   uint64_t comm_bytes = 0;
+  // Parameters sharded (rank 0), mean per iteration: param chunks gathered
+  // (GradReducer::gathers), of them gathered ahead of their need, and of
+  // those filled into their device slot ahead too (no copy left for the access).
+  double gathers = 0, gathered_ahead = 0, filled_ahead = 0;
   uint64_t bytes_moved() const;
 };
 

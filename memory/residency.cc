@@ -141,7 +141,7 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
     if (chunk.tier == tier) {
       chunk.refs++;
       chunk.last_use = ++clock_;
-      return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes);
+      return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes, chunk.generation);
     }
     if (chunk.refs > 0) {
       return InvalidArgument("chunk {}: in use on the {} tier; release its accesses before accessing it on {}",
@@ -151,6 +151,16 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
     std::vector<ChunkId> chain;
     STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain));
   }
+}
+
+ChunkAccess ResidencyManager::AccessIfOn(ChunkId id, Tier tier) {
+  STRATA_CHECK(id.value() < chunks_.size(), "AccessIfOn of chunk {}: there are {} chunks", id.value(), chunks_.size());
+  std::lock_guard lock(mu_);
+  Chunk& chunk = chunks_[id.value()];
+  if (chunk.in_flight || chunk.tier != tier || chunk.refs > 0) return {};
+  chunk.refs++;
+  chunk.last_use = ++clock_;
+  return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes, chunk.generation);
 }
 
 void ResidencyManager::ReleaseAccess(ChunkId id) {
@@ -297,6 +307,7 @@ Status ResidencyManager::WriteChunk(ChunkId id, const std::byte* src) {
   } else if (fresh) {
     pool(Tier::kNvme)->Free(*fresh);
   }
+  chunk.generation++;  // its bytes replaced (or partly, by a failed write in place)
   chunk.in_flight = false;
   moved_.notify_all();
   return status.WithContext(fmt::format("writing chunk {} on {}", id.value(), TierName(to)));
@@ -334,6 +345,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
   if (chunk.transient && chunk.tier && to > *chunk.tier) {  // dropped, not copied down
     pool(*chunk.tier)->Free(chunk.extent);
     chunk.tier.reset();
+    chunk.generation++;
     stats_.drops++;
     return finish(Status::Ok());
   }
@@ -377,6 +389,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
   }
   chunk.tier = to;
   chunk.extent = *dst;
+  chunk.generation++;
   return finish(Status::Ok());
 }
 
@@ -572,6 +585,7 @@ Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, u
       return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
     }
     chunk.extent = *dst;
+    chunk.generation++;
     claimed.push_back(src);
     stats_.compactions++;
     stats_.compacted_bytes += chunk.size_bytes;

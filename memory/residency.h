@@ -78,6 +78,10 @@ class ResidencyManager final : public AccessOwner {
   // Makes `id` resident on `tier` (device or host) and pins it there.
   // Accessing a chunk that is pinned on another tier is InvalidArgument.
   Result<ChunkAccess> Access(ChunkId id, Tier tier);
+  // Pins `id` only if it is resident on `tier` in hold (not in flight, not
+  // pinned); otherwise an invalid handle. Never moves or waits: for a thread that must not
+  // take room the plan did not give it (GradReducer's gathers ahead).
+  ChunkAccess AccessIfOn(ChunkId id, Tier tier);
 
   // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
   // there as zeros). Synchronous, and on a transfer worker.
@@ -128,6 +132,7 @@ class ResidencyManager final : public AccessOwner {
     std::optional<Tier> arriving;  // in flight with a slot reserved on this tier, bytes on the way
     uint64_t last_use = 0;  // LRU clock value of the last access
     bool transient = false;
+    uint64_t generation = 0;  // ChunkAccess::generation: bumped by every new slot or overwrite
   };
   using Lock = std::unique_lock<std::mutex>;
 

@@ -214,6 +214,7 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     landing = std::move(spare_landings_.back());
     spare_landings_.pop_back();
   }
+  auto filled = std::make_shared<Filled>();
   const ChunkId master_id = master->id;
   const DType dtype = info.dtype;
   const DType master_dtype = master->dtype;
@@ -267,11 +268,55 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
           "backward, so that param chunks are needed in the same order (parameters are sharded: comm.shard_params)",
           comm_.rank(), group, others);
     }
+    // Where the chunk is on the device already, in hold (the pipeline's
+    // planned fetch came first), it is filled here, off the training
+    // thread; Gather copies nothing if it is still in that slot then. A
+    // copy that fails here is left to Gather to make again (and report):
+    // an error of this rank's own must not fail a collective its peers
+    // completed, which would leave them a job ahead of it.
+    STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunkIfOn(param, Tier::kDevice));
+    if (pin.valid() && FillFromLanding(*landing, param, pin, &filled->copy_may_run).ok()) {
+      filled->generation = pin.generation();
+    }
     return Status::Ok();
   });
   const uint64_t seq = next_seq_++;
   queued_[seq] = done;
-  return {std::move(done), std::move(landing), seq};
+  return {std::move(done), std::move(landing), std::move(filled), seq};
+}
+
+Status GradReducer::FillFromLanding(const Buffer& landing, ChunkId param, const ChunkAccess& into,
+                                    bool* copy_may_run) {
+  // Rank r's slice (its shard, then its tag) into the chunk at its range.
+  const ChunkInfo& info = chunks_[param.value()];
+  const int world = comm_.world_size();
+  const size_t width = DTypeSizeBytes(info.dtype);
+  const size_t n = info.used_bytes / width;
+  const size_t elems = memory::ShardOf(n, 0, world).elems;
+  const size_t slice = elems * width + sizeof(uint64_t);
+  const auto* from = static_cast<const std::byte*>(landing.data());
+  auto* chunk = into.data();
+  const bool host = into.tier() == Tier::kHost || engine_.device().host_accessible();
+  Status status = Status::Ok();
+  std::vector<std::shared_ptr<Event>> copies;
+  for (int r = 0; r < world && status.ok(); ++r) {
+    const size_t begin = std::min(n, r * elems), count = std::min(n, begin + elems) - begin;
+    if (count == 0) continue;
+    if (host) {
+      std::memcpy(chunk + begin * width, from + r * slice, count * width);
+      continue;
+    }
+    Result<std::shared_ptr<Event>> copy = engine_.device().CopyAsync(CopyStream::kHostToDevice, chunk + begin * width,
+                                                                     from + r * slice, count * width);
+    status = copy.status();
+    if (copy.ok()) copies.push_back(std::move(copy).value());
+  }
+  for (const std::shared_ptr<Event>& copy : copies) {
+    const Status waited = copy->Wait(engine_.options().device_copy_timeout_ms);
+    if (!waited.ok()) *copy_may_run = true;
+    if (status.ok()) status = waited;
+  }
+  return status;
 }
 
 Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
@@ -308,41 +353,18 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   if (sequence_.size() <= kMaxSequence) PrefetchFrom(sequence_.size(), param);
   if (kept) return Status::Ok();
 
-  const ChunkInfo& info = chunks_[param.value()];
   const Clock::time_point start = Clock::now();
   Status status = gather->done.get();
   queued_.erase(gather->seq);  // taken: its error is this call's
-  bool copy_may_run = false;
-  // Rank r's slice (its shard, then its tag) into the chunk at its range.
-  const int world = comm_.world_size();
-  const size_t width = DTypeSizeBytes(info.dtype);
-  const size_t n = info.used_bytes / width;
-  const size_t elems = memory::ShardOf(n, 0, world).elems;
-  const size_t slice = elems * width + sizeof(uint64_t);
-  const auto* landing = static_cast<const std::byte*>(gather->landing->data());
-  auto* chunk = static_cast<std::byte*>(into.data());
-  const bool host = into.tier() == Tier::kHost || engine_.device().host_accessible();
-  std::vector<std::shared_ptr<Event>> copies;
-  for (int r = 0; r < world && status.ok(); ++r) {
-    const size_t begin = std::min(n, r * elems), count = std::min(n, begin + elems) - begin;
-    if (count == 0) continue;
-    if (host) {
-      std::memcpy(chunk + begin * width, landing + r * slice, count * width);
-      continue;
-    }
-    Result<std::shared_ptr<Event>> copy = engine_.device().CopyAsync(CopyStream::kHostToDevice, chunk + begin * width,
-                                                                     landing + r * slice, count * width);
-    status = copy.status();
-    if (copy.ok()) copies.push_back(std::move(copy).value());
-  }
-  for (const std::shared_ptr<Event>& copy : copies) {
-    const Status waited = copy->Wait(engine_.options().device_copy_timeout_ms);
-    if (!waited.ok()) copy_may_run = true;
-    if (status.ok()) status = waited;
+  const Filled& filled = *gather->filled;
+  if (status.ok() && filled.generation == into.generation()) {
+    filled_ahead_++;  // by its job, in the slot `into` pins: nothing has moved or written the chunk since
+  } else if (status.ok()) {
+    status = FillFromLanding(*gather->landing, param, into, &gather->filled->copy_may_run);
   }
   wait_seconds_ += SecondsSince(start);
   // A copy that timed out may still read its source: that buffer is never reused.
-  (copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(gather->landing));
+  (filled.copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(gather->landing));
   if (status.ok()) {
     Result<ChunkAccess> pin = engine_.AccessChunk(param, into.tier());
     status = pin.status();
@@ -389,7 +411,7 @@ void GradReducer::ReleaseGathered() {
   for (auto& [id, ahead] : prefetched_) {
     ahead.done.wait();
     queued_.erase(ahead.seq);
-    spare_landings_.push_back(std::move(ahead.landing));
+    (ahead.filled->copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(ahead.landing));
   }
   prefetched_.clear();
   last_sequence_ = std::move(sequence_);

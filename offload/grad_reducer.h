@@ -88,7 +88,12 @@ class GradReducer {
   // a chunk's modules run one after another, each pinning it anew. And it
   // gathers ahead, into host memory, the kPrefetchDepth chunks that came
   // next in the last step's sequence of Gathers, so that their collectives
-  // overlap the compute before them. Every rank must gather the same chunks
+  // overlap the compute before them; one that is on the device already,
+  // unpinned (the pipeline's planned fetch came first), is filled there by
+  // the reducer's thread as well, and its Gather copies nothing if it is
+  // still in that placement then (ChunkAccess::generation). The reducer
+  // pins such a chunk only while it fills it, so it takes no room the plan
+  // did not give. Every rank must gather the same chunks
   // in the same order (so what is kept and gathered ahead is the same
   // everywhere): each message carries its group's tag, and a rank whose
   // peers gather another group gets InvalidArgument naming them. A rank
@@ -115,6 +120,7 @@ class GradReducer {
   static constexpr size_t kTagBits = 32;
   uint64_t gathers() const { return gathers_; }  // Gather calls that communicated
   uint64_t gathered_ahead() const { return gathered_ahead_; }  // of them, those gathered ahead
+  uint64_t filled_ahead() const { return filled_ahead_; }  // of those, the ones whose chunk was filled ahead too
 
   // Waits for everything queued (the gathers ahead too); the first error (in queue order: the cause,
   // not the failures of a broken group after it) of the jobs not taken.
@@ -146,13 +152,23 @@ class GradReducer {
   std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
   uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;
-  // A parameter all-gather queued: every rank's slice lands in `landing` (host memory).
+  // A parameter all-gather queued: every rank's slice lands in `landing`
+  // (host memory); its job also fills the chunk where it finds it on the
+  // device, unpinned (see Gather).
+  struct Filled {
+    std::optional<uint64_t> generation;  // the job filled the chunk in this placement (ChunkAccess::generation)
+    bool copy_may_run = false;           // a copy out of the landing timed out
+  };
   struct Queued {
     std::shared_future<Status> done;
     std::shared_ptr<Buffer> landing;
+    std::shared_ptr<Filled> filled;  // written by the job, read once `done` is
     uint64_t seq = 0;  // its place in the queue
   };
   Queued QueueGather(ChunkId param);
+  // Copies `landing` (W slices of shard and tag) into the chunk `into` pins;
+  // sets *copy_may_run when a device copy timed out (it may still read the landing).
+  Status FillFromLanding(const Buffer& landing, ChunkId param, const ChunkAccess& into, bool* copy_may_run);
   // Queues the chunks at [position, position + kPrefetchDepth) of the last
   // step's sequence, but those kept, queued already or being gathered.
   void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);
@@ -181,6 +197,7 @@ class GradReducer {
   std::vector<ChunkId> updated_;            // param chunks whose masters this step has updated
   uint64_t gathers_ = 0;
   uint64_t gathered_ahead_ = 0;
+  uint64_t filled_ahead_ = 0;
   std::unique_ptr<TaskQueue> queue_;  // last: its thread uses the members above
 };
 

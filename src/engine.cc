@@ -298,6 +298,11 @@ Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
   return impl_->residency->Access(chunk, tier);
 }
 
+Result<ChunkAccess> Engine::AccessChunkIfOn(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->AccessIfOn(chunk, tier);
+}
+
 Status Engine::MoveChunk(ChunkId chunk, Tier tier) {
   STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
   return impl_->residency->Move(chunk, tier);

@@ -27,8 +27,9 @@ class ChunkAccess {
  public:
   ChunkAccess() = default;
   // For AccessOwner implementations: the chunk is already pinned.
-  ChunkAccess(AccessOwner* owner, ChunkId id, Tier tier, std::byte* data, uint64_t size_bytes)
-      : owner_(owner), id_(id), tier_(tier), data_(data), size_bytes_(size_bytes) {}
+  ChunkAccess(AccessOwner* owner, ChunkId id, Tier tier, std::byte* data, uint64_t size_bytes,
+              uint64_t generation = 0)
+      : owner_(owner), id_(id), tier_(tier), data_(data), size_bytes_(size_bytes), generation_(generation) {}
   ChunkAccess(ChunkAccess&& other) noexcept { *this = std::move(other); }
   ChunkAccess& operator=(ChunkAccess&& other) noexcept {
     if (this != &other) {
@@ -38,6 +39,7 @@ class ChunkAccess {
       tier_ = other.tier_;
       data_ = std::exchange(other.data_, nullptr);
       size_bytes_ = std::exchange(other.size_bytes_, 0);
+      generation_ = other.generation_;
     }
     return *this;
   }
@@ -51,6 +53,11 @@ class ChunkAccess {
   uint64_t size_bytes() const { return size_bytes_; }
   Tier tier() const { return tier_; }
   ChunkId id() const { return id_; }
+  // Which placement of the chunk this pin holds: the value changes whenever
+  // the chunk's bytes are moved, dropped, materialized or overwritten by its
+  // owner, and cannot while it is pinned; two pins with the same value see
+  // the same bytes in the same slot.
+  uint64_t generation() const { return generation_; }
   bool valid() const { return owner_ != nullptr; }
   void Release() {
     if (owner_ != nullptr) std::exchange(owner_, nullptr)->ReleaseAccess(id_);
@@ -63,6 +70,7 @@ class ChunkAccess {
   Tier tier_ = Tier::kDevice;
   std::byte* data_ = nullptr;
   uint64_t size_bytes_ = 0;
+  uint64_t generation_ = 0;
 };
 
 // One tensor's copy of one kind (param, grad, master, ...), pinned.

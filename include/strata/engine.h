@@ -116,6 +116,9 @@ class Engine {
   // part of, is InvalidArgument.
   Result<TensorAccess> Access(TensorId tensor, ChunkKind kind, Tier tier);
   Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
+  // Pins `chunk` only if it is resident on `tier` now, neither moving nor
+  // pinned: an invalid handle otherwise (nothing is moved, nothing waited for).
+  Result<ChunkAccess> AccessChunkIfOn(ChunkId chunk, Tier tier);
   // Moves a chunk that is not pinned; synchronous or on a transfer worker.
   Status MoveChunk(ChunkId chunk, Tier tier);
   // MoveChunk, only if the chunk is on `from` as the move begins (else nothing happens).

@@ -171,6 +171,59 @@ TEST(ResidencyTest, WriteChunkOverwritesWhereTheChunkIsWithoutReadingIt) {
   EXPECT_EQ(s.residency->WriteChunk(ChunkId(5), bytes.bytes() + 8).code(), StatusCode::kInvalidArgument);
 }
 
+// AccessIfOn pins a chunk only where it already is, in hold: a free chunk,
+// one on another tier or one pinned already gives an invalid handle, and
+// nothing moves or is materialized.
+TEST(ResidencyTest, AccessIfOnPinsOnlyAChunkInHoldOnThatTierAndMovesNothing) {
+  ResidencyStack s({});
+  EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
+  ASSERT_OK(s.Fill(0, 3));  // on the host
+  EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kDevice));
+  const uint64_t moves = s.residency->stats().materializations;
+  {
+    ChunkAccess pin = s.residency->AccessIfOn(ChunkId(0), Tier::kDevice);
+    ASSERT_TRUE(pin.valid());
+    EXPECT_EQ(pin.tier(), Tier::kDevice);
+    EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kCompute);
+    EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());  // pinned already
+    ASSERT_OK_AND_ASSIGN(ChunkAccess same, s.residency->Access(ChunkId(0), Tier::kDevice));
+    EXPECT_EQ(same.data(), pin.data());
+  }
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kHold);
+  EXPECT_EQ(s.residency->stats().materializations, moves);
+  EXPECT_TRUE(s.Holds(0, 3, Tier::kDevice));
+}
+
+// A pin's generation names the chunk's placement: pins of one placement
+// agree; a move, a drop, a materialization or a WriteChunk gives a new one.
+TEST(ResidencyTest, AChunksGenerationChangesWithEveryNewSlotOrOverwrite) {
+  ResidencyStack s({.transient_chunks = 1});
+  const auto generation = [&](Tier tier) {
+    Result<ChunkAccess> pin = s.residency->Access(ChunkId(0), tier);
+    EXPECT_OK(pin.status());
+    return pin.ok() ? pin->generation() : 0;
+  };
+  const uint64_t materialized = generation(Tier::kDevice);
+  EXPECT_EQ(generation(Tier::kDevice), materialized);
+  EXPECT_EQ(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).generation(), materialized);
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));  // transient: dropped
+  const uint64_t again = generation(Tier::kDevice);        // materialized anew, maybe in the same slot
+  EXPECT_NE(again, materialized);
+  Buffer bytes = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  ASSERT_OK(s.residency->WriteChunk(ChunkId(0), bytes.bytes()));
+  EXPECT_NE(generation(Tier::kDevice), again);
+  // A chunk that is not transient: up and down with its bytes, a new placement each time.
+  ASSERT_OK(s.Fill(1, 4));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess on_host, s.residency->Access(ChunkId(1), Tier::kHost));
+  const uint64_t host = on_host.generation();
+  on_host.Release();
+  ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kDevice));
+  EXPECT_NE(s.residency->AccessIfOn(ChunkId(1), Tier::kDevice).generation(), host);
+}
+
 TEST(ResidencyTest, AccessOnAnotherTierWhilePinnedIsInvalid) {
   ResidencyStack s({});
   ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(0), Tier::kHost));

@@ -312,6 +312,40 @@ TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
   }
 }
 
+// A gather ahead fills its chunk itself when the chunk is on the device
+// already, in hold (the pipeline's fetch came first), so the Gather that
+// needs it copies nothing; a chunk still free is filled by the Gather; and
+// a chunk moved after it was filled ahead (dropped and materialized anew as
+// zeros) is filled again by the Gather, not taken as it is.
+TEST(TrainStepTest, AGatherAheadFillsAChunkOnTheDeviceAndOnlyWhileItStaysThere) {
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    std::mt19937 rng(23);  // the same weights on both ranks
+    std::vector<std::vector<float>> initial(4);
+    for (int l = 0; l < 4; ++l) {
+      initial[l] = Random(rng, 1.0f);
+      rank.WriteShard(l, initial[l]);
+    }
+    GradReducer reducer(*rank.engine, comm);
+    const auto param = [&](int l) { return *rank.engine->ChunkOf(TensorId(l), ChunkKind::kParam); };
+    for (int l = 0; l < 4; ++l) EXPECT_EQ(rank.Gathered(l, reducer), initial[l]) << "rank " << r << ", layer " << l;
+    reducer.ReleaseGathered();  // 0, 1, 2, 3: the sequence the next gathers go ahead along
+    for (int l = 0; l < 4; ++l) ASSERT_OK(rank.engine->MoveChunk(param(l), Tier::kHost));  // dropped
+    for (int l : {1, 3}) ASSERT_OK(rank.engine->MoveChunk(param(l), Tier::kDevice));       // zeros, in hold
+    EXPECT_EQ(rank.Gathered(0, reducer), initial[0]);  // queues 1, 2 and 3 ahead
+    ASSERT_OK(reducer.Drain());
+    EXPECT_EQ(reducer.gathered_ahead(), 0u);
+    EXPECT_EQ(reducer.filled_ahead(), 0u);
+    ASSERT_OK(rank.engine->MoveChunk(param(3), Tier::kHost));  // filled ahead, then dropped
+    EXPECT_EQ(rank.Gathered(1, reducer), initial[1]) << "rank " << r;
+    EXPECT_EQ(reducer.filled_ahead(), 1u);
+    EXPECT_EQ(rank.Gathered(2, reducer), initial[2]) << "rank " << r;
+    EXPECT_EQ(rank.Gathered(3, reducer), initial[3]) << "rank " << r;
+    EXPECT_EQ(reducer.gathered_ahead(), 3u);
+    EXPECT_EQ(reducer.filled_ahead(), 1u);
+  });
+}
+
 // A rank whose master shard cannot be read (an NVMe error) still joins the
 // gather, tagged as failed: both ranks' gathers fail at once, the other
 // naming it, and every later gather fails fast on both rather than fall
