@@ -539,6 +539,8 @@ PYBIND11_MODULE(_strata, m) {
                              "parameter all-gathers that communicated")
       .def_property_readonly("gathered_ahead", [](PyGradReducer& r) { return r.get().gathered_ahead(); },
                              "of them, those queued ahead of their need (the last step's sequence)")
+      .def_property_readonly("filled_ahead", [](PyGradReducer& r) { return r.get().filled_ahead(); },
+                             "of those, the ones whose device chunk was filled ahead too (the access copied nothing)")
       .def("close", &PyGradReducer::Close,
            "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
       .def("on_own_thread", [](PyGradReducer& r) { return r.open() && r.get().OnOwnThread(); },

@@ -276,7 +276,7 @@ class TrainingEngine:
         # in the same order. So the ranks' collectives line up even when a
         # parameter is used on some ranks only.
         self._reducer = _strata.GradReducer(self._engine, self._comm) if self._parallel else None
-        self._closed_gathers = (0, 0)  # the reducer's gather counts once close() has stopped it
+        self._closed_gathers = (0, 0, 0)  # the reducer's gather counts once close() has stopped it
         if self._reducer is not None:  # at exit, before MPI is finalized: no reduction left in flight
             weakref.finalize(self, _close_reducer, self._reducer)
         self._grad_chunk_params = {}  # grad chunk -> its trainable parameters
@@ -554,9 +554,13 @@ class TrainingEngine:
         out["model_bytes"] = model_bytes
         out["zero3_bytes_per_step"] = (2 * model_bytes + trainable_bytes) * (self.world_size - 1) // self.world_size
         out["last_step_bytes"] = self._last_step.get("comm_bytes", 0)
-        gathers = (self._reducer.gathers, self._reducer.gathered_ahead) if self._reducer else self._closed_gathers
-        out["param_gathers"], out["param_gathers_ahead"] = gathers
+        gathers = self._gather_counts() if self._reducer else self._closed_gathers
+        out["param_gathers"], out["param_gathers_ahead"], out["param_gathers_filled_ahead"] = gathers
         return out
+
+    def _gather_counts(self):
+        r = self._reducer
+        return (r.gathers, r.gathered_ahead, r.filled_ahead)
 
     def chunk_tiers(self):
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
@@ -837,7 +841,7 @@ class TrainingEngine:
         finally:
             if self._reducer is not None:
                 self._broken = self._broken or "the engine was closed"
-                self._closed_gathers = (self._reducer.gathers, self._reducer.gathered_ahead)
+                self._closed_gathers = self._gather_counts()
                 self._reducer.close()
                 self._reducer = None
 

@@ -133,8 +133,10 @@ def test_ranks_with_sharded_params_train_like_one_process_and_send_zero3s_volume
         comm = rank["comm"]
         zero3 = comm["zero3_bytes_per_step"]
         assert 0.95 * zero3 <= comm["last_step_bytes"] <= 1.05 * zero3, comm
-        # From the second step on, the gathers are queued ahead of their need (the step before's order).
+        # From the second step on, the gathers are queued ahead of their need (the step before's order);
+        # those whose chunk the pipeline had put on the device by then were filled there too.
         assert comm["param_gathers_ahead"] >= (steps - 1) / steps * comm["param_gathers"] - 2, comm
+        assert 0 <= comm["param_gathers_filled_ahead"] <= comm["param_gathers_ahead"], comm
 
 
 @needs_mpirun
