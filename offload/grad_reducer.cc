@@ -275,8 +275,11 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     // an error of this rank's own must not fail a collective its peers
     // completed, which would leave them a job ahead of it.
     STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunkIfOn(param, Tier::kDevice));
-    if (pin.valid() && FillFromLanding(*landing, param, pin, &filled->copy_may_run).ok()) {
+    if (!pin.valid()) return Status::Ok();
+    if (FillFromLanding(*landing, param, pin, &filled->copy_may_run).ok()) {
       filled->generation = pin.generation();
+    } else if (filled->copy_may_run) {
+      stuck_fills_.push_back(std::move(pin));  // a copy that timed out may still write the slot: kept from others
     }
     return Status::Ok();
   });

@@ -189,6 +189,7 @@ class GradReducer {
   // Gathers recorded a step at most (an evaluation-only loop never steps).
   static constexpr size_t kMaxSequence = 1 << 16;
   std::vector<std::shared_ptr<Buffer>> quarantined_;  // sources of copies that timed out
+  std::vector<ChunkAccess> stuck_fills_;  // the queue thread's: chunks a timed-out fill ahead may still write
   Status broken_ = Status::Ok();  // set by a Gather that failed: what this rank keeps may differ from its peers'
   std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
   std::map<uint32_t, Queued> prefetched_;   // gathered ahead, by param chunk id
