@@ -9,6 +9,7 @@ that group only bootstraps NCCL, which then carries every collective. Either
 way the training script needs no change.
 """
 
+import collections
 import datetime
 import os
 import sys
@@ -86,7 +87,16 @@ class TorchCommunicator(_strata.Communicator):
     gloo group of the same ranks beside it, since strata's buffers are in host
     memory. A collective that waits longer than `timeout_ms` raises in gloo,
     and strata turns that into a Timeout on every rank that waited.
+
+    The tensors of the last few collectives are kept referenced here (see
+    _keep): gloo's worker thread lets go of a finished collective's tensors
+    a moment after the caller's wait returns, and had it dropped the last
+    reference, it would need the GIL to free them. At interpreter shutdown
+    (a reducer closed by an exit hook runs its last collectives then) that
+    thread is stopped by Python inside a destructor: std::terminate.
     """
+
+    _KEPT_COLLECTIVES = 4  # gloo runs a group's collectives on two threads; a few more than that
 
     def __init__(self, timeout_ms):
         import torch.distributed as dist
@@ -98,13 +108,19 @@ class TorchCommunicator(_strata.Communicator):
         rank, world = dist.get_rank(), dist.get_world_size()
         where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
         super().__init__(rank, world, f"torch.distributed gloo via {where}, rank {rank} of {world}")
+        self._kept = collections.deque(maxlen=self._KEPT_COLLECTIVES)
+
+    def _keep(self, *tensors):
+        """Holds a collective's tensors past gloo's own references (see the class's note)."""
+        self._kept.append(tensors)
 
     def _all_gather(self, send, recv):
         if len(send) == 0:
             return
         out = torch.frombuffer(recv, dtype=torch.uint8)
-        self._dist.all_gather(list(out.chunk(self.world_size)), torch.frombuffer(send, dtype=torch.uint8),
-                              group=self._group)
+        slices, mine = list(out.chunk(self.world_size)), torch.frombuffer(send, dtype=torch.uint8)
+        self._keep(out, slices, mine)
+        self._dist.all_gather(slices, mine, group=self._group)
 
     def _reduce_scatter_sum(self, send, recv, count, dtype):
         if count == 0:
@@ -115,7 +131,9 @@ class TorchCommunicator(_strata.Communicator):
         dtype = getattr(torch, dtype)
         width = torch.empty(0, dtype=dtype).element_size()
         slices = torch.empty(self.world_size * count * width, dtype=torch.uint8)
-        self._dist.all_to_all_single(slices, torch.frombuffer(send, dtype=torch.uint8), group=self._group)
+        mine = torch.frombuffer(send, dtype=torch.uint8)
+        self._keep(slices, mine)
+        self._dist.all_to_all_single(slices, mine, group=self._group)
         parts = slices.view(dtype).view(self.world_size, count).float()
         total = parts[0].clone()
         for part in parts[1:]:
@@ -125,12 +143,16 @@ class TorchCommunicator(_strata.Communicator):
     def _all_reduce_sum(self, values):
         if len(values) == 0:
             return
-        self._dist.all_reduce(torch.frombuffer(values, dtype=torch.float64), group=self._group)
+        values = torch.frombuffer(values, dtype=torch.float64)
+        self._keep(values)
+        self._dist.all_reduce(values, group=self._group)
 
     def _broadcast(self, data, root):
         if len(data) == 0:
             return
-        self._dist.broadcast(torch.frombuffer(data, dtype=torch.uint8), src=root, group=self._group)
+        data = torch.frombuffer(data, dtype=torch.uint8)
+        self._keep(data)
+        self._dist.broadcast(data, src=root, group=self._group)
 
     def _barrier(self):
         self._dist.barrier(group=self._group)

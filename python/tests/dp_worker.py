@@ -5,7 +5,8 @@ writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
 DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params);
-DP_FREEZE=NAME freezes the parameters whose names start with NAME.
+DP_FREEZE=NAME freezes the parameters whose names start with NAME. DP_NO_CLOSE=1
+leaves the engine to the exit hooks, as a script that never closes it does.
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
 """
@@ -72,15 +73,15 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
                    "chunks": engine.engine.chunks(), "comm": engine.stats().get("comm"),
                    "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
-    engine.close()  # the collectives in flight done and the reducer stopped before the process ends
+    if not os.environ.get("DP_NO_CLOSE"):
+        engine.close()  # the collectives in flight done and the reducer stopped before the process ends
     if engine.rank == 0:
         torch.save({"initial": initial, "final": final, "final_compute": final_compute}, out + ".pt")
         with open(out + ".json", "w") as f:
             json.dump({"losses": losses, "world": engine.world_size, "eval_loss": eval_loss}, f)
-    # Freed here, on the main thread, rather than by a collection during the interpreter's shutdown
-    # (under torchrun that has aborted the process at exit: see issue 7's note).
-    del engine
-    gc.collect()
+    if not os.environ.get("DP_NO_CLOSE"):  # freed here, on the main thread, as a tidy script does
+        del engine
+        gc.collect()
 
 
 if __name__ == "__main__":
