@@ -58,6 +58,12 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
         except RuntimeError as error:  # what a surviving rank sees
             with open(f"{out}.rank{engine.rank}.error", "w") as f:
                 json.dump({"error": str(error), "seconds": time.monotonic() - start}, f)
+            # torchrun's agent ends every worker once one exits: a survivor the load made slower
+            # than this one would be ended before it wrote its error. Wait (a while) for theirs.
+            others = [f"{out}.rank{r}.error" for r in range(engine.world_size - 1)]
+            deadline = time.monotonic() + 30
+            while not all(os.path.exists(path) for path in others) and time.monotonic() < deadline:
+                time.sleep(0.05)
             sys.exit(3)
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
     final = engine.state_dict(master=True)
