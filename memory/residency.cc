@@ -153,14 +153,33 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
   }
 }
 
-ChunkAccess ResidencyManager::AccessIfOn(ChunkId id, Tier tier) {
-  STRATA_CHECK(id.value() < chunks_.size(), "AccessIfOn of chunk {}: there are {} chunks", id.value(), chunks_.size());
-  std::lock_guard lock(mu_);
+Result<std::optional<uint64_t>> ResidencyManager::FillIfOn(ChunkId id, Tier tier,
+                                                           const std::function<Status(std::byte*)>& fill) {
+  if (id.value() >= chunks_.size()) {
+    return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());
+  }
+  Lock lock(mu_);
   Chunk& chunk = chunks_[id.value()];
-  if (chunk.in_flight || chunk.tier != tier || chunk.refs > 0) return {};
-  chunk.refs++;
-  chunk.last_use = ++clock_;
-  return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes, chunk.generation);
+  if (!chunk.transient) {
+    return InvalidArgument("FillIfOn of chunk {}: only a transient chunk (a gathered param chunk) is filled so",
+                           id.value());
+  }
+  if (chunk.in_flight || chunk.tier != tier || chunk.refs > 0) return std::optional<uint64_t>();
+  chunk.in_flight = true;  // as ReadChunk: nobody moves, compacts or frees its slot meanwhile; they wait
+  std::byte* address = Address(tier, chunk.extent);
+  lock.unlock();
+  const Status status = fill(address);
+  lock.lock();
+  chunk.generation++;
+  if (status.code() == StatusCode::kTimeout) {
+    STRATA_LOG_ERROR("chunk {}: a fill timed out; its {} slot is quarantined and the chunk is free", id.value(),
+                     TierName(tier));
+    chunk.tier.reset();  // transient: nothing to keep; the slot stays allocated for good
+  }
+  chunk.in_flight = false;
+  moved_.notify_all();
+  if (!status.ok()) return status.WithContext(fmt::format("filling chunk {} on {}", id.value(), TierName(tier)));
+  return std::optional<uint64_t>(chunk.generation);
 }
 
 void ResidencyManager::ReleaseAccess(ChunkId id) {

@@ -39,6 +39,7 @@
 #include <array>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -78,10 +79,17 @@ class ResidencyManager final : public AccessOwner {
   // Makes `id` resident on `tier` (device or host) and pins it there.
   // Accessing a chunk that is pinned on another tier is InvalidArgument.
   Result<ChunkAccess> Access(ChunkId id, Tier tier);
-  // Pins `id` only if it is resident on `tier` in hold (not in flight, not
-  // pinned); otherwise an invalid handle. Never moves or waits: for a thread that must not
-  // take room the plan did not give it (GradReducer's gathers ahead).
-  ChunkAccess AccessIfOn(ChunkId id, Tier tier);
+  // A transient chunk resident on `tier` in hold (not in flight, not
+  // pinned): `fill` writes its bytes (at their address on `tier`) while the
+  // chunk is marked in flight, so that an access, a move or an eviction for
+  // room waits for the fill rather than finding the chunk pinned. Returns
+  // the chunk's new generation (ChunkAccess::generation), or nullopt when
+  // the chunk was not there so (nothing ran, nothing moved: for a thread
+  // that must take no room the plan did not give, GradReducer's gathers
+  // ahead); `fill`'s error otherwise. After a fill that timed out (a copy
+  // that may still write) the chunk is free and its slot never handed out
+  // again. InvalidArgument for a chunk that is not transient.
+  Result<std::optional<uint64_t>> FillIfOn(ChunkId id, Tier tier, const std::function<Status(std::byte*)>& fill);
 
   // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
   // there as zeros). Synchronous, and on a transfer worker.

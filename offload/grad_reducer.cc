@@ -270,17 +270,14 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     }
     // Where the chunk is on the device already, in hold (the pipeline's
     // planned fetch came first), it is filled here, off the training
-    // thread; Gather copies nothing if it is still in that slot then. A
-    // copy that fails here is left to Gather to make again (and report):
+    // thread; Gather copies nothing if it is still in that placement then.
+    // A fill that fails here is left to Gather to make again (and report):
     // an error of this rank's own must not fail a collective its peers
     // completed, which would leave them a job ahead of it.
-    STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine_.AccessChunkIfOn(param, Tier::kDevice));
-    if (!pin.valid()) return Status::Ok();
-    if (FillFromLanding(*landing, param, pin, &filled->copy_may_run).ok()) {
-      filled->generation = pin.generation();
-    } else if (filled->copy_may_run) {
-      stuck_fills_.push_back(std::move(pin));  // a copy that timed out may still write the slot: kept from others
-    }
+    Result<std::optional<uint64_t>> filled_in = engine_.FillChunkIfOn(param, Tier::kDevice, [&](void* chunk) {
+      return FillFromLanding(*landing, param, static_cast<std::byte*>(chunk), Tier::kDevice, &filled->copy_may_run);
+    });
+    if (filled_in.ok()) filled->generation = *filled_in;
     return Status::Ok();
   });
   const uint64_t seq = next_seq_++;
@@ -288,7 +285,7 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   return {std::move(done), std::move(landing), std::move(filled), seq};
 }
 
-Status GradReducer::FillFromLanding(const Buffer& landing, ChunkId param, const ChunkAccess& into,
+Status GradReducer::FillFromLanding(const Buffer& landing, ChunkId param, std::byte* chunk, Tier tier,
                                     bool* copy_may_run) {
   // Rank r's slice (its shard, then its tag) into the chunk at its range.
   const ChunkInfo& info = chunks_[param.value()];
@@ -298,8 +295,7 @@ Status GradReducer::FillFromLanding(const Buffer& landing, ChunkId param, const 
   const size_t elems = memory::ShardOf(n, 0, world).elems;
   const size_t slice = elems * width + sizeof(uint64_t);
   const auto* from = static_cast<const std::byte*>(landing.data());
-  auto* chunk = into.data();
-  const bool host = into.tier() == Tier::kHost || engine_.device().host_accessible();
+  const bool host = tier == Tier::kHost || engine_.device().host_accessible();
   Status status = Status::Ok();
   std::vector<std::shared_ptr<Event>> copies;
   for (int r = 0; r < world && status.ok(); ++r) {
@@ -363,7 +359,7 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   if (status.ok() && filled.generation == into.generation()) {
     filled_ahead_++;  // by its job, in the slot `into` pins: nothing has moved or written the chunk since
   } else if (status.ok()) {
-    status = FillFromLanding(*gather->landing, param, into, &gather->filled->copy_may_run);
+    status = FillFromLanding(*gather->landing, param, into.data(), into.tier(), &gather->filled->copy_may_run);
   }
   wait_seconds_ += SecondsSince(start);
   // A copy that timed out may still read its source: that buffer is never reused.

@@ -90,10 +90,10 @@ class GradReducer {
   // next in the last step's sequence of Gathers, so that their collectives
   // overlap the compute before them; one that is on the device already,
   // unpinned (the pipeline's planned fetch came first), is filled there by
-  // the reducer's thread as well, and its Gather copies nothing if it is
-  // still in that placement then (ChunkAccess::generation). The reducer
-  // pins such a chunk only while it fills it, so it takes no room the plan
-  // did not give. Every rank must gather the same chunks
+  // the reducer's thread as well (Engine::FillChunkIfOn: others wanting the
+  // chunk meanwhile wait, and no room is taken that the plan did not give),
+  // and its Gather copies nothing if it is still in that placement then
+  // (ChunkAccess::generation). Every rank must gather the same chunks
   // in the same order (so what is kept and gathered ahead is the same
   // everywhere): each message carries its group's tag, and a rank whose
   // peers gather another group gets InvalidArgument naming them. A rank
@@ -166,9 +166,10 @@ class GradReducer {
     uint64_t seq = 0;  // its place in the queue
   };
   Queued QueueGather(ChunkId param);
-  // Copies `landing` (W slices of shard and tag) into the chunk `into` pins;
-  // sets *copy_may_run when a device copy timed out (it may still read the landing).
-  Status FillFromLanding(const Buffer& landing, ChunkId param, const ChunkAccess& into, bool* copy_may_run);
+  // Copies `landing` (W slices of shard and tag) into `param`'s bytes at
+  // `chunk` on `tier`; sets *copy_may_run when a device copy timed out (it
+  // may still read the landing).
+  Status FillFromLanding(const Buffer& landing, ChunkId param, std::byte* chunk, Tier tier, bool* copy_may_run);
   // Queues the chunks at [position, position + kPrefetchDepth) of the last
   // step's sequence, but those kept, queued already or being gathered.
   void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);
@@ -189,7 +190,6 @@ class GradReducer {
   // Gathers recorded a step at most (an evaluation-only loop never steps).
   static constexpr size_t kMaxSequence = 1 << 16;
   std::vector<std::shared_ptr<Buffer>> quarantined_;  // sources of copies that timed out
-  std::vector<ChunkAccess> stuck_fills_;  // the queue thread's: chunks a timed-out fill ahead may still write
   Status broken_ = Status::Ok();  // set by a Gather that failed: what this rank keeps may differ from its peers'
   std::vector<std::pair<ChunkId, ChunkAccess>> kept_;  // gathered chunks still pinned, oldest first
   std::map<uint32_t, Queued> prefetched_;   // gathered ahead, by param chunk id

@@ -298,9 +298,10 @@ Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
   return impl_->residency->Access(chunk, tier);
 }
 
-Result<ChunkAccess> Engine::AccessChunkIfOn(ChunkId chunk, Tier tier) {
+Result<std::optional<uint64_t>> Engine::FillChunkIfOn(ChunkId chunk, Tier tier,
+                                                      const std::function<Status(void*)>& fill) {
   STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
-  return impl_->residency->AccessIfOn(chunk, tier);
+  return impl_->residency->FillIfOn(chunk, tier, [&](std::byte* data) { return fill(data); });
 }
 
 Status Engine::MoveChunk(ChunkId chunk, Tier tier) {

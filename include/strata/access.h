@@ -53,10 +53,10 @@ class ChunkAccess {
   uint64_t size_bytes() const { return size_bytes_; }
   Tier tier() const { return tier_; }
   ChunkId id() const { return id_; }
-  // Which placement of the chunk this pin holds: the value changes whenever
-  // the chunk's bytes are moved, dropped, materialized or overwritten by its
-  // owner, and cannot while it is pinned; two pins with the same value see
-  // the same bytes in the same slot.
+  // Which placement of the chunk this pin was given: its owner gives the
+  // chunk a new value whenever it moves, drops, materializes or overwrites
+  // the chunk's bytes (writes through handles are not counted). Two pins
+  // with the same value were given the same slot, with nothing between.
   uint64_t generation() const { return generation_; }
   bool valid() const { return owner_ != nullptr; }
   void Release() {

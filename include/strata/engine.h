@@ -16,8 +16,10 @@
 // and stats may be called from any thread.
 #pragma once
 
+#include <functional>
 #include <future>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -116,9 +118,11 @@ class Engine {
   // part of, is InvalidArgument.
   Result<TensorAccess> Access(TensorId tensor, ChunkKind kind, Tier tier);
   Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
-  // Pins `chunk` only if it is resident on `tier` now, neither moving nor
-  // pinned: an invalid handle otherwise (nothing is moved, nothing waited for).
-  Result<ChunkAccess> AccessChunkIfOn(ChunkId chunk, Tier tier);
+  // A transient chunk resident on `tier` now, neither moving nor pinned:
+  // `fill` writes its bytes (their address on `tier`) while whoever else
+  // wants the chunk waits; its new generation (ChunkAccess::generation), or
+  // nullopt when the chunk was not there so (nothing moved or waited for).
+  Result<std::optional<uint64_t>> FillChunkIfOn(ChunkId chunk, Tier tier, const std::function<Status(void*)>& fill);
   // Moves a chunk that is not pinned; synchronous or on a transfer worker.
   Status MoveChunk(ChunkId chunk, Tier tier);
   // MoveChunk, only if the chunk is on `from` as the move begins (else nothing happens).

@@ -1,7 +1,11 @@
 #include "memory/residency.h"
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <optional>
+#include <thread>
 
 #include "memory/residency_fixture.h"
 
@@ -171,57 +175,92 @@ TEST(ResidencyTest, WriteChunkOverwritesWhereTheChunkIsWithoutReadingIt) {
   EXPECT_EQ(s.residency->WriteChunk(ChunkId(5), bytes.bytes() + 8).code(), StatusCode::kInvalidArgument);
 }
 
-// AccessIfOn pins a chunk only where it already is, in hold: a free chunk,
-// one on another tier or one pinned already gives an invalid handle, and
-// nothing moves or is materialized.
-TEST(ResidencyTest, AccessIfOnPinsOnlyAChunkInHoldOnThatTierAndMovesNothing) {
-  ResidencyStack s({});
-  EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());
+// FillIfOn writes a transient chunk only where it already is, in hold: a
+// free chunk, one on another tier or one pinned is left alone (nothing runs,
+// nothing moves), and a chunk that is not transient is refused. While the
+// fill runs the chunk is in flight: a chunk that needs its room waits for
+// the fill and then evicts it, rather than finding it pinned (OutOfMemory).
+TEST(ResidencyTest, FillIfOnWritesATransientChunkWhereItIsAndRoomWaitsForTheFill) {
+  ResidencyStack s({.transient_chunks = 1});  // the device holds two chunks
+  const uint64_t bytes = s.config.chunk_bytes;
+  std::atomic<int> calls{0};
+  const auto fill = [&](int value) {
+    return [&calls, bytes, value](std::byte* data) {
+      calls++;
+      std::memset(data, value, bytes);
+      return Status::Ok();
+    };
+  };
+  ASSERT_OK_AND_ASSIGN(std::optional<uint64_t> filled, s.residency->FillIfOn(ChunkId(0), Tier::kDevice, fill(1)));
+  EXPECT_FALSE(filled.has_value());  // free
   EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
-  ASSERT_OK(s.Fill(0, 3));  // on the host
-  EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));
+  ASSERT_OK_AND_ASSIGN(filled, s.residency->FillIfOn(ChunkId(0), Tier::kDevice, fill(1)));
+  EXPECT_FALSE(filled.has_value());  // on the host
   EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
   ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kDevice));
-  const uint64_t moves = s.residency->stats().materializations;
   {
-    ChunkAccess pin = s.residency->AccessIfOn(ChunkId(0), Tier::kDevice);
-    ASSERT_TRUE(pin.valid());
-    EXPECT_EQ(pin.tier(), Tier::kDevice);
-    EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kCompute);
-    EXPECT_FALSE(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).valid());  // pinned already
-    ASSERT_OK_AND_ASSIGN(ChunkAccess same, s.residency->Access(ChunkId(0), Tier::kDevice));
-    EXPECT_EQ(same.data(), pin.data());
+    ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(0), Tier::kDevice));
+    ASSERT_OK_AND_ASSIGN(filled, s.residency->FillIfOn(ChunkId(0), Tier::kDevice, fill(1)));
+    EXPECT_FALSE(filled.has_value());  // pinned
   }
-  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kHold);
-  EXPECT_EQ(s.residency->stats().materializations, moves);
-  EXPECT_TRUE(s.Holds(0, 3, Tier::kDevice));
+  EXPECT_EQ(calls.load(), 0);
+  ASSERT_OK_AND_ASSIGN(filled, s.residency->FillIfOn(ChunkId(0), Tier::kDevice, fill(6)));
+  ASSERT_TRUE(filled.has_value());
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    EXPECT_EQ(access.generation(), *filled);
+    for (uint64_t i = 0; i < bytes; ++i) ASSERT_EQ(access.data()[i], std::byte{6});
+  }
+  EXPECT_EQ(s.residency->FillIfOn(ChunkId(1), Tier::kDevice, fill(1)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(calls.load(), 1);
+
+  // The device: chunk 1 pinned, chunk 0 being filled. Chunk 2 waits for the fill, then takes chunk 0's room.
+  ASSERT_OK_AND_ASSIGN(ChunkAccess other, s.residency->Access(ChunkId(1), Tier::kDevice));
+  std::atomic<bool> filling{false};
+  std::thread filler([&] {
+    Result<std::optional<uint64_t>> slow = s.residency->FillIfOn(ChunkId(0), Tier::kDevice, [&](std::byte* data) {
+      filling = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      std::memset(data, 7, bytes);
+      return Status::Ok();
+    });
+    EXPECT_OK(slow.status());
+  });
+  while (!filling) std::this_thread::yield();
+  Result<ChunkAccess> third = s.residency->Access(ChunkId(2), Tier::kDevice);
+  filler.join();
+  EXPECT_OK(third.status());
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);  // evicted: dropped
 }
 
 // A pin's generation names the chunk's placement: pins of one placement
-// agree; a move, a drop, a materialization or a WriteChunk gives a new one.
+// agree; a move, a drop, a materialization, a fill or a WriteChunk gives a new one.
 TEST(ResidencyTest, AChunksGenerationChangesWithEveryNewSlotOrOverwrite) {
   ResidencyStack s({.transient_chunks = 1});
-  const auto generation = [&](Tier tier) {
-    Result<ChunkAccess> pin = s.residency->Access(ChunkId(0), tier);
+  const auto generation = [&](uint32_t id, Tier tier) {
+    Result<ChunkAccess> pin = s.residency->Access(ChunkId(id), tier);
     EXPECT_OK(pin.status());
     return pin.ok() ? pin->generation() : 0;
   };
-  const uint64_t materialized = generation(Tier::kDevice);
-  EXPECT_EQ(generation(Tier::kDevice), materialized);
-  EXPECT_EQ(s.residency->AccessIfOn(ChunkId(0), Tier::kDevice).generation(), materialized);
+  const uint64_t materialized = generation(0, Tier::kDevice);
+  EXPECT_EQ(generation(0, Tier::kDevice), materialized);
+  ASSERT_OK_AND_ASSIGN(std::optional<uint64_t> filled,
+                       s.residency->FillIfOn(ChunkId(0), Tier::kDevice, [](std::byte*) { return Status::Ok(); }));
+  ASSERT_TRUE(filled.has_value());
+  EXPECT_NE(*filled, materialized);
+  EXPECT_EQ(generation(0, Tier::kDevice), *filled);
   ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));  // transient: dropped
-  const uint64_t again = generation(Tier::kDevice);        // materialized anew, maybe in the same slot
-  EXPECT_NE(again, materialized);
+  const uint64_t again = generation(0, Tier::kDevice);     // materialized anew, maybe in the same slot
+  EXPECT_NE(again, *filled);
   Buffer bytes = AllocateAlignedHost(s.config.chunk_bytes, 4096);
   ASSERT_OK(s.residency->WriteChunk(ChunkId(0), bytes.bytes()));
-  EXPECT_NE(generation(Tier::kDevice), again);
+  EXPECT_NE(generation(0, Tier::kDevice), again);
   // A chunk that is not transient: up and down with its bytes, a new placement each time.
   ASSERT_OK(s.Fill(1, 4));
-  ASSERT_OK_AND_ASSIGN(ChunkAccess on_host, s.residency->Access(ChunkId(1), Tier::kHost));
-  const uint64_t host = on_host.generation();
-  on_host.Release();
+  const uint64_t host = generation(1, Tier::kHost);
   ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kDevice));
-  EXPECT_NE(s.residency->AccessIfOn(ChunkId(1), Tier::kDevice).generation(), host);
+  EXPECT_NE(generation(1, Tier::kDevice), host);
 }
 
 TEST(ResidencyTest, AccessOnAnotherTierWhilePinnedIsInvalid) {
