@@ -355,15 +355,14 @@ Status GradReducer::Gather(ChunkId param, const ChunkAccess& into) {
   const Clock::time_point start = Clock::now();
   Status status = gather->done.get();
   queued_.erase(gather->seq);  // taken: its error is this call's
-  const Filled& filled = *gather->filled;
+  Filled& filled = *gather->filled;
   if (status.ok() && filled.generation == into.generation()) {
     filled_ahead_++;  // by its job, in the slot `into` pins: nothing has moved or written the chunk since
   } else if (status.ok()) {
-    status = FillFromLanding(*gather->landing, param, into.data(), into.tier(), &gather->filled->copy_may_run);
+    status = FillFromLanding(*gather->landing, param, into.data(), into.tier(), &filled.copy_may_run);
   }
   wait_seconds_ += SecondsSince(start);
-  // A copy that timed out may still read its source: that buffer is never reused.
-  (filled.copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(gather->landing));
+  GiveBackLanding(*gather);
   if (status.ok()) {
     Result<ChunkAccess> pin = engine_.AccessChunk(param, into.tier());
     status = pin.status();
@@ -399,6 +398,11 @@ void GradReducer::Updated(ChunkId param) {
   }
 }
 
+void GradReducer::GiveBackLanding(Queued& gather) {
+  // A copy that timed out may still read its source: that buffer is never reused.
+  (gather.filled->copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(gather.landing));
+}
+
 bool GradReducer::OnOwnThread() const { return queue_->OnWorker(); }
 
 void GradReducer::ReleaseGathered() {
@@ -410,7 +414,7 @@ void GradReducer::ReleaseGathered() {
   for (auto& [id, ahead] : prefetched_) {
     ahead.done.wait();
     queued_.erase(ahead.seq);
-    (ahead.filled->copy_may_run ? quarantined_ : spare_landings_).push_back(std::move(ahead.landing));
+    GiveBackLanding(ahead);
   }
   prefetched_.clear();
   last_sequence_ = std::move(sequence_);

@@ -170,6 +170,8 @@ class GradReducer {
   // `chunk` on `tier`; sets *copy_may_run when a device copy timed out (it
   // may still read the landing).
   Status FillFromLanding(const Buffer& landing, ChunkId param, std::byte* chunk, Tier tier, bool* copy_may_run);
+  // A taken or dropped gather's landing, back for reuse (or quarantined: see Filled::copy_may_run).
+  void GiveBackLanding(Queued& gather);
   // Queues the chunks at [position, position + kPrefetchDepth) of the last
   // step's sequence, but those kept, queued already or being gathered.
   void PrefetchFrom(size_t position, std::optional<ChunkId> gathering);

@@ -234,6 +234,33 @@ TEST(ResidencyTest, FillIfOnWritesATransientChunkWhereItIsAndRoomWaitsForTheFill
   EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);  // evicted: dropped
 }
 
+// A fill that fails keeps the chunk where it is (its bytes, partly written,
+// get a new generation); a fill that timed out (a copy that may still write)
+// leaves the chunk free and its slot allocated for good.
+TEST(ResidencyTest, AFailedFillKeepsTheChunkAndATimedOutOneQuarantinesItsSlot) {
+  ResidencyStack s({.transient_chunks = 1});
+  const auto generation = [&] {
+    Result<ChunkAccess> pin = s.residency->Access(ChunkId(0), Tier::kDevice);
+    EXPECT_OK(pin.status());
+    return pin.ok() ? pin->generation() : 0;
+  };
+  const uint64_t before = generation();
+  Result<std::optional<uint64_t>> failed =
+      s.residency->FillIfOn(ChunkId(0), Tier::kDevice, [](std::byte*) { return IoError("injected"); });
+  EXPECT_EQ(failed.status().code(), StatusCode::kIoError);
+  EXPECT_NE(failed.status().message().find("filling chunk 0 on device"), std::string::npos) << failed.status().ToString();
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);
+  EXPECT_NE(generation(), before);
+  const uint64_t used = s.residency->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes;
+  Result<std::optional<uint64_t>> late =
+      s.residency->FillIfOn(ChunkId(0), Tier::kDevice, [](std::byte*) { return Timeout("injected"); });
+  EXPECT_EQ(late.status().code(), StatusCode::kTimeout);
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kFree);
+  EXPECT_EQ(s.residency->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes, used);  // the slot kept
+  ASSERT_OK(s.residency->Access(ChunkId(0), Tier::kDevice).status());  // materialized in the other slot
+  EXPECT_EQ(s.residency->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes, used + s.config.chunk_bytes);
+}
+
 // A pin's generation names the chunk's placement: pins of one placement
 // agree; a move, a drop, a materialization, a fill or a WriteChunk gives a new one.
 TEST(ResidencyTest, AChunksGenerationChangesWithEveryNewSlotOrOverwrite) {
