@@ -270,6 +270,18 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
   return status.WithContext(fmt::format("reading chunk {} on {}", id.value(), TierName(from)));
 }
 
+std::optional<HostBytes> ResidencyManager::PeekHost(ChunkId id) {
+  Lock lock(mu_);
+  const Chunk& chunk = chunks_[id.value()];
+  if (chunk.in_flight || chunk.tier != Tier::kHost) return std::nullopt;
+  return HostBytes{Address(Tier::kHost, chunk.extent), chunk.generation};
+}
+
+uint64_t ResidencyManager::Generation(ChunkId id) {
+  Lock lock(mu_);
+  return chunks_[id.value()].generation;
+}
+
 Status ResidencyManager::WriteChunk(ChunkId id, const std::byte* src) {
   if (id.value() >= chunks_.size()) {
     return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), chunks_.size());

@@ -105,6 +105,13 @@ class ResidencyManager final : public AccessOwner {
   // chunk. For checkpoints and verification. A pinned chunk is read as it
   // is; whoever holds it must not be writing it.
   Status ReadChunk(ChunkId id, std::byte* dst);
+  // The chunk's bytes where they lie in host memory, unpinned (HostBytes),
+  // or nullopt when it is elsewhere or in flight. For a reader that lets
+  // the chunk move while it reads and then checks Generation: a checkpoint's
+  // file written without a copy while training goes on.
+  std::optional<HostBytes> PeekHost(ChunkId id);
+  // ChunkAccess::generation of the chunk's placement now.
+  uint64_t Generation(ChunkId id);
   // Overwrites a chunk's bytes (chunk_size_bytes from `src`, 4096-aligned
   // host memory) where they are, without reading them first: on the host a
   // copy, on the device a copy through a staging buffer, on NVMe a write to

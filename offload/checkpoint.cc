@@ -42,6 +42,7 @@ constexpr const char* kManifest = "manifest.json";
 constexpr const char* kLatest = "latest";
 constexpr const char* kRankFiles = "files.json";  // a rank's manifest entries, merged by rank 0
 constexpr const char* kRankFailed = "failed.txt";  // or why its files failed
+constexpr const char* kSpares = ".spare";  // chunk files of removed checkpoints, to be written over
 
 std::string StepName(int64_t step) { return fmt::format("step-{:08}", step); }
 
@@ -99,14 +100,15 @@ int OpenDirect(const fs::path& path, int flags) {
 class FileTransfer {
  public:
   static constexpr size_t kPieceBytes = size_t{1} << 20;
-  static constexpr uint32_t kThreads = 8;
+  static constexpr uint32_t kThreads = 16;
 
   // Writes `size` bytes of `data` (4096-aligned, readable up to `size`
   // rounded up to 4096: that tail is written too, and cut off by Finish) to
-  // a new file at `path`. FlushAll makes it durable.
+  // the file at `path`: a new one, or a spare to write over (Note [Recycled
+  // chunk files]), cut to `size` by Finish. FlushAll makes it durable.
   static Result<std::unique_ptr<FileTransfer>> StartWrite(TaskQueue& pool, const fs::path& path, const std::byte* data,
                                                           size_t size) {
-    const int fd = OpenDirect(path, O_WRONLY | O_CREAT | O_TRUNC);
+    const int fd = OpenDirect(path, O_WRONLY | O_CREAT);
     if (fd < 0) return Errno("creating", path);
     // Allocated up front: direct writes that extend a file are serialized by
     // the file system. (A rank's shard of a small group may be empty.)
@@ -183,6 +185,92 @@ class FileTransfer {
   fs::path path_;
   size_t size_;
   std::vector<std::shared_future<Status>> pieces_;
+};
+
+// Note [Recycled chunk files]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A direct write into a new file ran at half the drive's bandwidth on ext4
+// (2.5-3.4 GB/s, against 6.5-7 GB/s over blocks already written, on the same
+// disk in the same minute; docs/benchmarks.md): each write into a new file
+// allocates blocks, or converts the unwritten extents fallocate left, under
+// the inode's lock and in the journal, while a write over written blocks is
+// a plain overwrite. A save therefore writes its chunk files over the files
+// of removed checkpoints: where a checkpoint would be deleted (pruned by
+// keep_last, replaced by a re-save of its step, left by a crashed save), its
+// chunk files are moved into root/.spare instead, and a later save renames
+// one of about the right size into its temporary directory (a rename: two
+// ranks cannot both take one) and writes over it, cutting it to its size.
+// Nothing a published checkpoint holds is ever written over: a pruned one is
+// renamed to a hidden name before its files are moved. After each published
+// save, rank 0 trims the spares to the bytes that save wrote, which the next
+// save takes back from them: at rest the spares hold at most one more
+// checkpoint's room, and a save's peak use of the disk is what it was without them.
+
+// Moves the chunk files of `dir` (a checkpoint or temporary being removed,
+// its rank<r>/ directories) into root/.spare, then removes `dir`; with
+// `recycle` false, only removes it.
+void Retire(const fs::path& root, const fs::path& dir, bool recycle) {
+  std::error_code ec;
+  if (recycle) {
+    std::vector<fs::path> files;
+    for (const fs::directory_entry& rank : fs::directory_iterator(dir, ec)) {
+      if (!rank.is_directory(ec)) continue;
+      for (const fs::directory_entry& file : fs::directory_iterator(rank.path(), ec)) {
+        if (file.is_regular_file(ec) && file.path().extension() == ".bin") files.push_back(file.path());
+      }
+    }
+    fs::create_directory(root / kSpares, ec);
+    thread_local std::mt19937_64 names{std::random_device{}()};
+    for (const fs::path& file : files) {
+      (void)::rename(file.c_str(), (root / kSpares / fmt::format("{:016x}.bin", names())).c_str());
+    }
+  }
+  fs::remove_all(dir, ec);
+}
+
+// Keeps at most `keep` bytes of spare files under root/.spare.
+void TrimSpares(const fs::path& root, uint64_t keep) {
+  std::error_code ec;
+  uint64_t kept = 0;
+  for (const fs::directory_entry& file : fs::directory_iterator(root / kSpares, ec)) {
+    const uint64_t size = file.is_regular_file(ec) ? file.file_size(ec) : 0;
+    if (!ec && kept + size <= keep) {
+      kept += size;
+    } else {
+      fs::remove_all(file.path(), ec);
+    }
+  }
+  if (keep == 0) fs::remove_all(root / kSpares, ec);
+}
+
+// The spare files under root/.spare as a save found them (Note [Recycled chunk files]).
+class SpareFiles {
+ public:
+  SpareFiles(const fs::path& root, bool recycle) {
+    if (!recycle) return;
+    std::error_code ec;
+    for (const fs::directory_entry& file : fs::directory_iterator(root / kSpares, ec)) {
+      if (const uint64_t size = file.is_regular_file(ec) ? file.file_size(ec) : 0; !ec && size > 0) {
+        by_size_.emplace(size, file.path());
+      }
+    }
+  }
+
+  // Renames the spare that best fits a file of `bytes` (the smallest that
+  // holds them, else the largest) to `path`: whether there was one.
+  bool Claim(const fs::path& path, uint64_t bytes) {
+    while (!by_size_.empty()) {
+      auto fit = by_size_.lower_bound(bytes);
+      if (fit == by_size_.end()) fit = std::prev(by_size_.end());
+      const fs::path spare = std::move(fit->second);
+      by_size_.erase(fit);
+      if (::rename(spare.c_str(), path.c_str()) == 0) return true;  // else another rank took it
+    }
+    return false;
+  }
+
+ private:
+  std::multimap<uint64_t, fs::path> by_size_;
 };
 
 // fsyncs every file of `paths` (the drive's cache and the file's size),
@@ -284,9 +372,9 @@ std::optional<fs::path> FindAside(const fs::path& root, const std::string& name)
 
 // Publishes the complete checkpoint `staged` as root/name: a rename, or, where
 // a checkpoint of that name exists, an atomic exchange with it (the old one
-// then removed), so that root/name is never missing. `exchange` false:
-// CheckpointOptions::exchange (tests).
-Status Publish(const fs::path& root, const std::string& name, const fs::path& staged, bool exchange) {
+// then retired: Retire), so that root/name is never missing. `exchange`
+// false: CheckpointOptions::exchange (tests).
+Status Publish(const fs::path& root, const std::string& name, const fs::path& staged, bool exchange, bool recycle) {
   const fs::path final_path = root / name;
   std::error_code ec;
   if (fs::exists(final_path, ec)) {
@@ -294,7 +382,7 @@ Status Publish(const fs::path& root, const std::string& name, const fs::path& st
       errno = EINVAL;  // as a file system without the exchange answers
     } else if (::renameat2(AT_FDCWD, staged.c_str(), AT_FDCWD, final_path.c_str(), RENAME_EXCHANGE) == 0) {
       STRATA_RETURN_IF_ERROR(SyncDirectory(root));
-      fs::remove_all(staged, ec);  // the replaced checkpoint
+      Retire(root, staged, recycle);  // the replaced checkpoint
       return Status::Ok();
     }
     if (errno != EINVAL && errno != ENOSYS)
@@ -311,7 +399,7 @@ Status Publish(const fs::path& root, const std::string& name, const fs::path& st
       return error;
     }
     STRATA_RETURN_IF_ERROR(SyncDirectory(root));
-    fs::remove_all(aside, ec);
+    Retire(root, aside, recycle);
     return Status::Ok();
   }
   if (::rename(staged.c_str(), final_path.c_str()) != 0)
@@ -393,9 +481,10 @@ struct Piece {
 
 // Reads every piece's file, checked against its size and CRC32C, and hands
 // it to `use` in order, in a buffer of at least `room` bytes that `use` may
-// change; the next file is read while `use` runs on this one (two buffers).
-template <typename Use>
-Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_t room, Use use) {
+// change, or where `into(i)` says (a chunk's own bytes; nullptr: a buffer);
+// the next file is read while `use` runs on this one (two buffers).
+template <typename Into, typename Use>
+Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_t room, Into into, Use use) {
   uint64_t largest = std::max<uint64_t>(room, 1);
   for (const Piece& piece : pieces) largest = std::max(largest, (*piece.file).at("bytes").get<uint64_t>());
   TaskQueue pool(FileTransfer::kThreads);
@@ -403,11 +492,13 @@ Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_
                        AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
   if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte read buffers", RoundUp(largest));
   std::unique_ptr<FileTransfer> reading[2];
+  std::byte* read_into[2] = {};
   const auto start = [&](size_t i) -> Status {
     const json& file = *pieces[i].file;
+    STRATA_ASSIGN_OR_RETURN(std::byte* direct, into(i));
+    read_into[i % 2] = direct != nullptr ? direct : static_cast<std::byte*>(buffers[i % 2].data());
     STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::StartRead(pool, dir / file.at("path").get<std::string>(),
-                                                                    static_cast<std::byte*>(buffers[i % 2].data()),
-                                                                    file.at("bytes").get<uint64_t>()));
+                                                                    read_into[i % 2], file.at("bytes").get<uint64_t>()));
     return Status::Ok();
   };
   if (!pieces.empty()) STRATA_RETURN_IF_ERROR(start(0));
@@ -415,7 +506,7 @@ Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_
     if (i + 1 < pieces.size()) STRATA_RETURN_IF_ERROR(start(i + 1));
     const json& file = *pieces[i].file;
     const fs::path path = dir / file.at("path").get<std::string>();
-    auto* data = static_cast<std::byte*>(buffers[i % 2].data());
+    std::byte* data = read_into[i % 2];
     // Named by chunk too, so that a caller can say what the chunk holds.
     const std::string named =
         fmt::format("chunk {} ({})", file.at("chunk").get<uint32_t>(), file.at("kind").get<std::string>());
@@ -434,7 +525,8 @@ Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest)
   summary.step = manifest.at("step").get<int64_t>();
   std::vector<Piece> pieces;
   for (const json& file : manifest.at("files")) pieces.push_back({&file, 0, 0, std::nullopt});
-  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, 0, [&](const Piece& piece, std::byte*) {
+  const auto buffered = [](size_t) -> Result<std::byte*> { return nullptr; };
+  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, 0, buffered, [&](const Piece& piece, std::byte*) {
     summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
     summary.files++;
     return Status::Ok();
@@ -529,14 +621,39 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
             dir.string(), begin, end, kind, c.group, source == kind ? "" : fmt::format(" (from its {})", source));
       }
     }
-    // A file that is exactly its chunk's bytes is written where the chunk
-    // lives (Engine::WriteChunk: an NVMe-resident chunk is not read first);
-    // a chunk made of several files (another number of ranks), or of
-    // another dtype, is filled in host memory, pinned there.
+    // A file that is exactly its chunk's bytes is read straight into the
+    // chunk where it lies in host memory (pinned there: no copy), or written
+    // where the chunk lives (Engine::WriteChunk: an NVMe-resident chunk is
+    // not read first); a chunk made of several files (another number of
+    // ranks), or of another dtype, is filled in host memory, pinned there.
+    // (A damaged file has then overwritten its chunk: the load fails, and
+    // another checkpoint must be loaded, as the header says.)
     uint64_t largest_slot = 0;
     for (const Piece& piece : pieces) largest_slot = std::max(largest_slot, piece.chunk->size_bytes);
+    const auto whole = [](const Piece& piece) {
+      const ChunkInfo& c = *piece.chunk;
+      const uint64_t begin = c.shard_offset_bytes / DTypeSizeBytes(c.dtype);
+      return piece.dtype == c.dtype && piece.from == begin &&
+             (*piece.file).at("shard_offset").get<uint64_t>() / DTypeSizeBytes(piece.dtype) == begin &&
+             (*piece.file).at("bytes").get<uint64_t>() == c.used_bytes;
+    };
+    std::optional<ChunkAccess> direct[2];  // the chunks read into where they lie
+    const auto into = [&](size_t i) -> Result<std::byte*> {
+      direct[i % 2].reset();
+      const ChunkInfo& c = *pieces[i].chunk;
+      if (!whole(pieces[i]) || c.size_bytes < RoundUp(c.used_bytes)) return nullptr;
+      STRATA_ASSIGN_OR_RETURN(std::optional<HostBytes> lies, engine.PeekHostChunk(c.id));
+      if (!lies) return nullptr;
+      STRATA_ASSIGN_OR_RETURN(direct[i % 2], engine.AccessChunk(c.id, Tier::kHost));
+      if (reinterpret_cast<uintptr_t>(direct[i % 2]->data()) % kDirectAlignment != 0) {
+        direct[i % 2].reset();
+        return nullptr;
+      }
+      return direct[i % 2]->data();
+    };
     std::optional<ChunkAccess> pinned;
-    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, [&](const Piece& piece, std::byte* data) -> Status {
+    size_t used = 0;
+    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, into, [&](const Piece& piece, std::byte* data) -> Status {
       const uint64_t bytes = (*piece.file).at("bytes").get<uint64_t>();
       const ChunkInfo& c = *piece.chunk;
       const uint64_t width = DTypeSizeBytes(c.dtype), file_width = DTypeSizeBytes(piece.dtype);
@@ -544,9 +661,14 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       const uint64_t file_begin = (*piece.file).at("shard_offset").get<uint64_t>() / file_width;
       summary.bytes += bytes;
       summary.files++;
-      if (piece.dtype == c.dtype && piece.from == begin && file_begin == begin && bytes == c.used_bytes) {
+      std::optional<ChunkAccess>& read_in_place = direct[used++ % 2];
+      if (whole(piece)) {
         pinned.reset();
         std::memset(data + bytes, 0, c.size_bytes - bytes);  // the slot's tail past the tensors
+        if (read_in_place) {
+          read_in_place.reset();
+          return Status::Ok();
+        }
         return engine.WriteChunk(c.id, data).WithContext("checkpoint: loading a chunk");
       }
       if (!pinned || pinned->id() != c.id) {
@@ -576,14 +698,33 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
   });
 }
 
-// Called once the save no longer reads a chunk out of the engine.
-using ChunkDone = std::function<void(const ChunkInfo&)>;
+// What writing a rank's files asks of the save it is part of.
+struct SaveHooks {
+  std::function<Status(ChunkId)> begin_chunk;                // before each chunk is taken
+  std::function<Status(ChunkId, std::byte*)> read_chunk;     // Engine::ReadChunk
+  std::function<void(const ChunkInfo&)> done;                // once the save no longer needs the chunk as it is
+};
+
+// Note [Writing a chunk from where it lies]
+// ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
+// A chunk in host memory is written to its file from where it lies, neither
+// copied nor pinned (Engine::PeekHostChunk), so that an asynchronous save
+// neither holds up training for a chunk nor copies the model through memory
+// (on the VM of docs/benchmarks.md, where the drive's writes are themselves
+// copies in the host, that copy cost a quarter of the save's bandwidth).
+// Its bytes do not change meanwhile: only an update writes a saved chunk,
+// and the update of its group waits (UpdateFence) for `done`, called once
+// its file is written. The chunk may move meanwhile, and its slot be given
+// to another chunk while the write reads it; so once the file is written,
+// the chunk's generation is compared with the one it was written from, and
+// if it changed the file is written again from a copy (Engine::ReadChunk,
+// wherever the chunk is then). A chunk on the device or NVMe is read into a
+// buffer. Nothing moves during a synchronous save: it takes the same path.
 
 // This rank's files of a checkpoint into `staged`/rank<r>: its shards, and
 // on rank 0 the whole chunks too (every rank holds the same ones), in
 // layout order (chunk group by chunk group). Their manifest entries.
-Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, bool in_place,
-                            const std::function<Status(ChunkId)>& before_chunk, const ChunkDone& done,
+Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& spares, const SaveHooks& hooks,
                             CheckpointSummary& summary) {
   const int rank = engine.rank();
   const std::string rank_dir = fmt::format("rank{}", rank);
@@ -600,40 +741,63 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, bool in_plac
                    [](const ChunkInfo& a, const ChunkInfo& b) { return a.group < b.group; });
   uint64_t largest = 4096;
   for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
-  // Each chunk is read into one of two buffers while the chunk before is
-  // written from the other; or, `in_place`, a chunk in host memory is
-  // written from where it lies (pinned there while its write runs). Its
-  // CRC32C is taken beside its write.
+  // Two chunks' files are written at a time, each from where its chunk lies
+  // in host memory or from a copy in its own buffer (Note [Writing a chunk
+  // from where it lies]); its CRC32C is taken beside its write.
   TaskQueue pool(FileTransfer::kThreads);
   Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
                        AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
   if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte chunk buffers", RoundUp(largest));
   struct InFlight {
-    std::optional<ChunkInfo> pinned;  // written from where it lies
-    std::optional<ChunkAccess> pin;
+    std::byte* buffer = nullptr;  // its own
+    std::optional<ChunkInfo> chunk;
+    std::optional<uint64_t> generation;  // written from where it lies in host memory, as of this generation
+    fs::path path;
     std::unique_ptr<FileTransfer> transfer;
     std::shared_future<Status> crc_done;
     uint32_t crc = 0;
     json entry;
   };
   InFlight flights[2];
+  for (int i = 0; i < 2; ++i) flights[i].buffer = static_cast<std::byte*>(buffers[i].data());
   json files = json::array();
   std::vector<fs::path> written;
-  const auto finish = [&](InFlight& flight) -> Status {
-    if (!flight.transfer) return Status::Ok();
-    Status status = flight.transfer->Finish();
+  const auto start = [&](InFlight& flight, const std::byte* data) -> Status {
+    const uint64_t size = flight.chunk->used_bytes;
+    STRATA_ASSIGN_OR_RETURN(flight.transfer, FileTransfer::StartWrite(pool, flight.path, data, size));
+    flight.crc_done = pool.Push([&flight, data, size] {
+      flight.crc = Crc32c(data, size);
+      return Status::Ok();
+    });
+    return Status::Ok();
+  };
+  const auto wait = [](InFlight& flight) -> Status {
+    const Status status = flight.transfer->Finish();
     const Status crc = flight.crc_done.get();
     flight.transfer.reset();
-    flight.pin.reset();
-    if (flight.pinned) done(*flight.pinned);
-    flight.pinned.reset();
+    return status.ok() ? crc : status;
+  };
+  // A file written from where its chunk lay, the chunk moved since: written again from a copy.
+  const auto rewrite_if_moved = [&](InFlight& flight) -> Status {
+    STRATA_ASSIGN_OR_RETURN(uint64_t now, engine.ChunkGeneration(flight.chunk->id));
+    if (now == *flight.generation) return Status::Ok();
+    summary.rewritten++;
+    STRATA_RETURN_IF_ERROR(
+        hooks.read_chunk(flight.chunk->id, flight.buffer).WithContext("checkpoint: reading a chunk that moved"));
+    STRATA_RETURN_IF_ERROR(start(flight, flight.buffer));
+    return wait(flight);
+  };
+  const auto finish = [&](InFlight& flight) -> Status {
+    if (!flight.transfer) return Status::Ok();
+    Status status = wait(flight);
+    if (status.ok() && flight.generation) status = rewrite_if_moved(flight);
+    if (flight.generation) hooks.done(*flight.chunk);
     STRATA_RETURN_IF_ERROR(status);
-    STRATA_RETURN_IF_ERROR(crc);
     flight.entry["crc32c"] = flight.crc;
     files.push_back(std::move(flight.entry));
     return Status::Ok();
   };
-  // On an early return: no write left running from a buffer or a pin about to go.
+  // On an early return: no write left reading a buffer about to go, or a chunk.
   struct Drain {
     InFlight* flights;
     ~Drain() {
@@ -647,30 +811,24 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, bool in_plac
   for (const ChunkInfo& c : chunks) {
     InFlight& flight = flights[b];
     STRATA_RETURN_IF_ERROR(finish(flight));
-    if (before_chunk) STRATA_RETURN_IF_ERROR(before_chunk(c.id));
-    const std::byte* data = nullptr;
-    Result<Tier> tier = engine.ChunkTier(c.id);
-    if (in_place && tier.ok() && *tier == Tier::kHost && c.size_bytes >= RoundUp(c.used_bytes)) {
-      STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine.AccessChunk(c.id, Tier::kHost));
-      if (reinterpret_cast<uintptr_t>(pin.data()) % kDirectAlignment == 0) {
-        data = pin.data();
-        flight.pin = std::move(pin);
-        flight.pinned = c;
-      }
-    }
-    if (data == nullptr) {
-      auto* buffer = static_cast<std::byte*>(buffers[b].data());
-      STRATA_RETURN_IF_ERROR(engine.ReadChunk(c.id, buffer).WithContext("checkpoint: reading a chunk to save"));
-      done(c);
-      data = buffer;
-    }
+    STRATA_RETURN_IF_ERROR(hooks.begin_chunk(c.id));
     const std::string path = fmt::format("{}/chunk-{}.bin", rank_dir, c.id.value());
-    STRATA_ASSIGN_OR_RETURN(flight.transfer, FileTransfer::StartWrite(pool, staged / path, data, c.used_bytes));
-    flight.crc_done = pool.Push([&flight, data, size = c.used_bytes] {
-      flight.crc = Crc32c(data, size);
-      return Status::Ok();
-    });
-    written.push_back(staged / path);
+    flight.chunk = c;
+    flight.path = staged / path;
+    flight.generation.reset();
+    const std::byte* data = flight.buffer;
+    STRATA_ASSIGN_OR_RETURN(std::optional<HostBytes> lies, engine.PeekHostChunk(c.id));
+    if (lies && reinterpret_cast<uintptr_t>(lies->data) % kDirectAlignment == 0 &&
+        c.size_bytes >= RoundUp(c.used_bytes)) {
+      data = lies->data;
+      flight.generation = lies->generation;
+    } else {
+      STRATA_RETURN_IF_ERROR(hooks.read_chunk(c.id, flight.buffer).WithContext("checkpoint: reading a chunk to save"));
+      hooks.done(c);
+    }
+    summary.recycled += spares.Claim(flight.path, c.used_bytes) ? 1 : 0;
+    STRATA_RETURN_IF_ERROR(start(flight, data));
+    written.push_back(flight.path);
     flight.entry = {{"path", path},
                     {"chunk", c.id.value()},
                     {"kind", ChunkKindName(c.kind)},
@@ -793,8 +951,7 @@ struct PendingCheckpoint::State {
   Engine& engine;
   Communicator* comm;
   CheckpointOptions options;
-  bool asynchronous;  // on a thread of its own, the communicator left alone; else the caller's, host
-                      // chunks written from where they lie
+  bool asynchronous;  // on a thread of its own, the communicator left alone; else the caller's
   fs::path dir;    // the root
   std::string name;
   fs::path staged;
@@ -804,7 +961,7 @@ struct PendingCheckpoint::State {
   std::mutex mu;
   std::condition_variable released;
   std::map<uint32_t, uint32_t> unread;  // chunk group -> its chunks this rank has yet to read out
-  bool reading = false;     // a chunk is being read out of the engine (asynchronous saves)
+  bool reading = false;     // a chunk is being copied out of the engine (ReadOut)
   std::string abandoned;    // why an update stopped waiting for the save; then no chunk is read again
   bool finished = false;
   Status own = Status::Ok();  // this rank's part (rank 0: the publishing too)
@@ -813,35 +970,48 @@ struct PendingCheckpoint::State {
 
   void Release(uint32_t group) {
     std::lock_guard<std::mutex> lock(mu);
-    reading = false;
     if (auto it = unread.find(group); it != unread.end() && --it->second == 0) unread.erase(it);
     released.notify_all();
   }
 
-  // Before each chunk is read: the test hook, then (asynchronous) a chunk
-  // is read only while the save has not been abandoned, flagged as being
-  // read until Release.
-  Status BeginRead(ChunkId id) {
+  // Before each chunk is taken: the test hook, then (asynchronous) only
+  // while the save has not been abandoned.
+  Status BeginChunk(ChunkId id) {
     if (options.before_chunk) STRATA_RETURN_IF_ERROR(options.before_chunk(id));
     if (!asynchronous) return Status::Ok();
     std::lock_guard<std::mutex> lock(mu);
     if (!abandoned.empty()) return Timeout("{}", abandoned);
-    reading = true;
     return Status::Ok();
+  }
+
+  // Engine::ReadChunk, (asynchronous) only while the save has not been
+  // abandoned, flagged as being read meanwhile.
+  Status ReadOut(ChunkId id, std::byte* into) {
+    if (asynchronous) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (!abandoned.empty()) return Timeout("{}", abandoned);
+      reading = true;
+    }
+    const Status status = engine.ReadChunk(id, into);
+    std::lock_guard<std::mutex> lock(mu);
+    reading = false;
+    released.notify_all();
+    return status;
   }
 
   // Writes this rank's files; rank 0 then gathers the others' entries,
   // writes the manifest, publishes, points `latest` and prunes.
   void Run() {
     const int rank = engine.rank();
-    Result<json> files = WriteRankFiles(engine, staged, /*in_place=*/!asynchronous,
-                                        [this](ChunkId id) { return BeginRead(id); },
-                                        [this](const ChunkInfo& c) { Release(c.group); }, summary);
+    SpareFiles spares(dir, options.recycle);
+    Result<json> files = WriteRankFiles(
+        engine, staged, spares, {[this](ChunkId id) { return BeginChunk(id); },
+                                 [this](ChunkId id, std::byte* into) { return ReadOut(id, into); },
+                                 [this](const ChunkInfo& c) { Release(c.group); }},
+        summary);
     Status status = files.status();
     {
       std::lock_guard<std::mutex> lock(mu);
-      reading = false;  // a read that failed never reached Release
-      released.notify_all();
       // Abandoned as its last chunk was read: the update went on, so it is not published either.
       if (status.ok() && !abandoned.empty()) status = Timeout("{}", abandoned);
     }
@@ -858,6 +1028,8 @@ struct PendingCheckpoint::State {
       if (status.ok()) {
         status = CollectRankFiles(staged, engine.world_size(), engine.options().comm_timeout_ms, merged);
       }
+      uint64_t bytes = 0;  // of every rank's files
+      for (const json& file : merged) bytes += file.contains("bytes") ? file["bytes"].get<uint64_t>() : 0;
       if (status.ok()) {
         json manifest = head;
         manifest["files"] = std::move(merged);
@@ -865,18 +1037,22 @@ struct PendingCheckpoint::State {
         status = WriteFileDurably(staged / kManifest, text.data(), text.size());
       }
       if (status.ok()) status = SyncDirectory(staged);
-      if (status.ok()) status = Publish(dir, name, staged, options.exchange);
+      if (status.ok()) status = Publish(dir, name, staged, options.exchange, options.recycle);
       if (!status.ok()) fs::remove_all(staged, ec);  // the last published checkpoint is untouched
       if (status.ok()) status = PointLatestAt(dir, name);
       // Pruned among this step and earlier ones: later steps belong to a run
       // that was rewound (loaded from an earlier checkpoint), left to the user.
+      // Each is hidden by a rename first, so that a crash while its files
+      // go never leaves a checkpoint that looks published but is not whole.
       if (status.ok() && options.keep_last > 0) {
         size_t kept = 0;
         for (const fs::path& older : CheckpointsUnder(dir)) {
-          if (*StepOf(older.filename().string()) > step) continue;
-          if (++kept > options.keep_last) fs::remove_all(older, ec);
+          if (*StepOf(older.filename().string()) > step || ++kept <= options.keep_last) continue;
+          const fs::path hidden = dir / fmt::format(".{}.pruned-{}", older.filename().string(), ::getpid());
+          Retire(dir, ::rename(older.c_str(), hidden.c_str()) == 0 ? hidden : older, options.recycle);
         }
       }
+      if (status.ok()) TrimSpares(dir, options.recycle ? bytes : 0);
     }
     std::lock_guard<std::mutex> lock(mu);
     own = status;
@@ -987,7 +1163,11 @@ Result<std::unique_ptr<PendingCheckpoint>> Start(Engine& engine, const optim::Op
         const std::string original = entry_name.substr(1, old - 1);
         if (FindAside(dir, original) == entry && ::rename(entry.c_str(), (dir / original).c_str()) == 0) continue;
       }
-      if (entry_name.rfind(".step-", 0) == 0 || entry_name.rfind(".latest.", 0) == 0) fs::remove_all(entry, ec);
+      if (entry_name.rfind(".step-", 0) == 0) {
+        Retire(dir, entry, options.recycle);
+      } else if (entry_name.rfind(".latest.", 0) == 0) {
+        fs::remove_all(entry, ec);
+      }
     }
     if (prepared.ok() && !fs::create_directory(staged, ec)) {
       prepared = IoError("checkpoint: creating {}: {}", staged.string(), ec ? ec.message() : "it exists");

@@ -13,11 +13,13 @@
 // A checkpoint holds every chunk but the gradients and the transient
 // (gathered) param chunks: the parameters, the fp32 masters and the
 // optimizer moments, with the optimizer's step count and the loss scaler's
-// state. A chunk in host memory is written from where it lies (pinned);
-// another is read from its tier (Engine::ReadChunk: an NVMe-resident chunk
-// is not moved) into one of two chunk-sized buffers, so the model is never
-// staged in host memory. Files are written and read with O_DIRECT in 1 MiB
-// pieces by a few threads. The manifest (JSON) names the format and
+// state. A chunk in host memory is written from where it lies, unpinned
+// (written again from a copy should it move meanwhile); another is read
+// from its tier (Engine::ReadChunk: an NVMe-resident chunk is not moved)
+// into one of two chunk-sized buffers, so the model is never staged in host
+// memory. A load reads a file straight into its chunk where the chunk lies
+// in host memory. Files are written and read with O_DIRECT in 1 MiB pieces
+// by a pool of threads, two files at a time. The manifest (JSON) names the format and
 // version, the step, the world size, the optimizer state, the options, the
 // registered tensors (name, shape, dtype, trainable), and for every file
 // its chunk (id, kind, dtype, group, rank, shard offset), size and CRC32C.
@@ -29,7 +31,9 @@
 // temporaries a crashed save left are removed by the next save. keep_last
 // removes the oldest checkpoints only after the new one is published, and
 // only among the new step and earlier ones (later ones are a rewound run's).
-// One saver at a time per root.
+// The chunk files of removed checkpoints are kept under root/.spare (at
+// most as many bytes as the last save wrote) and written over by the next
+// save (CheckpointOptions::recycle). One saver at a time per root.
 //
 // Loading checks every file's size and CRC32C as it reads it: a damaged
 // file is Corruption naming it (the engine's state is then partly
@@ -58,6 +62,13 @@ struct CheckpointOptions {
   // After publishing, keep only the newest N checkpoints of this step and
   // earlier ones under the root (0: keep all).
   uint32_t keep_last = 0;
+  // Write a save's chunk files over the files of removed checkpoints (pruned
+  // by keep_last, replaced by a re-save of their step, left by a crashed
+  // save), which are kept under root/.spare for it, trimmed after each save
+  // to that save's bytes: on ext4 a write over written blocks ran twice as
+  // fast as one into a new file. false: removed checkpoints are deleted, and
+  // so are the spares.
+  bool recycle = true;
   // Asynchronous saves: how long a step's update of a chunk group waits for
   // the save to read that group out (with several ranks, at most half of
   // comm.timeout_ms, so that the others' next collective does not time out
@@ -87,6 +98,10 @@ struct CheckpointSummary {
   int64_t step = 0;    // optimizer steps taken when it was saved
   uint64_t bytes = 0;  // of chunk files
   uint32_t files = 0;
+  // SaveCheckpoint, of this rank's files: those written over a spare
+  // (CheckpointOptions::recycle), and those written twice because their
+  // chunk moved while its file was written from host memory.
+  uint32_t recycled = 0, rewritten = 0;
   std::vector<std::string> skipped;  // LoadCheckpoint with fall_back: the later ones that failed, and why
 };
 
@@ -105,9 +120,10 @@ Result<CheckpointSummary> SaveCheckpoint(Engine& engine, const optim::Optimizer&
 
 // A save running on a thread of its own (StartCheckpoint): it writes the
 // state as it was when it started while training goes on. Each chunk group
-// is read out in layout order, so a step's update of a group waits
-// (BeforeUpdate, through RunTrainStep's fence) only until the save has read
-// that group; forward and backward, which change no saved chunk, do not
+// is saved in layout order, so a step's update of a group waits
+// (BeforeUpdate, through RunTrainStep's fence) only until the save is done
+// with that group (its chunks copied out, or their files written from where
+// they lie); forward and backward, which change no saved chunk, do not
 // wait. Nothing else may change saved chunks until Wait: a save or load of
 // the engine meanwhile is InvalidArgument.
 class PendingCheckpoint : public UpdateFence {
@@ -121,7 +137,9 @@ class PendingCheckpoint : public UpdateFence {
 
   // Returns once the save no longer needs `group`'s chunks as they were, or
   // after CheckpointOptions::update_wait_ms, abandoning the save (a chunk
-  // being read then is read to its end first, bounded by the tiers' own timeouts).
+  // being copied out then is copied to its end first, bounded by the tiers'
+  // own timeouts; a file being written from where its chunk lies is never
+  // published).
   Status BeforeUpdate(uint32_t group) override;
   // Whether this rank's part is finished (written, or failed).
   bool done() const;
@@ -140,9 +158,10 @@ class PendingCheckpoint : public UpdateFence {
 
 // SaveCheckpoint's work on a thread of its own: returns once the save has
 // begun (the step, the optimizer's state and the directory are fixed here,
-// with every rank, as SaveCheckpoint fixes them). The chunks are read into
-// two chunk-sized buffers (never written from where they lie, which would
-// keep them pinned while training goes on). Data parallel, every rank calls
+// with every rank, as SaveCheckpoint fixes them). Chunks are written as
+// SaveCheckpoint writes them, none pinned: training may move them meanwhile
+// (a chunk that moved while its file was written from host memory is
+// written again from a copy). Data parallel, every rank calls
 // it with its communicator, which the save then leaves alone until Wait:
 // rank 0 learns that the other ranks' files are written from the files
 // themselves (waiting at most comm.timeout_ms after its own), and publishes.

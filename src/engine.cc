@@ -329,6 +329,16 @@ Status Engine::ReadChunk(ChunkId chunk, void* dst) {
   return impl_->residency->ReadChunk(chunk, static_cast<std::byte*>(dst));
 }
 
+Result<std::optional<HostBytes>> Engine::PeekHostChunk(ChunkId chunk) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->PeekHost(chunk);
+}
+
+Result<uint64_t> Engine::ChunkGeneration(ChunkId chunk) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Generation(chunk);
+}
+
 Status Engine::WriteChunk(ChunkId chunk, const void* src) {
   STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
   return impl_->residency->WriteChunk(chunk, static_cast<const std::byte*>(src));

@@ -73,6 +73,15 @@ class ChunkAccess {
   uint64_t generation_ = 0;
 };
 
+// A chunk's bytes in host memory as they lay when looked at, neither pinned
+// nor marked (Engine::PeekHostChunk): they are the chunk's for as long as its
+// generation (Engine::ChunkGeneration) is still `generation`, since whatever
+// gives its slot up (a move, a drop, a compaction) gives it a new one first.
+struct HostBytes {
+  const std::byte* data = nullptr;
+  uint64_t generation = 0;
+};
+
 // One tensor's copy of one kind (param, grad, master, ...), pinned.
 class TensorAccess {
  public:

@@ -131,6 +131,14 @@ class Engine {
   // Copies a chunk's bytes into host memory at `dst` (ChunkInfo::size_bytes,
   // 4096-aligned) from wherever the chunk is, without moving it.
   Status ReadChunk(ChunkId chunk, void* dst);
+  // A chunk's bytes where they lie in host memory now, neither pinned nor
+  // held in place (HostBytes: valid while ChunkGeneration is unchanged), or
+  // nullopt when it is not on the host or is in flight. For a reader that
+  // must not hold training up: a checkpoint writes a file from them, then
+  // writes it again from ReadChunk if the generation changed meanwhile.
+  Result<std::optional<HostBytes>> PeekHostChunk(ChunkId chunk);
+  // The generation of the chunk's placement now (ChunkAccess::generation).
+  Result<uint64_t> ChunkGeneration(ChunkId chunk);
   // Overwrites a chunk's bytes (ChunkInfo::size_bytes from `src`,
   // 4096-aligned) where the chunk is, without reading them first: an
   // NVMe-resident chunk (or a free one homed there) is written to a fresh

@@ -555,18 +555,21 @@ PYBIND11_MODULE(_strata, m) {
     d["step"] = s.step;
     d["bytes"] = s.bytes;
     d["files"] = s.files;
+    d["recycled"] = s.recycled;
     d["skipped"] = s.skipped;
     return d;
   };
   m.def(
       "save_checkpoint",
       [summary](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
-                uint32_t keep_last, strata::Communicator* comm) {
+                uint32_t keep_last, strata::Communicator* comm, bool recycle) {
         return summary(ValueOrThrow(Unlocked([&] {
-          return strata::offload::SaveCheckpoint(engine, optimizer, root, {.keep_last = keep_last}, comm);
+          return strata::offload::SaveCheckpoint(engine, optimizer, root, {.keep_last = keep_last, .recycle = recycle},
+                                                 comm);
         })));
       },
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
+      py::arg("recycle") = true,
       "saves every chunk but the gradients, and the optimizer's state, as root/step-<N>, then points root/latest "
       "at it");
   py::class_<strata::offload::PendingCheckpoint>(
@@ -588,8 +591,8 @@ PYBIND11_MODULE(_strata, m) {
   m.def(
       "start_checkpoint",
       [](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
-         uint32_t keep_last, strata::Communicator* comm, uint32_t delay_ms) {
-        strata::offload::CheckpointOptions options{.keep_last = keep_last};
+         uint32_t keep_last, strata::Communicator* comm, uint32_t delay_ms, bool recycle) {
+        strata::offload::CheckpointOptions options{.keep_last = keep_last, .recycle = recycle};
         if (delay_ms > 0) {  // tests: a slow drive's stand-in
           options.before_chunk = [delay_ms](strata::ChunkId) {
             std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
@@ -600,7 +603,7 @@ PYBIND11_MODULE(_strata, m) {
             Unlocked([&] { return strata::offload::StartCheckpoint(engine, optimizer, root, options, comm); }));
       },
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
-      py::arg("delay_ms_per_chunk") = 0, py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
+      py::arg("delay_ms_per_chunk") = 0, py::arg("recycle") = true, py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
       "save_checkpoint on a thread of its own: the state as it is now, written while training goes on "
       "(pass it to train_step as its fence); wait() for the outcome");
   m.def(

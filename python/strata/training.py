@@ -597,19 +597,22 @@ class TrainingEngine:
             out[record.name] = view.to(self.dtype if not master else dtype, copy=True).reshape(record.shape)
         return out
 
-    def save_checkpoint(self, path, keep_last=0, asynchronous=False):
+    def save_checkpoint(self, path, keep_last=0, asynchronous=False, recycle=True):
         """Saves the training state under `path` as path/step-<N> (N: steps taken) and points path/latest at it.
 
         The parameters, the fp32 masters and the optimizer moments are written from whichever tier holds
         them (NVMe-resident ones without moving them), with the step count and the loss scaler's state,
         each file with its size and CRC32C in a manifest. Crash-safe: the checkpoint is published by a
         rename once complete, so the last published one stays intact until then. keep_last > 0 keeps only
-        the newest keep_last checkpoints. Between steps. Data parallel, every rank calls it with the same
-        `path`, a directory every rank sees: each saves its shards, rank 0 publishes. Returns a dict: path,
-        step, bytes, files (this rank's).
+        the newest keep_last checkpoints; with recycle (the default) the files of those it removes wait
+        under path/.spare (at most one checkpoint's bytes) for the next save to write over, which on
+        ext4 ran about twice as fast as writing new files. Between steps. Data parallel, every rank calls
+        it with the same `path`, a directory every rank sees: each saves its shards, rank 0 publishes.
+        Returns a dict: path, step, bytes, files, recycled (this rank's; recycled: files written over a
+        spare).
 
         asynchronous=True returns at once (None) and writes the state as it is now while training goes on:
-        each chunk group's update in a later step waits until the save has read that group. The next save,
+        each chunk group's update in a later step waits until the save is done with that group. The next save,
         load, wait_checkpoint() or close() waits for it and raises its error; at exit this rank's files
         are finished (and rank 0's publishing), without the ranks agreeing on the outcome.
         """
@@ -618,9 +621,9 @@ class TrainingEngine:
         self.wait_checkpoint()
         if not asynchronous:
             return self._checked(_strata.save_checkpoint, self._engine, self._optimizer, os.fspath(path),
-                                 keep_last, self._comm)
+                                 keep_last, self._comm, recycle)
         self._pending = self._checked(_strata.start_checkpoint, self._engine, self._optimizer, os.fspath(path),
-                                      keep_last, self._comm, self._save_delay_ms)
+                                      keep_last, self._comm, self._save_delay_ms, recycle)
         self._pending_exit = functools.partial(_finish_save, weakref.ref(self._pending))
         atexit.register(self._pending_exit)
         return None

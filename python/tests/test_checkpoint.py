@@ -103,13 +103,32 @@ def test_an_asynchronous_save_holds_the_state_of_its_start(tmp_path):
             _strata.load_checkpoint(first.engine, first._optimizer, str(tmp_path / "ckpt"))
         finally:
             pending.wait()
-    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000005", "step-00000010"]
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".spare", "latest", "step-00000005", "step-00000010"]
 
     second = trained(tmp_path, "second", "fp32", seed=1)
     second.load_checkpoint(tmp_path / "ckpt" / "step-00000005")
     assert strata_losses(second, data[5:]) == expected
     theirs, ours = first.state_dict(master=True), second.state_dict(master=True)
     assert all(torch.equal(theirs[name], ours[name]) for name in theirs)
+
+
+def test_keep_last_recycles_the_files_of_a_removed_checkpoint(tmp_path):
+    """With keep_last, the save after next writes over the files of the checkpoint removed (path/.spare
+    holds them meanwhile), an asynchronous one too; recycle=False deletes them instead."""
+    engine = trained(tmp_path, "run", "fp32")
+    data = list(batches(4))
+    saved = []
+    for batch in data[:2]:
+        strata_losses(engine, [batch])
+        saved.append(engine.save_checkpoint(tmp_path / "ckpt", keep_last=1))
+    strata_losses(engine, data[2:3])
+    engine.save_checkpoint(tmp_path / "ckpt", keep_last=1, asynchronous=True)
+    saved.append(engine.wait_checkpoint())
+    assert [s["recycled"] for s in saved] == [0, 0, saved[2]["files"]] and saved[2]["files"] > 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == [".spare", "latest", "step-00000003"]
+    strata_losses(engine, data[3:])
+    assert engine.save_checkpoint(tmp_path / "ckpt", keep_last=1, recycle=False)["recycled"] == 0
+    assert sorted(os.listdir(tmp_path / "ckpt")) == ["latest", "step-00000004"]
 
 
 def test_an_asynchronous_save_is_finished_when_the_process_exits(tmp_path):

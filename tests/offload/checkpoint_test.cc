@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -12,9 +13,11 @@
 #include <fstream>
 #include <future>
 #include <random>
+#include <set>
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include "tests/offload/train_model.h"
@@ -190,8 +193,9 @@ TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   EXPECT_EQ(State(fresh), at_one);
 }
 
-// keep_last removes the oldest once the new one is published; a step saved
-// again replaces its checkpoint; temporaries a crashed save left are cleared.
+// keep_last removes the oldest once the new one is published (its files
+// kept as spares for the next save); a step saved again replaces its
+// checkpoint; temporaries a crashed save left are cleared.
 TEST(CheckpointTest, KeepLastAndResavingAStep) {
   ScratchDir dir("ckpt");
   Model model;
@@ -201,13 +205,16 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
     Train(model, step, step + 1);
     ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}).status());
   }
-  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{".spare", "latest", "step-00000002", "step-00000003"}));
   EXPECT_EQ(Latest(dir.path()), "step-00000003");
 
-  // The same step again, with other parameters: the new ones load.
+  // The same step again, with other parameters: the new ones load, written
+  // over step 1's files.
   model.Write(0, ChunkKind::kParam, std::vector<float>(kChunkElems, 0.25f));
-  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}).status());
-  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary resaved,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}));
+  EXPECT_EQ(resaved.recycled, resaved.files);
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{".spare", "latest", "step-00000002", "step-00000003"}));
   Model fresh;
   ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
   EXPECT_EQ(fresh.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.25f));
@@ -216,7 +223,7 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
   // moved aside and removed, the new one in its place.
   model.Write(0, ChunkKind::kParam, std::vector<float>(kChunkElems, 0.5f));
   ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2, .exchange = false}).status());
-  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000002", "step-00000003"}));
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{".spare", "latest", "step-00000002", "step-00000003"}));
   Model again;
   ASSERT_OK(LoadCheckpoint(*again.engine, *again.optimizer, dir.path()).status());
   EXPECT_EQ(again.Read(0, ChunkKind::kParam), std::vector<float>(kChunkElems, 0.5f));
@@ -234,7 +241,103 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
   Train(model, 3, 4);
   ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
   EXPECT_EQ(Entries(dir.path()),
-            (std::vector<std::string>{"latest", "step-00000002", "step-00000003", "step-00000004"}));
+            (std::vector<std::string>{".spare", "latest", "step-00000002", "step-00000003", "step-00000004"}));
+}
+
+// The inode numbers of the chunk files under `dir`, and their bytes.
+std::set<ino_t> Inodes(const fs::path& dir) {
+  std::set<ino_t> found;
+  for (const fs::directory_entry& entry : fs::recursive_directory_iterator(dir)) {
+    struct stat st{};
+    if (entry.path().extension() == ".bin" && ::stat(entry.path().c_str(), &st) == 0) found.insert(st.st_ino);
+  }
+  return found;
+}
+uint64_t FileBytes(const fs::path& dir) {
+  uint64_t bytes = 0;
+  for (const fs::directory_entry& entry : fs::recursive_directory_iterator(dir)) {
+    if (entry.is_regular_file()) bytes += entry.file_size();
+  }
+  return bytes;
+}
+
+// With keep_last, a pruned checkpoint's files wait under .spare and the
+// next save writes over them (the same files), each cut to its size; the
+// spares never hold more than the last save wrote; with recycle off there
+// are none.
+TEST(CheckpointTest, ASaveWritesOverTheFilesOfACheckpointItRemoved) {
+  ScratchDir dir("ckpt");
+  const fs::path root(dir.path());
+  Model model;
+  Initialize(model);
+  Train(model, 0, 1);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 1}).status());
+  const std::set<ino_t> first = Inodes(root / "step-00000001");
+  Train(model, 1, 2);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary second,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 1}));
+  EXPECT_EQ(second.recycled, 0u);
+  EXPECT_EQ(Inodes(root / ".spare"), first);  // step 1's files, pruned
+  const std::set<ino_t> second_files = Inodes(root / "step-00000002");
+  Train(model, 2, 3);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary third,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 1}));
+  EXPECT_EQ(third.recycled, third.files);
+  EXPECT_EQ(Inodes(root / "step-00000003"), first);
+  EXPECT_EQ(Inodes(root / ".spare"), second_files);
+  EXPECT_LE(FileBytes(root / ".spare"), third.bytes);
+
+  // Spares longer than any file, full of other bytes: cut to size, they verify and load.
+  fs::remove_all(root / ".spare");
+  fs::create_directory(root / ".spare");
+  for (uint32_t i = 0; i < third.files; ++i) {
+    std::ofstream(root / ".spare" / fmt::format("old-{}.bin", i), std::ios::binary)
+        << std::string(kChunkElems * sizeof(float) + 8192, '\xab');
+  }
+  Train(model, 3, 4);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary fourth,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 1}));
+  EXPECT_EQ(fourth.recycled, fourth.files);
+  ASSERT_OK(VerifyCheckpoint(dir.path()).status());
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(State(fresh), State(model));
+  EXPECT_LE(FileBytes(root / ".spare"), fourth.bytes);  // the extra room went back
+
+  Train(model, 4, 5);
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary unrecycled,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 1, .recycle = false}));
+  EXPECT_EQ(unrecycled.recycled, 0u);
+  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000005"}));
+}
+
+// A chunk written from where it lies in host memory that moves before its
+// file is done (its slot free for another chunk) is written again from where
+// it went; the checkpoint loads as the model was.
+TEST(CheckpointTest, AChunkThatMovesWhileItsFileIsWrittenIsWrittenAgain) {
+  ScratchDir dir("ckpt");
+  Model model;
+  Initialize(model);
+  Train(model, 0, 2);
+  std::optional<ChunkId> previous;
+  uint32_t moved = 0;
+  CheckpointOptions moving{.before_chunk = [&](ChunkId chunk) {
+    // The chunk taken before this one is still being written.
+    if (previous && *model.engine->ChunkTier(*previous) == Tier::kHost) {
+      STRATA_RETURN_IF_ERROR(model.engine->MoveChunk(*previous, Tier::kNvme));
+      moved++;
+    }
+    previous = chunk;
+    return Status::Ok();
+  }};
+  const std::vector<std::vector<float>> before = State(model);
+  ASSERT_OK(model.engine->OffloadAll());
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary saved, SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), moving));
+  EXPECT_GT(moved, 0u);
+  EXPECT_EQ(saved.rewritten, moved);
+  Model fresh;
+  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
+  EXPECT_EQ(State(fresh), before);
 }
 
 // A checkpoint of another model, or of an optimizer with a loss scaler into
@@ -436,7 +539,7 @@ TEST(CheckpointTest, AfterARewindKeepLastAndFallBackGoOnlyToEarlierSteps) {
   Train(rewound, 1, 2);
   ASSERT_OK(SaveCheckpoint(*rewound.engine, *rewound.optimizer, dir.path(), {.keep_last = 2}).status());
   EXPECT_EQ(Entries(dir.path()),
-            (std::vector<std::string>{"latest", "step-00000001", "step-00000002", "step-00000003"}));
+            (std::vector<std::string>{".spare", "latest", "step-00000001", "step-00000002", "step-00000003"}));
   EXPECT_EQ(Latest(dir.path()), "step-00000002");
   fs::resize_file(fs::path(dir.path()) / "step-00000002" / "rank0" / "chunk-0.bin", 10);
   Model fresh;
