@@ -38,6 +38,13 @@ uint64_t StatusBytes(const std::string& field) {
 // Resets the peak resident set (VmHWM) to the current one.
 void ResetPeakRss() { std::ofstream("/proc/self/clear_refs") << "5"; }
 
+// One bench io pass of `op` (its file kept for the next), in GB/s.
+Result<double> IoPass(IoBenchConfig io, IoOp op) {
+  io.ops = {op};
+  STRATA_ASSIGN_OR_RETURN(IoBenchReport measured, RunIoBench(io));
+  return measured.rows.at(0).strata_median_gbps;
+}
+
 }  // namespace
 
 Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config) {
@@ -91,51 +98,73 @@ Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& co
   STRATA_ASSIGN_OR_RETURN(optim::OptimizerConfig optimizer_config, optim::OptimizerConfigFromOptions(options));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer, optim::Optimizer::Create(optimizer_config));
 
+  // The reference: bench io on the same directory, a file as large as the
+  // checkpoint, a pass just before each run's saves (write) and its load
+  // (read): a drive that drifts moves both alike.
+  IoBenchConfig io;
+  io.dirs = {(fs::path(config.dir) / "io").string()};
+  fs::create_directories(io.dirs[0], ec);
+  io.file_size_bytes = std::max<uint64_t>(3 * tensors * tensor_bytes, uint64_t{64} << 20) / (1 << 20) * (1 << 20);
+  io.runs = 1;
+
+  // Every save replaces the one before (the same step), as a run saving
+  // every N steps with keep_last replaces its oldest: with recycling, the
+  // files of the one before that are written over (offload/checkpoint.h).
+  // The first save writes new files, and so does the second, unmeasured.
   const std::string root = (fs::path(config.dir) / "checkpoint").string();
+  const offload::CheckpointOptions save_options{.keep_last = 1, .recycle = config.recycle};
+  fs::remove_all(root, ec);
+  Clock::time_point start = Clock::now();
+  STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary first,
+                          offload::SaveCheckpoint(*engine, *optimizer, root, save_options));
+  report.first_save_gbps = static_cast<double>(first.bytes) / SecondsSince(start) / 1e9;
+  STRATA_RETURN_IF_ERROR(offload::SaveCheckpoint(*engine, *optimizer, root, save_options).status());
+  report.recycled_files = first.files;
+  std::vector<double> save_ratios, async_ratios, load_ratios;
   for (uint32_t run = 0; run < config.runs; ++run) {
-    fs::remove_all(root, ec);
+    STRATA_ASSIGN_OR_RETURN(report.io_write_run_gbps.emplace_back(), IoPass(io, IoOp::kWrite));
     const uint64_t before = StatusBytes("VmRSS");
     ResetPeakRss();
-    Clock::time_point start = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved, offload::SaveCheckpoint(*engine, *optimizer, root));
+    start = Clock::now();
+    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved,
+                            offload::SaveCheckpoint(*engine, *optimizer, root, save_options));
     const double save_seconds = SecondsSince(start);
+    report.recycled_files = std::min(report.recycled_files, saved.recycled);
     report.save_rss_growth_bytes =
         std::max(report.save_rss_growth_bytes, StatusBytes("VmHWM") > before ? StatusBytes("VmHWM") - before : 0);
     report.checkpoint_bytes = saved.bytes;
     report.files = saved.files;
     report.save_gbps.push_back(static_cast<double>(saved.bytes) / save_seconds / 1e9);
-    fs::remove_all(root, ec);
     start = Clock::now();
     STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::PendingCheckpoint> pending,
-                            offload::StartCheckpoint(*engine, *optimizer, root));
+                            offload::StartCheckpoint(*engine, *optimizer, root, save_options));
     report.async_start_max_ms = std::max(report.async_start_max_ms, SecondsSince(start) * 1e3);
-    STRATA_RETURN_IF_ERROR(pending->Wait().status());
+    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved_async, pending->Wait());
+    report.recycled_files = std::min(report.recycled_files, saved_async.recycled);
     report.async_save_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
+    STRATA_ASSIGN_OR_RETURN(report.io_read_run_gbps.emplace_back(), IoPass(io, IoOp::kRead));
     start = Clock::now();
     STRATA_RETURN_IF_ERROR(offload::LoadCheckpoint(*engine, *optimizer, root).status());
     report.load_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
     STRATA_RETURN_IF_ERROR(engine->OffloadAll());  // the states back home, as they were when saved
+
+    const double write = report.io_write_run_gbps.back(), read = report.io_read_run_gbps.back();
+    save_ratios.push_back(write > 0 ? report.save_gbps.back() / write : 0);
+    async_ratios.push_back(write > 0 ? report.async_save_gbps.back() / write : 0);
+    load_ratios.push_back(read > 0 ? report.load_gbps.back() / read : 0);
   }
   fs::remove_all(root, ec);
+  fs::remove_all(io.dirs[0], ec);
   report.buffer_bytes = 2 * tensor_bytes;  // a chunk read while the one before is written
   report.save_median_gbps = Median(report.save_gbps);
   report.async_save_median_gbps = Median(report.async_save_gbps);
   report.load_median_gbps = Median(report.load_gbps);
-
-  // The reference: bench io on the same directory, a file as large as the checkpoint.
-  IoBenchConfig io;
-  io.dirs = {(fs::path(config.dir) / "io").string()};
-  fs::create_directories(io.dirs[0], ec);
-  io.file_size_bytes = std::max<uint64_t>(report.checkpoint_bytes, uint64_t{64} << 20) / (1 << 20) * (1 << 20);
-  io.runs = config.runs;
-  STRATA_ASSIGN_OR_RETURN(IoBenchReport measured, RunIoBench(io));
-  fs::remove_all(io.dirs[0], ec);
-  for (const IoBenchRow& row : measured.rows) {
-    (row.op == IoOp::kWrite ? report.io_write_gbps : report.io_read_gbps) = row.strata_median_gbps;
-  }
-  report.save_ratio = report.io_write_gbps > 0 ? report.save_median_gbps / report.io_write_gbps : 0;
-  report.load_ratio = report.io_read_gbps > 0 ? report.load_median_gbps / report.io_read_gbps : 0;
-  report.async_save_ratio = report.io_write_gbps > 0 ? report.async_save_median_gbps / report.io_write_gbps : 0;
+  report.io_write_gbps = Median(report.io_write_run_gbps);
+  report.io_read_gbps = Median(report.io_read_run_gbps);
+  report.save_ratio = Median(save_ratios);
+  report.async_save_ratio = Median(async_ratios);
+  report.load_ratio = Median(load_ratios);
+  report.first_save_ratio = report.io_write_gbps > 0 ? report.first_save_gbps / report.io_write_gbps : 0;
   return report;
 }
 
@@ -145,13 +174,18 @@ std::string FormatCheckpointBench(const CheckpointBenchReport& r) {
       "{:.1f} MiB in {} files under {}\n",
       r.config.params, r.config.params / r.config.chunk_elems, r.saved_from_nvme, r.files,
       r.checkpoint_bytes / 1048576.0, r.files, r.config.dir);
-  out += fmt::format("           median GB/s   bench io GB/s   ratio   runs\n");
+  out += fmt::format("           median GB/s   bench io GB/s   ratio   runs (ratio: the median of the runs' own)\n");
   out += fmt::format("save       {:>11.3f}   {:>13.3f}   {:>5.2f}   {}\n", r.save_median_gbps, r.io_write_gbps,
                      r.save_ratio, fmt::join(r.save_gbps, " "));
   out += fmt::format("load       {:>11.3f}   {:>13.3f}   {:>5.2f}   {}\n", r.load_median_gbps, r.io_read_gbps,
                      r.load_ratio, fmt::join(r.load_gbps, " "));
   out += fmt::format("save async {:>11.3f}   {:>13.3f}   {:>5.2f}   {}\n", r.async_save_median_gbps, r.io_write_gbps,
                      r.async_save_ratio, fmt::join(r.async_save_gbps, " "));
+  out += fmt::format("first save {:>11.3f}   {:>13.3f}   {:>5.2f}   (into new files)\n", r.first_save_gbps,
+                     r.io_write_gbps, r.first_save_ratio);
+  out += fmt::format("files written over a removed checkpoint's by every measured save: {} of {}{}\n",
+                     r.recycled_files,
+                     r.files, r.config.recycle ? "" : " (--no-recycle)");
   out += fmt::format("an asynchronous save returned to its caller within {:.1f} ms\n", r.async_start_max_ms);
   out += fmt::format("a save's peak resident memory above its start: {:.1f} MiB (its buffers: {:.1f} MiB)\n",
                      r.save_rss_growth_bytes / 1048576.0, r.buffer_bytes / 1048576.0);
@@ -171,6 +205,8 @@ std::string CheckpointBenchJson(const CheckpointBenchReport& r) {
                       {"load_median_gbps", r.load_median_gbps},
                       {"io_write_gbps", r.io_write_gbps},
                       {"io_read_gbps", r.io_read_gbps},
+                      {"io_write_run_gbps", r.io_write_run_gbps},
+                      {"io_read_run_gbps", r.io_read_run_gbps},
                       {"save_ratio", r.save_ratio},
                       {"load_ratio", r.load_ratio},
                       {"buffer_bytes", r.buffer_bytes},
@@ -178,7 +214,11 @@ std::string CheckpointBenchJson(const CheckpointBenchReport& r) {
                       {"async_save_gbps", r.async_save_gbps},
                       {"async_save_median_gbps", r.async_save_median_gbps},
                       {"async_save_ratio", r.async_save_ratio},
-                      {"async_start_max_ms", r.async_start_max_ms}};
+                      {"async_start_max_ms", r.async_start_max_ms},
+                      {"recycle", r.config.recycle},
+                      {"recycled_files", r.recycled_files},
+                      {"first_save_gbps", r.first_save_gbps},
+                      {"first_save_ratio", r.first_save_ratio}};
   return j.dump(2);
 }
 

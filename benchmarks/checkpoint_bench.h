@@ -7,8 +7,9 @@
 // checkpoint holds 12 bytes a parameter (the parameters and AdamW's two
 // moments). Its optimizer states stay in host memory, or with
 // states_on_nvme live in the NVMe tier (a directory under `dir`), as they do
-// when they outgrow the host. Each run saves, then loads, a checkpoint
-// under `dir` and removes it.
+// when they outgrow the host. A first save writes new files; then each run
+// saves (replacing the checkpoint before, keep_last 1, into its files unless
+// recycle is off), saves asynchronously, and loads.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,7 @@ struct CheckpointBenchConfig {
   uint64_t params = uint64_t{32} << 20;
   uint64_t chunk_elems = uint64_t{4} << 20;
   bool states_on_nvme = false;
+  bool recycle = true;  // CheckpointOptions::recycle
   uint32_t runs = 3;
 };
 
@@ -38,10 +40,18 @@ struct CheckpointBenchReport {
   // between): their bandwidth per run, and the longest StartCheckpoint took
   // to return (what the training loop waits).
   std::vector<double> async_save_gbps;
-  double async_save_median_gbps = 0, async_save_ratio = 0;
+  double async_save_median_gbps = 0, async_save_ratio = 0;  // (the ratio: as save_ratio)
   double async_start_max_ms = 0;
-  double io_write_gbps = 0, io_read_gbps = 0;  // strata bench io, sequential, 1 MiB x 32, median of runs
-  double save_ratio = 0, load_ratio = 0;       // the medians over bench io's
+  // The first save, into new files; each measured one replaces the one
+  // before, writing over the files of the one before that (recycle): how
+  // many files the measured saves wrote so, at the least.
+  double first_save_gbps = 0, first_save_ratio = 0;
+  uint32_t recycled_files = 0;
+  // strata bench io, sequential, 1 MiB x 32: a pass each way per run, just
+  // before its saves, and their medians.
+  std::vector<double> io_write_run_gbps, io_read_run_gbps;
+  double io_write_gbps = 0, io_read_gbps = 0;
+  double save_ratio = 0, load_ratio = 0;  // the medians of each run's ratio to its own bench io pass
   uint64_t buffer_bytes = 0;                   // the save's two chunk-sized buffers
   uint64_t save_rss_growth_bytes = 0;          // the peak resident set during a save, above its start
 };

@@ -514,6 +514,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_checkpoint_command->add_flag("--states-on-nvme", bench_checkpoint.config.states_on_nvme,
                                      "keep the optimizer states in the NVMe tier (saved from there)");
+  bench_checkpoint_command->add_flag(
+      "--no-recycle", [&](int64_t) { bench_checkpoint.config.recycle = false; },
+      "every save into new files (CheckpointOptions::recycle off)");
   bench_checkpoint_command->add_option("--runs", bench_checkpoint.config.runs, "saves and loads, and bench io runs")
       ->capture_default_str();
   bench_checkpoint_command->add_option("--json", bench_checkpoint.json_path, "also write the results as JSON");

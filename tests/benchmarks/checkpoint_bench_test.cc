@@ -36,12 +36,18 @@ TEST(CheckpointBenchTest, ASmallRunMeasuresEveryRow) {
     for (double gbps : *runs) EXPECT_GT(gbps, 0);
   }
   EXPECT_GT(report.io_write_gbps, 0);
+  EXPECT_EQ(report.io_write_run_gbps.size(), 2u);  // a bench io pass beside each run
+  EXPECT_EQ(report.io_read_run_gbps.size(), 2u);
   EXPECT_GT(report.async_save_ratio, 0);
+  EXPECT_GT(report.first_save_gbps, 0);
+  // Every measured save wrote over the files of the one before the last.
+  EXPECT_EQ(report.recycled_files, report.files);
   EXPECT_GT(report.async_start_max_ms, 0);
   const std::string text = FormatCheckpointBench(report);
   EXPECT_NE(text.find("save async"), std::string::npos) << text;
   const nlohmann::json json = nlohmann::json::parse(CheckpointBenchJson(report));
-  for (const char* key : {"save_ratio", "load_ratio", "async_save_ratio", "async_start_max_ms"}) {
+  for (const char* key : {"save_ratio", "load_ratio", "async_save_ratio", "async_start_max_ms", "recycled_files",
+                          "first_save_gbps", "io_write_run_gbps"}) {
     EXPECT_TRUE(json.contains(key)) << key;
   }
   std::error_code ec;
