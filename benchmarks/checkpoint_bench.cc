@@ -155,7 +155,7 @@ Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& co
   }
   fs::remove_all(root, ec);
   fs::remove_all(io.dirs[0], ec);
-  report.buffer_bytes = 2 * tensor_bytes;  // a chunk read while the one before is written
+  report.buffer_bytes = 3 * tensor_bytes;  // a buffer for each of the three files written at a time
   report.save_median_gbps = Median(report.save_gbps);
   report.async_save_median_gbps = Median(report.async_save_gbps);
   report.load_median_gbps = Median(report.load_gbps);

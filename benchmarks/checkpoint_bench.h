@@ -52,7 +52,7 @@ struct CheckpointBenchReport {
   std::vector<double> io_write_run_gbps, io_read_run_gbps;
   double io_write_gbps = 0, io_read_gbps = 0;
   double save_ratio = 0, load_ratio = 0;  // the medians of each run's ratio to its own bench io pass
-  uint64_t buffer_bytes = 0;                   // the save's two chunk-sized buffers
+  uint64_t buffer_bytes = 0;                   // the save's three chunk-sized buffers
   uint64_t save_rss_growth_bytes = 0;          // the peak resident set during a save, above its start
 };
 

@@ -741,13 +741,18 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& 
                    [](const ChunkInfo& a, const ChunkInfo& b) { return a.group < b.group; });
   uint64_t largest = 4096;
   for (const ChunkInfo& c : chunks) largest = std::max(largest, c.size_bytes);
-  // Two chunks' files are written at a time, each from where its chunk lies
-  // in host memory or from a copy in its own buffer (Note [Writing a chunk
-  // from where it lies]); its CRC32C is taken beside its write.
+  // Three chunks' files are written at a time (two left the drive idle
+  // between files: 0.77-0.83 x bench io's write against 0.86-0.91), each
+  // from where its chunk lies in host memory or from a copy in its own
+  // buffer (Note [Writing a chunk from where it lies]); its CRC32C is taken
+  // beside its write.
+  constexpr int kInFlight = 3;
   TaskQueue pool(FileTransfer::kThreads);
-  Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kDirectAlignment),
-                       AllocateAlignedHost(RoundUp(largest), kDirectAlignment)};
-  if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte chunk buffers", RoundUp(largest));
+  Buffer buffers[kInFlight];
+  for (Buffer& buffer : buffers) {
+    buffer = AllocateAlignedHost(RoundUp(largest), kDirectAlignment);
+    if (!buffer) return OutOfMemory("checkpoint: {} {}-byte chunk buffers", kInFlight, RoundUp(largest));
+  }
   struct InFlight {
     std::byte* buffer = nullptr;  // its own
     std::optional<ChunkInfo> chunk;
@@ -758,8 +763,8 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& 
     uint32_t crc = 0;
     json entry;
   };
-  InFlight flights[2];
-  for (int i = 0; i < 2; ++i) flights[i].buffer = static_cast<std::byte*>(buffers[i].data());
+  InFlight flights[kInFlight];
+  for (int i = 0; i < kInFlight; ++i) flights[i].buffer = static_cast<std::byte*>(buffers[i].data());
   json files = json::array();
   std::vector<fs::path> written;
   const auto start = [&](InFlight& flight, const std::byte* data) -> Status {
@@ -801,7 +806,7 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& 
   struct Drain {
     InFlight* flights;
     ~Drain() {
-      for (int i = 0; i < 2; ++i) {
+      for (int i = 0; i < kInFlight; ++i) {
         if (flights[i].transfer) (void)flights[i].transfer->Finish();
         if (flights[i].crc_done.valid()) flights[i].crc_done.wait();
       }
@@ -839,9 +844,9 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& 
                     {"bytes", c.used_bytes}};
     summary.bytes += c.used_bytes;
     summary.files++;
-    b ^= 1;
+    b = (b + 1) % kInFlight;
   }
-  for (int i = 0; i < 2; ++i) STRATA_RETURN_IF_ERROR(finish(flights[b ^ i]));  // the older first
+  for (int i = 0; i < kInFlight; ++i) STRATA_RETURN_IF_ERROR(finish(flights[(b + i) % kInFlight]));  // the older first
   STRATA_RETURN_IF_ERROR(FlushAll(pool, written));
   STRATA_RETURN_IF_ERROR(SyncDirectory(staged / rank_dir));
   return files;

@@ -16,13 +16,14 @@
 // state. A chunk in host memory is written from where it lies, unpinned
 // (written again from a copy should it move meanwhile); another is read
 // from its tier (Engine::ReadChunk: an NVMe-resident chunk is not moved)
-// into one of two chunk-sized buffers, so the model is never staged in host
-// memory. A load reads a file straight into its chunk where the chunk lies
-// in host memory. Files are written and read with O_DIRECT in 1 MiB pieces
-// by a pool of threads, two files at a time. The manifest (JSON) names the format and
-// version, the step, the world size, the optimizer state, the options, the
-// registered tensors (name, shape, dtype, trainable), and for every file
-// its chunk (id, kind, dtype, group, rank, shard offset), size and CRC32C.
+// into one of three chunk-sized buffers, so the model is never staged in
+// host memory. A load reads a file straight into its chunk where the chunk
+// lies in host memory. Files are written (three at a time) and read with
+// O_DIRECT in 1 MiB pieces by a pool of threads. The manifest (JSON) names
+// the format and version, the step, the world size, the optimizer state,
+// the options, the registered tensors (name, shape, dtype, trainable), and
+// for every file its chunk (id, kind, dtype, group, rank, shard offset),
+// size and CRC32C.
 //
 // Crash safety: a save writes into a hidden temporary directory, fsyncs each
 // file and directory, and only then renames it to step-<N> and replaces
