@@ -205,6 +205,11 @@ class FileTransfer {
 // save, rank 0 trims the spares to the bytes that save wrote, which the next
 // save takes back from them: at rest the spares hold at most one more
 // checkpoint's room, and a save's peak use of the disk is what it was without them.
+// The cost: a process still reading a removed checkpoint's files (an
+// uploader copying it away) reads the next save's bytes once that save
+// writes over them. It must finish first, or the saves run with recycle off.
+
+Status SyncDirectory(const fs::path& path);
 
 // Moves the chunk files of `dir` (a checkpoint or temporary being removed,
 // its rank<r>/ directories) into root/.spare, then removes `dir`; with
@@ -224,6 +229,9 @@ void Retire(const fs::path& root, const fs::path& dir, bool recycle) {
     for (const fs::path& file : files) {
       (void)::rename(file.c_str(), (root / kSpares / fmt::format("{:016x}.bin", names())).c_str());
     }
+    // Durable before any save writes over them: a crash must not bring a
+    // removed checkpoint back holding a later save's bytes.
+    (void)SyncDirectory(root / kSpares);
   }
   fs::remove_all(dir, ec);
 }
@@ -234,7 +242,7 @@ void TrimSpares(const fs::path& root, uint64_t keep) {
   uint64_t kept = 0;
   for (const fs::directory_entry& file : fs::directory_iterator(root / kSpares, ec)) {
     const uint64_t size = file.is_regular_file(ec) ? file.file_size(ec) : 0;
-    if (!ec && kept + size <= keep) {
+    if (!ec && size > 0 && kept + size <= keep) {
       kept += size;
     } else {
       fs::remove_all(file.path(), ec);
@@ -644,11 +652,9 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       if (!whole(pieces[i]) || c.size_bytes < RoundUp(c.used_bytes)) return nullptr;
       STRATA_ASSIGN_OR_RETURN(std::optional<HostBytes> lies, engine.PeekHostChunk(c.id));
       if (!lies) return nullptr;
-      STRATA_ASSIGN_OR_RETURN(direct[i % 2], engine.AccessChunk(c.id, Tier::kHost));
-      if (reinterpret_cast<uintptr_t>(direct[i % 2]->data()) % kDirectAlignment != 0) {
-        direct[i % 2].reset();
-        return nullptr;
-      }
+      Result<ChunkAccess> pin = engine.AccessChunk(c.id, Tier::kHost);
+      if (!pin.ok() || reinterpret_cast<uintptr_t>(pin->data()) % kDirectAlignment != 0) return nullptr;  // a buffer
+      direct[i % 2] = std::move(pin).value();
       return direct[i % 2]->data();
     };
     std::optional<ChunkAccess> pinned;
@@ -831,7 +837,7 @@ Result<json> WriteRankFiles(Engine& engine, const fs::path& staged, SpareFiles& 
       STRATA_RETURN_IF_ERROR(hooks.read_chunk(c.id, flight.buffer).WithContext("checkpoint: reading a chunk to save"));
       hooks.done(c);
     }
-    summary.recycled += spares.Claim(flight.path, c.used_bytes) ? 1 : 0;
+    summary.recycled += c.used_bytes > 0 && spares.Claim(flight.path, c.used_bytes) ? 1 : 0;
     STRATA_RETURN_IF_ERROR(start(flight, data));
     written.push_back(flight.path);
     flight.entry = {{"path", path},
@@ -1022,7 +1028,9 @@ struct PendingCheckpoint::State {
     }
     std::error_code ec;
     if (rank != 0) {
-      const Status reported = ReportToLead(staged, rank, files);
+      // Its status, not its files alone: files written while an abandoned
+      // save's update changed their chunks must not be published.
+      const Status reported = ReportToLead(staged, rank, status.ok() ? files : Result<json>(status));
       if (status.ok()) status = reported;
     }
     // The caller's thread: the ranks' outcomes agreed at once (a rank that

@@ -67,8 +67,9 @@ struct CheckpointOptions {
   // by keep_last, replaced by a re-save of their step, left by a crashed
   // save), which are kept under root/.spare for it, trimmed after each save
   // to that save's bytes: on ext4 a write over written blocks ran twice as
-  // fast as one into a new file. false: removed checkpoints are deleted, and
-  // so are the spares.
+  // fast as one into a new file. A process still reading a removed
+  // checkpoint (an uploader) must be done before the next save writes over
+  // its files. false: removed checkpoints are deleted, and so are the spares.
   bool recycle = true;
   // Asynchronous saves: how long a step's update of a chunk group waits for
   // the save to read that group out (with several ranks, at most half of

@@ -556,6 +556,7 @@ PYBIND11_MODULE(_strata, m) {
     d["bytes"] = s.bytes;
     d["files"] = s.files;
     d["recycled"] = s.recycled;
+    d["rewritten"] = s.rewritten;
     d["skipped"] = s.skipped;
     return d;
   };
