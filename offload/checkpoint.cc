@@ -239,6 +239,10 @@ void Retire(const fs::path& root, const fs::path& dir, bool recycle) {
 // Keeps at most `keep` bytes of spare files under root/.spare.
 void TrimSpares(const fs::path& root, uint64_t keep) {
   std::error_code ec;
+  if (keep == 0) {
+    fs::remove_all(root / kSpares, ec);
+    return;
+  }
   uint64_t kept = 0;
   for (const fs::directory_entry& file : fs::directory_iterator(root / kSpares, ec)) {
     const uint64_t size = file.is_regular_file(ec) ? file.file_size(ec) : 0;
@@ -248,7 +252,6 @@ void TrimSpares(const fs::path& root, uint64_t keep) {
       fs::remove_all(file.path(), ec);
     }
   }
-  if (keep == 0) fs::remove_all(root / kSpares, ec);
 }
 
 // The spare files under root/.spare as a save found them (Note [Recycled chunk files]).
@@ -488,7 +491,7 @@ struct Piece {
 };
 
 // Reads every piece's file, checked against its size and CRC32C, and hands
-// it to `use` in order, in a buffer of at least `room` bytes that `use` may
+// it to `use` in order (with its index), in a buffer of at least `room` bytes that `use` may
 // change, or where `into(i)` says (a chunk's own bytes; nullptr: a buffer);
 // the next file is read while `use` runs on this one (two buffers).
 template <typename Into, typename Use>
@@ -521,7 +524,7 @@ Status ReadPieces(const fs::path& dir, const std::vector<Piece>& pieces, uint64_
     STRATA_RETURN_IF_ERROR(reading[i % 2]->Finish().WithContext(named));
     STRATA_RETURN_IF_ERROR(
         CheckCrc(path, data, file.at("bytes").get<uint64_t>(), file.at("crc32c").get<uint32_t>()).WithContext(named));
-    STRATA_RETURN_IF_ERROR(use(pieces[i], data));
+    STRATA_RETURN_IF_ERROR(use(i, pieces[i], data));
   }
   return Status::Ok();
 }
@@ -534,7 +537,7 @@ Result<CheckpointSummary> VerifyFiles(const fs::path& dir, const json& manifest)
   std::vector<Piece> pieces;
   for (const json& file : manifest.at("files")) pieces.push_back({&file, 0, 0, std::nullopt});
   const auto buffered = [](size_t) -> Result<std::byte*> { return nullptr; };
-  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, 0, buffered, [&](const Piece& piece, std::byte*) {
+  STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, 0, buffered, [&](size_t, const Piece& piece, std::byte*) {
     summary.bytes += (*piece.file).at("bytes").get<uint64_t>();
     summary.files++;
     return Status::Ok();
@@ -658,8 +661,7 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       return direct[i % 2]->data();
     };
     std::optional<ChunkAccess> pinned;
-    size_t used = 0;
-    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, into, [&](const Piece& piece, std::byte* data) -> Status {
+    const auto use = [&](size_t i, const Piece& piece, std::byte* data) -> Status {
       const uint64_t bytes = (*piece.file).at("bytes").get<uint64_t>();
       const ChunkInfo& c = *piece.chunk;
       const uint64_t width = DTypeSizeBytes(c.dtype), file_width = DTypeSizeBytes(piece.dtype);
@@ -667,7 +669,7 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
       const uint64_t file_begin = (*piece.file).at("shard_offset").get<uint64_t>() / file_width;
       summary.bytes += bytes;
       summary.files++;
-      std::optional<ChunkAccess>& read_in_place = direct[used++ % 2];
+      std::optional<ChunkAccess>& read_in_place = direct[i % 2];
       if (whole(piece)) {
         pinned.reset();
         std::memset(data + bytes, 0, c.size_bytes - bytes);  // the slot's tail past the tensors
@@ -690,7 +692,8 @@ Result<CheckpointSummary> LoadOne(Engine& engine, optim::Optimizer& optimizer, c
         for (uint64_t e = 0; e < n; ++e) optim::StoreFloat(to, c.dtype, e, optim::FloatAt(from, piece.dtype, e));
       }
       return Status::Ok();
-    }));
+    };
+    STRATA_RETURN_IF_ERROR(ReadPieces(dir, pieces, largest_slot, into, use));
     pinned.reset();
     const json& state = manifest.at("optimizer");
     std::optional<optim::Optimizer::ScalerState> scaler;
