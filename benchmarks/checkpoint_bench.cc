@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/io_bench.h"
-#include "offload/checkpoint.h"
+#include "offload/persist/checkpoint.h"
 #include "optim/optimizer.h"
 #include "strata/engine.h"
 #include "strata/options.h"
@@ -61,18 +61,18 @@ Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& co
   const uint64_t states_bytes = tensors * 2 * tensor_bytes;
 
   Options options;
-  options.device_backend = DeviceBackendKind::kEmulated;
-  options.device_budget_bytes = 4 * tensor_bytes;
-  options.chunk_size_elems = config.chunk_elems;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 4 * tensor_bytes;
+  options.chunk.size_elems = config.chunk_elems;
   options.log_level = LogLevel::kWarning;
-  options.nvme_dirs = {(fs::path(config.dir) / "nvme").string()};
-  options.nvme_capacity_bytes = 3 * tensors * tensor_bytes + (uint64_t{64} << 20);
+  options.nvme.dirs = {(fs::path(config.dir) / "nvme").string()};
+  options.nvme.capacity_bytes = 3 * tensors * tensor_bytes + (uint64_t{64} << 20);
   // Host room for the parameters and either every state or a few.
-  options.host_budget_bytes =
+  options.host.budget_bytes =
       tensors * tensor_bytes + (config.states_on_nvme ? 4 * tensor_bytes : states_bytes + 16 * tensor_bytes);
   std::error_code ec;
-  fs::create_directories(options.nvme_dirs[0], ec);
-  if (ec) return IoError("bench checkpoint: creating {}: {}", options.nvme_dirs[0], ec.message());
+  fs::create_directories(options.nvme.dirs[0], ec);
+  if (ec) return IoError("bench checkpoint: creating {}: {}", options.nvme.dirs[0], ec.message());
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
   for (uint64_t t = 0; t < tensors; ++t) {
     STRATA_RETURN_IF_ERROR(engine

@@ -11,7 +11,7 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
-#include "src/comm/raw_collectives.h"
+#include "src/backends/comm/raw_collectives.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/options.h"

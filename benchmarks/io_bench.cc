@@ -14,10 +14,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "src/base/alignment.h"
+#include "src/base/crc32c.h"
+#include "src/base/logging.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
-#include "strata/crc32c.h"
-#include "strata/logging.h"
 #include "strata/options.h"
 #include "strata/storage.h"
 
@@ -26,7 +27,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr size_t kAlignmentBytes = 4096;
+constexpr size_t kAlignmentBytes = kIoAlignmentBytes;
 // A benchmark pass moves a whole file in one call: allow it a long time.
 constexpr uint32_t kPassTimeoutMs = 600'000;
 constexpr const char* kFileName = "strata.nvme";
@@ -256,7 +257,7 @@ Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
     for (uint64_t block : config.block_sizes_bytes) {
       for (uint32_t depth : config.queue_depths) largest = std::max(largest, block * depth);
     }
-    device_options.device_budget_bytes = largest;
+    device_options.device.budget_bytes = largest;
     STRATA_ASSIGN_OR_RETURN(device, CreateDevice(device_options));
     report.device = device->Describe();
   }

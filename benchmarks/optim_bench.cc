@@ -22,9 +22,9 @@
 
 #include "benchmarks/io_bench.h"
 #include "memory/tier_pool.h"
-#include "offload/state_stream.h"
-#include "optim/cpu_kernels.h"
-#include "optim/half.h"
+#include "offload/training/state_stream.h"
+#include "optim/cpu/cpu_kernels.h"
+#include "src/base/half.h"
 #include "optim/optimizer.h"
 #include "strata/buffer.h"
 #include "strata/options.h"

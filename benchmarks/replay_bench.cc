@@ -13,12 +13,12 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/chunk_layout.h"
-#include "offload/capacity_plan.h"
-#include "offload/grad_reducer.h"
-#include "offload/pipeline.h"
-#include "src/selftest.h"
+#include "offload/workloads/capacity_plan.h"
+#include "offload/training/grad_reducer.h"
+#include "offload/schedule/pipeline.h"
+#include "offload/workloads/gpt_model.h"
 #include "strata/engine.h"
-#include "strata/logging.h"
+#include "src/base/logging.h"
 #include "strata/options.h"
 
 namespace strata::bench {
@@ -155,7 +155,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
   EngineSeams seams;
   seams.comm = comm;
   if (config.dirs.empty()) {
-    STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme_capacity_bytes));
+    STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
   }
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
   for (const TensorSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine->RegisterTensor(spec).status());
@@ -185,7 +185,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
       return c.AllGather(gather_buffer.data(), gather_buffer.data() + shard, shard);
     };
   };
-  const bool sharded_params = comm != nullptr && options.comm_shard_params;
+  const bool sharded_params = comm != nullptr && options.comm.shard_params;
   std::map<uint32_t, ChunkId> param_of_group;
   std::set<uint32_t> trained_groups;  // those with gradients; the others are frozen
   for (const ChunkInfo& chunk : chunks) {
@@ -338,19 +338,19 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
   }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
-  const SelftestConfig shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
+  const offload::GptShape shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
                              .sequence = config.model.sequence};
-  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+  const std::vector<TensorSpec> specs = offload::GptTensorSpecs(shape, DType::kBFloat16);
 
   Options options;
-  options.device_backend = DeviceBackendKind::kEmulated;
+  options.device.backend = DeviceBackendKind::kEmulated;
   options.compute_dtype = DType::kBFloat16;
-  options.device_emulated_bandwidth_gbps = config.pcie_gbps;
+  options.device.emulated_bandwidth_gbps = config.pcie_gbps;
   options.log_level = LogLevel::kWarning;
-  options.comm_shard_params = config.shard_params && config.ranks > 1;
+  options.comm.shard_params = config.shard_params && config.ranks > 1;
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, options.chunk_size_elems, options.chunk_search_min_elems,
-                                                     options.chunk_search_max_elems));
+                          memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
+                                                     options.chunk.search_max_elems));
   const uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());
@@ -359,9 +359,9 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   // shard for every group whose params are sharded).
   STRATA_ASSIGN_OR_RETURN(
       memory::ChunkLayout ranks_layout,
-      memory::ChunkLayout::Build(specs, options.chunk_size_elems, options.chunk_search_min_elems,
-                                 options.chunk_search_max_elems,
-                                 {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm_shard_params}));
+      memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
+                                 options.chunk.search_max_elems,
+                                 {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm.shard_params}));
   const offload::GptStep step = ReplayStep(config, specs, ranks_layout);
   ReplayBenchReport report;
   report.config = config;
@@ -370,7 +370,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   report.chunks = static_cast<uint32_t>(layout.chunks().size());
   report.moments = static_cast<uint32_t>(step.trace.moments.size());
   for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;
-  options.device_budget_bytes =
+  options.device.budget_bytes =
       config.device_budget_bytes > 0 ? config.device_budget_bytes
                                      : std::max<uint64_t>(total / 4, 4 * largest + step.activation_peak_bytes);
   // The host holds a CPU update's chunk group, pinned, beside what it homes.
@@ -380,15 +380,15 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     for (const std::optional<ChunkId>& c : group.chunk_of_kind) bytes += c ? layout.chunk(*c).size_bytes() : 0;
     largest_group = std::max(largest_group, bytes);
   }
-  options.host_budget_bytes = config.host_budget_bytes > 0 ? config.host_budget_bytes
+  options.host.budget_bytes = config.host_budget_bytes > 0 ? config.host_budget_bytes
                                                             : std::max<uint64_t>(total / 2, 2 * largest_group);
-  options.nvme_dirs = config.dirs;
-  options.placement_policy = config.policy;
-  options.placement_device_params = config.device_params;
-  options.placement_host_states = config.host_states;
-  options.nvme_capacity_bytes = 2 * total + 4 * largest;
-  report.device_budget_bytes = options.device_budget_bytes;
-  report.host_budget_bytes = options.host_budget_bytes;
+  options.nvme.dirs = config.dirs;
+  STRATA_RETURN_IF_ERROR(SetOption(options, "placement.policy", config.policy));
+  options.placement.device_params = config.device_params;
+  options.placement.host_states = config.host_states;
+  options.nvme.capacity_bytes = 2 * total + 4 * largest;
+  report.device_budget_bytes = options.device.budget_bytes;
+  report.host_budget_bytes = options.host.budget_bytes;
   STRATA_RETURN_IF_ERROR(ValidateOptions(options));
 
   // The backing files go afterwards, unless they were there before.
@@ -421,10 +421,10 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   // reserve) and DRAM, the links as the warm-up measured them.
   if (config.gpu_tflops > 0 && config.compute_ms <= 0) {
     offload::MachineSpec machine = MachineOf(config);
-    machine.hbm_bytes = options.device_budget_bytes;
+    machine.hbm_bytes = options.device.budget_bytes;
     machine.hbm_reserve_fraction = 0;
-    machine.dram_bytes = options.host_budget_bytes;
-    machine.nvme_bytes = options.nvme_capacity_bytes;
+    machine.dram_bytes = options.host.budget_bytes;
+    machine.nvme_bytes = options.nvme.capacity_bytes;
     machine.nvme_read_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
     machine.nvme_write_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
     Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine);

@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "offload/capacity_plan.h"
-#include "offload/planner.h"
+#include "offload/workloads/capacity_plan.h"
+#include "offload/schedule/planner.h"
 #include "strata/status.h"
 
 namespace strata::bench {

@@ -5,6 +5,7 @@
 #include <set>
 
 #include "memory/tier_pool.h"
+#include "src/base/alignment.h"
 
 namespace strata::memory {
 namespace {
@@ -162,7 +163,7 @@ ShardRange ShardOf(uint64_t n, int rank, int world) {
 
 uint64_t ChunkDesc::size_bytes() const {
   uint64_t bytes = capacity_elems * DTypeSizeBytes(dtype);
-  return (bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  return RoundUp(bytes, kSlotAlignmentBytes);
 }
 
 Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,

@@ -4,7 +4,8 @@
 #include <chrono>
 #include <cstring>
 
-#include "strata/logging.h"
+#include "src/base/alignment.h"
+#include "src/base/logging.h"
 #include "strata/options.h"
 
 namespace strata::memory {
@@ -516,7 +517,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
 // step leaves each chunk whole in one slot.
 Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, uint64_t size_bytes) {
   TierPool* target = pool(tier);
-  const uint64_t size = (size_bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  const uint64_t size = RoundUp(size_bytes, kSlotAlignmentBytes);
   TierUsage usage = target->usage();
   if (usage.capacity_bytes - usage.used_bytes < size) return std::optional<Extent>();
 

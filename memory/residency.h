@@ -48,7 +48,7 @@
 
 #include "memory/chunk_layout.h"
 #include "memory/tier_pool.h"
-#include "src/task_queue.h"
+#include "src/base/task_queue.h"
 #include "strata/access.h"
 #include "strata/device.h"
 #include "strata/stats.h"

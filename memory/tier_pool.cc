@@ -2,7 +2,7 @@
 
 #include <algorithm>
 
-#include "strata/crc32c.h"
+#include "src/base/crc32c.h"
 #include "strata/options.h"
 
 namespace strata::memory {

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "memory/extent_allocator.h"
+#include "src/base/alignment.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
 #include "strata/stats.h"
@@ -34,7 +35,7 @@ namespace strata::memory {
 
 // Slot sizes are multiples of this: the O_DIRECT block, and more than enough
 // alignment for SIMD and GPU vector loads at a slot's start.
-inline constexpr uint64_t kSlotAlignmentBytes = 4096;
+inline constexpr uint64_t kSlotAlignmentBytes = kIoAlignmentBytes;
 
 class TierPool {
  public:

@@ -2,7 +2,7 @@
 
 #include <cmath>
 
-#include "optim/cpu_kernels.h"
+#include "optim/cpu/cpu_kernels.h"
 
 namespace strata::optim {
 
@@ -50,18 +50,16 @@ Status ValidateOptimizerConfig(const OptimizerConfig& c) {
 
 Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
   OptimizerConfig config;
-  Result<OptimizerKind> kind = ParseOptimizerKind(options.optimizer_kind);
-  if (!kind.ok()) return InvalidArgument("option optimizer.kind: {}", kind.status().message());
-  config.kind = *kind;
-  config.lr = options.optimizer_lr;
-  config.beta1 = options.optimizer_beta1;
-  config.beta2 = options.optimizer_beta2;
-  config.eps = options.optimizer_eps;
-  config.weight_decay = options.optimizer_weight_decay;
-  config.momentum = options.optimizer_momentum;
-  config.dampening = options.optimizer_dampening;
-  config.nesterov = options.optimizer_nesterov;
-  config.max_grad_norm = options.optimizer_max_grad_norm;
+  config.kind = options.optimizer.kind;
+  config.lr = options.optimizer.lr;
+  config.beta1 = options.optimizer.beta1;
+  config.beta2 = options.optimizer.beta2;
+  config.eps = options.optimizer.eps;
+  config.weight_decay = options.optimizer.weight_decay;
+  config.momentum = options.optimizer.momentum;
+  config.dampening = options.optimizer.dampening;
+  config.nesterov = options.optimizer.nesterov;
+  config.max_grad_norm = options.optimizer.max_grad_norm;
   if (Status status = ValidateOptimizerConfig(config); !status.ok()) {
     // "optimizer: beta1 ..." names the field; say it is the option optimizer.beta1.
     return InvalidArgument("option {}", status.message());
@@ -70,19 +68,19 @@ Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
 }
 
 std::optional<LossScalerConfig> LossScalerConfigFromOptions(const Options& options) {
-  const bool dynamic = options.loss_scale_mode == "dynamic" ||
-                       (options.loss_scale_mode == "auto" && options.compute_dtype == DType::kFloat16);
+  const bool dynamic = options.loss_scale.mode == LossScaleMode::kDynamic ||
+                       (options.loss_scale.mode == LossScaleMode::kAuto && options.compute_dtype == DType::kFloat16);
   if (!dynamic) return std::nullopt;
   return LossScalerConfigOf(options);
 }
 
 LossScalerConfig LossScalerConfigOf(const Options& options) {
-  return LossScalerConfig{.init_scale = static_cast<float>(options.loss_scale_init),
-                          .growth_factor = static_cast<float>(options.loss_scale_growth_factor),
-                          .backoff_factor = static_cast<float>(options.loss_scale_backoff_factor),
-                          .growth_interval = options.loss_scale_growth_interval,
-                          .min_scale = static_cast<float>(options.loss_scale_min),
-                          .max_scale = static_cast<float>(options.loss_scale_max)};
+  return LossScalerConfig{.init_scale = static_cast<float>(options.loss_scale.init),
+                          .growth_factor = static_cast<float>(options.loss_scale.growth_factor),
+                          .backoff_factor = static_cast<float>(options.loss_scale.backoff_factor),
+                          .growth_interval = options.loss_scale.growth_interval,
+                          .min_scale = static_cast<float>(options.loss_scale.min),
+                          .max_scale = static_cast<float>(options.loss_scale.max)};
 }
 
 int NumStates(const OptimizerConfig& config) {

@@ -49,7 +49,7 @@
 
 namespace strata::optim {
 
-enum class OptimizerKind : uint8_t { kAdamW, kAdam, kSgd };
+using strata::OptimizerKind;
 std::string_view OptimizerKindName(OptimizerKind kind);
 // "adamw", "adam", "sgd".
 Result<OptimizerKind> ParseOptimizerKind(std::string_view name);

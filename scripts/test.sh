@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
+python3 scripts/check_layers.py  # every #include within its layer (docs/design.md, "Layers")
 
 build_dir=build
 cmake_args=()

@@ -93,7 +93,7 @@ bool CudaDeviceAvailable();
 // NotSupported when built without CUDA or no device is present.
 Result<std::unique_ptr<Device>> CreateCudaDevice(int device_index, size_t capacity_bytes);
 
-// Picks the backend named by options.device_backend (kAuto: CUDA if available).
+// Picks the backend named by options.device.backend (kAuto: CUDA if available).
 Result<std::unique_ptr<Device>> CreateDevice(const Options& options);
 
 }  // namespace strata

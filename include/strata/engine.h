@@ -39,7 +39,7 @@ namespace strata {
 // faults through the seams.
 struct EngineSeams {
   std::unique_ptr<Device> device;    // null: CreateDevice(options)
-  std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme_dirs (if any)
+  std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme.dirs (if any)
   // The data-parallel group this engine is one rank of (borrowed: it must
   // outlive the engine; null: a single rank). With more than one rank,
   // Create checks that every rank has the same options (but device.index,

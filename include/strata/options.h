@@ -23,85 +23,94 @@ enum class DeviceBackendKind : uint8_t {
   kEmulated,  // host memory standing in for HBM
   kCuda,
 };
+enum class OptimizerKind : uint8_t { kAdamW, kAdam, kSgd };
+enum class LossScaleMode : uint8_t { kAuto, kDynamic, kOff };  // auto: dynamic for fp16, else off
+enum class PlacementPolicy : uint8_t { kAdaptive, kStatic };
+enum class CommBackendKind : uint8_t { kAuto, kHost, kNccl };
+enum class ReduceDType : uint8_t { kGrad, kFloat32 };  // the grad chunk's dtype, or fp32
 
-enum class LogLevel : uint8_t { kDebug, kInfo, kWarning, kError, kOff };
+// One struct per section of keys; the key of each field is in its comment.
+struct DeviceOptions {
+  DeviceBackendKind backend = DeviceBackendKind::kAuto;  // device.backend
+  int index = 0;                                         // device.index (CUDA ordinal)
+  size_t budget_bytes = size_t{1} << 30;                 // device.budget
+  double emulated_bandwidth_gbps = 0.0;                  // device.emulated_bandwidth_gbps; 0 = memory speed
+  uint32_t copy_timeout_ms = 60'000;                     // device.copy_timeout_ms
+};
 
+struct HostOptions {
+  size_t budget_bytes = size_t{4} << 30;  // host.budget
+  bool numa_local = true;                 // host.numa_local
+  bool huge_pages = true;                 // host.huge_pages
+};
+
+struct NvmeOptions {
+  std::vector<std::string> dirs;              // nvme.dirs: one per drive, striped; empty = no NVMe tier
+  size_t capacity_bytes = size_t{8} << 30;    // nvme.capacity, all dirs together
+  size_t block_size_bytes = size_t{1} << 20;  // nvme.block_size: one I/O request
+  uint32_t queue_depth = 32;                  // nvme.queue_depth
+  bool allow_buffered_io = false;             // nvme.allow_buffered_io
+  uint32_t io_timeout_ms = 30'000;            // nvme.io_timeout_ms
+  bool sqpoll = false;                        // nvme.sqpoll
+};
+
+struct ChunkOptions {
+  size_t size_elems = 0;                       // chunk.size_elems; 0 = search
+  size_t search_min_elems = size_t{1} << 20;   // chunk.search_min_elems
+  size_t search_max_elems = size_t{1} << 26;   // chunk.search_max_elems
+};
+
+struct OptimizerOptions {
+  OptimizerKind kind = OptimizerKind::kAdamW;  // optimizer.kind
+  double lr = 1e-3;                            // optimizer.lr
+  double beta1 = 0.9;                          // optimizer.beta1 (Adam)
+  double beta2 = 0.999;                        // optimizer.beta2 (Adam)
+  double eps = 1e-8;                           // optimizer.eps (Adam)
+  double weight_decay = 0.0;                   // optimizer.weight_decay
+  double momentum = 0.0;                       // optimizer.momentum (SGD)
+  double dampening = 0.0;                      // optimizer.dampening (SGD)
+  bool nesterov = false;                       // optimizer.nesterov (SGD)
+  double max_grad_norm = 0.0;                  // optimizer.max_grad_norm; 0 = no clipping
+  size_t stream_ring_bytes = size_t{512} << 20;  // optimizer.stream_ring: host ring NVMe states stream through
+};
+
+struct LossScaleOptions {
+  LossScaleMode mode = LossScaleMode::kAuto;  // loss_scale.mode
+  double init = 65536.0;                      // loss_scale.init
+  double growth_factor = 2.0;                 // loss_scale.growth_factor
+  double backoff_factor = 0.5;                // loss_scale.backoff_factor
+  uint32_t growth_interval = 2000;            // loss_scale.growth_interval (good steps)
+  double min = 1.0;                           // loss_scale.min
+  double max = 16777216.0;                    // loss_scale.max
+};
+
+struct PlacementOptions {
+  PlacementPolicy policy = PlacementPolicy::kAdaptive;  // placement.policy
+  double device_params = 0.5;  // placement.device_params (static): share of param+grad chunks kept on the device
+  double host_states = 1.0;    // placement.host_states (static): share of optimizer states homed on the host
+};
+
+struct DataParallelOptions {
+  uint32_t timeout_ms = 60'000;                  // comm.timeout_ms
+  bool shard_params = false;                     // comm.shard_params (ZeRO-3)
+  CommBackendKind backend = CommBackendKind::kAuto;  // comm.backend
+  ReduceDType reduce_dtype = ReduceDType::kGrad;     // comm.reduce_dtype
+};
+
+// Every setting of the engine. The meaning, unit and allowed values of each
+// key are in OptionDocs() (`strata options`).
 struct Options {
-  // --- device tier -------------------------------------------------------
-  DeviceBackendKind device_backend = DeviceBackendKind::kAuto;  // key device.backend
-  int cuda_device_index = 0;                                     // key device.index
-  size_t device_budget_bytes = size_t{1} << 30;                  // key device.budget
-  // Imitates a PCIe link on the emulated device; 0 = copy at memory speed.
-  double device_emulated_bandwidth_gbps = 0.0;  // key device.emulated_bandwidth_gbps
-  uint32_t device_copy_timeout_ms = 60'000;     // key device.copy_timeout_ms
-
-  // --- host tier ---------------------------------------------------------
-  size_t host_budget_bytes = size_t{4} << 30;  // key host.budget
-  bool host_numa_local = true;                 // key host.numa_local
-  bool host_huge_pages = true;                 // key host.huge_pages
-
-  // --- nvme tier ---------------------------------------------------------
-  // Directories (one per drive); slots are striped across them. Empty: no NVMe tier.
-  std::vector<std::string> nvme_dirs;              // key nvme.dirs
-  size_t nvme_capacity_bytes = size_t{8} << 30;    // key nvme.capacity (all dirs together)
-  size_t nvme_block_size_bytes = size_t{1} << 20;  // key nvme.block_size (one I/O request)
-  uint32_t nvme_queue_depth = 32;                  // key nvme.queue_depth
-  bool nvme_allow_buffered_io = false;             // key nvme.allow_buffered_io
-  uint32_t nvme_io_timeout_ms = 30'000;            // key nvme.io_timeout_ms
-  bool nvme_sqpoll = false;                        // key nvme.sqpoll
-
-  // --- chunks ------------------------------------------------------------
-  size_t chunk_size_elems = 0;                    // key chunk.size_elems; 0 = search
-  size_t chunk_search_min_elems = size_t{1} << 20;  // key chunk.search_min_elems
-  size_t chunk_search_max_elems = size_t{1} << 26;  // key chunk.search_max_elems
-  DType compute_dtype = DType::kFloat32;          // key precision
-
-  // --- optimizer (optim/optimizer.h; OptimizerConfigFromOptions) ----------
-  std::string optimizer_kind = "adamw";   // key optimizer.kind: adamw, adam (L2 decay) or sgd
-  double optimizer_lr = 1e-3;             // key optimizer.lr
-  double optimizer_beta1 = 0.9;           // key optimizer.beta1 (Adam)
-  double optimizer_beta2 = 0.999;         // key optimizer.beta2 (Adam)
-  double optimizer_eps = 1e-8;            // key optimizer.eps (Adam)
-  double optimizer_weight_decay = 0.0;    // key optimizer.weight_decay
-  double optimizer_momentum = 0.0;        // key optimizer.momentum (SGD)
-  double optimizer_dampening = 0.0;       // key optimizer.dampening (SGD)
-  bool optimizer_nesterov = false;        // key optimizer.nesterov (SGD)
-  double optimizer_max_grad_norm = 0.0;   // key optimizer.max_grad_norm; 0 = no clipping
-  // Host memory of the ring NVMe-resident states stream through.
-  size_t optimizer_stream_ring_bytes = size_t{512} << 20;  // key optimizer.stream_ring
-  // --- loss scaling (optim/loss_scaler.h) -------------------------------
-  std::string loss_scale_mode = "auto";         // key loss_scale.mode: auto (dynamic for fp16), dynamic, off
-  double loss_scale_init = 65536.0;             // key loss_scale.init
-  double loss_scale_growth_factor = 2.0;        // key loss_scale.growth_factor
-  double loss_scale_backoff_factor = 0.5;       // key loss_scale.backoff_factor
-  uint32_t loss_scale_growth_interval = 2000;   // key loss_scale.growth_interval (good steps)
-  double loss_scale_min = 1.0;                  // key loss_scale.min
-  double loss_scale_max = 16777216.0;           // key loss_scale.max
-  // --- placement (offload/pipeline.h, Engine::Finalize) -------------------
-  // adaptive: homes by size (params and grads first), the planner moves
-  // chunks from the warm-up trace. static: fixed fractions, no planning.
-  std::string placement_policy = "adaptive";  // key placement.policy: adaptive or static
-  double placement_device_params = 0.5;       // key placement.device_params (static): share of param+grad chunks kept on the device
-  double placement_host_states = 1.0;         // key placement.host_states (static): share of optimizer states homed on the host
-  // --- data parallelism (strata/comm.h) ----------------------------------
-  // A collective waiting longer than this for its ranks (one died) is a Timeout on every rank that waited.
-  uint32_t comm_timeout_ms = 60'000;  // key comm.timeout_ms
-  // ZeRO-3: each rank keeps 1/W of the parameters too (as its fp32 master
-  // shard; a frozen one's in its own dtype); a param chunk is all-gathered when compute needs it and
-  // dropped when evicted. Off: every rank keeps every parameter, gathered
-  // once after the update (2/3 of ZeRO-3's volume in fp32).
-  bool comm_shard_params = false;  // key comm.shard_params
-  // What carries the collectives (chosen by the launcher's adapter,
-  // python/strata/distributed.py): auto, host or nccl.
-  std::string comm_backend = "auto";  // key comm.backend: auto, host or nccl
-  // The dtype gradients are reduce-scattered in: grad (the grad chunk's, the
-  // compute dtype: ZeRO's volume) or fp32 (twice the bytes under bf16/fp16,
-  // the sums unrounded). 16-bit sums round; fp16 sums can overflow where
-  // their mean would not (the loss scaler then skips the step).
-  std::string comm_reduce_dtype = "grad";  // key comm.reduce_dtype: grad or fp32
-  // --- runtime -----------------------------------------------------------
-  uint32_t transfer_workers = 2;  // key transfer.workers: threads running asynchronous moves
-  LogLevel log_level = LogLevel::kInfo;  // key log.level
+  DeviceOptions device;
+  HostOptions host;
+  NvmeOptions nvme;
+  ChunkOptions chunk;
+  DType compute_dtype = DType::kFloat32;  // precision
+  OptimizerOptions optimizer;
+  LossScaleOptions loss_scale;
+  PlacementOptions placement;
+  DataParallelOptions comm;
+  uint32_t transfer_workers = 2;         // transfer.workers: threads running asynchronous moves
+  LogLevel log_level = LogLevel::kInfo;  // log.level
 };
 
 // One documented key: for `strata options`, the README and error messages.
@@ -128,10 +137,5 @@ Status ValidateOptions(const Options& options);
 // The current value of every key, as text, in OptionDocs() order.
 std::vector<std::pair<std::string, std::string>> DescribeOptions(const Options& options);
 
-// "64MiB", "1.5GiB", "4096", "2GB" -> bytes. Binary (KiB, MiB, GiB, TiB) and
-// decimal (KB, MB, GB, TB) suffixes; plain numbers are bytes.
-Result<size_t> ParseSize(std::string_view text);
-// 1536 -> "1.5KiB".
-std::string FormatSize(size_t bytes);
 
 }  // namespace strata

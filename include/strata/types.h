@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <string>
 #include <string_view>
 
 #include "strata/status.h"
@@ -49,6 +50,15 @@ enum class Tier : uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };
 inline constexpr int kNumTiers = 3;
 std::string_view TierName(Tier tier);
 Result<Tier> ParseTier(std::string_view name);
+
+// Severity of a log message, least first; kOff silences all.
+enum class LogLevel : uint8_t { kDebug, kInfo, kWarning, kError, kOff };
+
+// "64MiB", "1.5GiB", "4096", "2GB" -> bytes. Binary (KiB, MiB, GiB, TiB) and
+// decimal (KB, MB, GB, TB) suffixes; plain numbers are bytes.
+Result<size_t> ParseSize(std::string_view text);
+// 1536 -> "1.5KiB".
+std::string FormatSize(size_t bytes);
 
 }  // namespace strata
 

@@ -22,10 +22,10 @@
 #include <thread>
 #include <vector>
 
-#include "offload/checkpoint.h"
-#include "offload/interchange.h"
-#include "offload/pipeline.h"
-#include "offload/train_step.h"
+#include "offload/persist/checkpoint.h"
+#include "offload/persist/safetensors.h"
+#include "offload/schedule/pipeline.h"
+#include "offload/training/train_step.h"
 #include "optim/optimizer.h"
 #include "strata/buffer.h"
 #include "strata/comm.h"

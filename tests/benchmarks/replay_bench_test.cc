@@ -2,7 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "src/selftest.h"
+#include "tools/selftest.h"
 #include "test_util.h"
 
 namespace strata::bench {
@@ -49,7 +49,7 @@ ReplayBenchConfig TwoRanks(uint32_t layers, uint32_t hidden, uint64_t& params) {
   config.ranks = 2;
   config.baseline = false;
   params = 0;
-  for (const TensorSpec& spec : GptTensorSpecs({.layers = layers, .hidden = hidden, .vocab = 512, .sequence = 32},
+  for (const TensorSpec& spec : offload::GptTensorSpecs({.layers = layers, .hidden = hidden, .vocab = 512, .sequence = 32},
                                                DType::kBFloat16)) {
     if (spec.trainable) params += static_cast<uint64_t>(spec.num_elements());
   }

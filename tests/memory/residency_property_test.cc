@@ -49,20 +49,20 @@ class PropertyRun {
   void Run(int steps) {
     Model model = RandomModel(rng_);
     Options options;
-    options.device_backend = DeviceBackendKind::kEmulated;
-    options.chunk_size_elems = rng() % 2 ? 0 : 1024 + rng() % 8192;
-    options.chunk_search_min_elems = 512;
-    options.chunk_search_max_elems = 16384;
-    options.nvme_dirs = {dir_.path()};
+    options.device.backend = DeviceBackendKind::kEmulated;
+    options.chunk.size_elems = rng() % 2 ? 0 : 1024 + rng() % 8192;
+    options.chunk.search_min_elems = 512;
+    options.chunk.search_max_elems = 16384;
+    options.nvme.dirs = {dir_.path()};
     options.log_level = LogLevel::kWarning;
 
     // Size the tiers from the layout: first build a probe engine with generous budgets.
     uint64_t total = 0, largest = 0;
     {
       Options probe_options = options;
-      probe_options.nvme_dirs.clear();
-      probe_options.host_budget_bytes = size_t{1} << 30;
-      probe_options.device_budget_bytes = size_t{1} << 30;
+      probe_options.nvme.dirs.clear();
+      probe_options.host.budget_bytes = size_t{1} << 30;
+      probe_options.device.budget_bytes = size_t{1} << 30;
       ASSERT_OK_AND_ASSIGN(auto probe, Engine::Create(probe_options));
       for (const TensorSpec& spec : model.tensors) ASSERT_OK(probe->RegisterTensor(spec).status());
       ASSERT_OK(probe->Finalize());
@@ -71,12 +71,12 @@ class PropertyRun {
         largest = std::max(largest, chunk.size_bytes);
       }
     }
-    options.device_budget_bytes = std::max<uint64_t>(2 * largest, total / 10);
-    options.host_budget_bytes = std::max<uint64_t>(2 * largest, total / 5);
-    options.nvme_capacity_bytes = 2 * total + 4 * largest;
+    options.device.budget_bytes = std::max<uint64_t>(2 * largest, total / 10);
+    options.host.budget_bytes = std::max<uint64_t>(2 * largest, total / 5);
+    options.nvme.capacity_bytes = 2 * total + 4 * largest;
     std::printf("[ model    ] %zu tensors, %s of chunks, device %s, host %s\n", model.tensors.size(),
-                FormatSize(total).c_str(), FormatSize(options.device_budget_bytes).c_str(),
-                FormatSize(options.host_budget_bytes).c_str());
+                FormatSize(total).c_str(), FormatSize(options.device.budget_bytes).c_str(),
+                FormatSize(options.host.budget_bytes).c_str());
 
     ASSERT_OK_AND_ASSIGN(engine_, Engine::Create(options));
     for (const TensorSpec& spec : model.tensors) ASSERT_OK(engine_->RegisterTensor(spec).status());

@@ -7,7 +7,7 @@
 #include <optional>
 #include <thread>
 
-#include "memory/residency_fixture.h"
+#include "tests/memory/residency_fixture.h"
 
 namespace strata::memory {
 namespace {

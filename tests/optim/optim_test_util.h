@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "optim/half.h"
+#include "src/base/half.h"
 #include "optim/optimizer.h"
 #include "test_util.h"
 

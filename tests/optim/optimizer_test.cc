@@ -5,7 +5,7 @@
 #include <vector>
 
 #include "optim/loss_scaler.h"
-#include "optim_test_util.h"
+#include "tests/optim/optim_test_util.h"
 
 namespace strata::optim {
 namespace {

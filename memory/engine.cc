@@ -1,0 +1,421 @@
+#include "strata/engine.h"
+
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <unordered_set>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "memory/chunk_layout.h"
+#include "memory/residency.h"
+#include "memory/tier_pool.h"
+#include "src/base/logging.h"
+
+namespace strata {
+
+struct Engine::Impl {
+  Options options;
+  std::unique_ptr<Device> device;
+  std::unique_ptr<Storage> storage;  // null without an NVMe tier
+  std::unique_ptr<memory::MemoryTierPool> device_pool;
+  std::unique_ptr<memory::MemoryTierPool> host_pool;
+  std::unique_ptr<memory::NvmeTierPool> nvme_pool;
+  std::vector<TensorSpec> tensors;
+  std::unordered_set<std::string> tensor_names;
+  std::optional<memory::ChunkLayout> layout;
+  std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
+  uint64_t host_staging_bytes = 0;                      // set by Finalize
+  Communicator* comm = nullptr;                         // the data-parallel group, or null
+
+  Status CheckFinalized(std::string_view what) const {
+    if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
+    return Status::Ok();
+  }
+  Status CheckChunk(ChunkId id) const {
+    STRATA_RETURN_IF_ERROR(CheckFinalized("chunk access"));
+    if (id.value() >= layout->chunks().size()) {
+      return InvalidArgument("chunk {} does not exist: there are {} chunks", id.value(), layout->chunks().size());
+    }
+    return Status::Ok();
+  }
+};
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Engine::~Engine() {
+  if (impl_ == nullptr) return;
+  // Order matters: handles and moves go before the pools they use, pools
+  // before the backends that gave them memory.
+  impl_->residency.reset();
+  impl_->nvme_pool.reset();
+  impl_->host_pool.reset();
+  impl_->device_pool.reset();
+  impl_->storage.reset();
+  impl_->device.reset();
+}
+
+namespace {
+
+// The options every rank of a group must share: all but those that name
+// this rank's own resources (its GPU, its drives) or its logging.
+std::string RankIndependentOptions(const Options& options) {
+  std::string text;
+  for (const auto& [key, value] : DescribeOptions(options)) {
+    if (key == "device.index" || key == "nvme.dirs" || key == "log.level") continue;
+    text += key + "=" + value + "\n";
+  }
+  return text;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSeams seams) {
+  STRATA_RETURN_IF_ERROR(ValidateOptions(options));
+  SetLogLevel(options.log_level);
+  SetHugePagesEnabled(options.host.huge_pages);
+  auto impl = std::make_unique<Impl>();
+  impl->options = options;
+  impl->comm = seams.comm;
+  std::vector<std::string> nvme_dirs = options.nvme.dirs;
+  if (seams.comm != nullptr && seams.comm->world_size() > 1) {
+    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
+    for (std::string& dir : nvme_dirs) {
+      // Only the rank's own level is created: a drive that is not mounted
+      // stays an error, not a directory on whatever is below it.
+      if (!std::filesystem::is_directory(dir)) {
+        return IoError("nvme.dirs: {} is not a directory: create it (a directory on the drive) first", dir);
+      }
+      dir = (std::filesystem::path(dir) / fmt::format("rank{}", seams.comm->rank())).string();
+      std::error_code error;
+      std::filesystem::create_directory(dir, error);
+      if (error) return IoError("nvme.dirs: cannot create this rank's directory {}: {}", dir, error.message());
+    }
+  }
+
+  if (seams.device) {
+    impl->device = std::move(seams.device);
+  } else {
+    STRATA_ASSIGN_OR_RETURN(impl->device, CreateDevice(options));
+  }
+  if (seams.storage) {
+    impl->storage = std::move(seams.storage);
+  } else if (!options.nvme.dirs.empty()) {
+    UringStorageOptions storage_options;
+    storage_options.dirs = nvme_dirs;
+    storage_options.capacity_bytes = options.nvme.capacity_bytes;
+    storage_options.block_size_bytes = options.nvme.block_size_bytes;
+    storage_options.queue_depth = options.nvme.queue_depth;
+    storage_options.allow_buffered_io = options.nvme.allow_buffered_io;
+    storage_options.io_timeout_ms = options.nvme.io_timeout_ms;
+    storage_options.sqpoll = options.nvme.sqpoll;
+    STRATA_ASSIGN_OR_RETURN(impl->storage, CreateUringStorage(storage_options));
+  }
+
+  STRATA_ASSIGN_OR_RETURN(impl->device_pool,
+                          memory::MemoryTierPool::CreateDevice(*impl->device, options.device.budget_bytes));
+  // Host chunks go on the NUMA node nearest the device when asked (hwloc
+  // finds the GPU's node; a one-node machine has nothing to choose).
+  int numa_node = options.host.numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
+  STRATA_ASSIGN_OR_RETURN(impl->host_pool,
+                          memory::MemoryTierPool::CreateHost(*impl->device, options.host.budget_bytes, numa_node));
+  if (impl->storage) {
+    impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);
+    // Host <-> NVMe moves read and write the host arena: let the kernel keep it mapped.
+    const Buffer& arena = impl->host_pool->arena();
+    STRATA_RETURN_IF_ERROR(impl->storage->RegisterBuffer(arena.data(), arena.size_bytes()));
+  }
+
+  auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
+  STRATA_LOG_DEBUG("engine created: {}", engine->DescribeBackends());
+  return engine;
+}
+
+Result<TensorId> Engine::RegisterTensor(const TensorSpec& spec) {
+  if (impl_->residency) {
+    return InvalidArgument("tensor '{}': cannot register after Finalize(): register every tensor first", spec.name);
+  }
+  if (spec.name.empty()) return InvalidArgument("a tensor needs a name (tensor {} has none)", impl_->tensors.size());
+  for (size_t d = 0; d < spec.shape.size(); ++d) {
+    if (spec.shape[d] <= 0) {
+      return InvalidArgument("tensor '{}': dimension {} is {}; every dimension must be > 0", spec.name, d,
+                             spec.shape[d]);
+    }
+  }
+  if (!impl_->tensor_names.insert(spec.name).second) {
+    return InvalidArgument("tensor '{}' is registered already: names must be unique", spec.name);
+  }
+  impl_->tensors.push_back(spec);
+  return TensorId(static_cast<uint32_t>(impl_->tensors.size() - 1));
+}
+
+bool Engine::finalized() const { return impl_->residency != nullptr; }
+
+uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; }
+
+Status Engine::Finalize() {
+  if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
+  const Options& o = impl_->options;
+  if (impl_->comm != nullptr && impl_->comm->world_size() > 1) {
+    std::string model;
+    for (const TensorSpec& t : impl_->tensors) {
+      model += fmt::format("{}:{}:{}:{}:{};", t.name, fmt::join(t.shape, "x"), DTypeName(t.dtype), t.trainable, t.module);
+    }
+    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*impl_->comm, "registered tensors", model));
+  }
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
+                          memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, o.chunk.search_min_elems,
+                                                     o.chunk.search_max_elems,
+                                                     {rank(), world_size(), o.comm.shard_params}));
+
+  // Homes: params and grads, then optimizer states; host while it has room,
+  // then NVMe (memory::AssignHomes). The device tier is a cache of what
+  // compute touches, so no chunk calls it home. When some chunks must live
+  // on NVMe, part of the host tier stays free of homes: room for NVMe-homed
+  // states read ahead of their CPU update.
+  const uint64_t host_capacity = impl_->host_pool->usage().capacity_bytes;
+  const uint64_t nvme_capacity = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
+  const uint64_t total_bytes = layout.report().total_bytes;
+  const memory::HostReserve reserve =
+      memory::HostReserveFor(layout, host_capacity, nvme_capacity, o.optimizer.stream_ring_bytes);
+  impl_->host_staging_bytes = reserve.staging_bytes;
+  // The static policy homes a fixed share of the optimizer states on the host.
+  const bool fixed = o.placement.policy == PlacementPolicy::kStatic;
+  uint64_t state_bytes = 0, largest_state_chunk = 0;
+  for (const memory::ChunkDesc& chunk : layout.chunks()) {
+    if (!memory::IsStateChunk(chunk)) continue;
+    state_bytes += chunk.size_bytes();
+    largest_state_chunk = std::max(largest_state_chunk, chunk.size_bytes());
+  }
+  const uint64_t host_state_share =
+      static_cast<uint64_t>(o.placement.host_states * static_cast<double>(state_bytes));
+  const std::vector<std::optional<Tier>> assigned =
+      memory::AssignHomes(layout.chunks(), host_capacity - reserve.reserved_bytes, nvme_capacity,
+                          fixed ? host_state_share : std::numeric_limits<uint64_t>::max());
+  uint64_t largest_chunk = 0;
+  std::vector<Tier> homes;
+  for (size_t i = 0; i < assigned.size(); ++i) {
+    largest_chunk = std::max(largest_chunk, layout.chunks()[i].size_bytes());
+    if (!assigned[i]) {
+      return OutOfMemory(
+          "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
+          "(nvme.capacity{}): raise a budget or add nvme.dirs{}",
+          FormatSize(total_bytes), layout.chunks().size(), FormatSize(host_capacity),
+          reserve.reserved_bytes > 0
+              ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(reserve.reserved_bytes))
+              : "",
+          FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured",
+          fixed ? fmt::format(", or raise placement.host_states ({}: the rest of the states go to NVMe)",
+                              o.placement.host_states)
+                : std::string());
+    }
+    homes.push_back(*assigned[i]);
+  }
+  if (fixed) {
+    uint64_t host_states = 0;
+    for (size_t i = 0; i < homes.size(); ++i) {
+      if (homes[i] == Tier::kHost && memory::IsStateChunk(layout.chunks()[i])) {
+        host_states += layout.chunks()[i].size_bytes();
+      }
+    }
+    if (host_states + largest_state_chunk < host_state_share) {
+      return OutOfMemory(
+          "placement.host_states {} asks for {} of the {} of optimizer states in host memory, but host.budget {} "
+          "holds only {} of them beside the params and grads{}: raise host.budget or lower placement.host_states",
+          o.placement.host_states, FormatSize(host_state_share), FormatSize(state_bytes), FormatSize(host_capacity),
+          FormatSize(host_states),
+          reserve.reserved_bytes > 0 ? fmt::format(" and {} kept for staging", FormatSize(reserve.reserved_bytes))
+                                     : std::string());
+    }
+  }
+  uint64_t largest_transient = 0;
+  for (const memory::ChunkDesc& chunk : layout.chunks()) {
+    if (chunk.transient) largest_transient = std::max(largest_transient, chunk.size_bytes());
+  }
+  const uint64_t device_capacity = impl_->device_pool->usage().capacity_bytes;
+  if ((kKeptGatheredChunks + 2) * largest_transient > device_capacity) {
+    return OutOfMemory(
+        "comm.shard_params: the device tier holds {} (device.budget) but gathered parameters need room for {} of "
+        "the largest param chunk ({} each: {} kept pinned after their gather, and a moment's own): raise "
+        "device.budget, lower chunk.size_elems / chunk.search_max_elems, or turn comm.shard_params off",
+        FormatSize(device_capacity), kKeptGatheredChunks + 2, FormatSize(largest_transient), kKeptGatheredChunks);
+  }
+  if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
+    return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
+                       "or lower chunk.size_elems / chunk.search_max_elems",
+                       FormatSize(largest_chunk), FormatSize(impl_->device_pool->usage().capacity_bytes));
+  }
+
+  memory::ResidencyConfig config;
+  config.device = impl_->device.get();
+  config.device_pool = impl_->device_pool.get();
+  config.host_pool = impl_->host_pool.get();
+  config.nvme_pool = impl_->nvme_pool.get();
+  config.transfer_workers = o.transfer_workers;
+  config.wait_timeout_ms = std::max(o.device.copy_timeout_ms, o.nvme.io_timeout_ms);
+  impl_->residency = std::make_unique<memory::ResidencyManager>(config, layout.chunks());
+  for (size_t i = 0; i < homes.size(); ++i) impl_->residency->SetHome(ChunkId(static_cast<uint32_t>(i)), homes[i]);
+  impl_->layout = std::move(layout);
+  const memory::LayoutReport& r = impl_->layout->report();
+  STRATA_LOG_INFO("finalized {} tensors into {} chunks ({} groups, chunk size {} elements{}, padding waste {:.2f}%, {})",
+                  impl_->tensors.size(), impl_->layout->chunks().size(), impl_->layout->groups().size(),
+                  r.chunk_size_elems, r.searched ? " searched" : "", 100 * r.waste_fraction(),
+                  FormatSize(r.total_bytes));
+  return Status::Ok();
+}
+
+Result<TensorAccess> Engine::Access(TensorId tensor, ChunkKind kind, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckFinalized("tensor access"));
+  if (tensor.value() >= impl_->tensors.size()) {
+    return InvalidArgument("tensor {} does not exist: {} tensors are registered", tensor.value(),
+                           impl_->tensors.size());
+  }
+  std::optional<ChunkId> chunk = impl_->layout->ChunkOf(tensor, kind);
+  const TensorSpec& spec = impl_->tensors[tensor.value()];
+  if (!chunk) {
+    return InvalidArgument("tensor '{}' has no {} copy ({})", spec.name, ChunkKindName(kind),
+                           spec.trainable ? "its params are fp32, so params are the master copy" : "it is frozen");
+  }
+  const memory::TensorPlacement& place = impl_->layout->placement(tensor);
+  const memory::ChunkDesc& desc = impl_->layout->chunk(*chunk);
+  if (place.offset_elems < desc.shard_begin_elems ||
+      place.offset_elems + place.num_elems > desc.shard_begin_elems + desc.used_elems) {
+    return InvalidArgument(
+        "tensor '{}': its {} copy is sharded across {} ranks and rank {} holds elements [{}, {}) of chunk group {}, "
+        "not all of the tensor's [{}, {}): access the chunk (AccessChunk) for this rank's shard",
+        spec.name, ChunkKindName(kind), world_size(), rank(), desc.shard_begin_elems,
+        desc.shard_begin_elems + desc.used_elems, desc.group, place.offset_elems, place.offset_elems + place.num_elems);
+  }
+  STRATA_ASSIGN_OR_RETURN(ChunkAccess access, impl_->residency->Access(*chunk, tier));
+  size_t element = DTypeSizeBytes(desc.dtype);
+  return TensorAccess(std::move(access), (place.offset_elems - desc.shard_begin_elems) * element,
+                      place.num_elems * element, desc.dtype);
+}
+
+Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Access(chunk, tier);
+}
+
+Result<std::optional<uint64_t>> Engine::FillChunkIfOn(ChunkId chunk, Tier tier,
+                                                      const std::function<Status(void*)>& fill) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->FillIfOn(chunk, tier, [&](std::byte* data) { return fill(data); });
+}
+
+Status Engine::MoveChunk(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Move(chunk, tier);
+}
+
+Status Engine::MoveChunkIfOn(ChunkId chunk, Tier from, Tier to) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->MoveIfOn(chunk, from, to);
+}
+
+std::shared_future<Status> Engine::MoveChunkAsync(ChunkId chunk, Tier tier) {
+  Status valid = impl_->CheckChunk(chunk);
+  if (!valid.ok()) {
+    std::promise<Status> failed;
+    failed.set_value(valid);
+    return failed.get_future().share();
+  }
+  return impl_->residency->MoveAsync(chunk, tier);
+}
+
+Status Engine::ReadChunk(ChunkId chunk, void* dst) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->ReadChunk(chunk, static_cast<std::byte*>(dst));
+}
+
+Result<std::optional<HostBytes>> Engine::PeekHostChunk(ChunkId chunk) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->PeekHost(chunk);
+}
+
+Result<uint64_t> Engine::ChunkGeneration(ChunkId chunk) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->Generation(chunk);
+}
+
+Status Engine::WriteChunk(ChunkId chunk, const void* src) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->WriteChunk(chunk, static_cast<const std::byte*>(src));
+}
+
+Status Engine::OffloadAll() {
+  STRATA_RETURN_IF_ERROR(impl_->CheckFinalized("OffloadAll"));
+  return impl_->residency->MoveAllHome();
+}
+
+Result<Tier> Engine::ChunkTier(ChunkId chunk) const {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  std::optional<Tier> tier = impl_->residency->tier(chunk);
+  if (!tier) return InvalidArgument("chunk {} is free: it has no payload until it is first accessed or moved", chunk.value());
+  return *tier;
+}
+
+Result<Tier> Engine::ChunkHome(ChunkId chunk) const {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->home(chunk);
+}
+
+std::optional<ChunkId> Engine::ChunkOf(TensorId tensor, ChunkKind kind) const {
+  if (!impl_->layout || tensor.value() >= impl_->tensors.size()) return std::nullopt;
+  return impl_->layout->ChunkOf(tensor, kind);
+}
+
+const Options& Engine::options() const { return impl_->options; }
+int Engine::rank() const { return impl_->comm != nullptr ? impl_->comm->rank() : 0; }
+int Engine::world_size() const { return impl_->comm != nullptr ? impl_->comm->world_size() : 1; }
+const std::vector<TensorSpec>& Engine::tensors() const { return impl_->tensors; }
+
+std::vector<ChunkInfo> Engine::chunks() const {
+  std::vector<ChunkInfo> infos;
+  if (!impl_->layout) return infos;
+  for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
+    size_t element = DTypeSizeBytes(c.dtype);
+    ChunkInfo info{c.id, c.kind, c.dtype, c.group, c.size_bytes(), c.used_elems * element,
+                   impl_->layout->groups()[c.group].tensors, {}, c.shard_begin_elems * element, c.sharded, c.transient};
+    for (TensorId tensor : info.tensors) {
+      info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
+    }
+    infos.push_back(std::move(info));
+  }
+  return infos;
+}
+
+LayoutSummary Engine::layout() const {
+  LayoutSummary summary;
+  if (!impl_->layout) return summary;
+  const memory::LayoutReport& r = impl_->layout->report();
+  summary.chunk_size_elems = r.chunk_size_elems;
+  summary.chunk_size_searched = r.searched;
+  summary.padding_waste_fraction = r.waste_fraction();
+  summary.total_bytes = r.total_bytes;
+  summary.chunks_of_kind = r.chunks_of_kind;
+  summary.num_groups = impl_->layout->groups().size();
+  return summary;
+}
+
+MemoryStats Engine::stats() const {
+  if (impl_->residency) return impl_->residency->stats();
+  MemoryStats stats;
+  stats.tier_present = {true, true, impl_->nvme_pool != nullptr};
+  stats.tiers[0] = impl_->device_pool->usage();
+  stats.tiers[1] = impl_->host_pool->usage();
+  if (impl_->nvme_pool) stats.tiers[2] = impl_->nvme_pool->usage();
+  return stats;
+}
+
+Device& Engine::device() { return *impl_->device; }
+
+std::string Engine::DescribeBackends() const {
+  return fmt::format("device: {}; host: {} pinned; nvme: {}{}", impl_->device->Describe(),
+                     FormatSize(impl_->host_pool->usage().capacity_bytes),
+                     impl_->storage ? impl_->storage->Describe() : "none (option nvme.dirs)",
+                     impl_->comm != nullptr ? "; " + impl_->comm->Describe() : "");
+}
+
+}  // namespace strata

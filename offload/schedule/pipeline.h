@@ -1,0 +1,162 @@
+// The prefetch pipeline: runs training iterations over the engine's chunks
+// with a plan, so that chunks arrive on the device before they are needed.
+//
+//   pipeline->BeginIteration();
+//   for each module, forward and backward:
+//     pipeline->BeginMoment(activation_bytes);
+//     ChunkAccess w = pipeline->Access(chunk);  // on the device; waits only for this chunk
+//     ... compute ...
+//     pipeline->EndMoment();
+//   pipeline->EndIteration();
+//
+// The first iteration (warm-up) runs on demand and records the trace: the
+// chunks of each moment, the non-model memory the caller reports, the compute
+// time (the moment's duration less its waits), and the links' bandwidths.
+// At its end the planner (offload/planner.h) builds the plan; a replayed
+// iteration that measures a link more than 25% off the plan's figure has the
+// plan made again with it. Later iterations replay it: at the start of each
+// moment the planned evictions and fetches for that moment are queued, and
+// they run on queues of the pipeline's own, in parallel: NVMe reads
+// (staging an NVMe-homed chunk on the host), device->host (evictions, on to
+// NVMe for NVMe-homed chunks) and host->device (a fetch, after its victims
+// are off the device and its staging is done). An access waits only for its
+// own chunk's transfer, and an error of that transfer (a failed NVMe read)
+// is returned by the access that needs the chunk; a transfer that found no
+// room on its tier (free space in pieces around chunks in use) moved
+// nothing and is made again by the access, on demand.
+//
+// Host moments (CPU optimizer updates): a host-homed chunk they need goes to
+// the host right after its last use on the device; NVMe-homed ones are read
+// ahead on a queue of their own as the plan says, within the staging memory
+// (Engine::host_staging_bytes, kept at run time too), and written back on a
+// fifth queue (NVMe writes) when the moment ends. The plan may run an update
+// on the device instead (BeginHostMoment says where). The first moment of a
+// replayed iteration waits for the evictions that put the device as the plan
+// has it when an iteration begins.
+//
+// Divergence: an access the plan does not have at that moment (evaluation,
+// dynamic control flow, recomputation), or a different number of moments,
+// stops the plan for the rest of the iteration (on-demand from there, no
+// error), is counted, and the next iteration records a new trace.
+//
+// Policies (PipelineOptions::policy, option placement.policy):
+//   adaptive  — the above;
+//   static    — no trace, no plan: a fixed share of the param and grad chunks
+//               (placement.device_params, by bytes in model order) stays on
+//               the device for the whole run (a host moment takes one to the
+//               host and EndMoment brings it back); every other chunk moves
+//               on demand; NVMe-homed chunks of host moments are written
+//               back after them. The same moves every iteration;
+//   on demand — every chunk on demand with the residency manager's
+//               least-recently-used eviction (the baseline of `strata bench replay`).
+//
+// Ownership: borrows the engine (which must outlive it). Thread-safety: the
+// Begin/Access/End calls come from one thread (the training loop); the
+// queues are the pipeline's own threads.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "offload/schedule/planner.h"
+#include "strata/access.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+enum class Policy : uint8_t { kAdaptive, kStatic, kOnDemand };
+std::string_view PolicyName(Policy policy);
+
+struct PipelineOptions {
+  Policy policy = Policy::kAdaptive;
+  double static_device_params = 0.5;  // kStatic: share of param and grad chunk bytes kept on the device
+  // Link bandwidths for the plan; a link with 0 is measured in the warm-up
+  // iteration (the engine's link statistics), or assumed if nothing moved
+  // over it (25 GB/s for host<->device, 3 GB/s read and 2 GB/s write for NVMe).
+  LinkBandwidths links{.bytes_per_second = {0, 0, 0, 0}};
+  // Device memory the plan may fill (chunks and non-model memory): 0 = the
+  // engine's device.budget.
+  uint64_t device_bytes = 0;
+  uint32_t wait_timeout_ms = 60'000;  // an access waiting for its chunk
+  // Host memory the plan may fill with NVMe-homed chunks read ahead of a
+  // host moment: 0 = what the engine keeps free for it
+  // (Engine::host_staging_bytes; with 0 there each is read when its moment begins).
+  uint64_t host_staging_bytes = 0;
+};
+
+struct PipelineStats {
+  uint64_t iterations = 0;
+  uint64_t planned_iterations = 0;  // replayed with a plan to the end
+  uint64_t recordings = 0;          // iterations that recorded a trace
+  uint64_t divergences = 0;
+  uint64_t plan_failures = 0;       // a trace the planner refused (the iteration after runs on demand)
+  uint64_t replans = 0;             // plans made again because a link's measured bandwidth drifted
+  std::string plan_error;           // why the planner refused the last trace (empty: it did not)
+  double planning_seconds = 0;      // the last plan
+  // The last iteration:
+  double step_seconds = 0;
+  double stall_seconds = 0;  // accesses waiting for their chunk
+  uint64_t demand_fetches = 0;  // accesses whose chunk was neither on the device nor on its way
+  uint64_t prefetch_retries = 0;  // planned moves that found no room and were made again at the access
+  uint64_t reconciled = 0;      // chunks moved at the iteration's start to match the plan
+  uint64_t forced_evictions = 0;  // made by the residency manager itself (LRU) to find room
+  std::vector<double> stall_per_moment;
+  // Stall by the link whose transfer an access waited for (a planned fetch:
+  // host->device; a read for a host moment: NVMe read; room or a chunk
+  // leaving the device: device->host; a move on demand: the link it came
+  // over last).
+  std::array<double, kNumLinks> stall_per_link = {};
+  std::array<uint64_t, kNumLinks> bytes = {};  // moved over each link
+  double stall_fraction() const { return step_seconds > 0 ? stall_seconds / step_seconds : 0; }
+};
+
+// The policy and share from placement.policy and placement.device_params;
+// the rest as PipelineOptions' defaults.
+PipelineOptions PipelineOptionsOf(const Options& options);
+
+class Pipeline {
+ public:
+  // InvalidArgument for bad options, or (static) when the share kept on the
+  // device leaves it less than two chunks to move others through.
+  static Result<std::unique_ptr<Pipeline>> Create(Engine& engine, const PipelineOptions& options);
+  ~Pipeline();
+  Pipeline(const Pipeline&) = delete;
+  Pipeline& operator=(const Pipeline&) = delete;
+
+  Status BeginIteration();
+  // A moment computing on the device. `non_model_bytes`: device memory the
+  // moment uses besides chunks. When the plan makes room for it, this
+  // returns once that room is free.
+  Status BeginMoment(uint64_t non_model_bytes = 0);
+  // A moment computing on the host: a CPU optimizer update. With
+  // `device_compute_seconds` (how long it would take on the device) the
+  // plan may move it to the device. Returns where to run it: the host while
+  // recording or on demand, else where the plan put it.
+  Result<Tier> BeginHostMoment(std::optional<double> device_compute_seconds = std::nullopt);
+  // Pins `chunk` where the moment computes for the caller (release it before
+  // EndMoment: a move of a chunk in use is skipped). Waits for its planned
+  // transfer, or moves it now.
+  Result<ChunkAccess> Access(ChunkId chunk);
+  Status EndMoment();
+  // Also returns the first error of a planned eviction (a failed NVMe
+  // write) that finished during the iteration.
+  Status EndIteration();
+
+  const Plan* plan() const;
+  const Trace* trace() const;  // the last recorded trace
+  const LinkBandwidths& links() const;
+  PipelineStats stats() const;
+  std::string StatsJson() const;
+
+ private:
+  struct Impl;
+  explicit Pipeline(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace strata::offload

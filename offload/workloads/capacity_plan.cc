@@ -1,0 +1,233 @@
+#include "offload/workloads/capacity_plan.h"
+
+#include <algorithm>
+
+#include <nlohmann/json.hpp>
+
+#include "memory/chunk_layout.h"
+#include "offload/workloads/gpt_model.h"
+#include "strata/options.h"
+
+namespace strata::offload {
+namespace {
+
+Status Validate(const ModelShape& m, const MachineSpec& x) {
+  if (m.layers == 0 || m.hidden == 0 || m.vocab == 0 || m.sequence == 0 || m.batch == 0) {
+    return InvalidArgument("plan: --layers, --hidden, --vocab, --seq and --batch must all be > 0");
+  }
+  if (x.hbm_bytes == 0 || x.dram_bytes == 0) return InvalidArgument("plan: --hbm and --dram must be > 0");
+  if (!(x.hbm_reserve_fraction >= 0 && x.hbm_reserve_fraction < 1)) {
+    return InvalidArgument("plan: the HBM reserve {} must be in [0, 1)", x.hbm_reserve_fraction);
+  }
+  for (double rate : {x.pcie_gbps, x.nvme_read_gbps, x.nvme_write_gbps, x.gpu_tflops, x.cpu_adam_gparams,
+                      x.gpu_adam_gparams}) {
+    if (!(rate > 0)) return InvalidArgument("plan: every bandwidth and rate must be > 0 (got {})", rate);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
+                     const MachineSpec& machine) {
+  GptStep step;
+  const double s = model.sequence, b = model.batch, h = model.hidden, v = model.vocab;
+  const double heads = model.heads > 0 ? model.heads : std::max(1.0, h / 64);
+  const uint64_t layer_activations = static_cast<uint64_t>(s * b * h * 34 + 5 * heads * s * s * b);
+  const uint64_t embed_activations = static_cast<uint64_t>(2 * s * b * h);
+  const uint64_t logits = static_cast<uint64_t>(2 * s * b * v);
+  const double layer_flops = 24 * b * s * h * h + 4 * b * s * s * h;
+  const double head_flops = 2 * b * s * h * v;
+  std::vector<std::vector<uint32_t>> groups(model.layers + 2);
+  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, model.layers)].push_back(t);
+  // The output head is tied to the token embedding: the logits need it again.
+  for (uint32_t t = 0; t < specs.size(); ++t) {
+    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
+  }
+  const auto moment = [&](uint32_t g, bool backward) {
+    TraceMoment m;
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+      if (kind == ChunkKind::kGrad && !backward) continue;
+      for (uint32_t t : groups[g]) {
+        std::optional<ChunkId> c = layout.ChunkOf(TensorId(t), kind);
+        if (c && std::find(m.chunks.begin(), m.chunks.end(), *c) == m.chunks.end()) m.chunks.push_back(*c);
+      }
+    }
+    // Activations alive: every layer up to this one (kept for backward).
+    const uint32_t layers_alive = std::min(g, model.layers);
+    m.non_model_bytes = embed_activations + layers_alive * layer_activations + (g == model.layers + 1 ? logits : 0);
+    const double flops = g == 0 ? 0 : g <= model.layers ? layer_flops : head_flops;
+    m.compute_seconds = (backward ? 2 : 1) * flops / (machine.gpu_tflops * 1e12);
+    step.model_flops += (backward ? 2 : 1) * flops;
+    step.activation_peak_bytes = std::max(step.activation_peak_bytes, m.non_model_bytes);
+    return m;
+  };
+  for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
+  for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
+  // The update of each trainable chunk group: every chunk of the group, in
+  // the order backward finishes with them (the last layers' first).
+  std::vector<size_t> last_use(layout.groups().size(), 0);
+  for (size_t k = 0; k < step.trace.moments.size(); ++k) {
+    for (ChunkId c : step.trace.moments[k].chunks) last_use[layout.chunk(c).group] = k;
+  }
+  std::vector<uint32_t> order(layout.groups().size());
+  for (uint32_t g = 0; g < order.size(); ++g) order[g] = g;
+  std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return last_use[x] < last_use[y]; });
+  for (uint32_t g : order) {
+    const memory::ChunkGroup& group = layout.groups()[g];
+    if (!group.trainable) continue;
+    TraceMoment m{.tier = Tier::kHost};
+    uint64_t params = 0;
+    for (TensorId t : group.tensors) params += static_cast<uint64_t>(specs[t.value()].num_elements());
+    for (const std::optional<ChunkId>& c : group.chunk_of_kind) {
+      if (c) m.chunks.push_back(*c);
+    }
+    m.compute_seconds = static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+    m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+    step.trace.moments.push_back(std::move(m));
+  }
+  return step;
+}
+
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
+  STRATA_RETURN_IF_ERROR(Validate(model, machine));
+  CapacityPlan plan;
+  plan.model = model;
+  plan.machine = machine;
+  const GptShape shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
+                             .sequence = model.sequence};
+  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+  const Options defaults;
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
+                          memory::ChunkLayout::Build(specs, 0, defaults.chunk.search_min_elems,
+                                                     defaults.chunk.search_max_elems));
+  for (const TensorSpec& spec : specs) {
+    if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
+  }
+  // Homes, as the engine gives them (memory::AssignHomes, with the same room
+  // kept for staging NVMe reads).
+  PlannerInput input;
+  const uint64_t total = layout.report().total_bytes;
+  const memory::HostReserve reserve =
+      memory::HostReserveFor(layout, machine.dram_bytes, machine.nvme_bytes, defaults.optimizer.stream_ring_bytes);
+  input.host_staging_bytes = reserve.staging_bytes;
+  const uint64_t dram_for_homes = machine.dram_bytes - reserve.reserved_bytes;
+  const std::vector<std::optional<Tier>> homes =
+      memory::AssignHomes(layout.chunks(), dram_for_homes, machine.nvme_bytes);
+  for (size_t i = 0; i < homes.size(); ++i) {
+    const memory::ChunkDesc& chunk = layout.chunks()[i];
+    const uint64_t size = chunk.size_bytes();
+    const bool state = memory::IsStateChunk(chunk);
+    (chunk.kind == ChunkKind::kParam ? plan.param_bytes : chunk.kind == ChunkKind::kGrad ? plan.grad_bytes
+                                                                                          : plan.state_bytes) += size;
+    input.chunk_bytes.push_back(size);
+    if (!homes[i]) {
+      return OutOfMemory("plan: the model states need {} but DRAM ({}, {} of it kept for staging NVMe reads) and "
+                         "NVMe ({}) hold {} ({} short): raise --dram or give --nvme directories with more space",
+                         FormatSize(total), FormatSize(machine.dram_bytes), FormatSize(reserve.reserved_bytes),
+                         FormatSize(machine.nvme_bytes), FormatSize(dram_for_homes + machine.nvme_bytes),
+                         FormatSize(total - std::min(total, dram_for_homes + machine.nvme_bytes)));
+    }
+    input.home.push_back(*homes[i]);
+    (*homes[i] == Tier::kHost ? plan.host_chunk_bytes : plan.nvme_chunk_bytes) += size;
+    if (*homes[i] == Tier::kNvme && state) plan.nvme_state_bytes += size;
+  }
+  GptStep step = GptStepTrace(specs, layout, model, machine);
+  input.trace = std::move(step.trace);
+  plan.model_flops = step.model_flops;
+  plan.activation_peak_bytes = step.activation_peak_bytes;
+  plan.device_bytes = static_cast<uint64_t>(static_cast<double>(machine.hbm_bytes) * (1 - machine.hbm_reserve_fraction));
+  input.device_bytes = plan.device_bytes;
+  input.links.bytes_per_second = {machine.pcie_gbps * 1e9, machine.pcie_gbps * 1e9, machine.nvme_read_gbps * 1e9,
+                                  machine.nvme_write_gbps * 1e9};
+  Result<Plan> built = BuildPlan(input);
+  if (!built.ok() && built.status().code() != StatusCode::kOutOfMemory) return built.status().WithContext("plan");
+  if (!built.ok()) {
+    return Status(built.status().code(),
+                  fmt::format("plan: the GPU ({} of HBM, {} usable) cannot run this model at batch {}: {}",
+                              FormatSize(machine.hbm_bytes), FormatSize(plan.device_bytes), model.batch,
+                              built.status().message()));
+  }
+  plan.prediction = built->prediction;
+  plan.step_seconds = plan.prediction.step_seconds;
+  // Forward and backward against the updates, as placed; and how long each
+  // resource is busy in a step, the longest being the bottleneck.
+  double gpu_busy = 0, cpu_busy = 0;
+  for (size_t k = 0; k < input.trace.moments.size(); ++k) {
+    const TraceMoment& m = input.trace.moments[k];
+    const double stall = plan.prediction.stall_per_moment[k];
+    if (!m.device_compute_seconds) {
+      plan.compute_seconds += m.compute_seconds;
+      plan.forward_backward_seconds += m.compute_seconds + stall;
+      gpu_busy += m.compute_seconds;
+    } else if (built->compute_tier[k] == Tier::kDevice) {
+      plan.updates_on_device++;
+      plan.optimizer_seconds += *m.device_compute_seconds + stall;
+      gpu_busy += *m.device_compute_seconds;
+    } else {
+      plan.optimizer_seconds += m.compute_seconds + stall;
+      cpu_busy += m.compute_seconds;
+    }
+    if (m.device_compute_seconds) plan.updates++;
+  }
+  const auto& bytes = plan.prediction.bytes;
+  const double pcie_seconds = static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9);
+  const double nvme_seconds = static_cast<double>(bytes[2]) / (machine.nvme_read_gbps * 1e9) +
+                              static_cast<double>(bytes[3]) / (machine.nvme_write_gbps * 1e9);
+  const std::pair<double, const char*> busy[] = {
+      {gpu_busy, "compute"}, {pcie_seconds, "pcie"}, {nvme_seconds, "nvme"}, {cpu_busy, "cpu optimizer"}};
+  plan.bottleneck = std::max_element(std::begin(busy), std::end(busy))->second;
+  return plan;
+}
+
+std::string FormatCapacityPlan(const CapacityPlan& p) {
+  const auto gib = [](uint64_t bytes) { return FormatSize(bytes); };
+  return fmt::format(
+      "strata plan: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {:.2f} B parameters\n"
+      "  params (bf16) {}   grads (bf16) {}   optimizer states (fp32 master, exp_avg, exp_avg_sq) {}\n"
+      "  activations, peak (estimate) {}\n"
+      "where it lives:\n"
+      "  HBM   {} usable of {}: the chunks each moment needs, streamed, and the activations\n"
+      "  DRAM  {} of chunks (of {})\n"
+      "  NVMe  {} of chunks ({} of them optimizer states){}\n"
+      "step (predicted):\n"
+      "  forward + backward {:.3f} s (compute {:.3f} s, the rest waiting for chunks); optimizer step {:.3f} s "
+      "({} of {} chunk-group updates on the GPU, the rest on the CPU)\n"
+      "  step {:.3f} s, {:.1f} TFLOPS; bottleneck: {}\n"
+      "  moved per step: host->device {}, device->host {}, nvme read {}, nvme write {}\n",
+      p.model.layers, p.model.hidden, p.model.vocab, p.model.sequence, p.model.batch,
+      static_cast<double>(p.params) / 1e9, gib(p.param_bytes), gib(p.grad_bytes), gib(p.state_bytes),
+      gib(p.activation_peak_bytes), gib(p.device_bytes), gib(p.machine.hbm_bytes), gib(p.host_chunk_bytes),
+      gib(p.machine.dram_bytes), gib(p.nvme_chunk_bytes), gib(p.nvme_state_bytes),
+      p.machine.nvme_bytes == 0 ? " (no NVMe given)" : "", p.forward_backward_seconds, p.compute_seconds,
+      p.optimizer_seconds, p.updates_on_device, p.updates, p.step_seconds, p.tflops(), p.bottleneck,
+      gib(p.prediction.bytes[0]), gib(p.prediction.bytes[1]), gib(p.prediction.bytes[2]), gib(p.prediction.bytes[3]));
+}
+
+std::string CapacityPlanJson(const CapacityPlan& p) {
+  nlohmann::json j;
+  j["model"] = {{"layers", p.model.layers}, {"hidden", p.model.hidden}, {"vocab", p.model.vocab},
+                {"seq", p.model.sequence},  {"batch", p.model.batch}};
+  j["params"] = p.params;
+  j["param_bytes"] = p.param_bytes;
+  j["grad_bytes"] = p.grad_bytes;
+  j["state_bytes"] = p.state_bytes;
+  j["activation_peak_bytes"] = p.activation_peak_bytes;
+  j["device_bytes"] = p.device_bytes;
+  j["host_chunk_bytes"] = p.host_chunk_bytes;
+  j["nvme_chunk_bytes"] = p.nvme_chunk_bytes;
+  j["nvme_state_bytes"] = p.nvme_state_bytes;
+  j["compute_seconds"] = p.compute_seconds;
+  j["forward_backward_seconds"] = p.forward_backward_seconds;
+  j["updates"] = p.updates;
+  j["updates_on_device"] = p.updates_on_device;
+  j["stall_seconds"] = p.prediction.stall_seconds;
+  j["optimizer_seconds"] = p.optimizer_seconds;
+  j["step_seconds"] = p.step_seconds;
+  j["tflops"] = p.tflops();
+  j["bottleneck"] = p.bottleneck;
+  for (int l = 0; l < kNumLinks; ++l) j["bytes_moved"][std::string(LinkName(static_cast<Link>(l)))] = p.prediction.bytes[l];
+  return j.dump(2);
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,95 @@
+// `strata plan`: what fits where for a GPT-style model on a given machine,
+// and the step time to expect, before anything is allocated.
+//
+// The model's tensors are those of the self-check's GPT (src/selftest.h),
+// bf16 with fp32 master weights and Adam moments, packed by the same chunk
+// layout the engine uses. Activations per layer are estimated as
+// s*b*h*(34 + 5*a*s/h) bytes (bf16, no recomputation; Korthikanti et al.,
+// "Reducing Activation Recomputation in Large Transformer Models"), kept from
+// a layer's forward to its backward. Compute per moment is its matmul FLOPs
+// (forward 24*b*s*h^2 + 4*b*s^2*h per layer and 2*b*s*h*V for the logits;
+// backward twice that) at --gpu-tflops. After backward, each chunk group's
+// optimizer update: on the CPU at --cpu-adam-gparams, or on the GPU at
+// --gpu-adam-gparams where the planner places it there (Note [Where updates
+// run] in planner.cc). The whole step goes to the planner
+// (offload/planner.h) with the links' bandwidths, homes as the engine gives
+// them (states beyond DRAM on NVMe, read ahead of their update and written
+// back), so the prediction is the plan's: compute, stalls and every link.
+//
+// Pure functions; thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "memory/chunk_layout.h"
+#include "offload/schedule/planner.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+struct ModelShape {
+  uint32_t layers = 24;
+  uint32_t hidden = 2048;
+  uint32_t vocab = 50304;
+  uint32_t sequence = 2048;
+  uint32_t batch = 8;
+  uint32_t heads = 0;  // 0: hidden / 64
+};
+
+struct MachineSpec {
+  uint64_t hbm_bytes = uint64_t{80} << 30;
+  double hbm_reserve_fraction = 0.1;  // for the CUDA context, workspace and fragmentation
+  uint64_t dram_bytes = uint64_t{128} << 30;  // host memory strata may use for chunks
+  uint64_t nvme_bytes = 0;                    // 0: no NVMe tier
+  double pcie_gbps = 25;                      // each direction, GB/s (10^9 B/s)
+  double nvme_read_gbps = 3;
+  double nvme_write_gbps = 2;
+  double gpu_tflops = 200;        // sustained bf16 matmul rate
+  double cpu_adam_gparams = 1.5;  // CPU AdamW, G parameters/s (`strata bench optim`)
+  double gpu_adam_gparams = 100;  // GPU AdamW, G parameters/s (HBM-bound: ~30 bytes per parameter)
+};
+
+struct CapacityPlan {
+  ModelShape model;
+  MachineSpec machine;
+  uint64_t params = 0;
+  uint64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;  // as chunks: bf16, bf16, fp32 x 3
+  uint64_t activation_peak_bytes = 0;
+  uint64_t device_bytes = 0;      // HBM for chunks and activations (after the reserve)
+  uint64_t host_chunk_bytes = 0;  // chunks homed in DRAM
+  uint64_t nvme_chunk_bytes = 0;  // chunks homed on NVMe
+  uint64_t nvme_state_bytes = 0;  // of which optimizer states (streamed by the optimizer step)
+  double compute_seconds = 0;           // forward and backward, compute alone
+  double forward_backward_seconds = 0;  // with the stalls
+  double optimizer_seconds = 0;         // the updates, with their stalls
+  uint32_t updates = 0;                 // chunk groups updated
+  uint32_t updates_on_device = 0;       // of which on the GPU
+  double step_seconds = 0;
+  double model_flops = 0;  // per step, forward and backward
+  double tflops() const { return step_seconds > 0 ? model_flops / step_seconds / 1e12 : 0; }
+  std::string bottleneck;  // "compute", "pcie", "nvme" or "cpu optimizer"
+  Prediction prediction;   // the planner's, for the whole step
+};
+
+// One training step of the GPT as the planner sees it: forward over the
+// embedding, each layer and the head (param chunks; activations alive as
+// non-model memory), backward in reverse (with the grad chunks), then one
+// update per trainable chunk group (a host moment over all of the group's
+// chunks that may run on the device). Compute per moment as above.
+struct GptStep {
+  Trace trace;
+  double model_flops = 0;  // forward and backward
+  uint64_t activation_peak_bytes = 0;
+};
+GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
+                     const MachineSpec& machine);
+
+// OutOfMemory naming the shortfall when a moment's chunks and activations do
+// not fit in HBM, or the model states do not fit in DRAM and NVMe together;
+// InvalidArgument for a zero size or rate.
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine);
+std::string FormatCapacityPlan(const CapacityPlan& plan);
+std::string CapacityPlanJson(const CapacityPlan& plan);
+
+}  // namespace strata::offload

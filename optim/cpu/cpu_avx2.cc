@@ -1,0 +1,70 @@
+// The AVX2 kernels: 8 fp32 lanes. Compiled with -mavx2 -mfma -mf16c (see
+// CMakeLists.txt) and called only where the CPU has all three.
+#include <immintrin.h>
+
+#include "optim/cpu/cpu_kernels.h"
+
+namespace strata::optim::avx2 {
+namespace {
+
+struct Vec {
+  using F = __m256;
+  static constexpr size_t kLanes = 8;
+
+  static F Set(float x) { return _mm256_set1_ps(x); }
+  static F Load(const float* p) { return _mm256_loadu_ps(p); }
+  static void Store(float* p, F x) { _mm256_storeu_ps(p, x); }
+  static F LoadBf16(const uint16_t* p) {
+    const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+  }
+  static F LoadFp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // Round to nearest even on the bits; NaN -> 0xFFFF (optim/half.h).
+  static void StoreBf16(uint16_t* p, F x) {
+    const __m256i bits = _mm256_castps_si256(x);
+    const __m256i kept_lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+    __m256i rounded =
+        _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(kept_lsb, _mm256_set1_epi32(0x7FFF))), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    rounded = _mm256_blendv_epi8(rounded, _mm256_set1_epi32(0xFFFF), nan);
+    // Every lane is <= 0xFFFF, so the unsigned saturating pack only narrows.
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p),
+                     _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1)));
+  }
+  // F16C rounds to nearest even with subnormals; a NaN is first made the
+  // quiet NaN with no payload so that it converts to sign | 0x7E00.
+  static void StoreFp16(uint16_t* p, F x) {
+    const __m256i sign = _mm256_and_si256(_mm256_castps_si256(x), _mm256_set1_epi32(static_cast<int>(0x80000000u)));
+    const F quiet_nan = _mm256_castsi256_ps(_mm256_or_si256(sign, _mm256_set1_epi32(0x7FC00000)));
+    x = _mm256_blendv_ps(x, quiet_nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT));
+  }
+  static F Add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm256_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm256_div_ps(a, b); }
+  static F Sqrt(F a) { return _mm256_sqrt_ps(a); }
+  static F MulAdd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F NegMulAdd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+
+  struct Squares {
+    __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();
+    void Add(F x) {
+      const __m256d lo = _mm256_cvtps_pd(_mm256_castps256_ps128(x));
+      const __m256d hi = _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1));
+      low = _mm256_fmadd_pd(lo, lo, low);
+      high = _mm256_fmadd_pd(hi, hi, high);
+    }
+    double Total() const {
+      const __m256d sum = _mm256_add_pd(low, high);
+      const __m128d pair = _mm_add_pd(_mm256_castpd256_pd128(sum), _mm256_extractf128_pd(sum, 1));
+      return _mm_cvtsd_f64(_mm_add_sd(pair, _mm_unpackhi_pd(pair, pair)));
+    }
+  };
+};
+
+}  // namespace
+
+#include "optim/cpu/cpu_kernels_impl.h"
+
+}  // namespace strata::optim::avx2

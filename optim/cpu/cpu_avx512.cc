@@ -1,0 +1,69 @@
+// The AVX-512 kernels: 16 fp32 lanes. Compiled with -mavx512f -mfma -mf16c
+// (see CMakeLists.txt) and called only where the CPU has AVX-512F.
+//
+// GCC 12 warns inside its own _mm512_sqrt_ps and _mm512_cvtps_pd (built from
+// _mm512_undefined_*): a false positive in the compiler's header.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "optim/cpu/cpu_kernels.h"
+
+namespace strata::optim::avx512 {
+namespace {
+
+struct Vec {
+  using F = __m512;
+  static constexpr size_t kLanes = 16;
+
+  static F Set(float x) { return _mm512_set1_ps(x); }
+  static F Load(const float* p) { return _mm512_loadu_ps(p); }
+  static void Store(float* p, F x) { _mm512_storeu_ps(p, x); }
+  static F LoadBf16(const uint16_t* p) {
+    const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  }
+  static F LoadFp16(const uint16_t* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  // Round to nearest even on the bits; NaN -> 0xFFFF (optim/half.h).
+  static void StoreBf16(uint16_t* p, F x) {
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+    __m512i rounded =
+        _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(kept_lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    rounded = _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_set1_epi32(0xFFFF));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(rounded));
+  }
+  // F16C rounds to nearest even with subnormals; a NaN is first made the
+  // quiet NaN with no payload so that it converts to sign | 0x7E00.
+  static void StoreFp16(uint16_t* p, F x) {
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000000u)));
+    const F quiet_nan = _mm512_castsi512_ps(_mm512_or_si512(sign, _mm512_set1_epi32(0x7FC00000)));
+    x = _mm512_mask_mov_ps(x, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), quiet_nan);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  }
+  static F Add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F Sub(F a, F b) { return _mm512_sub_ps(a, b); }
+  static F Mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F Div(F a, F b) { return _mm512_div_ps(a, b); }
+  static F Sqrt(F a) { return _mm512_sqrt_ps(a); }
+  static F MulAdd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F NegMulAdd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+
+  struct Squares {
+    __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();
+    void Add(F x) {
+      const __m512d lo = _mm512_cvtps_pd(_mm512_castps512_ps256(x));
+      const __m512d hi = _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+      low = _mm512_fmadd_pd(lo, lo, low);
+      high = _mm512_fmadd_pd(hi, hi, high);
+    }
+    double Total() const { return _mm512_reduce_add_pd(_mm512_add_pd(low, high)); }
+  };
+};
+
+}  // namespace
+
+#include "optim/cpu/cpu_kernels_impl.h"
+
+}  // namespace strata::optim::avx512

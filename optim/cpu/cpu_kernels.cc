@@ -1,0 +1,142 @@
+// Run-time dispatch of the CPU kernels, and their oneTBB parallel drivers.
+#include "optim/cpu/cpu_kernels.h"
+
+#include <tbb/parallel_for.h>
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace strata::optim {
+namespace {
+
+// Blocks of 64 Ki elements (1 MiB of the four fp32 arrays Adam streams):
+// enough work to hide the scheduling, small enough to balance over the
+// cores. Block starts are multiples of every vector width, so each element
+// takes the same path (vector or tail) as in one call over everything:
+// parallel results are identical to serial ones.
+constexpr size_t kBlockElems = size_t{1} << 16;
+
+size_t NumBlocks(size_t n) { return (n + kBlockElems - 1) / kBlockElems; }
+
+}  // namespace
+
+std::string_view CpuIsaName(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return "scalar";
+    case CpuIsa::kAvx2: return "avx2";
+    case CpuIsa::kAvx512: return "avx512";
+  }
+  return "?";
+}
+
+bool CpuSupports(CpuIsa isa) {
+  switch (isa) {
+    case CpuIsa::kScalar: return true;
+    case CpuIsa::kAvx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+    case CpuIsa::kAvx512: return CpuSupports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f");
+  }
+  return false;
+}
+
+CpuIsa BestCpuIsa() {
+  static const CpuIsa best = CpuSupports(CpuIsa::kAvx512) ? CpuIsa::kAvx512
+                             : CpuSupports(CpuIsa::kAvx2) ? CpuIsa::kAvx2
+                                                          : CpuIsa::kScalar;
+  return best;
+}
+
+UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier) {
+  // Every constant in double, rounded to fp32 once (torch.optim's scalars are
+  // Python floats, rounded as they meet an fp32 tensor).
+  const auto f32 = [](double x) { return static_cast<float>(x); };
+  UpdateConstants c;
+  c.kind = config.kind;
+  c.grad_multiplier = grad_multiplier;
+  const bool decoupled = config.kind == OptimizerKind::kAdamW;
+  c.decay_l2 = decoupled ? 0.0f : f32(config.weight_decay);
+  // w - (lr * wd) * w rather than w * (1 - lr * wd): the fp32 rounding of a
+  // factor just under 1 would be the same every step and add up; lr * wd
+  // rounds relative to itself, which is small.
+  c.decay_rate = decoupled ? f32(config.lr * config.weight_decay) : 0.0f;
+  const double t = static_cast<double>(step);
+  const double correction1 = 1.0 - std::pow(config.beta1, t);
+  const double correction2 = 1.0 - std::pow(config.beta2, t);
+  c.beta1 = f32(config.beta1);
+  c.one_minus_beta1 = f32(1.0 - config.beta1);
+  c.beta2 = f32(config.beta2);
+  c.one_minus_beta2 = f32(1.0 - config.beta2);
+  c.step_size = f32(config.lr / correction1);
+  c.inv_sqrt_correction2 = f32(1.0 / std::sqrt(correction2));
+  c.eps = f32(config.eps);
+  c.lr = f32(config.lr);
+  c.momentum = f32(config.momentum);
+  c.one_minus_dampening = f32(1.0 - config.dampening);
+  c.nesterov = config.nesterov;
+  c.first_step = step == 1;
+  return c;
+}
+
+void UpdateRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::UpdateRange(c, chunk, begin, end);
+    case CpuIsa::kAvx2: return avx2::UpdateRange(c, chunk, begin, end);
+    case CpuIsa::kScalar: return scalar::UpdateRange(c, chunk, begin, end);
+  }
+}
+
+void UpdateParallel(const UpdateConstants& c, std::span<const ChunkTensors> chunks) {
+  // Every block of every chunk is one task: many small chunks spread over
+  // the cores as well as one large one does.
+  std::vector<std::pair<uint32_t, size_t>> blocks;  // (chunk, first element)
+  for (size_t k = 0; k < chunks.size(); ++k) {
+    for (size_t begin = 0; begin < chunks[k].n; begin += kBlockElems) blocks.emplace_back(k, begin);
+  }
+  const CpuIsa isa = BestCpuIsa();
+  tbb::parallel_for(size_t{0}, blocks.size(), [&](size_t b) {
+    const auto [k, begin] = blocks[b];
+    UpdateRange(isa, c, chunks[k], begin, std::min(chunks[k].n, begin + kBlockElems));
+  });
+}
+
+double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::SumSquaresRange(grad, dtype, begin, end);
+    case CpuIsa::kAvx2: return avx2::SumSquaresRange(grad, dtype, begin, end);
+    case CpuIsa::kScalar: return scalar::SumSquaresRange(grad, dtype, begin, end);
+  }
+  return 0;
+}
+
+void ConvertToBf16(CpuIsa isa, const float* src, uint16_t* dst, size_t n) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::ConvertToBf16(src, dst, n);
+    case CpuIsa::kAvx2: return avx2::ConvertToBf16(src, dst, n);
+    case CpuIsa::kScalar: return scalar::ConvertToBf16(src, dst, n);
+  }
+}
+
+void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::ConvertToFp16(src, dst, n);
+    case CpuIsa::kAvx2: return avx2::ConvertToFp16(src, dst, n);
+    case CpuIsa::kScalar: return scalar::ConvertToFp16(src, dst, n);
+  }
+}
+
+void GradStats::Add(const void* grad, DType grad_dtype, size_t n) {
+  // Per-block sums added in block order: the total does not depend on how
+  // oneTBB scheduled the blocks, so a rerun gives the same norm bit for bit.
+  std::vector<double> partial(NumBlocks(n));
+  const CpuIsa isa = BestCpuIsa();
+  tbb::parallel_for(size_t{0}, partial.size(), [&](size_t block) {
+    const size_t begin = block * kBlockElems;
+    partial[block] = SumSquaresRange(isa, grad, grad_dtype, begin, std::min(n, begin + kBlockElems));
+  });
+  for (double p : partial) sum_squares += p;
+}
+
+bool GradStats::finite() const { return std::isfinite(sum_squares); }
+
+}  // namespace strata::optim

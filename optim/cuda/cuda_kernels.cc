@@ -1,0 +1,127 @@
+// The C++20 side of the CUDA optimizer kernels: checks the callers' chunks and
+// translates them into the plain launch structs of
+// optim/cuda_kernels_launch.h, which optim/cuda_kernels.cu (C++17) takes.
+// No CUDA call here; every one is in the .cu.
+#include "optim/cuda/cuda_kernels.h"
+
+#include <vector>
+
+#include "optim/cuda/cuda_kernels_launch.h"
+
+namespace strata::optim {
+namespace {
+
+using cuda_internal::ElementType;
+using cuda_internal::LaunchChunk;
+using cuda_internal::LaunchConstants;
+
+ElementType ElementTypeOf(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return ElementType::kFloat32;
+    case DType::kBFloat16: return ElementType::kBFloat16;
+    case DType::kFloat16: return ElementType::kFloat16;
+  }
+  return ElementType::kFloat32;
+}
+
+bool KnownDType(DType dtype) {
+  return dtype == DType::kFloat32 || dtype == DType::kBFloat16 || dtype == DType::kFloat16;
+}
+
+// The gradient alone: all SumSquaresCuda reads.
+Status CheckGrad(const ChunkTensors& t, size_t index) {
+  if (t.n == 0) return Status::Ok();
+  if (t.grad == nullptr) return InvalidArgument("cuda optimizer: chunk {} of {} elements has no gradient", index, t.n);
+  if (!KnownDType(t.grad_dtype)) {
+    return InvalidArgument("cuda optimizer: chunk {} has gradient dtype {}, not fp32, bf16 or fp16", index,
+                           static_cast<int>(t.grad_dtype));
+  }
+  return Status::Ok();
+}
+
+// The rules of Optimizer::UpdateChunk's check (optim/optimizer.cc), with the
+// states told by the kind: Adam needs both; SGD's momentum buffer is optional.
+Status CheckChunk(OptimizerKind kind, const ChunkTensors& t, size_t index) {
+  if (t.n == 0) return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckGrad(t, index));
+  if (t.master == nullptr) {
+    return InvalidArgument("cuda optimizer: chunk {} of {} elements has no master (fp32 weight) array", index, t.n);
+  }
+  if (!KnownDType(t.param_dtype) || (t.param_dtype == DType::kFloat32) != (t.param == nullptr)) {
+    return InvalidArgument("cuda optimizer: chunk {} has param dtype {} with {} compute copy: fp32 parameters are "
+                           "updated in place in `master` (param null); bf16/fp16 ones need the copy",
+                           index, KnownDType(t.param_dtype) ? DTypeName(t.param_dtype) : "?",
+                           t.param == nullptr ? "no" : "a");
+  }
+  if (kind != OptimizerKind::kSgd && (t.state[0] == nullptr || t.state[1] == nullptr)) {
+    return InvalidArgument("cuda optimizer: {} keeps 2 state arrays per chunk; chunk {} has no state[{}]",
+                           OptimizerKindName(kind), index, t.state[0] == nullptr ? 0 : 1);
+  }
+  return Status::Ok();
+}
+
+LaunchChunk ToLaunchChunk(const ChunkTensors& t) {
+  LaunchChunk chunk;
+  chunk.n = t.n;
+  chunk.master = t.master;
+  chunk.grad = t.grad;
+  chunk.state[0] = t.state[0];
+  chunk.state[1] = t.state[1];
+  chunk.param = t.param;
+  chunk.grad_type = ElementTypeOf(t.grad_dtype);
+  chunk.param_type = t.param_dtype == DType::kFloat16 ? ElementType::kFloat16 : ElementType::kBFloat16;
+  return chunk;
+}
+
+LaunchConstants ToLaunchConstants(const UpdateConstants& c) {
+  LaunchConstants launch;
+  launch.sgd = c.kind == OptimizerKind::kSgd;
+  launch.grad_multiplier = c.grad_multiplier;
+  launch.decay_l2 = c.decay_l2;
+  launch.decay_rate = c.decay_rate;
+  launch.beta1 = c.beta1;
+  launch.one_minus_beta1 = c.one_minus_beta1;
+  launch.beta2 = c.beta2;
+  launch.one_minus_beta2 = c.one_minus_beta2;
+  launch.step_size = c.step_size;
+  launch.inv_sqrt_correction2 = c.inv_sqrt_correction2;
+  launch.eps = c.eps;
+  launch.lr = c.lr;
+  launch.momentum = c.momentum;
+  launch.one_minus_dampening = c.one_minus_dampening;
+  launch.nesterov = c.nesterov;
+  launch.first_step = c.first_step;
+  return launch;
+}
+
+}  // namespace
+
+Status UpdateChunksCuda(const UpdateConstants& constants, std::span<const ChunkTensors> chunks, void* cuda_stream) {
+  if (constants.kind != OptimizerKind::kAdamW && constants.kind != OptimizerKind::kAdam &&
+      constants.kind != OptimizerKind::kSgd) {
+    return InvalidArgument("cuda optimizer: unknown optimizer kind {}", static_cast<int>(constants.kind));
+  }
+  // Every chunk is checked before any is enqueued, so a bad one changes nothing.
+  std::vector<LaunchChunk> launch_chunks;
+  launch_chunks.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(CheckChunk(constants.kind, chunks[i], i));
+    if (chunks[i].n > 0) launch_chunks.push_back(ToLaunchChunk(chunks[i]));
+  }
+  if (launch_chunks.empty()) return Status::Ok();
+  return cuda_internal::EnqueueUpdate(ToLaunchConstants(constants), launch_chunks.data(), launch_chunks.size(),
+                                      cuda_stream);
+}
+
+Result<double> SumSquaresCuda(std::span<const ChunkTensors> chunks, void* cuda_stream) {
+  std::vector<LaunchChunk> launch_chunks;
+  launch_chunks.reserve(chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    STRATA_RETURN_IF_ERROR(CheckGrad(chunks[i], i));
+    if (chunks[i].n > 0) launch_chunks.push_back(ToLaunchChunk(chunks[i]));
+  }
+  if (launch_chunks.empty()) return 0.0;
+  return cuda_internal::SumSquares(launch_chunks.data(), launch_chunks.size(), cuda_stream);
+}
+
+}  // namespace strata::optim

@@ -1,0 +1,180 @@
+#include "strata/options.h"
+
+#include <fstream>
+
+#include "optim/loss_scaler.h"
+#include "optim/optimizer.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+void ExpectInvalid(const Status& status, const std::string& must_mention) {
+  EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << status.ToString();
+  EXPECT_NE(status.message().find(must_mention), std::string::npos)
+      << "message '" << status.message() << "' does not mention '" << must_mention << "'";
+}
+
+TEST(ParseSizeTest, AcceptsBinaryDecimalAndPlainBytes) {
+  EXPECT_EQ(*ParseSize("4096"), 4096u);
+  EXPECT_EQ(*ParseSize("64MiB"), 64u << 20);
+  EXPECT_EQ(*ParseSize("1.5GiB"), (3ull << 30) / 2);
+  EXPECT_EQ(*ParseSize("2GB"), 2'000'000'000u);
+  EXPECT_EQ(*ParseSize(" 8 KiB "), 8192u);
+  EXPECT_EQ(*ParseSize("1G"), 1ull << 30);
+}
+
+TEST(ParseSizeTest, RejectsNonSizes) {
+  for (const char* bad : {"", "MiB", "-1", "12XB", "1.2.3GiB", "abc"}) {
+    Result<size_t> parsed = ParseSize(bad);
+    EXPECT_FALSE(parsed.ok()) << bad;
+    if (!parsed.ok()) {
+      EXPECT_NE(parsed.status().message().find("64MiB"), std::string::npos);
+    }
+  }
+}
+
+TEST(FormatSizeTest, RoundTripsThroughParseSize) {
+  for (size_t bytes : {size_t{0}, size_t{512}, size_t{4096}, size_t{64} << 20, size_t{3} << 30}) {
+    EXPECT_EQ(*ParseSize(FormatSize(bytes)), bytes) << FormatSize(bytes);
+  }
+}
+
+TEST(OptionsTest, SetOptionUpdatesEachKind) {
+  Options options;
+  ASSERT_OK(SetOption(options, "device.budget", "2GiB"));
+  ASSERT_OK(SetOption(options, "nvme.dirs", "/a, /b"));
+  ASSERT_OK(SetOption(options, "nvme.queue_depth", "64"));
+  ASSERT_OK(SetOption(options, "nvme.allow_buffered_io", "true"));
+  ASSERT_OK(SetOption(options, "device.backend", "emulated"));
+  ASSERT_OK(SetOption(options, "device.emulated_bandwidth_gbps", "12.5"));
+  ASSERT_OK(SetOption(options, "precision", "bf16"));
+  EXPECT_EQ(options.device.budget_bytes, size_t{2} << 30);
+  EXPECT_EQ(options.nvme.dirs, (std::vector<std::string>{"/a", "/b"}));
+  EXPECT_EQ(options.nvme.queue_depth, 64u);
+  EXPECT_TRUE(options.nvme.allow_buffered_io);
+  EXPECT_EQ(options.device.backend, DeviceBackendKind::kEmulated);
+  EXPECT_DOUBLE_EQ(options.device.emulated_bandwidth_gbps, 12.5);
+  EXPECT_EQ(options.compute_dtype, DType::kBFloat16);
+}
+
+TEST(OptionsTest, BadValuesNameKeyValueAndWhatIsAllowed) {
+  Options options;
+  ExpectInvalid(SetOption(options, "device.budget", "lots"), "device.budget");
+  ExpectInvalid(SetOption(options, "device.budget", "lots"), "lots");
+  ExpectInvalid(SetOption(options, "nvme.queue_depth", "0"), "allowed 1..4096");
+  ExpectInvalid(SetOption(options, "nvme.queue_depth", "-3"), "nvme.queue_depth");
+  ExpectInvalid(SetOption(options, "device.backend", "tpu"), "expected one of auto, emulated, cuda");
+  ExpectInvalid(SetOption(options, "precision", "fp8"), "expected fp32, bf16 or fp16");
+  ExpectInvalid(SetOption(options, "host.numa_local", "maybe"), "expected true or false");
+  ExpectInvalid(SetOption(options, "device.emulated_bandwidth_gbps", "-1"), "allowed 0..");
+  ExpectInvalid(SetOption(options, "log.level", "loud"), "log.level");
+}
+
+TEST(OptionsTest, UnknownKeyListsKnownKeys) {
+  Options options;
+  Status status = SetOption(options, "device.budgett", "1GiB");
+  ExpectInvalid(status, "device.budgett");
+  ExpectInvalid(status, "device.budget,");
+}
+
+TEST(OptionsTest, JsonNestedAndDottedKeysAreEquivalent) {
+  Options nested, dotted;
+  ASSERT_OK(ApplyOptionsJson(nested, R"({"device": {"budget": "512MiB", "backend": "emulated"},
+                                         "nvme": {"dirs": ["/x", "/y"], "queue_depth": 8}, "precision": "fp16"})"));
+  ASSERT_OK(ApplyOptionsJson(dotted, R"({"device.budget": 536870912, "device.backend": "emulated",
+                                         "nvme.dirs": ["/x", "/y"], "nvme.queue_depth": "8", "precision": "fp16"})"));
+  EXPECT_EQ(DescribeOptions(nested), DescribeOptions(dotted));
+  EXPECT_EQ(nested.device.budget_bytes, size_t{512} << 20);
+  EXPECT_EQ(nested.nvme.dirs.size(), 2u);
+}
+
+TEST(OptionsTest, JsonErrorsNameTheKey) {
+  Options options;
+  ExpectInvalid(ApplyOptionsJson(options, R"({"host": {"budgett": 1}})"), "host.budgett");
+  ExpectInvalid(ApplyOptionsJson(options, R"({"nvme": {"dirs": [1, 2]}})"), "nvme.dirs");
+  ExpectInvalid(ApplyOptionsJson(options, "{not json"), "not valid JSON");
+  ExpectInvalid(ApplyOptionsJson(options, "[1, 2]"), "expected a JSON object");
+}
+
+TEST(OptionsTest, FileLoadingNamesThePath) {
+  testing::ScratchDir dir("options");
+  std::string path = dir.path() + "/strata.json";
+  std::ofstream(path) << R"({"host": {"budget": "3GiB"}})";
+  Options options;
+  ASSERT_OK(ApplyOptionsFile(options, path));
+  EXPECT_EQ(options.host.budget_bytes, size_t{3} << 30);
+
+  std::ofstream(path) << R"({"host": {"budget": "three"}})";
+  Status bad = ApplyOptionsFile(options, path);
+  ExpectInvalid(bad, path);
+  ExpectInvalid(bad, "host.budget");
+  EXPECT_EQ(ApplyOptionsFile(options, dir.path() + "/missing.json").code(), StatusCode::kIoError);
+}
+
+TEST(OptionsTest, ValidateChecksRelationsBetweenKeys) {
+  Options options;
+  EXPECT_OK(ValidateOptions(options));
+  options.nvme.block_size_bytes = 5000;
+  ExpectInvalid(ValidateOptions(options), "nvme.block_size");
+  options = Options();
+  options.chunk.search_min_elems = 10;
+  options.chunk.search_max_elems = 5;
+  ExpectInvalid(ValidateOptions(options), "chunk.search_min_elems");
+  options = Options();
+  options.device.budget_bytes = 0;
+  ExpectInvalid(ValidateOptions(options), "device.budget");
+}
+
+TEST(OptionsTest, OptimizerKeysBecomeTheOptimizerConfig) {
+  Options options;
+  ASSERT_OK(ApplyOptionsJson(options, R"({"optimizer": {"kind": "sgd", "lr": 0.05, "momentum": 0.9,
+                                                         "nesterov": true, "max_grad_norm": 1.0},
+                                           "optimizer.stream_ring": "256MiB"})"));
+  ASSERT_OK(ValidateOptions(options));
+  ASSERT_OK_AND_ASSIGN(optim::OptimizerConfig config, optim::OptimizerConfigFromOptions(options));
+  EXPECT_EQ(config.kind, optim::OptimizerKind::kSgd);
+  EXPECT_FLOAT_EQ(config.lr, 0.05f);
+  EXPECT_FLOAT_EQ(config.momentum, 0.9f);
+  EXPECT_TRUE(config.nesterov);
+  EXPECT_FLOAT_EQ(config.max_grad_norm, 1.0f);
+  EXPECT_EQ(options.optimizer.stream_ring_bytes, size_t{256} << 20);
+
+  ExpectInvalid(SetOption(options, "optimizer.kind", "lamb"), "optimizer.kind");
+  ExpectInvalid(SetOption(options, "optimizer.beta2", "1.5"), "optimizer.beta2");
+  ExpectInvalid(SetOption(options, "loss_scale.mode", "static"), "loss_scale.mode");
+  options.optimizer.momentum = 0;  // nesterov without momentum
+  ExpectInvalid(ValidateOptions(options), "nesterov");
+}
+
+TEST(OptionsTest, LossScalingIsDynamicForFp16UnlessSaidOtherwise) {
+  Options options;
+  EXPECT_FALSE(optim::LossScalerConfigFromOptions(options).has_value());  // fp32
+  ASSERT_OK(SetOption(options, "precision", "fp16"));
+  ASSERT_OK(SetOption(options, "loss_scale.init", "1024"));
+  std::optional<optim::LossScalerConfig> scaler = optim::LossScalerConfigFromOptions(options);
+  ASSERT_TRUE(scaler.has_value());
+  EXPECT_EQ(scaler->init_scale, 1024.0f);
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "off"));
+  EXPECT_FALSE(optim::LossScalerConfigFromOptions(options).has_value());
+  ASSERT_OK(SetOption(options, "precision", "bf16"));
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "dynamic"));
+  ASSERT_OK(SetOption(options, "loss_scale.min", "4096"));  // above init
+  ExpectInvalid(ValidateOptions(options), "loss_scale.min");
+  ASSERT_OK(SetOption(options, "loss_scale.mode", "off"));  // checked even when off
+  ExpectInvalid(ValidateOptions(options), "loss_scale.min");
+}
+
+TEST(OptionsTest, EveryDocumentedKeyHasADefaultThatParses) {
+  Options options;
+  auto values = DescribeOptions(options);
+  ASSERT_EQ(values.size(), OptionDocs().size());
+  for (const auto& [key, value] : values) {
+    Options copy;
+    EXPECT_OK(SetOption(copy, key, value));
+    EXPECT_EQ(DescribeOptions(copy), values) << key;
+  }
+}
+
+}  // namespace
+}  // namespace strata

@@ -1,0 +1,229 @@
+#include "strata/engine.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include "tools/selftest.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+Options SmallOptions() {
+  Options options;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 1 << 20;
+  options.host.budget_bytes = 2 << 20;
+  options.chunk.size_elems = 16384;  // 64 KiB fp32 chunks
+  options.log_level = LogLevel::kWarning;
+  return options;
+}
+
+TEST(EngineTest, BadOptionFailsCreate) {
+  Options options = SmallOptions();
+  options.nvme.block_size_bytes = 1000;
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(options);
+  EXPECT_EQ(engine.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(engine.status().message().find("nvme.block_size"), std::string::npos);
+}
+
+TEST(EngineTest, DeviceThatCannotGiveTheBudgetFailsCreate) {
+  EmulatedDeviceOptions small;
+  small.capacity_bytes = 256 << 10;
+  EngineSeams seams;
+  seams.device = std::move(CreateEmulatedDevice(small)).value();
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(SmallOptions(), std::move(seams));
+  EXPECT_EQ(engine.status().code(), StatusCode::kOutOfMemory) << engine.status().ToString();
+  EXPECT_NE(engine.status().message().find("device.budget"), std::string::npos);
+}
+
+TEST(EngineTest, MissingNvmeDirFailsCreateNamingIt) {
+  Options options = SmallOptions();
+  options.nvme.dirs = {"/nonexistent/strata-nvme"};
+  Result<std::unique_ptr<Engine>> engine = Engine::Create(options);
+  EXPECT_FALSE(engine.ok());
+  EXPECT_NE(engine.status().message().find("/nonexistent/strata-nvme"), std::string::npos)
+      << engine.status().ToString();
+}
+
+TEST(EngineTest, ModelLargerThanHostAndNvmeFailsFinalize) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK(engine->RegisterTensor({"big", {1 << 20}, DType::kFloat32, true, "m"}).status());  // 16 MiB of states
+  Status status = engine->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("host.budget"), std::string::npos) << status.ToString();
+}
+
+TEST(EngineTest, ChunkLargerThanDeviceFailsFinalize) {
+  Options options = SmallOptions();
+  options.host.budget_bytes = 64 << 20;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  ASSERT_OK(engine->RegisterTensor({"big", {1 << 20}, DType::kFloat32, false, "m"}).status());  // one 4 MiB chunk
+  Status status = engine->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("device.budget"), std::string::npos) << status.ToString();
+}
+
+// Four trainable fp32 layers of one 64 KiB chunk each: per layer a param, a
+// grad, exp_avg and exp_avg_sq chunk (1 MiB in all), with an NVMe tier.
+Result<std::unique_ptr<Engine>> FourLayers(Options options) {
+  options.nvme.capacity_bytes = 4 << 20;
+  EngineSeams seams;
+  STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
+  for (int l = 0; l < 4; ++l) {
+    STRATA_RETURN_IF_ERROR(
+        engine->RegisterTensor({"layer" + std::to_string(l), {16384}, DType::kFloat32, true, "l" + std::to_string(l)})
+            .status());
+  }
+  STRATA_RETURN_IF_ERROR(engine->Finalize());
+  return engine;
+}
+
+// Bytes of the chunks of these kinds homed on `tier`.
+uint64_t HomedBytes(const Engine& engine, Tier tier, bool states) {
+  uint64_t bytes = 0;
+  for (const ChunkInfo& c : engine.chunks()) {
+    const bool state = IsOptimizerState(c.kind);
+    if (state == states && *engine.ChunkHome(c.id) == tier) bytes += c.size_bytes;
+  }
+  return bytes;
+}
+
+TEST(EngineTest, ParamsAndGradsAreHomedOnTheHostBeforeOptimizerStatesWithRoomKeptForStaging) {
+  Options options = SmallOptions();
+  options.host.budget_bytes = 768 << 10;
+  ASSERT_OK_AND_ASSIGN(auto engine, FourLayers(options));
+  // Staging: four groups' states (512 KiB) capped at a quarter of the host;
+  // two chunks of slack besides: 448 KiB for homes, the params and three grads.
+  EXPECT_EQ(engine->host_staging_bytes(), 192u << 10);
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/false), 7u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/true), 0u);
+  EXPECT_EQ(HomedBytes(*engine, Tier::kNvme, /*states=*/true), 8u * (64 << 10));
+}
+
+TEST(EngineTest, StaticPolicyHomesItsShareOfTheStatesOnTheHostOrSaysWhyNot) {
+  Options options = SmallOptions();
+  options.host.budget_bytes = 4 << 20;  // room for everything
+  options.placement.policy = PlacementPolicy::kStatic;
+  options.placement.host_states = 0.5;
+  ASSERT_OK_AND_ASSIGN(auto engine, FourLayers(options));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/true), 4u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kNvme, /*states=*/true), 4u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/false), 8u * (64 << 10));
+  // All states on a host that holds none of them beside the rest: refused, naming the keys.
+  options.host.budget_bytes = 768 << 10;
+  options.placement.host_states = 1.0;
+  Result<std::unique_ptr<Engine>> refused = FourLayers(options);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(refused.status().message().find("placement.host_states 1"), std::string::npos) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("host.budget"), std::string::npos);
+}
+
+TEST(EngineTest, TensorsWithoutANameWithTheSameNameOrAnEmptyDimensionAreRefused) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK(engine->RegisterTensor({"w", {4, 4}}).status());
+  Status twice = engine->RegisterTensor({"w", {4}}).status();
+  EXPECT_EQ(twice.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.message().find("'w' is registered already"), std::string::npos) << twice.ToString();
+  EXPECT_EQ(engine->RegisterTensor({"", {4}}).status().code(), StatusCode::kInvalidArgument);
+  Status empty = engine->RegisterTensor({"v", {4, 0}}).status();
+  EXPECT_NE(empty.message().find("dimension 1 is 0"), std::string::npos) << empty.ToString();
+  EXPECT_EQ(engine->tensors().size(), 1u);  // nothing refused was kept
+}
+
+TEST(EngineTest, LifecycleErrorsAreInvalidArgument) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK_AND_ASSIGN(TensorId frozen, engine->RegisterTensor({"frozen", {100}, DType::kFloat32, false, "m"}));
+  EXPECT_EQ(engine->Access(frozen, ChunkKind::kParam, Tier::kHost).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(engine->Finalize());
+  EXPECT_EQ(engine->Finalize().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->RegisterTensor({"late", {1}}).status().code(), StatusCode::kInvalidArgument);
+  Status grad = engine->Access(frozen, ChunkKind::kGrad, Tier::kHost).status();
+  EXPECT_NE(grad.message().find("frozen"), std::string::npos) << grad.ToString();
+  EXPECT_EQ(engine->Access(TensorId(7), ChunkKind::kParam, Tier::kHost).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(engine->ChunkTier(ChunkId(0)).status().code(), StatusCode::kInvalidArgument);  // free
+}
+
+TEST(EngineTest, TensorAccessPointsAtTheTensorInsideItsChunk) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(SmallOptions()));
+  ASSERT_OK_AND_ASSIGN(TensorId a, engine->RegisterTensor({"a", {10, 10}, DType::kBFloat16, true, "m"}));
+  ASSERT_OK_AND_ASSIGN(TensorId b, engine->RegisterTensor({"b", {50}, DType::kBFloat16, true, "m"}));
+  ASSERT_OK(engine->Finalize());
+  ASSERT_OK_AND_ASSIGN(TensorAccess pa, engine->Access(a, ChunkKind::kParam, Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(TensorAccess pb, engine->Access(b, ChunkKind::kParam, Tier::kDevice));
+  EXPECT_EQ(pa.size_bytes(), 200u);
+  EXPECT_EQ(pa.num_elements(), 100u);
+  EXPECT_EQ(pa.chunk_id(), pb.chunk_id());
+  EXPECT_GE(static_cast<std::byte*>(pb.data()), static_cast<std::byte*>(pa.data()) + 200);
+  ASSERT_OK_AND_ASSIGN(TensorAccess master, engine->Access(a, ChunkKind::kMaster, Tier::kHost));
+  EXPECT_EQ(master.dtype(), DType::kFloat32);
+  EXPECT_EQ(master.size_bytes(), 400u);
+}
+
+class SelftestTest : public ::testing::Test {
+ protected:
+  SelftestConfig SmallModel() {
+    SelftestConfig config;
+    config.layers = 3;
+    config.hidden = 64;
+    config.vocab = 512;
+    config.sequence = 64;
+    return config;
+  }
+  Options SelftestOptions() {
+    Options options;
+    options.device.backend = DeviceBackendKind::kEmulated;
+    options.chunk.search_min_elems = 1 << 10;
+    options.chunk.search_max_elems = 1 << 15;
+    options.nvme.dirs = {dir_.path()};
+    options.log_level = LogLevel::kWarning;
+    return options;
+  }
+  testing::ScratchDir dir_{"selftest"};
+};
+
+TEST_F(SelftestTest, GptStackCyclesThroughAllTiersAndVerifies) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    Options options = SelftestOptions();
+    options.compute_dtype = dtype;
+    ASSERT_OK_AND_ASSIGN(SelftestReport report, RunSelftest(SmallModel(), options));
+    EXPECT_EQ(report.mismatches, 0u) << report.first_mismatch;
+    EXPECT_GT(report.copies_checked, report.tensors);
+    for (auto [from, to] : {std::pair{0, 1}, {1, 0}, {1, 2}, {2, 1}}) {
+      EXPECT_GT(report.stats.links[from][to].moves, 0u) << TierName(static_cast<Tier>(from)) << "->"
+                                                        << TierName(static_cast<Tier>(to));
+    }
+    std::string text = FormatSelftestReport(report);
+    EXPECT_NE(text.find("selftest PASSED"), std::string::npos) << text;
+    EXPECT_NE(SelftestReportJson(report).find("\"passed\": true"), std::string::npos);
+  }
+}
+
+TEST_F(SelftestTest, CorruptionOnTheDriveIsReportedNotVerified) {
+  EngineSeams seams;
+  auto faults = std::make_unique<FaultInjectingStorage>(std::move(CreateMemoryStorage(64 << 20)).value());
+  faults->CorruptWrites(1000);
+  seams.storage = std::move(faults);
+  Options options = SelftestOptions();
+  options.nvme.dirs.clear();
+  Result<SelftestReport> report = RunSelftest(SmallModel(), options, std::move(seams));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kCorruption) << report.status().ToString();
+}
+
+TEST_F(SelftestTest, FullDriveIsAnIoErrorNotLostData) {
+  EngineSeams seams;
+  auto faults = std::make_unique<FaultInjectingStorage>(std::move(CreateMemoryStorage(64 << 20)).value());
+  faults->FailWrites(ENOSPC, 1000);
+  seams.storage = std::move(faults);
+  Options options = SelftestOptions();
+  options.nvme.dirs.clear();
+  Result<SelftestReport> report = RunSelftest(SmallModel(), options, std::move(seams));
+  ASSERT_FALSE(report.ok());
+  EXPECT_EQ(report.status().code(), StatusCode::kIoError);
+  EXPECT_NE(report.status().message().find("No space left"), std::string::npos) << report.status().ToString();
+}
+
+}  // namespace
+}  // namespace strata

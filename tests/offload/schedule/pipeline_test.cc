@@ -1,0 +1,491 @@
+#include "offload/schedule/pipeline.h"
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata::offload {
+namespace {
+
+constexpr uint64_t kChunkElems = 16384;  // 64 KiB fp32 chunks, one per layer
+
+// An engine with one frozen fp32 tensor (one param chunk) per layer, a
+// device holding `device_chunks` of them, copies throttled to imitate PCIe,
+// and optionally an NVMe tier (memory storage behind a fault injector) that
+// homes the layers the host budget does not hold.
+struct LayerModel {
+  FaultInjectingStorage* faults = nullptr;
+  std::unique_ptr<Engine> engine;
+  std::vector<ChunkId> layers;
+
+  LayerModel(uint32_t num_layers, uint32_t device_chunks, uint32_t host_chunks = 64, bool nvme = false) {
+    Options options;
+    options.device.backend = DeviceBackendKind::kEmulated;
+    options.device.budget_bytes = device_chunks * kChunkElems * 4;
+    options.host.budget_bytes = host_chunks * kChunkElems * 4;
+    options.chunk.size_elems = kChunkElems;
+    options.device.emulated_bandwidth_gbps = 1.0;  // 64 KiB in ~66 us
+    options.log_level = LogLevel::kWarning;
+    EngineSeams seams;
+    if (nvme) {
+      auto memory = CreateMemoryStorage(uint64_t{64} << 20);
+      STRATA_CHECK(memory.ok());
+      auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
+      faults = wrapped.get();
+      seams.storage = std::move(wrapped);
+      options.nvme.capacity_bytes = uint64_t{64} << 20;
+    }
+    auto created = Engine::Create(options, std::move(seams));
+    STRATA_CHECK(created.ok(), "{}", created.status().ToString());
+    engine = std::move(created).value();
+    for (uint32_t l = 0; l < num_layers; ++l) {
+      auto id = engine->RegisterTensor(
+          {"layer" + std::to_string(l), {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, false, "layer" + std::to_string(l)});
+      STRATA_CHECK(id.ok(), "{}", id.status().ToString());
+    }
+    STRATA_CHECK(engine->Finalize().ok());
+    for (uint32_t l = 0; l < num_layers; ++l) layers.push_back(*engine->ChunkOf(TensorId(l), ChunkKind::kParam));
+  }
+};
+
+void BusyFor(std::chrono::microseconds how_long) {
+  const auto end = std::chrono::steady_clock::now() + how_long;
+  while (std::chrono::steady_clock::now() < end) {
+  }
+}
+
+// Writes layer `l`'s pattern into its chunk, or checks it.
+Status WriteOrCheck(ChunkAccess& access, uint32_t l, bool write) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(access.data());
+  for (uint64_t i = 0; i < kChunkElems; i += write ? 1 : 997) {
+    const uint32_t expected = l * 100000 + static_cast<uint32_t>(i);
+    if (write) {
+      words[i] = expected;
+    } else if (words[i] != expected) {
+      return Internal("layer {} word {} holds {}, not {}", l, i, words[i], expected);
+    }
+  }
+  return Status::Ok();
+}
+
+// After forward and backward: one update (a host moment) per layer of
+// `layers`, which the plan may move to the device when `device_seconds` is set.
+struct Updates {
+  std::vector<uint32_t> layers;
+  std::optional<double> device_seconds;
+};
+
+// One iteration: forward over the layers, backward in reverse (or `order`);
+// then `updates`. Each access checks the layer's bytes (written on the first
+// iteration) and computes.
+Status RunIteration(Pipeline& pipeline, const LayerModel& model, bool first, const std::vector<uint32_t>* order = nullptr,
+                    const Updates* updates = nullptr) {
+  STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
+  std::vector<uint32_t> sequence;
+  if (order != nullptr) {
+    sequence = *order;
+  } else {
+    for (uint32_t l = 0; l < model.layers.size(); ++l) sequence.push_back(l);
+    for (uint32_t l = static_cast<uint32_t>(model.layers.size()); l-- > 0;) sequence.push_back(l);
+  }
+  Status first_error;
+  for (size_t m = 0; m < sequence.size(); ++m) {
+    const uint32_t l = sequence[m];
+    STRATA_RETURN_IF_ERROR(pipeline.BeginMoment(/*non_model_bytes=*/0));
+    {  // the access is released before EndMoment, as the pipeline asks
+      Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
+      if (access.ok()) {
+        if (!first || m < sequence.size() / 2) STRATA_RETURN_IF_ERROR(WriteOrCheck(*access, l, first));
+        BusyFor(std::chrono::microseconds(300));
+      } else if (first_error.ok()) {
+        first_error = access.status();
+      }
+    }
+    STRATA_RETURN_IF_ERROR(pipeline.EndMoment());
+  }
+  for (uint32_t l : updates != nullptr ? updates->layers : std::vector<uint32_t>{}) {
+    STRATA_ASSIGN_OR_RETURN(Tier where, pipeline.BeginHostMoment(updates->device_seconds));
+    {  // the access is released before EndMoment, as the pipeline asks
+      Result<ChunkAccess> access = pipeline.Access(model.layers[l]);
+      if (access.ok()) {
+        if (Result<Tier> tier = model.engine->ChunkTier(model.layers[l]); !tier.ok() || *tier != where) {
+          return Internal("layer {} is updated on {} but its chunk is not there", l, TierName(where));
+        }
+        STRATA_RETURN_IF_ERROR(WriteOrCheck(*access, l, first));
+        BusyFor(std::chrono::microseconds(300));
+      } else if (first_error.ok()) {
+        first_error = access.status();
+      }
+    }
+    STRATA_RETURN_IF_ERROR(pipeline.EndMoment());
+  }
+  STRATA_RETURN_IF_ERROR(pipeline.EndIteration());
+  return first_error;
+}
+
+TEST(PipelineTest, WarmUpRecordsThenIterationsFollowThePlan) {
+  LayerModel model(/*num_layers=*/10, /*device_chunks=*/4);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, /*first=*/true));
+  ASSERT_NE(pipeline->plan(), nullptr);
+  ASSERT_NE(pipeline->trace(), nullptr);
+  EXPECT_EQ(pipeline->trace()->moments.size(), 20u);
+  EXPECT_EQ(pipeline->plan()->num_moments, 20u);
+  EXPECT_GT(pipeline->plan()->prediction.fetches, 0u);
+  for (int i = 0; i < 3; ++i) ASSERT_OK(RunIteration(*pipeline, model, /*first=*/false));
+  PipelineStats stats = pipeline->stats();
+  EXPECT_EQ(stats.iterations, 4u);
+  EXPECT_EQ(stats.recordings, 1u);
+  EXPECT_EQ(stats.planned_iterations, 3u);
+  EXPECT_EQ(stats.divergences, 0u);
+  EXPECT_EQ(stats.stall_per_moment.size(), 20u);
+  // Chunks of one size: the device follows the plan exactly once in step.
+  EXPECT_EQ(stats.demand_fetches, 0u);
+  EXPECT_EQ(stats.forced_evictions, 0u);
+  EXPECT_EQ(stats.reconciled, 0u);
+  EXPECT_GT(stats.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+  nlohmann::json json = nlohmann::json::parse(pipeline->StatsJson());
+  EXPECT_EQ(json["planned_iterations"].get<uint64_t>(), 3u);
+  EXPECT_TRUE(json.contains("stall_fraction"));
+}
+
+// 40 layers, a host of 32 (four of them kept for staging reads, two as
+// slack): layers 0-25, homed on the host, run forward and backward on a
+// 4-chunk device; 26-39, homed on NVMe, are updated on the host after backward.
+constexpr uint32_t kStepDeviceLayers = 26, kStepLayers = 40, kStepUpdates = kStepLayers - kStepDeviceLayers;
+struct StepModel {
+  LayerModel model{kStepLayers, /*device_chunks=*/4, /*host_chunks=*/32, /*nvme=*/true};
+  std::vector<uint32_t> device_order;
+  Updates updates;
+  StepModel() {
+    for (uint32_t l = 0; l < kStepDeviceLayers; ++l) device_order.push_back(l);
+    for (uint32_t l = kStepDeviceLayers; l-- > 0;) device_order.push_back(l);
+    for (uint32_t l = kStepDeviceLayers; l < kStepLayers; ++l) updates.layers.push_back(l);
+  }
+  Status Run(Pipeline& pipeline, bool first) { return RunIteration(pipeline, model, first, &device_order, &updates); }
+};
+
+TEST(PipelineTest, HostUpdatesReadTheirNvmeChunksAheadAndWriteThemBack) {
+  StepModel step;
+  ASSERT_EQ(step.model.engine->host_staging_bytes(), 4 * kChunkElems * 4);
+  for (uint32_t l : step.updates.layers) ASSERT_EQ(*step.model.engine->ChunkHome(step.model.layers[l]), Tier::kNvme);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  const Plan* plan = pipeline->plan();
+  ASSERT_NE(plan, nullptr);
+  ASSERT_EQ(plan->num_moments, 2 * kStepDeviceLayers + kStepUpdates);
+  // Each update's chunk is read once, before the moment that needs it.
+  uint32_t reads = 0, ahead = 0;
+  for (uint32_t k = 0; k < plan->num_moments; ++k) {
+    for (const PlannedRead& r : plan->host_reads_at[k]) {
+      reads++;
+      EXPECT_EQ(r.needed, 2 * kStepDeviceLayers + (r.chunk.value() - step.model.layers[kStepDeviceLayers].value()));
+      if (k < r.needed) ahead++;
+    }
+  }
+  EXPECT_EQ(reads, kStepUpdates);
+  EXPECT_GE(ahead, kStepUpdates / 2);
+  ASSERT_OK(step.Run(*pipeline, false));  // the first replayed iteration: the device and host put in step
+  std::array<uint64_t, kNumLinks> moved = {};
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_OK(step.Run(*pipeline, false));  // every byte checked
+    for (int l = 0; l < kNumLinks; ++l) moved[l] += pipeline->stats().bytes[l];
+  }
+  PipelineStats stats = pipeline->stats();
+  EXPECT_EQ(stats.planned_iterations, 4u);
+  EXPECT_EQ(stats.divergences, 0u);
+  EXPECT_EQ(stats.demand_fetches, 0u);
+  EXPECT_EQ(stats.forced_evictions, 0u);
+  // Each update's chunk read and written once an iteration. Reads ahead and
+  // write-backs run beside the moments, so the few at an iteration's ends
+  // may be counted in the iteration next to it: the three together, within
+  // the staging room.
+  const double chunk = kChunkElems * 4;
+  EXPECT_NEAR(moved[static_cast<int>(Link::kNvmeRead)], 3 * kStepUpdates * chunk, 5 * chunk);
+  EXPECT_NEAR(moved[static_cast<int>(Link::kNvmeWrite)], 3 * kStepUpdates * chunk, 5 * chunk);
+}
+
+TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {
+  StepModel step;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  ASSERT_OK(step.Run(*pipeline, false));
+  step.model.faults->FailReads(EIO, 1);  // only the updates' chunks are read from NVMe
+  Status status = step.Run(*pipeline, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("prefetching chunk"), std::string::npos) << status.ToString();
+  ASSERT_OK(step.Run(*pipeline, false));  // nothing lost
+}
+
+TEST(PipelineTest, FailedWriteBackAfterAnUpdateIsReportedAndLosesNothing) {
+  StepModel step;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(step.Run(*pipeline, true));
+  ASSERT_OK(step.Run(*pipeline, false));
+  // Only the updates' chunks are written to NVMe: the first write-back fails.
+  step.model.faults->FailWrites(EIO, 1);
+  Status status = step.Run(*pipeline, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("back to NVMe after its host moment"), std::string::npos) << status.ToString();
+  ASSERT_OK(step.Run(*pipeline, false));  // the chunk kept its update on the host: every byte checks
+  ASSERT_OK(step.Run(*pipeline, false));
+}
+
+TEST(PipelineTest, AnUpdateMovesToTheDeviceWhenItsChunksFitThere) {
+  LayerModel model(4, /*device_chunks=*/8);
+  const std::vector<uint32_t> order = {0, 1, 1, 0};
+  const Updates updates{.layers = {2, 3}, .device_seconds = 1e-4};
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true, &order, &updates));  // on the host while recording
+  EXPECT_EQ(pipeline->plan()->compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kDevice, Tier::kDevice,
+                                                                Tier::kDevice, Tier::kDevice, Tier::kDevice}));
+  for (int i = 0; i < 2; ++i) ASSERT_OK(RunIteration(*pipeline, model, false, &order, &updates));  // checks the tier
+  EXPECT_EQ(pipeline->stats().divergences, 0u);
+  EXPECT_EQ(pipeline->stats().bytes[static_cast<int>(Link::kHostToDevice)], 0u);  // they stay there
+  // Without a device time the plan keeps them on the host.
+  const Updates host_only{.layers = {2, 3}};
+  ASSERT_OK(RunIteration(*pipeline, model, false, &order, &host_only));
+  ASSERT_OK(RunIteration(*pipeline, model, false, &order, &host_only));
+  EXPECT_EQ(pipeline->plan()->compute_tier[4], Tier::kHost);
+}
+
+TEST(PipelineTest, ADifferentSequenceFallsBackOnDemandAndIsRecordedAgain) {
+  LayerModel model(8, 3);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  // An evaluation pass: forward only, in another order. No error.
+  const std::vector<uint32_t> eval = {0, 2, 1, 3, 4, 5, 6, 7};
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().divergences, 1u);
+  // The next iteration records the new sequence; the one after follows it.
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().recordings, 2u);
+  ASSERT_OK(RunIteration(*pipeline, model, false, &eval));
+  EXPECT_EQ(pipeline->stats().divergences, 1u);
+  EXPECT_EQ(pipeline->stats().planned_iterations, 2u);
+  EXPECT_EQ(pipeline->plan()->num_moments, 8u);
+}
+
+TEST(PipelineTest, FailedNvmeReadDuringPrefetchSurfacesAtTheAccessThatNeedsIt) {
+  // Two layers fit on the host: the rest are homed on NVMe.
+  LayerModel model(8, /*device_chunks=*/3, /*host_chunks=*/2, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  model.faults->FailReads(EIO, 1);
+  const auto start = std::chrono::steady_clock::now();
+  Status status = RunIteration(*pipeline, model, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("prefetching chunk"), std::string::npos) << status.ToString();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));  // an error, not a hang
+  // The chunk was not lost: the next iteration reads every layer intact.
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+}
+
+TEST(PipelineTest, FailedNvmeWriteDuringAnIterationIsReportedAndLosesNothing) {
+  LayerModel model(8, /*device_chunks=*/3, /*host_chunks=*/2, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = 10'000}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  // The next write to NVMe fails: a planned eviction of an NVMe-homed layer
+  // (reported by EndIteration), or the host making room for a staging read
+  // (reported by the access that needed the staged chunk), whichever writes
+  // first. Either way the iteration returns the error.
+  model.faults->FailWrites(EIO, 1);
+  Status status = RunIteration(*pipeline, model, false);
+  EXPECT_EQ(status.code(), StatusCode::kIoError) << status.ToString();
+  EXPECT_NE(status.message().find("injected fault: write"), std::string::npos) << status.ToString();
+  ASSERT_OK(RunIteration(*pipeline, model, false));  // every layer intact
+}
+
+TEST(PipelineTest, DestroyingItWithTransfersQueuedNeitherHangsNorLosesData) {
+  LayerModel model(8, 3, /*host_chunks=*/2, /*nvme=*/true);
+  {
+    ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+    ASSERT_OK(RunIteration(*pipeline, model, true));
+    ASSERT_OK(pipeline->BeginIteration());  // reconciliation and moment 0's moves queued
+    ASSERT_OK(pipeline->BeginMoment());
+    ASSERT_OK(pipeline->EndMoment());
+  }
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, false));  // a new pipeline finds every layer intact
+}
+
+TEST(PipelineTest, ActivationsFindTheirRoomFreeWhenTheMomentBegins) {
+  // Four chunk slots; the backward moments' activations take two of them.
+  LayerModel model(6, /*device_chunks=*/4);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  const uint64_t budget = model.engine->options().device.budget_bytes;
+  const uint64_t activations = 2 * kChunkElems * 4;
+  for (int it = 0; it < 4; ++it) {
+    ASSERT_OK(pipeline->BeginIteration());
+    for (int pass = 0; pass < 2; ++pass) {
+      for (uint32_t i = 0; i < model.layers.size(); ++i) {
+        const uint32_t l = pass == 0 ? i : static_cast<uint32_t>(model.layers.size()) - 1 - i;
+        const uint64_t non_model = pass == 1 ? activations : 0;
+        ASSERT_OK(pipeline->BeginMoment(non_model));
+        if (it > 0) {  // replayed: the plan's room is free now
+          EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes + non_model, budget)
+              << "iteration " << it << " moment " << pass * model.layers.size() + i;
+        }
+        ASSERT_OK(pipeline->Access(model.layers[l]).status());
+        ASSERT_OK(pipeline->EndMoment());
+      }
+    }
+    ASSERT_OK(pipeline->EndIteration());
+  }
+  EXPECT_EQ(pipeline->stats().planned_iterations, 3u);
+}
+
+TEST(PipelineTest, WithoutAdaptiveItNeverPlans) {
+  LayerModel model(6, 3);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.policy = Policy::kOnDemand}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  ASSERT_OK(RunIteration(*pipeline, model, false));
+  EXPECT_EQ(pipeline->plan(), nullptr);
+  EXPECT_EQ(pipeline->stats().recordings, 0u);
+  EXPECT_EQ(pipeline->stats().planned_iterations, 0u);
+  // Every access moved its layer on demand: the stall is the host->device link's.
+  const PipelineStats stats = pipeline->stats();
+  EXPECT_GT(stats.demand_fetches, 0u);
+  EXPECT_GT(stats.stall_per_link[static_cast<int>(Link::kHostToDevice)], 0);
+  double charged = 0;
+  for (double seconds : stats.stall_per_link) charged += seconds;
+  EXPECT_LE(charged, stats.stall_seconds + 1e-9);
+  EXPECT_TRUE(nlohmann::json::parse(pipeline->StatsJson()).contains("stall_seconds_per_link"));
+}
+
+TEST(PipelineTest, StaticPolicyKeepsItsShareOnTheDeviceAndMovesTheSameEveryIteration) {
+  LayerModel model(8, /*device_chunks=*/6);
+  const std::vector<uint32_t> order = {0, 1, 2, 3, 4, 5, 6, 7, 7, 6, 5, 4, 3, 2, 1, 0};
+  const Updates updates{.layers = {1, 6}};  // a CPU update of a kept layer and of another
+  ASSERT_OK_AND_ASSIGN(auto pipeline,
+                       Pipeline::Create(*model.engine, {.policy = Policy::kStatic, .static_device_params = 0.5}));
+  std::vector<std::array<uint64_t, kNumLinks>> bytes;
+  for (int it = 0; it < 4; ++it) {
+    ASSERT_OK(RunIteration(*pipeline, model, it == 0, &order, &updates));  // layer 1 on the host while updated
+    for (uint32_t l = 0; l < 4; ++l) EXPECT_EQ(*model.engine->ChunkTier(model.layers[l]), Tier::kDevice) << l;
+    bytes.push_back(pipeline->stats().bytes);
+  }
+  EXPECT_EQ(pipeline->plan(), nullptr);
+  EXPECT_EQ(pipeline->stats().recordings, 0u);
+  EXPECT_EQ(bytes[2], bytes[3]);  // no surprises
+  // Layers 0-3 never leave but for layer 1's update: 1 down, 1 up per iteration;
+  // layers 4-7 (8 uses, 2 free slots) move on demand.
+  EXPECT_GE(bytes[3][static_cast<int>(Link::kHostToDevice)], 5 * kChunkElems * 4);
+  nlohmann::json json = nlohmann::json::parse(pipeline->StatsJson());
+  EXPECT_EQ(json["policy"].get<std::string>(), "static");
+  // A share that leaves no room to move the rest through is refused.
+  Result<std::unique_ptr<Pipeline>> greedy =
+      Pipeline::Create(*model.engine, {.policy = Policy::kStatic, .static_device_params = 0.9});
+  EXPECT_EQ(greedy.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(greedy.status().message().find("placement.device_params"), std::string::npos) << greedy.status().ToString();
+  // The options give the policy and the share.
+  Options options;
+  ASSERT_OK(SetOption(options, "placement.policy", "static"));
+  ASSERT_OK(SetOption(options, "placement.device_params", "0.25"));
+  EXPECT_EQ(PipelineOptionsOf(options).policy, Policy::kStatic);
+  EXPECT_EQ(PipelineOptionsOf(options).static_device_params, 0.25);
+  EXPECT_EQ(SetOption(options, "placement.policy", "lru").code(), StatusCode::kInvalidArgument);
+}
+
+TEST(PipelineTest, CallsOutOfOrderAreInvalidArgument) {
+  LayerModel model(2, 2);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(pipeline->BeginIteration());
+  EXPECT_EQ(pipeline->Access(model.layers[0]).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->BeginMoment());
+  EXPECT_EQ(pipeline->BeginMoment().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(pipeline->Access(ChunkId(99)).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(pipeline->EndIteration().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->EndMoment());
+  EXPECT_EQ(pipeline->EndMoment().code(), StatusCode::kInvalidArgument);
+  ASSERT_OK(pipeline->EndIteration());
+  EXPECT_EQ(Pipeline::Create(*model.engine, {.wait_timeout_ms = 0}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Random sequences repeated over iterations (and changed now and then):
+// every layer keeps its bytes (RunIteration checks them) with NVMe in play.
+TEST(PipelineTest, RandomSequencesKeepEveryByte) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  LayerModel model(9, 3, /*host_chunks=*/4, /*nvme=*/true);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(RunIteration(*pipeline, model, true));
+  std::vector<uint32_t> sequence;
+  for (int i = 0; i < 12; ++i) {
+    if (i % 4 == 0) {
+      sequence.clear();
+      for (int m = 0; m < 15; ++m) sequence.push_back(static_cast<uint32_t>(rng() % model.layers.size()));
+    }
+    SCOPED_TRACE("iteration " + std::to_string(i));
+    ASSERT_OK(RunIteration(*pipeline, model, false, &sequence));
+  }
+  EXPECT_GE(pipeline->stats().planned_iterations, 6u);
+}
+
+// Random steps (device moments with activations, then CPU updates), each
+// repeated over several iterations: every byte kept, and whenever an
+// iteration follows its plan, a moment's chunks on the device and its
+// activations fit in the device budget when the moment begins.
+TEST(PipelineTest, RandomStepsKeepEveryByteAndTheDeviceBudget) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  LayerModel model(12, /*device_chunks=*/5, /*host_chunks=*/8, /*nvme=*/true);
+  const uint64_t chunk = kChunkElems * 4;
+  const uint64_t budget = model.engine->options().device.budget_bytes;
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  std::vector<bool> written(model.layers.size(), false);
+  for (int round = 0; round < 4; ++round) {
+    struct Step {
+      uint32_t layer;
+      uint64_t activations;
+      bool on_host;
+    };
+    std::vector<Step> steps;
+    for (int m = 0; m < 12; ++m) {
+      steps.push_back({static_cast<uint32_t>(rng() % model.layers.size()), (rng() % 3) * chunk, false});
+    }
+    for (int m = 0; m < 3; ++m) steps.push_back({static_cast<uint32_t>(rng() % model.layers.size()), 0, true});
+    for (int it = 0; it < 4; ++it) {
+      SCOPED_TRACE("round " + std::to_string(round) + " iteration " + std::to_string(it));
+      ASSERT_OK(pipeline->BeginIteration());
+      const uint64_t planned = pipeline->stats().planned_iterations;
+      std::vector<std::string> over_budget;  // checked once the iteration says whether it followed a plan
+      for (size_t m = 0; m < steps.size(); ++m) {
+        const Step& step = steps[m];
+        if (step.on_host) {
+          ASSERT_OK(pipeline->BeginHostMoment().status());
+        } else {
+          ASSERT_OK(pipeline->BeginMoment(step.activations));
+          const uint64_t used = model.engine->stats().tiers[static_cast<int>(Tier::kDevice)].used_bytes;
+          if (used + step.activations > budget) {
+            over_budget.push_back(fmt::format("moment {}: {} of chunks and {} of activations", m, used, step.activations));
+          }
+        }
+        {
+          ASSERT_OK_AND_ASSIGN(ChunkAccess access, pipeline->Access(model.layers[step.layer]));
+          ASSERT_OK(WriteOrCheck(access, step.layer, !written[step.layer]));
+          written[step.layer] = true;
+        }
+        ASSERT_OK(pipeline->EndMoment());
+      }
+      ASSERT_OK(pipeline->EndIteration());
+      if (pipeline->stats().planned_iterations > planned) {
+        EXPECT_TRUE(over_budget.empty()) << fmt::format("{}", fmt::join(over_budget, "; "));
+      }
+      EXPECT_LE(model.engine->stats().tiers[static_cast<int>(Tier::kHost)].peak_bytes,
+                model.engine->options().host.budget_bytes);
+    }
+  }
+  EXPECT_GE(pipeline->stats().planned_iterations, 8u);
+}
+
+}  // namespace
+}  // namespace strata::offload

@@ -1,0 +1,282 @@
+#include "offload/schedule/planner.h"
+
+#include <random>
+
+#include "test_util.h"
+
+namespace strata::offload {
+namespace {
+
+// Chunks of one size; every home on the host; each moment needs the listed
+// chunks and computes for `compute_seconds`.
+PlannerInput UnitInput(const std::vector<std::vector<uint32_t>>& moments, uint32_t device_chunks,
+                       double compute_seconds, double bytes_per_second, uint64_t chunk_bytes = 1000) {
+  PlannerInput input;
+  uint32_t chunks = 0;
+  for (const auto& m : moments) {
+    TraceMoment moment{.compute_seconds = compute_seconds};
+    for (uint32_t c : m) {
+      moment.chunks.push_back(ChunkId(c));
+      chunks = std::max(chunks, c + 1);
+    }
+    input.trace.moments.push_back(moment);
+  }
+  input.chunk_bytes.assign(chunks, chunk_bytes);
+  input.home.assign(chunks, Tier::kHost);
+  input.device_bytes = device_chunks * chunk_bytes;
+  input.links.bytes_per_second.fill(bytes_per_second);
+  return input;
+}
+
+TEST(PlannerTest, EverythingFitsMeansNothingMovesInTheSteadyState) {
+  PlannerInput input = UnitInput({{0, 1}, {2}, {1, 3}}, /*device_chunks=*/4, 1.0, 1000);
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.prediction.fetches, 0u);
+  EXPECT_EQ(plan.prediction.bytes_moved(), 0u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0);
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 3.0);
+}
+
+TEST(PlannerTest, TwoChunksThroughOneSlotStallForTheWholeSwap) {
+  // Each moment needs the chunk the other evicts: nothing can be hoisted.
+  // Per moment: 1 s to take the other chunk off the device, 1 s to bring
+  // this one, 1 s of compute.
+  PlannerInput input = UnitInput({{0}, {1}}, /*device_chunks=*/1, 1.0, /*bytes_per_second=*/1000);
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.prediction.fetches, 2u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 2000u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kDeviceToHost)], 2000u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 4.0);
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 6.0);
+}
+
+TEST(PlannerTest, FetchesStartRightAfterTheirVictimsLastUse) {
+  // Two slots, three chunks: m0 {0}, m1 {1}, m2 {0}, m3 {2}. Chunk 2 evicts
+  // chunk 1 (next used furthest away), whose last use is m1: the fetch starts
+  // at m2. Chunk 1 comes back for m1 of the next iteration evicting chunk 2,
+  // last used at m3: that fetch starts at m0.
+  PlannerInput input = UnitInput({{0}, {1}, {0}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/2000);
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  ASSERT_EQ(plan.fetches_at.size(), 4u);
+  ASSERT_EQ(plan.fetches_at[0].size(), 1u);
+  EXPECT_EQ(plan.fetches_at[0][0].chunk, ChunkId(1));
+  EXPECT_EQ(plan.fetches_at[0][0].needed, 1u);
+  EXPECT_EQ(plan.fetches_at[0][0].victims, std::vector<ChunkId>{ChunkId(2)});
+  EXPECT_TRUE(plan.fetches_at[1].empty());
+  ASSERT_EQ(plan.fetches_at[2].size(), 1u);
+  EXPECT_EQ(plan.fetches_at[2][0].chunk, ChunkId(2));
+  EXPECT_EQ(plan.fetches_at[2][0].needed, 3u);
+  EXPECT_EQ(plan.fetches_at[2][0].victims, std::vector<ChunkId>{ChunkId(1)});
+  EXPECT_TRUE(plan.fetches_at[3].empty());
+  // Eviction (0.5 s) and fetch (0.5 s) fit in the 1 s of compute before the use.
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0);
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 4.0);
+  // LRU fetches the same chunks, on demand: 1 s of stall each.
+  ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(input));
+  EXPECT_EQ(lru.fetches, 2u);
+  EXPECT_DOUBLE_EQ(lru.stall_seconds, 2.0);
+}
+
+// A layer-by-layer model: forward 0..L-1, backward L-1..0, one chunk per
+// layer, the device holding a few layers.
+PlannerInput Layers(uint32_t layers, uint32_t device_chunks, double compute_seconds, double bytes_per_second) {
+  std::vector<std::vector<uint32_t>> moments;
+  for (uint32_t l = 0; l < layers; ++l) moments.push_back({l});
+  for (uint32_t l = layers; l-- > 0;) moments.push_back({l});
+  return UnitInput(moments, device_chunks, compute_seconds, bytes_per_second);
+}
+
+TEST(PlannerTest, PrefetchHidesTransfersWhenComputeIsLonger) {
+  // 1 ms per chunk each way, 3 ms of compute per moment: every transfer can
+  // hide behind compute; LRU waits for each one.
+  PlannerInput input = Layers(12, /*device_chunks=*/4, 3e-3, /*bytes_per_second=*/1e6);
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(input));
+  EXPECT_LE(plan.prediction.stall_fraction(), 0.05) << plan.prediction.stall_seconds;
+  EXPECT_GT(lru.stall_fraction(), 5 * plan.prediction.stall_fraction());
+  EXPECT_LE(plan.prediction.bytes_moved(), lru.bytes_moved());
+  EXPECT_LE(plan.peak_device_bytes, input.device_bytes);
+}
+
+TEST(PlannerTest, NvmeHomedChunksPayTheDriveToo) {
+  PlannerInput input = UnitInput({{0}, {1}}, /*device_chunks=*/1, 1.0, 1000);
+  input.home = {Tier::kNvme, Tier::kNvme};
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 2000u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kNvmeWrite)], 2000u);
+  // Off the device 1 s, read 1 s (in parallel), onto the device 1 s.
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 4.0);
+}
+
+TEST(PlannerTest, NonModelMemoryGrowingEvictsChunksAndIsCountedAtEveryMoment) {
+  // Activations take 2 of 4 chunk slots during m1 and m2.
+  PlannerInput input = UnitInput({{0, 1}, {2}, {3}, {0, 1}}, /*device_chunks=*/4, 1.0, 1e6);
+  input.trace.moments[1].non_model_bytes = 2000;
+  input.trace.moments[2].non_model_bytes = 2000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_LE(plan.peak_device_bytes, input.device_bytes);
+  EXPECT_GT(plan.prediction.fetches, 0u);
+}
+
+TEST(PlannerTest, AChunkEvictedForActivationsIsNotFetchedBeforeItLeaves) {
+  // m3's activations push chunk 0 out; m8 needs it back. Its fetch (victim:
+  // chunk 1, last used at m1) must not start before m3, when it leaves.
+  PlannerInput input = UnitInput({{0}, {1}, {}, {}, {}, {}, {}, {}, {0}, {}}, /*device_chunks=*/2, 1.0, 1000);
+  input.trace.moments[3].non_model_bytes = 1000;
+  input.trace.moments[8].non_model_bytes = 1000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));  // the schedule check inside passes
+  bool fetched_after_leaving = false;
+  for (uint32_t k = 0; k < plan.num_moments; ++k) {
+    for (const PlannedFetch& f : plan.fetches_at[k]) {
+      if (f.chunk == ChunkId(0) && f.needed == 8) {
+        EXPECT_GE(f.issue, 3u);
+        fetched_after_leaving = true;
+      }
+    }
+  }
+  EXPECT_TRUE(fetched_after_leaving);
+  EXPECT_EQ(plan.resident_at_start.size(), 2u);
+}
+
+TEST(PlannerTest, AMomentWaitsForTheRoomItsActivationsNeed) {
+  // Two slots; m2's activations take one: a chunk leaves first (1 s over
+  // device->host), and m2 cannot start before.
+  PlannerInput input = UnitInput({{0}, {1}, {}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].non_model_bytes = 1000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  ASSERT_EQ(plan.evictions_at[2].size(), 1u);
+  ASSERT_EQ(plan.prediction.stall_per_moment.size(), 3u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_per_moment[2], 1.0);
+}
+
+TEST(PlannerTest, AMomentThatCannotFitIsOutOfMemoryWithTheShortfall) {
+  PlannerInput input = UnitInput({{0, 1, 2}}, /*device_chunks=*/2, 1.0, 1000);
+  Result<Plan> plan = BuildPlan(input);
+  EXPECT_EQ(plan.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(plan.status().message().find("moment 0"), std::string::npos) << plan.status().ToString();
+  EXPECT_NE(plan.status().message().find("1000B more"), std::string::npos) << plan.status().ToString();
+}
+
+TEST(PlannerTest, MalformedInputsAreRejected) {
+  PlannerInput input = UnitInput({{0}}, 1, 1.0, 1000);
+  input.trace.moments[0].chunks.push_back(ChunkId(7));
+  EXPECT_EQ(BuildPlan(input).status().code(), StatusCode::kInvalidArgument);
+  input = UnitInput({{0}}, 1, 1.0, 1000);
+  input.home[0] = Tier::kDevice;
+  EXPECT_EQ(BuildPlan(input).status().code(), StatusCode::kInvalidArgument);
+  input = UnitInput({{0}}, 1, 1.0, 0);
+  EXPECT_EQ(PredictLru(input).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(BuildPlan(PlannerInput{}).status().code(), StatusCode::kInvalidArgument);
+}
+
+// Random traces of random chunk sizes and non-model memory: every plan
+// passes BuildPlan's own schedule check (each moment's chunks on the device,
+// no fetch of a chunk already there, no eviction of one that is not) and
+// never holds more than the device.
+TEST(PlannerTest, AHostMomentTakesItsChunkOffTheDeviceAndItComesBackAfter) {
+  // m0 uses chunk 0 on the device, m1 chunk 1, m2 chunk 0 on the host (a CPU
+  // update). Chunk 0 goes down right after m0 (1 s, hidden by m1) and up
+  // again for the next m0, not before m2 ends: 1 s of stall there.
+  PlannerInput input = UnitInput({{0}, {1}, {0}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].tier = Tier::kHost;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.compute_tier, (std::vector<Tier>{Tier::kDevice, Tier::kDevice, Tier::kHost}));
+  EXPECT_EQ(plan.offloads_at[1], std::vector<ChunkId>{ChunkId(0)});
+  ASSERT_EQ(plan.fetches_at[0].size(), 1u);
+  EXPECT_EQ(plan.fetches_at[0][0].chunk, ChunkId(0));
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kDeviceToHost)], 1000u);
+  EXPECT_EQ(plan.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 1000u);
+  EXPECT_EQ(plan.prediction.stall_per_moment, (std::vector<double>{1.0, 0.0, 0.0}));
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 4.0);
+  EXPECT_EQ(plan.resident_at_start, std::vector<ChunkId>{ChunkId(1)});  // 0 left for m2 before
+}
+
+// m0 and m1 compute on the device with chunks 0 and 1; m2 updates chunk 2,
+// homed on NVMe, on the host. Every link moves 1000 B/s, chunks are 1000 B.
+PlannerInput HostUpdate(uint64_t staging_bytes) {
+  PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].tier = Tier::kHost;
+  input.home[2] = Tier::kNvme;
+  input.host_staging_bytes = staging_bytes;
+  return input;
+}
+
+TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
+  // With room for one chunk: the read is issued at m0, and waits there for
+  // the write-back of the iteration before (1 s); then 1 s of reading, done
+  // when m2 begins.
+  ASSERT_OK_AND_ASSIGN(Plan ahead, BuildPlan(HostUpdate(1000)));
+  EXPECT_EQ(ahead.host_reads_at[0], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeRead)], 1000u);
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kNvmeWrite)], 1000u);
+  EXPECT_EQ(ahead.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+  EXPECT_DOUBLE_EQ(ahead.prediction.stall_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(ahead.prediction.step_seconds, 3.0);
+  // Without staging memory it is read when m2 begins: 1 s of stall.
+  ASSERT_OK_AND_ASSIGN(Plan late, BuildPlan(HostUpdate(0)));
+  EXPECT_EQ(late.host_reads_at[2], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
+  EXPECT_DOUBLE_EQ(late.prediction.stall_seconds, 1.0);
+  ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(HostUpdate(1000)));
+  EXPECT_DOUBLE_EQ(lru.stall_seconds, 1.0);  // no read-ahead without a plan
+}
+
+TEST(PlannerTest, AnUpdateRunsOnTheDeviceOnlyWhenItsStatesFitBesideEverythingElse) {
+  PlannerInput input = HostUpdate(0);
+  input.trace.moments[2].device_compute_seconds = 0.25;
+  // Three slots: chunks 0 and 1 stay, and chunk 2 fits beside them: it moves
+  // to the device once and stays; the update takes 0.25 s there.
+  input.device_bytes = 3000;
+  ASSERT_OK_AND_ASSIGN(Plan roomy, BuildPlan(input));
+  EXPECT_EQ(roomy.compute_tier[2], Tier::kDevice);
+  EXPECT_EQ(roomy.prediction.bytes_moved(), 0u);
+  EXPECT_DOUBLE_EQ(roomy.prediction.step_seconds, 2.25);
+  // Two slots: on the device it would push chunks 0 and 1 out every
+  // iteration; it stays on the host.
+  input.device_bytes = 2000;
+  ASSERT_OK_AND_ASSIGN(Plan tight, BuildPlan(input));
+  EXPECT_EQ(tight.compute_tier[2], Tier::kHost);
+  EXPECT_EQ(tight.prediction.bytes[static_cast<int>(Link::kHostToDevice)], 0u);
+}
+
+TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
+  std::mt19937_64 rng(testing::TestSeed());
+  for (int trial = 0; trial < 200; ++trial) {
+    const uint32_t chunks = 2 + rng() % 12;
+    const bool one_size = trial % 2 == 0;  // chunks of one size, or of many
+    PlannerInput input;
+    for (uint32_t c = 0; c < chunks; ++c) {
+      input.chunk_bytes.push_back(one_size ? 1000 : 500 + rng() % 2000);
+      input.home.push_back(rng() % 3 == 0 ? Tier::kNvme : Tier::kHost);
+    }
+    const uint64_t largest = *std::max_element(input.chunk_bytes.begin(), input.chunk_bytes.end());
+    input.device_bytes = largest * (2 + rng() % 4);
+    input.host_staging_bytes = largest * (rng() % 3);
+    const uint32_t moments = 1 + rng() % 20;
+    for (uint32_t m = 0; m < moments; ++m) {
+      TraceMoment moment{.compute_seconds = 1e-3 * static_cast<double>(rng() % 5)};
+      uint64_t bytes = 0;
+      for (uint32_t k = 0; k < 1 + rng() % 3; ++k) {
+        ChunkId c(static_cast<uint32_t>(rng() % chunks));
+        if (std::find(moment.chunks.begin(), moment.chunks.end(), c) != moment.chunks.end()) continue;
+        if (bytes + input.chunk_bytes[c.value()] > input.device_bytes) continue;
+        moment.chunks.push_back(c);
+        bytes += input.chunk_bytes[c.value()];
+      }
+      moment.non_model_bytes = rng() % (input.device_bytes - bytes + 1);
+      if (rng() % 4 == 0) {  // a CPU update, which the planner may move to the device
+        moment.tier = Tier::kHost;
+        if (rng() % 2 == 0) moment.device_compute_seconds = 1e-4 * static_cast<double>(rng() % 5);
+      }
+      input.trace.moments.push_back(moment);
+    }
+    SCOPED_TRACE("trial " + std::to_string(trial));
+    ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+    ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(input));
+    EXPECT_LE(plan.peak_device_bytes, input.device_bytes);
+    EXPECT_GE(lru.step_seconds, lru.compute_seconds - 1e-12);
+    EXPECT_GE(plan.prediction.step_seconds, plan.prediction.compute_seconds - 1e-12);
+  }
+}
+
+}  // namespace
+}  // namespace strata::offload

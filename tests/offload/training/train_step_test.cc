@@ -1,0 +1,587 @@
+// RunTrainStep: the optimizer step over every trainable group, in host
+// moments of a pipeline iteration, against the optimizer run on plain arrays.
+#include "offload/training/train_step.h"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "memory/chunk_layout.h"
+#include "memory/tier_pool.h"
+#include "src/base/half.h"
+#include "strata/storage.h"
+#include "tests/offload/training/train_model.h"
+#include "tests/test_util.h"
+
+namespace strata::offload {
+namespace {
+
+TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) {
+  Model model(/*max_grad_norm=*/1.0);
+  Model reference_config(1.0);  // only for a second optimizer with the same settings
+  std::mt19937 rng(7);
+  std::vector<std::vector<float>> w(kLayers), m(kLayers), v(kLayers);
+  std::vector<optim::ChunkTensors> arrays(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    w[l] = Random(rng, 1.0f);
+    model.Write(l, ChunkKind::kParam, w[l]);
+    m[l].assign(kChunkElems, 0.0f);
+    v[l].assign(kChunkElems, 0.0f);
+  }
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<std::vector<float>> grads(kLayers);
+    for (int l = 0; l < kLayers; ++l) {
+      grads[l] = Random(rng, 0.1f);
+      model.Write(l, ChunkKind::kGrad, grads[l]);
+      arrays[l] = {.n = kChunkElems, .master = w[l].data(), .grad = grads[l].data(),
+                   .state = {m[l].data(), v[l].data()}};
+    }
+    ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+    ASSERT_OK_AND_ASSIGN(optim::StepPlan plan, reference_config.optimizer->Step(arrays));
+    EXPECT_EQ(report.groups, static_cast<uint32_t>(kLayers));  // the frozen tensor has no group to update
+    EXPECT_EQ(report.plan.step, step);
+    EXPECT_NEAR(report.plan.grad_norm, plan.grad_norm, 1e-9 * plan.grad_norm);
+    EXPECT_LT(report.plan.clip_coefficient, 1.0f);  // the norm is above 1: clipped
+    for (int l = 0; l < kLayers; ++l) {
+      EXPECT_EQ(model.Read(l, ChunkKind::kParam), w[l]) << "layer " << l << " step " << step;
+      EXPECT_EQ(model.Read(l, ChunkKind::kExpAvgSq), v[l]) << "layer " << l << " step " << step;
+      EXPECT_EQ(model.Read(l, ChunkKind::kGrad), std::vector<float>(kChunkElems, 0.0f)) << "layer " << l;
+    }
+  }
+  EXPECT_EQ(model.optimizer->steps_taken(), 3);
+  // The states did not all fit the host: some groups were read from NVMe and written back.
+  EXPECT_GT(model.engine->stats().links[static_cast<int>(Tier::kNvme)][static_cast<int>(Tier::kHost)].bytes, 0u);
+}
+
+TEST(TrainStepTest, ACorruptStateOnNvmeEndsTheStepUncountedAndNamesTheChunk) {
+  Model model;
+  std::mt19937 rng(3);
+  for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  ASSERT_OK(model.Iteration().status());
+  for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  model.faults->CorruptReads(1);
+  Result<TrainStepReport> failed = model.Iteration();
+  ASSERT_EQ(failed.status().code(), StatusCode::kCorruption) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("chunk"), std::string::npos) << failed.status().ToString();
+  EXPECT_EQ(model.optimizer->steps_taken(), 1);  // not counted
+  // The pipeline and the engine go on: the next step runs (the corrupt read left the slot as it was).
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+  EXPECT_EQ(report.plan.step, 2);
+}
+
+TEST(TrainStepTest, InfiniteGradientsSkipTheUpdateButStillZeroTheGrads) {
+  Model model;
+  const std::vector<float> before = model.Read(0, ChunkKind::kParam);
+  std::vector<float> grad(kChunkElems, 0.5f);
+  grad[17] = std::numeric_limits<float>::infinity();
+  model.Write(0, ChunkKind::kGrad, grad);
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+  EXPECT_TRUE(report.plan.skip);
+  EXPECT_EQ(model.Read(0, ChunkKind::kParam), before);
+  EXPECT_EQ(model.Read(0, ChunkKind::kGrad), std::vector<float>(kChunkElems, 0.0f));
+  EXPECT_EQ(model.optimizer->steps_taken(), 0);
+}
+
+}  // namespace
+}  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+TEST(TrainStepTest, SkippedTensorsAreLeftAsTheyAreAndTheOthersUpdated) {
+  Model model;
+  std::mt19937 rng(5);
+  std::vector<std::vector<float>> before(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    before[l] = Random(rng, 1.0f);
+    model.Write(l, ChunkKind::kParam, before[l]);
+    model.Write(l, ChunkKind::kGrad, Random(rng, 0.1f));
+  }
+  std::vector<bool> skip(kLayers + 1, false);
+  skip[2] = true;
+  ASSERT_OK(model.pipeline->BeginIteration());
+  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, skip).status());
+  ASSERT_OK(model.pipeline->EndIteration());
+  for (int l = 0; l < kLayers; ++l) {
+    if (l == 2) {
+      EXPECT_EQ(model.Read(l, ChunkKind::kParam), before[l]);
+      EXPECT_EQ(model.Read(l, ChunkKind::kExpAvg), std::vector<float>(kChunkElems, 0.0f));
+    } else {
+      EXPECT_NE(model.Read(l, ChunkKind::kParam), before[l]) << "layer " << l;
+    }
+  }
+}
+
+}  // namespace
+}  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+
+// `world` ranks (threads) with their own gradients against one rank
+// stepping their mean: the same parameters on every rank, bit for bit
+// without clipping.
+// With `shard_params` (ZeRO-3), the param chunks are gathered from the
+// ranks' master shards in each layer's moment, by the reducer.
+void RunDataParallel(int world, double max_grad_norm, bool exact, bool during_backward = false,
+                     bool shard_params = false) {
+  during_backward = during_backward || shard_params;
+  constexpr int kSteps = 3;
+  std::mt19937 rng(11);
+  std::vector<std::vector<float>> initial(kLayers);
+  for (auto& w : initial) w = Random(rng, 1.0f);
+
+  Model single(max_grad_norm);
+  for (int l = 0; l < kLayers; ++l) single.Write(l, ChunkKind::kParam, initial[l]);
+  std::vector<double> single_norms;
+  for (int step = 0; step < kSteps; ++step) {
+    for (int l = 0; l < kLayers; ++l) {
+      std::vector<float> sum(kChunkElems, 0.0f), mean(kChunkElems);
+      for (int r = 0; r < world; ++r) {
+        const std::vector<float> g = RankGrad(r, l, step);
+        for (size_t i = 0; i < kChunkElems; ++i) sum[i] += g[i];
+      }
+      for (size_t i = 0; i < kChunkElems; ++i) mean[i] = sum[i] * (1.0f / static_cast<float>(world));
+      single.Write(l, ChunkKind::kGrad, mean);
+    }
+    ASSERT_OK_AND_ASSIGN(TrainStepReport report, single.Iteration());
+    single_norms.push_back(report.plan.grad_norm);
+  }
+
+  auto group = CreateLoopbackGroup(world, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<std::vector<std::vector<float>>> params(world);
+  std::vector<std::vector<double>> norms(world);
+  std::vector<uint64_t> state_bytes(world, 0), comm_bytes(world, 0), all_bytes(world, 0), stored(world, 0);
+  std::vector<Status> results(world, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(max_grad_norm, (*group)[r].get(), shard_params);
+      std::unique_ptr<GradReducer> reducer;
+      if (during_backward) reducer = std::make_unique<GradReducer>(*rank.engine, *(*group)[r]);
+      for (const ChunkInfo& chunk : rank.engine->chunks()) {
+        if (IsOptimizerState(chunk.kind)) state_bytes[r] += chunk.size_bytes;
+      }
+      stored[r] = rank.engine->layout().total_bytes;
+      for (int l = 0; l < kLayers; ++l) {
+        if (shard_params) {
+          rank.WriteShard(l, initial[l]);
+        } else {
+          rank.Write(l, ChunkKind::kParam, initial[l]);
+        }
+      }
+      const uint64_t before = (*group)[r]->stats().total_bytes();
+      for (int step = 0; step < kSteps && results[r].ok(); ++step) {
+        for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kGrad, RankGrad(r, l, step));
+        Result<TrainStepReport> report = rank.Iteration((*group)[r].get(), reducer.get());
+        results[r] = report.status();
+        if (report.ok()) norms[r].push_back(report->plan.grad_norm);
+        if (report.ok()) comm_bytes[r] = report->comm_bytes;
+      }
+      if (reducer) EXPECT_OK(reducer->Drain());  // the gathers ahead of the next step too
+      all_bytes[r] = (*group)[r]->stats().total_bytes() - before;
+      EXPECT_GE((*group)[r]->stats().reduce_scatter.calls, static_cast<uint64_t>(kSteps * kLayers)) << "rank " << r;
+      // From the second step on, every layer's chunk was gathered ahead
+      // (the sequence of the step before), and nothing twice.
+      if (shard_params) {
+        EXPECT_EQ(reducer->gathered_ahead(), static_cast<uint64_t>((kSteps - 1) * kLayers));
+      }
+      for (int l = 0; l < kLayers && results[r].ok(); ++l) {
+        params[r].push_back(shard_params ? rank.Gathered(l, *reducer) : rank.Read(l, ChunkKind::kParam));
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < world; ++r) ASSERT_OK(results[r]);
+  // A step sends every group's fp32 gradients reduce-scattered (each
+  // shard with its group's tag, kTagBits values) and its (fp32) params gathered, (W-1)
+  // shards of each, and the norm all-reduced.
+  // Parameters sharded: the step gathers nothing; each layer's param chunk
+  // is gathered once in its moment (its shard and an 8-byte tag), and the
+  // last step gathers the next one's first two ahead.
+  const uint64_t shard = memory::ShardOf(kChunkElems, 0, world).elems;
+  const uint64_t reduced = kLayers * (world - 1) * (shard + GradReducer::kTagBits) * sizeof(float);
+  const uint64_t gathered = kLayers * (world - 1) * (shard * sizeof(float) + (shard_params ? sizeof(uint64_t) : 0));
+  const uint64_t norm = 2 * (world - 1) * sizeof(double) / world;
+  const uint64_t ahead = shard_params ? GradReducer::kPrefetchDepth * gathered / kLayers : 0;
+  for (int r = 0; r < world; ++r) {
+    EXPECT_EQ(comm_bytes[r], reduced + (shard_params ? 0 : gathered) + norm) << "rank " << r;
+    EXPECT_EQ(all_bytes[r], kSteps * (reduced + gathered + norm) + ahead) << "rank " << r;
+  }
+  // Parameters sharded, a rank stores 1/W of the params too, the frozen
+  // layer's included: only the (whole) grad chunks stay whole.
+  for (int r = 0; r < world && shard_params; ++r) {
+    const uint64_t whole = single.engine->layout().total_bytes;
+    const uint64_t grads = kLayers * kChunkElems * sizeof(float);
+    EXPECT_LE(stored[r], grads + (whole - grads) / world + 4 * kLayers * memory::kSlotAlignmentBytes + 2 * 4096)
+        << "rank " << r;
+  }
+  // Each rank holds its shard of the states: 1/W of them, up to the 4 KiB slot rounding.
+  uint64_t whole_state_bytes = 0;
+  for (const ChunkInfo& chunk : single.engine->chunks()) {
+    if (IsOptimizerState(chunk.kind)) whole_state_bytes += chunk.size_bytes;
+  }
+  for (int r = 0; r < world; ++r) {
+    // (Parameters sharded: the fp32 params gain a master shard.)
+    const uint64_t states = shard_params ? whole_state_bytes * 3 / 2 : whole_state_bytes;
+    EXPECT_LE(state_bytes[r], states / world + 3 * kLayers * memory::kSlotAlignmentBytes) << "rank " << r;
+    if (!shard_params && world > 1) {
+      EXPECT_LT(state_bytes[r], whole_state_bytes) << "rank " << r;
+    }
+  }
+  for (int r = 0; r < world; ++r) ASSERT_EQ(params[r].size(), static_cast<size_t>(kLayers)) << "rank " << r;
+  for (int l = 0; l < kLayers; ++l) {
+    const std::vector<float> reference = single.Read(l, ChunkKind::kParam);
+    for (int r = 1; r < world; ++r) EXPECT_EQ(params[0][l], params[r][l]) << "layer " << l << ": ranks 0 and " << r;
+    if (exact) {
+      EXPECT_EQ(params[0][l], reference) << "layer " << l;
+    } else {
+      for (size_t i = 0; i < kChunkElems; ++i) {
+        ASSERT_NEAR(params[0][l][i], reference[i], 1e-6f * std::max(1.0f, std::abs(reference[i]))) << l << " " << i;
+      }
+    }
+  }
+  for (int step = 0; step < kSteps; ++step) {
+    for (int r = 1; r < world; ++r) EXPECT_EQ(norms[0][step], norms[r][step]);
+    EXPECT_NEAR(norms[0][step], single_norms[step], 1e-9 * single_norms[step]);
+  }
+}
+
+TEST(TrainStepTest, TwoRanksStepLikeOneRankWithTheMeanGradientBitForBit) {
+  RunDataParallel(2, 0.0, /*exact=*/true);
+}
+
+// A group of one rank (NCCL on a single GPU) runs the data-parallel path,
+// its gradients reduced during backward: it steps like no communicator.
+TEST(TrainStepTest, OneRankWithACommunicatorStepsLikeNone) {
+  RunDataParallel(1, 0.0, /*exact=*/true, /*during_backward=*/true);
+}
+
+// 4096 elements over three ranks: shards of 1376, the last one short (1344).
+TEST(TrainStepTest, ThreeRanksWithAShortLastShardStepLikeOneRank) { RunDataParallel(3, 0.0, /*exact=*/true); }
+
+TEST(TrainStepTest, TwoRanksClipByTheGlobalNorm) { RunDataParallel(2, 0.5, /*exact=*/false); }
+
+// Gradients reduced during backward (each layer's as its moment ends, on
+// the reducer's thread) give the same step, bit for bit.
+TEST(TrainStepTest, GradientsReducedDuringBackwardStepTheSame) {
+  RunDataParallel(2, 0.0, /*exact=*/true, /*during_backward=*/true);
+  RunDataParallel(3, 0.5, /*exact=*/false, /*during_backward=*/true);
+}
+
+// ZeRO-3: each rank stores its shard of the params (as its fp32 master
+// shard) and gathers a param chunk when a moment needs it; the step updates
+// the shards only. The same parameters as one rank, bit for bit.
+TEST(TrainStepTest, ShardedParamsStepLikeOneRankAndAreGatheredWhenNeeded) {
+  RunDataParallel(2, 0.0, /*exact=*/true, /*during_backward=*/true, /*shard_params=*/true);
+  RunDataParallel(3, 0.0, /*exact=*/true, /*during_backward=*/true, /*shard_params=*/true);
+  RunDataParallel(2, 0.5, /*exact=*/false, /*during_backward=*/true, /*shard_params=*/true);
+}
+
+// Ranks gathering different param chunks (a forward that differs between
+// them) are refused on every rank, naming what each gathered, instead of
+// mixing two layers' parameters; and only a transient param chunk gathers.
+TEST(TrainStepTest, RanksGatheringDifferentParamChunksAreRefused) {
+  std::vector<Status> results(2, Status::Ok()), refused(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    GradReducer reducer(*rank.engine, comm);
+    {
+      const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+      auto grad_access = rank.engine->AccessChunk(grad, Tier::kDevice);
+      refused[r] = grad_access.ok() ? reducer.Gather(grad, *grad_access) : grad_access.status();
+    }
+    const ChunkId param = *rank.engine->ChunkOf(TensorId(r), ChunkKind::kParam);
+    auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+    results[r] = access.ok() ? reducer.Gather(param, *access) : access.status();
+  });
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(refused[r].code(), StatusCode::kInvalidArgument) << refused[r].ToString();
+    EXPECT_NE(refused[r].message().find("not a transient param chunk"), std::string::npos) << refused[r].ToString();
+    EXPECT_EQ(results[r].code(), StatusCode::kInvalidArgument) << results[r].ToString();
+    EXPECT_NE(results[r].message().find(fmt::format("rank {} gathered group {}", 1 - r, 1 - r)), std::string::npos)
+        << results[r].ToString();
+  }
+}
+
+// A gather ahead fills its chunk itself when the chunk is on the device
+// already, in hold (the pipeline's fetch came first), so the Gather that
+// needs it copies nothing; a chunk still free is filled by the Gather; and
+// a chunk moved after it was filled ahead (dropped and materialized anew as
+// zeros) is filled again by the Gather, not taken as it is.
+TEST(TrainStepTest, AGatherAheadFillsAChunkOnTheDeviceAndOnlyWhileItStaysThere) {
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    std::mt19937 rng(23);  // the same weights on both ranks
+    std::vector<std::vector<float>> initial(4);
+    for (int l = 0; l < 4; ++l) {
+      initial[l] = Random(rng, 1.0f);
+      rank.WriteShard(l, initial[l]);
+    }
+    GradReducer reducer(*rank.engine, comm);
+    const auto param = [&](int l) { return *rank.engine->ChunkOf(TensorId(l), ChunkKind::kParam); };
+    for (int l = 0; l < 4; ++l) EXPECT_EQ(rank.Gathered(l, reducer), initial[l]) << "rank " << r << ", layer " << l;
+    reducer.ReleaseGathered();  // 0, 1, 2, 3: the sequence the next gathers go ahead along
+    for (int l = 0; l < 4; ++l) ASSERT_OK(rank.engine->MoveChunk(param(l), Tier::kHost));  // dropped
+    for (int l : {1, 3}) ASSERT_OK(rank.engine->MoveChunk(param(l), Tier::kDevice));       // zeros, in hold
+    EXPECT_EQ(rank.Gathered(0, reducer), initial[0]);  // queues 1, 2 and 3 ahead
+    ASSERT_OK(reducer.Drain());
+    EXPECT_EQ(reducer.gathered_ahead(), 0u);
+    EXPECT_EQ(reducer.filled_ahead(), 0u);
+    ASSERT_OK(rank.engine->MoveChunk(param(3), Tier::kHost));  // filled ahead, then dropped
+    EXPECT_EQ(rank.Gathered(1, reducer), initial[1]) << "rank " << r;
+    EXPECT_EQ(reducer.filled_ahead(), 1u);
+    EXPECT_EQ(rank.Gathered(2, reducer), initial[2]) << "rank " << r;
+    EXPECT_EQ(rank.Gathered(3, reducer), initial[3]) << "rank " << r;
+    EXPECT_EQ(reducer.gathered_ahead(), 3u);
+    EXPECT_EQ(reducer.filled_ahead(), 1u);
+  });
+}
+
+// A rank whose master shard cannot be read (an NVMe error) still joins the
+// gather, tagged as failed: both ranks' gathers fail at once, the other
+// naming it, and every later gather fails fast on both rather than fall
+// out of step (no Timeout). The step, too, needs the reducer that gathered.
+TEST(TrainStepTest, AShardThatCannotBeReadFailsTheGatherOnEveryRankInStep) {
+  std::vector<Status> first(2, Status::Ok()), later(2, Status::Ok()), step(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm, /*shard_params=*/true);
+    GradReducer reducer(*rank.engine, comm);
+    // The last layer's master shard on NVMe, behind the fault injector.
+    const ChunkId master = *rank.engine->ChunkOf(TensorId(kLayers - 1), ChunkKind::kMaster);
+    ASSERT_OK(rank.engine->MoveChunk(master, Tier::kNvme));
+    if (r == 0) rank.faults->FailReads(EIO);
+    for (int attempt = 0; attempt < 2; ++attempt) {
+      const ChunkId param = *rank.engine->ChunkOf(TensorId(kLayers - 1 - attempt), ChunkKind::kParam);
+      auto access = rank.engine->AccessChunk(param, Tier::kDevice);
+      ASSERT_OK(access.status());
+      (attempt == 0 ? first : later)[r] = reducer.Gather(param, *access);
+    }
+    step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {}, &comm).status();
+  });
+  EXPECT_EQ(first[0].code(), StatusCode::kIoError) << first[0].ToString();
+  EXPECT_NE(first[0].message().find("reading the master shard of chunk group"), std::string::npos) << first[0].ToString();
+  EXPECT_EQ(first[1].code(), StatusCode::kIoError) << first[1].ToString();
+  EXPECT_NE(first[1].message().find("rank(s) 0 could not read their master shard"), std::string::npos)
+      << first[1].ToString();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(later[r].code(), StatusCode::kIoError) << "rank " << r << ": " << later[r].ToString();
+    EXPECT_EQ(step[r].code(), StatusCode::kInvalidArgument) << step[r].ToString();
+    EXPECT_NE(step[r].message().find("no GradReducer was given"), std::string::npos) << step[r].ToString();
+  }
+}
+
+// Parameters sharded, the device must hold the reducer's kept gathers and a
+// moment's own chunks: a budget short of that is refused at Finalize, naming
+// the option, on every rank.
+TEST(TrainStepTest, ShardedParamsNeedDeviceRoomForTheKeptGathers) {
+  std::vector<Status> results(2, Status::Ok());
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Options options;
+    options.device.backend = DeviceBackendKind::kEmulated;
+    options.device.budget_bytes = 3 * kChunkElems * 4;  // three chunks: one short
+    options.host.budget_bytes = 64 * kChunkElems * 4;
+    options.chunk.size_elems = kChunkElems;
+    options.log_level = LogLevel::kWarning;
+    options.comm.shard_params = true;
+    auto engine = Engine::Create(options, {.comm = &comm});
+    ASSERT_OK(engine.status());
+    ASSERT_OK((*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "m"})
+                  .status());
+    results[r] = (*engine)->Finalize();
+  });
+  for (const Status& result : results) {
+    EXPECT_EQ(result.code(), StatusCode::kOutOfMemory) << result.ToString();
+    EXPECT_NE(result.message().find("comm.shard_params"), std::string::npos) << result.ToString();
+  }
+}
+
+// bf16 gradients travel in bf16 (comm.reduce_dtype grad, the default: 2
+// bytes an element, the sum rounded to bf16 before the mean) or in fp32
+// (comm.reduce_dtype fp32: twice the bytes, the exact mean).
+TEST(TrainStepTest, GradientsAreReducedInTheGradDtypeUnlessFp32IsAsked) {
+  for (const char* wire : {"grad", "fp32"}) {
+    SCOPED_TRACE(wire);
+    std::vector<Result<GradReducer::Reduced>> reduced(2, Internal("not run"));
+    OnRanks(2, [&](int r, Communicator& comm) {
+      Options options;
+      options.device.backend = DeviceBackendKind::kEmulated;
+      options.host.budget_bytes = 64 * kChunkElems * 4;
+      options.chunk.size_elems = kChunkElems;
+      options.log_level = LogLevel::kWarning;
+      options.compute_dtype = DType::kBFloat16;
+      ASSERT_OK(SetOption(options, "comm.reduce_dtype", wire));
+      auto engine = Engine::Create(options, {.comm = &comm});
+      ASSERT_OK(engine.status());
+      ASSERT_OK_AND_ASSIGN(TensorId w, (*engine)->RegisterTensor(
+                                           {"w", {static_cast<int64_t>(kChunkElems)}, DType::kBFloat16, true, "m"}));
+      ASSERT_OK((*engine)->Finalize());
+      {
+        ASSERT_OK_AND_ASSIGN(TensorAccess grad, (*engine)->Access(w, ChunkKind::kGrad, Tier::kHost));
+        // 1 + 0.75 of bf16's ulp at 1: rounded to bf16, 1 + ulp.
+        for (size_t i = 0; i < kChunkElems; ++i) optim::StoreFloat(grad.data(), DType::kBFloat16, i, r == 0 ? 1.0f : 0.75f / 128);
+      }
+      GradReducer reducer(**engine, comm);
+      reduced[r] = reducer.Take(*(*engine)->ChunkOf(w, ChunkKind::kGrad));
+    });
+    const bool fp32 = std::string(wire) == "fp32";
+    const float mean = fp32 ? (1.0f + 0.75f / 128) / 2 : (1.0f + 1.0f / 128) / 2;
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_OK(reduced[r].status());
+      EXPECT_EQ(reduced[r]->shard, std::vector<float>(kChunkElems / 2, mean)) << "rank " << r;
+      EXPECT_EQ(reduced[r]->bytes, (kChunkElems / 2 + GradReducer::kTagBits) * (fp32 ? 4 : 2)) << "rank " << r;
+    }
+  }
+}
+
+// The overflow check is global: one rank's inf gradient makes every rank
+// skip the step (the norm's all-reduced sum of squares is inf everywhere),
+// so the ranks' parameters never part.
+TEST(TrainStepTest, AnInfGradientOnOneRankSkipsTheStepOnEveryRank) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<bool> skipped(2, false), unchanged(2, false);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      std::mt19937 rng(5);
+      const std::vector<float> initial = Random(rng, 1.0f);
+      for (int l = 0; l < kLayers; ++l) rank.Write(l, ChunkKind::kParam, initial);
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<float> grad = RankGrad(r, l, 0);
+        if (r == 1 && l == 3) grad[17] = std::numeric_limits<float>::infinity();
+        rank.Write(l, ChunkKind::kGrad, grad);
+      }
+      Result<TrainStepReport> report = rank.Iteration((*group)[r].get());
+      results[r] = report.status();
+      if (!report.ok()) return;
+      skipped[r] = report->plan.skip;
+      unchanged[r] = true;
+      for (int l = 0; l < kLayers; ++l) unchanged[r] = unchanged[r] && rank.Read(l, ChunkKind::kParam) == initial;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(results[r]);
+    EXPECT_TRUE(skipped[r]) << "rank " << r;
+    EXPECT_TRUE(unchanged[r]) << "rank " << r;
+  }
+}
+
+// Ranks whose backward completes groups in different orders would sum one
+// group's gradients with another's: every rank finds it, by the groups'
+// tags, and names it.
+TEST(TrainStepTest, RanksReducingGroupsInDifferentOrdersAreRefusedNotSummed) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> results(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      const ChunkId first = *rank.engine->ChunkOf(TensorId(r == 0 ? 0 : 1), ChunkKind::kGrad);
+      const ChunkId second = *rank.engine->ChunkOf(TensorId(r == 0 ? 1 : 0), ChunkKind::kGrad);
+      results[r] = reducer.Submit(first);
+      if (results[r].ok()) results[r] = reducer.Submit(second);
+      if (results[r].ok()) results[r] = reducer.Take(first).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(results[r].code(), StatusCode::kInvalidArgument) << results[r].ToString();
+    EXPECT_NE(results[r].message().find("every rank must run the same backward"), std::string::npos)
+        << results[r].ToString();
+  }
+}
+
+// A chunk submitted again (a gradient that arrived late) is reduced with
+// its latest values; a chunk that is not a grad chunk is refused.
+TEST(TrainStepTest, AResubmittedChunkIsReducedWithItsLatestGradients) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<std::vector<float>> shards(2);
+  std::vector<Status> results(2, Status::Ok()), wrong_kind(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      GradReducer reducer(*rank.engine, *(*group)[r]);
+      const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+      wrong_kind[r] = reducer.Submit(*rank.engine->ChunkOf(TensorId(0), ChunkKind::kParam));
+      rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 1.0f));
+      results[r] = reducer.Submit(grad);
+      rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 3.0f + r));
+      if (results[r].ok()) results[r] = reducer.Submit(grad);
+      Result<GradReducer::Reduced> reduced = reducer.Take(grad);
+      if (results[r].ok()) results[r] = reduced.status();
+      if (reduced.ok()) shards[r] = reduced->shard;
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_OK(results[r]);
+    EXPECT_EQ(wrong_kind[r].code(), StatusCode::kInvalidArgument);
+    ASSERT_EQ(shards[r].size(), kChunkElems / 2);
+    EXPECT_EQ(shards[r], std::vector<float>(kChunkElems / 2, 3.5f)) << "rank " << r << ": the mean of 3 and 4";
+  }
+}
+
+// A recycled shard's memory takes the next reduction (no fresh pages per
+// reduction), and its values are that reduction's, not the old ones.
+TEST(TrainStepTest, ARecycledShardIsReusedForTheNextReduction) {
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm);
+    GradReducer reducer(*rank.engine, comm);
+    const ChunkId grad = *rank.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+    rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 1.0f + r));
+    ASSERT_OK_AND_ASSIGN(GradReducer::Reduced first, reducer.Take(grad));
+    EXPECT_EQ(first.shard, std::vector<float>(kChunkElems / 2, 1.5f));
+    first.shard.reserve(kChunkElems);  // a capacity no fresh shard has: recognizable when it comes back
+    const float* memory = first.shard.data();
+    reducer.Recycle(std::move(first.shard));
+    rank.Write(0, ChunkKind::kGrad, std::vector<float>(kChunkElems, 5.0f + r));
+    ASSERT_OK_AND_ASSIGN(GradReducer::Reduced second, reducer.Take(grad));
+    EXPECT_EQ(second.shard.data(), memory) << "rank " << r;
+    EXPECT_EQ(second.shard.capacity(), kChunkElems) << "rank " << r;
+    EXPECT_EQ(second.shard, std::vector<float>(kChunkElems / 2, 5.5f)) << "rank " << r;
+  });
+}
+
+// A sharded engine stepped without its communicator (or with another
+// group's) would update a range its chunks do not hold: refused up front.
+TEST(TrainStepTest, ShardedEngineNeedsItsOwnCommunicator) {
+  auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
+  ASSERT_OK(group.status());
+  std::vector<Status> alone(2, Status::Ok()), swapped(2, Status::Ok());
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      Model rank(0.0, (*group)[r].get());
+      alone[r] = rank.Iteration(nullptr).status();
+      swapped[r] = rank.Iteration((*group)[1 - r].get()).status();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(alone[r].code(), StatusCode::kInvalidArgument) << alone[r].ToString();
+    EXPECT_NE(alone[r].message().find("no communicator"), std::string::npos) << alone[r].ToString();
+    EXPECT_EQ(swapped[r].code(), StatusCode::kInvalidArgument) << swapped[r].ToString();
+  }
+  Model single;
+  Status unsharded = single.Iteration((*group)[0].get()).status();
+  EXPECT_EQ(unsharded.code(), StatusCode::kInvalidArgument) << unsharded.ToString();
+}
+
+}  // namespace
+}  // namespace strata::offload

@@ -1,0 +1,295 @@
+#include "optim/cpu/cpu_kernels.h"
+
+#include <bit>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "src/base/half.h"
+#include "tests/optim/optim_test_util.h"
+
+namespace strata::optim {
+namespace {
+
+using testing::Case;
+using testing::Cases;
+using testing::ChunkArrays;
+using testing::ExpectClose;
+using testing::ExpectParamIsRoundedMaster;
+using testing::RandomChunk;
+
+using testing::kAllDTypes;
+constexpr CpuIsa kVectorIsas[] = {CpuIsa::kAvx2, CpuIsa::kAvx512};
+
+// Runs `isa` and the reference on copies of `start`, compares.
+void CompareWithReference(CpuIsa isa, const Case& c, const ChunkArrays& start) {
+  const UpdateConstants constants = MakeUpdateConstants(c.config, c.step, c.grad_multiplier);
+  ChunkArrays ref = start, got = start;
+  UpdateRange(CpuIsa::kScalar, constants, ref.view(), 0, ref.master.size());
+  UpdateRange(isa, constants, got.view(), 0, got.master.size());
+  ExpectClose(got.master, ref.master, "master");
+  ExpectClose(got.state0, ref.state0, "state0");
+  ExpectClose(got.state1, ref.state1, "state1");
+  ExpectParamIsRoundedMaster(got);
+  ExpectParamIsRoundedMaster(ref);
+}
+
+TEST(CpuKernelsTest, ScalarAdamWMatchesTheFormulaForOneElement) {
+  // Worked in double for step 3, AdamW: w=0.5 g=0.2 m=0.01 v=0.002.
+  OptimizerConfig config{.lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.1f};
+  float w = 0.5f, g = 0.2f, m = 0.01f, v = 0.002f;
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&m, &v}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 3, 1.0f), t, 0, 1);
+  const double md = 0.9 * 0.01 + 0.1 * 0.2;
+  const double vd = 0.999 * 0.002 + 0.001 * 0.04;
+  const double wd = 0.5 * (1 - 0.01 * 0.1) -
+                    (0.01 / (1 - std::pow(0.9, 3))) * md / (std::sqrt(vd) / std::sqrt(1 - std::pow(0.999, 3)) + 1e-8);
+  EXPECT_NEAR(m, md, 1e-7);
+  EXPECT_NEAR(v, vd, 1e-8);
+  EXPECT_NEAR(w, wd, 1e-6);
+}
+
+TEST(CpuKernelsTest, ScalarAdamWithL2AddsTheDecayToTheGradient) {
+  // torch.optim.Adam(weight_decay=0.1), step 2: g' = g + wd w, no decoupled decay.
+  OptimizerConfig config{.kind = OptimizerKind::kAdam, .lr = 0.01, .weight_decay = 0.1};
+  float w = 0.5f, g = 0.2f, m = 0.01f, v = 0.002f;
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&m, &v}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 2, 1.0f), t, 0, 1);
+  const double gd = 0.2 + 0.1 * 0.5;
+  const double md = 0.9 * 0.01 + 0.1 * gd;
+  const double vd = 0.999 * 0.002 + 0.001 * gd * gd;
+  const double wd = 0.5 - (0.01 / (1 - 0.81)) * md / (std::sqrt(vd) / std::sqrt(1 - 0.999 * 0.999) + 1e-8);
+  EXPECT_NEAR(m, md, 1e-7);
+  EXPECT_NEAR(v, vd, 1e-8);
+  EXPECT_NEAR(w, wd, 1e-6);
+}
+
+TEST(CpuKernelsTest, ScalarSgdWithDampeningMatchesTorch) {
+  // torch.optim.SGD(momentum=0.9, dampening=0.25): b = 0.9 b + 0.75 d after the first step.
+  OptimizerConfig config{.kind = OptimizerKind::kSgd, .lr = 0.1, .momentum = 0.9, .dampening = 0.25};
+  float w = 1.0f, g = 2.0f, b = 0.0f;
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&b, nullptr}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 1, 1.0f), t, 0, 1);
+  EXPECT_FLOAT_EQ(b, 2.0f);  // the first step takes the gradient undamped
+  EXPECT_FLOAT_EQ(w, 1.0f - 0.1f * 2.0f);
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 2, 1.0f), t, 0, 1);
+  EXPECT_FLOAT_EQ(b, 0.9f * 2.0f + 0.75f * 2.0f);
+  EXPECT_FLOAT_EQ(w, 0.8f - 0.1f * 3.3f);
+}
+
+TEST(CpuKernelsTest, ScalarSgdMatchesTorchForMomentumAndNesterov) {
+  // torch.optim.SGD: d = g + wd w; b = d (first step) else mu b + (1 - damp) d;
+  // nesterov: d += mu b, else d = b; w -= lr d.
+  OptimizerConfig config{.kind = OptimizerKind::kSgd, .lr = 0.1f, .weight_decay = 0.5f, .momentum = 0.9f,
+                         .nesterov = true};
+  float w = 2.0f, g = 1.0f, b = 123.0f;  // b is overwritten on the first step
+  ChunkTensors t{.n = 1, .master = &w, .grad = &g, .state = {&b, nullptr}};
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 1, 1.0f), t, 0, 1);
+  EXPECT_FLOAT_EQ(b, 2.0f);                          // d = 1 + 0.5 * 2
+  EXPECT_FLOAT_EQ(w, 2.0f - 0.1f * (2.0f + 0.9f * 2.0f));  // nesterov
+  const float w1 = w;
+  UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(config, 2, 1.0f), t, 0, 1);
+  const float d = 1.0f + 0.5f * w1;
+  EXPECT_FLOAT_EQ(b, 0.9f * 2.0f + d);
+  EXPECT_FLOAT_EQ(w, w1 - 0.1f * (d + 0.9f * b));
+}
+
+TEST(CpuKernelsTest, VectorVersionsMatchTheReferenceForEveryKindDtypeAndTail) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<size_t> sizes;
+  for (size_t n = 1; n <= 33; ++n) sizes.push_back(n);  // every tail length of both widths
+  sizes.push_back(1000);
+  sizes.push_back(4099);
+  for (CpuIsa isa : kVectorIsas) {
+    if (!CpuSupports(isa)) continue;
+    for (const Case& c : Cases()) {
+      for (DType grad_dtype : kAllDTypes) {
+        for (DType param_dtype : kAllDTypes) {
+          for (size_t n : sizes) {
+            SCOPED_TRACE(fmt::format("{} {} grad {} param {} n={}", CpuIsaName(isa), c.name, DTypeName(grad_dtype),
+                                     DTypeName(param_dtype), n));
+            CompareWithReference(isa, c, RandomChunk(n, grad_dtype, param_dtype, rng));
+            if (HasFatalFailure()) return;
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CpuKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (DType grad_dtype : kAllDTypes) {
+    ChunkArrays start = RandomChunk(67, grad_dtype, DType::kBFloat16, rng);
+    start.set_grad(3, std::numeric_limits<float>::quiet_NaN());
+    start.set_grad(20, std::numeric_limits<float>::infinity());
+    start.set_grad(66, -std::numeric_limits<float>::infinity());  // in the tail of both vector versions
+    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+      if (!CpuSupports(isa)) continue;
+      SCOPED_TRACE(fmt::format("{} grad {}", CpuIsaName(isa), DTypeName(grad_dtype)));
+      for (const Case& c : Cases()) CompareWithReference(isa, c, start);
+    }
+    ChunkArrays after = start;
+    UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(Cases()[0].config, 2, 1.0f), after.view(), 0, 67);
+    EXPECT_TRUE(std::isnan(after.master[3]));
+    EXPECT_EQ(after.param16[3], 0xFFFF);  // bf16's NaN, as PyTorch writes it
+    EXPECT_FALSE(std::isnan(after.master[4]));
+  }
+}
+
+TEST(CpuKernelsTest, ParallelUpdateEqualsOneThreadBitForBit) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  ChunkArrays start = RandomChunk((size_t{1} << 18) + 13, DType::kBFloat16, DType::kBFloat16, rng);
+  ChunkArrays serial = start, parallel = start;
+  const UpdateConstants c = MakeUpdateConstants({.weight_decay = 0.01f}, 10, 0.25f);
+  UpdateRange(BestCpuIsa(), c, serial.view(), 0, serial.master.size());
+  UpdateParallel(c, parallel.view());
+  EXPECT_EQ(parallel.master, serial.master);  // same version, same elements: bit-identical
+  EXPECT_EQ(parallel.state1, serial.state1);
+  EXPECT_EQ(parallel.param16, serial.param16);
+}
+
+// fp32 AdamW over 100 steps with fresh gradients each step against the same
+// recurrence in fp64: the relative error of every array, normwise, <= 1e-6.
+TEST(CpuKernelsTest, Fp32AdamWTracksAnFp64ReferenceOver100Steps) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  constexpr size_t kN = 4099;
+  const OptimizerConfig config{.lr = 1e-3f, .beta1 = 0.9f, .beta2 = 0.999f, .eps = 1e-8f, .weight_decay = 0.01f};
+  ChunkArrays a = RandomChunk(kN, DType::kFloat32, DType::kFloat32, rng);
+  std::vector<double> w(a.master.begin(), a.master.end()), m(a.state0.begin(), a.state0.end()),
+      v(a.state1.begin(), a.state1.end());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t step = 1; step <= 100; ++step) {
+    for (size_t i = 0; i < kN; ++i) a.grad32[i] = normal(rng);
+    UpdateParallel(MakeUpdateConstants(config, step, 1.0f), a.view());
+    const double c1 = 1 - std::pow(0.9, static_cast<double>(step)), c2 = 1 - std::pow(0.999, static_cast<double>(step));
+    const double lr = config.lr, b1 = config.beta1, b2 = config.beta2, eps = config.eps, decay = config.weight_decay;
+    for (size_t i = 0; i < kN; ++i) {
+      const double g = a.grad32[i];
+      w[i] *= 1 - lr * decay;
+      m[i] = b1 * m[i] + (1 - b1) * g;
+      v[i] = b2 * v[i] + (1 - b2) * g * g;
+      w[i] -= lr / c1 * m[i] / (std::sqrt(v[i]) / std::sqrt(c2) + eps);
+    }
+  }
+  const auto relative_error = [](const std::vector<float>& got, const std::vector<double>& ref) {
+    double diff = 0, norm = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      diff += (got[i] - ref[i]) * (got[i] - ref[i]);
+      norm += ref[i] * ref[i];
+    }
+    return std::sqrt(diff / norm);
+  };
+  EXPECT_LE(relative_error(a.master, w), 1e-6);
+  EXPECT_LE(relative_error(a.state0, m), 1e-6);
+  EXPECT_LE(relative_error(a.state1, v), 1e-6);
+  RecordProperty("master_relative_error", std::to_string(relative_error(a.master, w)));
+}
+
+// --- conversions ---------------------------------------------------------
+
+TEST(HalfTest, ReferenceConversionsRoundToNearestEven) {
+  const auto bits = [](uint32_t b) { return std::bit_cast<float>(b); };
+  EXPECT_EQ(Bf16FromFloat(1.0f), 0x3F80);
+  EXPECT_EQ(Bf16FromFloat(bits(0x3F808000)), 0x3F80);  // tie, kept bit even: down
+  EXPECT_EQ(Bf16FromFloat(bits(0x3F818000)), 0x3F82);  // tie, kept bit odd: up
+  EXPECT_EQ(Bf16FromFloat(bits(0x3F808001)), 0x3F81);  // above the tie: up
+  EXPECT_EQ(Bf16FromFloat(bits(0x7F7FFFFF)), 0x7F80);  // the largest float rounds to inf
+  EXPECT_EQ(Bf16FromFloat(bits(0x00000001)), 0x0000);  // subnormals are rounded, not flushed
+  EXPECT_EQ(Bf16FromFloat(bits(0x00018000)), 0x0002);
+  EXPECT_EQ(Bf16FromFloat(-std::numeric_limits<float>::quiet_NaN()), 0xFFFF);
+  EXPECT_EQ(Bf16FromFloat(std::bit_cast<float>(0x7F800001u)), 0xFFFF);  // a signalling NaN too
+  EXPECT_EQ(Fp16FromFloat(1.0f), 0x3C00);
+  EXPECT_EQ(Fp16FromFloat(-2.0f), 0xC000);
+  EXPECT_EQ(Fp16FromFloat(65504.0f), 0x7BFF);
+  EXPECT_EQ(Fp16FromFloat(std::nextafter(65520.0f, 0.0f)), 0x7BFF);
+  EXPECT_EQ(Fp16FromFloat(65520.0f), 0x7C00);  // the tie goes to the even side: inf
+  EXPECT_EQ(Fp16FromFloat(std::ldexp(1.0f, -24)), 0x0001);
+  EXPECT_EQ(Fp16FromFloat(std::ldexp(1.0f, -25)), 0x0000);       // half a unit: tie to even 0
+  EXPECT_EQ(Fp16FromFloat(std::ldexp(3.0f, -25)), 0x0002);       // 1.5 units: tie to even 2
+  EXPECT_EQ(Fp16FromFloat(std::ldexp(1023.5f, -24)), 0x0400);    // rounds up into the normals
+  EXPECT_EQ(Fp16FromFloat(1.0f + std::ldexp(1.0f, -11)), 0x3C00);  // tie: even
+  EXPECT_EQ(Fp16FromFloat(1.0f + std::ldexp(3.0f, -11)), 0x3C02);
+  EXPECT_EQ(Fp16FromFloat(std::numeric_limits<float>::quiet_NaN()), 0x7E00);
+  EXPECT_EQ(Fp16FromFloat(-std::numeric_limits<float>::quiet_NaN()), 0xFE00);
+}
+
+TEST(HalfTest, EverySixteenBitValueSurvivesTheRoundTrip) {
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) {
+    const uint16_t value = static_cast<uint16_t>(h);
+    const float as_bf16 = FloatFromBf16(value), as_fp16 = FloatFromFp16(value);
+    if (!std::isnan(as_bf16)) {
+      ASSERT_EQ(Bf16FromFloat(as_bf16), value) << std::hex << h;
+    }
+    if (std::isnan(as_fp16)) {
+      ASSERT_EQ(Fp16FromFloat(as_fp16) & 0x7FFF, 0x7E00) << std::hex << h;
+    } else {
+      ASSERT_EQ(Fp16FromFloat(as_fp16), value) << std::hex << h;
+    }
+  }
+}
+
+TEST(HalfTest, VectorConversionsAreBitIdenticalToTheReference) {
+  // Every upper half (all signs, exponents, kept mantissas, NaNs and
+  // infinities) with the lower halves that decide rounding: zero, just above
+  // zero, just below the tie, the tie, just above, all ones, and random.
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::vector<float> src;
+  for (uint32_t upper = 0; upper <= 0xFFFF; ++upper) {
+    for (uint32_t lower : {0x0000u, 0x0001u, 0x7FFFu, 0x8000u, 0x8001u, 0xFFFFu, static_cast<uint32_t>(rng() & 0xFFFF)}) {
+      src.push_back(std::bit_cast<float>(upper << 16 | lower));
+    }
+  }
+  // And every float that rounds into the fp16 subnormals and the top of its range.
+  for (uint32_t b = 0x33000000u; b < 0x38800000u; b += 97) src.push_back(std::bit_cast<float>(b));
+  for (uint32_t b = 0x477FE000u; b < 0x47800000u; ++b) src.push_back(std::bit_cast<float>(b));
+  src.push_back(1.0f);  // an odd count: a tail as well
+  std::vector<uint16_t> want(src.size()), got(src.size());
+  for (CpuIsa isa : kVectorIsas) {
+    if (!CpuSupports(isa)) continue;
+    SCOPED_TRACE(std::string(CpuIsaName(isa)));
+    ConvertToBf16(CpuIsa::kScalar, src.data(), want.data(), src.size());
+    ConvertToBf16(isa, src.data(), got.data(), src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "bf16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
+    }
+    ConvertToFp16(CpuIsa::kScalar, src.data(), want.data(), src.size());
+    ConvertToFp16(isa, src.data(), got.data(), src.size());
+    for (size_t i = 0; i < src.size(); ++i) {
+      ASSERT_EQ(got[i], want[i]) << "fp16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
+    }
+  }
+}
+
+// --- gradient sum of squares ------------------------------------------------
+
+TEST(CpuKernelsTest, SumOfSquaresMatchesTheReferenceAndSeesInfAndNan) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (DType dtype : kAllDTypes) {
+    for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{4099}}) {
+      ChunkArrays a = RandomChunk(n, dtype, DType::kFloat32, rng);
+      const void* grad = a.view().grad;
+      const double ref = SumSquaresRange(CpuIsa::kScalar, grad, dtype, 0, n);
+      for (CpuIsa isa : kVectorIsas) {
+        if (!CpuSupports(isa)) continue;
+        EXPECT_NEAR(SumSquaresRange(isa, grad, dtype, 0, n), ref, 1e-12 * ref) << CpuIsaName(isa);
+      }
+      a.set_grad(n - 1, std::numeric_limits<float>::infinity());
+      GradStats inf_stats;
+      inf_stats.Add(a.view());
+      EXPECT_FALSE(inf_stats.finite());
+      a.set_grad(n / 2, std::numeric_limits<float>::quiet_NaN());
+      GradStats nan_stats;
+      nan_stats.Add(a.view());
+      EXPECT_FALSE(nan_stats.finite());
+    }
+  }
+  // The largest finite fp32 gradients do not overflow the fp64 sum.
+  std::vector<float> huge(100, std::numeric_limits<float>::max());
+  GradStats stats;
+  stats.Add(huge.data(), DType::kFloat32, huge.size());
+  EXPECT_TRUE(stats.finite());
+}
+
+}  // namespace
+}  // namespace strata::optim
