@@ -6,13 +6,13 @@
     engine.step()
     engine.stats()
 
-``initialize`` (strata.training) moves the model's parameters, gradients and
+``initialize`` (strata.engine) moves the model's parameters, gradients and
 optimizer states into strata's chunks; ``load_config`` reads configurations
 with the engine's own checks; ``Engine`` is the C++ engine itself.
 """
 
 from ._strata import CorruptionError, Engine, Options, option_keys
 from .config import Config, load_config
-from .training import TrainingEngine, initialize
+from .engine import TrainingEngine, initialize
 
 __all__ = ["Config", "CorruptionError", "Engine", "Options", "TrainingEngine", "initialize", "load_config", "option_keys"]

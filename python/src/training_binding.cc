@@ -1,0 +1,179 @@
+// Training in Python: the optimizer, the prefetch pipeline's moments, one
+// training step over them, and the data-parallel gradient reducer.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <vector>
+
+#include "offload/persist/checkpoint.h"
+#include "offload/schedule/pipeline.h"
+#include "offload/training/grad_reducer.h"
+#include "offload/training/train_step.h"
+#include "optim/optimizer.h"
+#include "python/src/binding.h"
+#include "strata/comm.h"
+#include "strata/engine.h"
+
+namespace strata::python {
+
+namespace {
+
+// A GradReducer as Python holds it. Closing (or collecting) it waits for its
+// queued reductions with the GIL released: a Python communicator's jobs need
+// the GIL to finish, and MPI's may wait out their timeout.
+class PyGradReducer {
+ public:
+  explicit PyGradReducer(std::unique_ptr<offload::GradReducer> reducer) : reducer_(std::move(reducer)) {}
+  ~PyGradReducer() { Close(); }
+  offload::GradReducer& get() {
+    if (!reducer_) throw std::runtime_error("GradReducer: closed");
+    return *reducer_;
+  }
+  bool open() const { return reducer_ != nullptr; }
+  void Close() {
+    if (!reducer_) return;
+    // On the reducer's own thread (Python's garbage collector run inside a
+    // Python collective) it cannot be joined: python/strata/grad_sync.py
+    // closes it at exit instead; a wrapper collected there anyway leaks it.
+    if (reducer_->OnOwnThread()) {
+      static_cast<void>(reducer_.release());  // leaked on purpose: no thread may join it
+      return;
+    }
+    py::gil_scoped_release unlocked;
+    reducer_.reset();
+  }
+
+ private:
+  std::unique_ptr<offload::GradReducer> reducer_;
+};
+
+// A train step's report as a dict.
+py::dict TrainStepDict(const offload::TrainStepReport& report) {
+  py::dict d;
+  d["skipped"] = report.plan.skip;
+  d["step"] = report.plan.step;
+  d["grad_norm"] = report.plan.grad_norm;
+  d["loss_scale"] = report.plan.loss_scale;
+  d["stats_seconds"] = report.stats_seconds;
+  d["update_seconds"] = report.update_seconds;
+  d["groups"] = report.groups;
+  d["comm_bytes"] = report.comm_bytes;
+  d["comm_wait_seconds"] = report.comm_wait_seconds;
+  return d;
+}
+
+}  // namespace
+
+void BindOptimizer(py::module_& m) {
+  py::class_<optim::Optimizer, std::unique_ptr<optim::Optimizer>>(
+      m, "Optimizer", "strata's optimizer over chunk groups, from the optimizer.* and loss_scale.* keys")
+      .def(py::init([](const Options& options) {
+             const optim::OptimizerConfig config = ValueOrThrow(optim::OptimizerConfigFromOptions(options));
+             return ValueOrThrow(optim::Optimizer::Create(config, optim::LossScalerConfigFromOptions(options)));
+           }),
+           py::arg("options"))
+      .def_property_readonly("loss_scale", &optim::Optimizer::loss_scale)
+      .def_property_readonly("steps_taken", &optim::Optimizer::steps_taken);
+}
+
+void BindPipeline(py::module_& m) {
+  using offload::Pipeline;
+  py::class_<Pipeline, std::unique_ptr<Pipeline>>(
+      m, "Pipeline", "the prefetch pipeline: moments of an iteration, traced, planned and replayed")
+      .def(py::init([](Engine& engine) {
+             return ValueOrThrow(Pipeline::Create(engine, offload::PipelineOptionsOf(engine.options())));
+           }),
+           py::arg("engine"), py::keep_alive<1, 2>())
+      .def("begin_iteration", [](Pipeline& p) { ThrowIfError(p.BeginIteration()); })
+      .def(
+          "begin_moment",
+          [](Pipeline& p, uint64_t non_model_bytes) {
+            ThrowIfError(Unlocked([&] { return p.BeginMoment(non_model_bytes); }));
+          },
+          py::arg("non_model_bytes") = 0)
+      .def(
+          "access",
+          [](Pipeline& p, Engine& engine, uint32_t chunk) {
+            return Held(engine, ValueOrThrow(Unlocked([&] { return p.Access(ChunkId(chunk)); })));
+          },
+          py::arg("engine"), py::arg("chunk"), py::keep_alive<0, 1>(),
+          "pins a chunk where the moment computes (the pipeline's engine); waits for its planned transfer")
+      .def("end_moment", [](Pipeline& p) { ThrowIfError(p.EndMoment()); })
+      .def("end_iteration", [](Pipeline& p) { ThrowIfError(Unlocked([&] { return p.EndIteration(); })); })
+      .def("stats_json", &Pipeline::StatsJson);
+}
+
+void BindTrainStep(py::module_& m) {
+  m.def(
+      "train_step",
+      [](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
+         const std::vector<uint32_t>& skip_tensors, Communicator* comm, PyGradReducer* reducer,
+         offload::PendingCheckpoint* fence) {
+        std::vector<bool> skip(engine.tensors().size(), false);
+        for (uint32_t t : skip_tensors) skip.at(t) = true;
+        return TrainStepDict(ValueOrThrow(Unlocked([&] {
+          return offload::RunTrainStep(engine, pipeline, optimizer, skip, comm,
+                                       reducer != nullptr ? &reducer->get() : nullptr, fence);
+        })));
+      },
+      py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
+      py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr,
+      "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
+      "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
+      "until the save has read the group");
+}
+
+void BindGradReducer(py::module_& m) {
+  py::class_<PyGradReducer, std::unique_ptr<PyGradReducer>>(
+      m, "GradReducer",
+      "data parallel: the gradient reduce-scatter of each chunk group on a thread of its own, submitted as the "
+      "group's gradients complete in backward (offload/training/grad_reducer.h)")
+      .def(py::init([](Engine& engine, Communicator& comm) {
+             return std::make_unique<PyGradReducer>(std::make_unique<offload::GradReducer>(engine, comm));
+           }),
+           py::arg("engine"), py::arg("comm"), py::keep_alive<1, 2>(), py::keep_alive<1, 3>())
+      .def(
+          "submit",
+          [](PyGradReducer& r, uint32_t chunk) {
+            ThrowIfError(Unlocked([&] { return r.get().Submit(ChunkId(chunk)); }));
+          },
+          py::arg("chunk"), "copies a grad chunk and queues its reduce-scatter")
+      .def(
+          "submitted", [](PyGradReducer& r, uint32_t chunk) { return r.get().submitted(ChunkId(chunk)); },
+          py::arg("chunk"))
+      .def("drain", [](PyGradReducer& r) { ThrowIfError(Unlocked([&] { return r.get().Drain(); })); },
+           "waits for every queued reduction")
+      .def(
+          "gather",
+          [](PyGradReducer& r, const PyAccess& into) {
+            ThrowIfError(Unlocked([&] { return r.get().Gather(into.access.id(), into.access); }));
+          },
+          py::arg("into"),
+          "parameters sharded: fills a pinned transient param chunk from every rank's master shard (nothing is "
+          "sent for one of the last two chunks gathered)")
+      .def("release_gathered",
+           [](PyGradReducer& r) {
+             ThrowIfError(Unlocked([&] {
+               r.get().ReleaseGathered();  // waits for the gathers queued ahead, which a Python communicator runs
+               return Status::Ok();
+             }));
+           },
+           "lets the kept gathered chunks go and drops those gathered ahead")
+      .def_property_readonly("gathers", [](PyGradReducer& r) { return r.get().gathers(); },
+                             "parameter all-gathers that communicated")
+      .def_property_readonly("gathered_ahead", [](PyGradReducer& r) { return r.get().gathered_ahead(); },
+                             "of them, those queued ahead of their need (the last step's sequence)")
+      .def_property_readonly("filled_ahead", [](PyGradReducer& r) { return r.get().filled_ahead(); },
+                             "of those, the ones whose device chunk was filled ahead too (the access copied nothing)")
+      .def("close", &PyGradReducer::Close,
+           "waits for what is queued and stops the reducer's thread (also when it is collected); later calls raise")
+      .def("on_own_thread", [](PyGradReducer& r) { return r.open() && r.get().OnOwnThread(); },
+           "whether the caller runs on the reducer's thread (a Python communicator's collective, or the garbage "
+           "collector inside one), where the reducer cannot be closed")
+      .def_property_readonly("wait_seconds", [](PyGradReducer& r) { return r.get().wait_seconds(); });
+}
+
+}  // namespace strata::python

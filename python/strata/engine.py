@@ -1,0 +1,410 @@
+"""The PyTorch adapter: an unmodified ``torch.nn.Module`` whose parameters,
+gradients and optimizer states live in strata's chunks.
+
+    engine = strata.initialize(model, config)
+    loss = engine(batch)          # or model(batch): the hooks are on the model
+    engine.backward(loss)
+    engine.step()                 # optimizer step (every gradient_accumulation_steps micro-batches)
+
+How it works (one training iteration = forward and backward of every
+micro-batch, then the step, is one iteration of the engine's pipeline):
+
+- At ``initialize`` every parameter is registered (shared ones once, frozen
+  ones as frozen; strata.params), its values are copied into its param chunk
+  (and into the fp32 master chunk under bf16/fp16; strata.weights), and its
+  ``.data`` becomes an empty placeholder: the model holds no parameter
+  storage of its own.
+- Forward and backward: hooks on the model (strata.hooks) begin a moment of
+  the pipeline for each module and pin its parameters' chunks where the model
+  computes (strata.moments); gradients are added into their grad chunks as
+  autograd accumulates them, and data parallel, reduced over the ranks as the
+  grad chunks complete (strata.grad_sync).
+- Step: gradient norm over the grad chunks, then one host moment per chunk
+  group (strata's optimizer, where the group's states are), grads zeroed.
+
+Forwards without autograd (``torch.no_grad()``: evaluation, generation) pin
+chunks directly, outside the pipeline, so they do not disturb the plan; an
+``eval()`` forward with autograd on is a training-like pass and goes through it.
+
+TrainingEngine is the façade over these parts: strata.runtime (the C++
+engine, the group, the device), the parameter table, moments, hooks,
+gradient sync, weights and checkpoints (strata.checkpoint).
+"""
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from . import _strata
+from .checkpoint import Checkpoints
+from .config import load_config
+from .grad_sync import GradSync
+from .hooks import Hooks
+from .moments import Moments
+from .params import ParamTable
+from .runtime import open_runtime
+from .weights import Weights
+
+
+def initialize(model, config=None, weights=None):
+    """Moves `model`'s parameters into strata's chunks and returns the Engine that trains it.
+
+    `config`: a dict, the path of a JSON file, or None for the defaults (see strata.load_config).
+    `weights`: the parameters' initial values instead of the model's own (engine.load_weights: a
+    safetensors file, a PyTorch state dict or its file), streamed into the chunks; the model may then
+    be built on the meta device (`with torch.device("meta"): model = Net()`), never materialized.
+    """
+    return TrainingEngine(model, config, weights)
+
+
+_LOAD_FAILED = "a checkpoint load failed part way"
+
+
+@dataclass
+class _Progress:
+    """Where training stands between the public calls."""
+
+    micro_steps: int = 0                           # backwards since the last step
+    last_step: dict = field(default_factory=dict)  # the last step's report (train_step's, with seconds)
+    broken: str = None                             # why training cannot go on (a step or backward that failed part way)
+
+
+class TrainingEngine:
+    """A model whose states live in strata's tiers: forward, backward, step, stats."""
+
+    def __init__(self, model, config=None, weights=None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+        self.config = load_config(config)
+        self.module = model
+        self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
+        runtime = self._runtime = open_runtime(self.config)
+        self.precision, self.dtype, self.device = runtime.precision, runtime.dtype, runtime.device
+        self.rank, self.world_size = runtime.rank, runtime.world_size
+        table = self._table = ParamTable(model, runtime.engine, runtime.precision)
+        # Everything that can refuse the configuration before the model is touched.
+        self._pipeline = _strata.Pipeline(runtime.engine)
+        self._optimizer = _strata.Optimizer(self.config.options)
+        self._progress = _Progress()
+        self._grad_sync = GradSync(runtime, table)
+        self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)
+        self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable)
+        self._weights = Weights(runtime, table, model, self._grad_sync)
+        self._checkpoints = Checkpoints(runtime, table, self._optimizer)
+        self._take(model, weights)
+
+    def _take(self, model, weights):
+        """The model's values into the chunks (or the weights'), its storage dropped, its hooks set."""
+        if weights is None:
+            self._weights.write(self._weights.model_values())
+        self._hooks.take_storage(model)
+        self._weights.place_buffers()
+        self._grad_sync.start()
+        self._hooks.install(model)
+        if weights is not None:
+            self.load_weights(weights)
+        self._weights.check_buffers()
+
+    # --- training ------------------------------------------------------------
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self, mode=True):
+        self.module.train(mode)
+        return self
+
+    def eval(self):
+        return self.train(False)
+
+    def backward(self, loss):
+        """Backward of `loss` (scaled by 1 / gradient_accumulation_steps, and by the loss scale under fp16)."""
+        self._check_usable()
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise ValueError("engine.backward: loss must be a tensor with one element")
+        scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
+        self._grad_sync.begin_backward(self._progress.micro_steps + 1 >= self.gradient_accumulation_steps)
+        try:
+            (loss if scale == 1.0 else loss * scale).backward()
+        except BaseException as error:
+            self._hooks.recover()
+            self._hooks.end_backward()
+            self._progress.broken = (f"a backward failed part way ({type(error).__name__}: {error}); the "
+                                     "gradients are partial")
+            raise
+        self._hooks.end_backward()
+        self._progress.micro_steps += 1
+
+    def step(self):
+        """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped."""
+        self._check_usable()
+        self._hooks.end_backward()
+        if self._progress.micro_steps < self.gradient_accumulation_steps:
+            return False
+        if not self._moments.in_iteration:
+            raise RuntimeError("engine.step: no training forward and backward since the last step")
+        start = time.perf_counter()
+        self._runtime.synchronize()
+        self._moments.end_moment()
+        records = self._table.records
+        try:
+            stepped = [float(r.stepped) for r in records]
+            if self._runtime.parallel:
+                stepped = self._grad_sync.reduce_rest(stepped)
+            skip = [r.tensor_id for r, s in zip(records, stepped) if r.trainable and s == 0]
+            mark = self._grad_sync.comm_total()  # see GradSync.step_bytes
+            # An asynchronous save reads each group out before its update changes it.
+            self._progress.last_step = self._table.checked(
+                _strata.train_step, self._runtime.engine, self._pipeline, self._optimizer, skip, self._runtime.comm,
+                self._grad_sync.reducer, self._checkpoints.pending)
+        except BaseException as error:
+            self._progress.broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk "
+                                     "groups are updated and others not")
+            raise
+        finally:
+            self._moments.record_tiers()
+            self._moments.end_iteration()
+        for record in records:
+            record.stepped = False
+        self._progress.last_step["seconds"] = time.perf_counter() - start
+        if self._runtime.parallel:
+            self._progress.last_step["comm_bytes"] = self._grad_sync.step_bytes(mark)
+        self._progress.micro_steps = 0
+        return True
+
+    def _check_usable(self):
+        if self._progress.broken is not None:
+            raise RuntimeError(f"strata: training cannot go on: {self._progress.broken}. Start again from the "
+                               "model's initial or saved state")
+
+    def _check_between_steps(self, what, usable=True):
+        if usable:
+            self._check_usable()
+        if self._moments.in_iteration or self._progress.micro_steps:
+            raise RuntimeError(f"engine.{what}: between steps only (after step(), before the next training "
+                               "forward): a backward is in progress")
+
+    def _loadable(self):
+        """A load is how an engine whose last load failed part way becomes usable again."""
+        return self._progress.broken is None or not self._progress.broken.startswith(_LOAD_FAILED)
+
+    # --- what it did -------------------------------------------------------------
+
+    def stats(self):
+        """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step."""
+        stats = self._runtime.engine.stats()
+        pipeline = json.loads(self._pipeline.stats_json())
+        stats["pipeline"] = pipeline
+        stats["stall_seconds"] = pipeline.get("stall_seconds", 0.0)
+        stats["last_step"] = dict(self._progress.last_step)
+        stats["steps"] = self._optimizer.steps_taken
+        stats["loss_scale"] = self._optimizer.loss_scale
+        stats["timeline"] = list(self._moments.last_timeline)
+        stats["chunk_tiers"] = self.chunk_tiers()
+        if self._runtime.parallel:
+            stats["comm"] = self.comm_stats()
+        return stats
+
+    def comm_stats(self):
+        """Data parallel: what this rank's collectives carried, beside ZeRO-3's volume for this model.
+
+        Bytes are those this rank sends under the ring algorithm. ZeRO-3 sends
+        3 x the parameters in the compute dtype x (W - 1) / W a step (gathered
+        in forward and in backward, gradients reduce-scattered; a frozen
+        parameter has no gradient, so 2 x for it). By default
+        strata keeps parameters whole on every rank, so a step sends the
+        gradients (fp32) reduce-scattered and the updated parameters gathered
+        once; with comm.shard_params each param chunk is gathered when a
+        module needs it (in forward, and again in backward unless it is one
+        of the last two gathered), as ZeRO-3 does.
+        """
+        out = self._runtime.comm.stats()
+        width = torch.finfo(self.dtype).bits // 8
+        model_bytes = sum(r.numel for r in self._table.records) * width
+        trainable_bytes = sum(r.numel for r in self._table.records if r.trainable) * width
+        out["model_bytes"] = model_bytes
+        out["zero3_bytes_per_step"] = (2 * model_bytes + trainable_bytes) * (self.world_size - 1) // self.world_size
+        out["last_step_bytes"] = self._progress.last_step.get("comm_bytes", 0)
+        out["param_gathers"], out["param_gathers_ahead"], out["param_gathers_filled_ahead"] = \
+            self._grad_sync.gather_counts()
+        return out
+
+    def chunk_tiers(self):
+        """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
+        out = {}
+        for chunk in self._table.chunks:
+            kinds = out.setdefault(chunk["kind"], {})
+            tier = self._runtime.engine.chunk_tier(chunk["id"])
+            if tier is None:  # no payload yet: where it will be; a dropped gathered chunk is nowhere
+                if chunk["transient"]:
+                    continue
+                tier = chunk["home"]
+            kinds[tier] = kinds.get(tier, 0) + chunk["size_bytes"]
+        return out
+
+    # --- weights -------------------------------------------------------------------
+
+    def state_dict(self, master=False):
+        """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16).
+
+        Read from wherever each chunk is, without moving it. Data parallel,
+        each rank holds a shard of the masters: master=True gathers them, so
+        every rank must call it (with comm.shard_params, always: the masters
+        are the only stored copy of the parameters).
+        """
+        return self._weights.state_dict(master)
+
+    def export_safetensors(self, path, fp32=False):
+        """Writes every parameter to a safetensors file at `path` under its name in the model, in the
+        compute dtype, or in fp32 (the fp32 masters under bf16/fp16), chunk by chunk from wherever each
+        lies; the file is written beside `path` and renamed into place. Buffers are not included. Data
+        parallel, every rank calls it (the masters' shards are gathered) and rank 0 writes. Returns a
+        dict: path, tensors, bytes."""
+        self._check_between_steps("export_safetensors")
+        self._grad_sync.drain()
+        return self._weights.export_safetensors(path, fp32)
+
+    def load_weights(self, source, strict=True):
+        """Sets the parameters (and buffers) from `source`: a safetensors file (read tensor by tensor
+        straight into the chunks), a PyTorch state dict, or a file torch.load reads (memory-mapped where
+        torch can, 2.1 on, so that its tensors are read as they are copied). The parameters' fp32 masters
+        are set from the values as given; optimizer states are left as they are (this is how a model
+        starts, or takes new weights). Names are the model's: a tied parameter, or a shared module's
+        buffer, may come under any of its names (model.state_dict() holds each). strict=True: every
+        parameter must be in `source`, and nothing else but buffers; a shape that differs, or a tensor
+        that cannot be read, is always an error; all are raised before anything is set. Between steps.
+        Data parallel, each rank reads `source` itself and the ranks agree: all raise or none does. A
+        load that fails once setting has begun leaves the model partly set: training then raises until
+        a load succeeds. Returns a dict: tensors (parameters set), missing (parameters left as they
+        were), unused (names not taken)."""
+        self._check_between_steps("load_weights", usable=self._loadable())
+        self._grad_sync.drain()
+        self.wait_checkpoint()
+        plan, error = None, None
+        try:  # everything that can refuse, before anything is set
+            plan = self._weights.plan(source, strict)
+        except Exception as failed:  # noqa: BLE001 (agreed with the other ranks, then raised)
+            error = failed
+        self._runtime.agree(error, "load_weights")
+        try:
+            self._weights.apply(plan)
+        except BaseException as failed:
+            error = failed
+            self._progress.broken = (f"{_LOAD_FAILED} ({type(failed).__name__}: {failed}); load weights or a "
+                                     "checkpoint that loads")
+        finally:
+            self._grad_sync.release_gathered()  # gathered parameters are of the masters before
+        self._runtime.agree(error, "load_weights")
+        self._progress.broken = None
+        return plan.result
+
+    # --- checkpoints -----------------------------------------------------------------
+
+    def save_checkpoint(self, path, keep_last=0, asynchronous=False, recycle=True):
+        """Saves the training state under `path` as path/step-<N> (N: steps taken) and points path/latest at it.
+
+        The parameters, the fp32 masters and the optimizer moments are written from whichever tier holds
+        them (NVMe-resident ones without moving them), with the step count and the loss scaler's state,
+        each file with its size and CRC32C in a manifest. Crash-safe: the checkpoint is published by a
+        rename once complete, so the last published one stays intact until then. keep_last > 0 keeps only
+        the newest keep_last checkpoints; with recycle (the default) the files of those it removes wait
+        under path/.spare (at most one checkpoint's bytes) for the next save to write over, which on
+        ext4 ran about twice as fast as writing new files. Between steps. Data parallel, every rank calls
+        it with the same `path`, a directory every rank sees: each saves its shards, rank 0 publishes.
+        Returns a dict: path, step, bytes, files, recycled (this rank's; recycled: files written over a
+        spare).
+
+        asynchronous=True returns at once (None) and writes the state as it is now while training goes on:
+        each chunk group's update in a later step waits until the save is done with that group. The next save,
+        load, wait_checkpoint() or close() waits for it and raises its error; at exit this rank's files
+        are finished (and rank 0's publishing), without the ranks agreeing on the outcome.
+        """
+        self._check_between_steps("save_checkpoint")
+        self._grad_sync.drain()
+        self.wait_checkpoint()
+        return self._checkpoints.save(path, keep_last, asynchronous, recycle)
+
+    def wait_checkpoint(self):
+        """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its
+        error. Data parallel, every rank calls it at the same point."""
+        if self._checkpoints.pending is None:
+            return None
+        self._grad_sync.drain()  # the reducer's collectives (gathers queued ahead) before the save's agreement
+        return self._checkpoints.wait()
+
+    def load_checkpoint(self, path, fall_back=False):
+        """Loads a checkpoint: `path` is a root (its latest) or one checkpoint's directory.
+
+        The model must be the one saved (same parameters, shapes, dtypes and chunk size) and the loss
+        scaling the same. Every file's size and CRC32C is checked as it is read: a damaged checkpoint
+        raises naming the file, and with fall_back=True the next older checkpoint under the root is
+        loaded instead (the dict's "skipped" says which failed and why). Between steps. Data parallel,
+        every rank calls it; a checkpoint saved by any number of ranks loads (each rank reads what covers
+        its shards), and the ranks load the same one or all raise. A load that fails once it has begun
+        reading leaves the state partly overwritten: training then raises until a load succeeds.
+        Returns a dict: path, step, bytes, files, skipped.
+        """
+        self._check_between_steps("load_checkpoint", usable=self._loadable())
+        self._grad_sync.drain()
+        self.wait_checkpoint()
+        try:
+            loaded = self._checkpoints.load(path, fall_back)
+        except ValueError:  # another model or optimizer: refused before anything was read
+            raise
+        except BaseException as error:
+            self._progress.broken = f"{_LOAD_FAILED} ({type(error).__name__}: {error}); load a checkpoint that loads"
+            raise
+        finally:
+            self._grad_sync.release_gathered()  # gathered parameters and gathers ahead are of the masters before
+        self._progress.broken = None
+        return loaded
+
+    # --- the group ---------------------------------------------------------------------
+
+    def close(self):
+        """Ends data-parallel training: waits for the collectives in flight (the gathers queued ahead for a
+        forward that will not come included) and stops the reducer's thread, here and now rather than when
+        the engine is collected or at exit. Waits for an asynchronous save first (raising its error). Every
+        rank calls it; the engine trains no more after."""
+        try:
+            self._grad_sync.drain()
+            self.wait_checkpoint()
+        finally:
+            if self._grad_sync.reducer is not None:
+                self._progress.broken = self._progress.broken or "the engine was closed"
+                self._grad_sync.close()
+
+    @property
+    def comm(self):
+        """The data-parallel group's communicator (None alone), free for the caller's own collectives.
+
+        The gradient reductions begun in backward run on a thread of their
+        own; after the backward before a step, the rest are submitted and
+        all are waited for first, since one communicator carries one
+        collective at a time, in the same order on every rank.
+        """
+        return self._grad_sync.drained_comm()
+
+    @property
+    def engine(self):
+        """The C++ engine (strata._strata.Engine): chunks, tiers."""
+        return self._runtime.engine
+
+    # Tests reach into these.
+    @property
+    def _reducer(self):
+        return self._grad_sync.reducer
+
+    @property
+    def _saved_bytes(self):
+        return self._moments.saved_bytes
+
+    @property
+    def _save_delay_ms(self):
+        return self._checkpoints.save_delay_ms
+
+    @_save_delay_ms.setter
+    def _save_delay_ms(self, delay_ms):
+        self._checkpoints.save_delay_ms = delay_ms

@@ -1,0 +1,304 @@
+"""The hooks on the model that move it through the pipeline: the per-module hot path.
+
+Each hook here runs once per module (forward pre/post, backward begin), per
+parameter (gradient hooks) or per tensor autograd saves, every micro-batch:
+they do the least they can, and what is not per-module work (set-up,
+recovery) stays out of them.
+
+- Forward: each module with parameters of its own begins a moment of the
+  pipeline; its parameters are materialized (see strata.moments; a parent's
+  stay pinned through its children's moments, accessed again in each) and
+  released when the module returns.
+- Backward: the module's outputs carry an identity autograd function whose
+  backward begins the module's backward moment and pins its parameters again
+  (torch 1.13 has no module backward pre-hook). Tensors autograd saves that
+  are parameters or views of them are saved as (parameter, shape, strides,
+  offset) and rebuilt on the chunk's current address when backward unpacks
+  them, pinning it on demand if it is not; a chunk may move between forward
+  and backward without a stale pointer anywhere.
+- Gradients: when autograd has accumulated a parameter's gradient, it is
+  added into the parameter's slot of its grad chunk and ``.grad`` is dropped.
+"""
+
+import weakref
+
+import torch
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's output; its backward begins the module's backward moment."""
+
+    @staticmethod
+    def forward(ctx, hooks, module_index, tensor):
+        ctx.hooks = hooks
+        ctx.module_index = module_index
+        # Not a view: the caller may change the output in place (ReLU(inplace=True)).
+        return tensor.detach()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.hooks.pre_backward(ctx.module_index)
+        return None, None, grad
+
+
+def _map_tensors(value, fn):
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_map_tensors(v, fn) for v in value)
+    if isinstance(value, list):
+        return [_map_tensors(v, fn) for v in value]
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    return value
+
+
+def _grad_pre_hook(hooks, record):
+    def hook(grad):
+        # AccumulateGrad shapes .grad like the parameter: pin it if backward has not.
+        if record.pins == 0:
+            hooks.pin_for_backward(record)
+        return None
+    return hook
+
+
+def _grad_hook(hooks, record):
+    def hook(*_):
+        hooks.grad_ready(record)
+    return hook
+
+
+def _meta_holders(model):
+    """id(parameter) -> [(module, name)] of the model's meta-device parameters."""
+    holders = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                holders.setdefault(id(p), []).append((module, name))
+    return holders
+
+
+class Hooks:
+    """The hooks of one model, and the state of the forwards and backward running through them."""
+
+    def __init__(self, runtime, table, moments, grad_sync, check_usable):
+        self._runtime = runtime
+        self._table = table
+        self._moments = moments
+        self._grad_sync = grad_sync
+        self._check_usable = check_usable  # raises when training cannot go on (the engine's)
+        self._module_params = []     # module index -> records of its own parameters (modules that have some)
+        self._handles = []           # the torch hook handles
+        self._accumulators = []      # AccumulateGrad nodes, kept alive so that their hooks stay
+        self._active = []            # forward: stack of module indices running
+        self._saved_hooks = []       # (module index, saved_tensors_hooks context) entered by running modules
+        self._backward_params = []   # records pinned for backward
+        self._backward_pending = set()  # module indices whose outputs wait for their backward
+        self._end_queued = False     # end_backward is queued on autograd's engine
+
+    # --- set-up ----------------------------------------------------------------
+
+    def take_storage(self, model):
+        """Every parameter's .data becomes the placeholder (a meta-device one is replaced first) and its
+        gradient hooks are set: the model holds no parameter storage of its own after."""
+        holders = _meta_holders(model)
+        for record in self._table.records:
+            if record.param.is_meta:
+                self._table.replace_meta(record, holders[id(record.param)], self._runtime.device,
+                                         self._runtime.dtype)
+            self._hook_param(record)
+
+    def _hook_param(self, record):
+        # The AccumulateGrad node holds its hooks in C++, out of the garbage
+        # collector's sight: they reach the hooks through a weak reference.
+        hooks = weakref.proxy(self)
+        with torch.enable_grad():
+            p = record.param
+            # In the compute dtype and on the compute device first: a change
+            # of either would drop the AccumulateGrad node (and its hook) made below.
+            p.data = p.data.to(device=self._runtime.device, dtype=self._runtime.dtype)
+            if record.trainable:
+                # The AccumulateGrad node, kept alive so that its hook stays
+                # (made while .data has the parameter's shape: autograd checks
+                # gradients against it).
+                accumulator = p.expand_as(p).grad_fn.next_functions[0][0]
+                accumulator.register_hook(_grad_hook(hooks, record))
+                p.register_hook(_grad_pre_hook(hooks, record))
+                self._accumulators.append(accumulator)
+        p.data = self._moments.placeholder
+        p.grad = None
+
+    def install(self, model):
+        """The forward hooks on every module with parameters of its own, and recovery around model.forward."""
+        self._handles.append(model.register_forward_pre_hook(self._root_pre_hook))
+        for module in model.modules():
+            own = [self._table.by_param[id(p)] for _, p in module.named_parameters(recurse=False)]
+            if not own:
+                continue
+            index = len(self._module_params)
+            self._module_params.append(own)
+            self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
+            self._handles.append(module.register_forward_hook(self._post_forward_hook(index)))
+        self._handles.append(model.register_forward_hook(self._root_post_hook))
+        # A forward that raises skips the post-hooks: its pins and saved-tensor
+        # hooks are let go as the exception leaves the model.
+        original, hooks = model.forward, weakref.proxy(self)
+
+        def forward(*args, **kwargs):
+            try:
+                return original(*args, **kwargs)
+            except BaseException:
+                hooks.forward_raised()
+                raise
+        model.forward = forward
+
+    def forward_raised(self):
+        self.recover()
+        self._moments.saved_bytes = 0  # its graph is gone
+
+    # --- forward -----------------------------------------------------------------
+
+    def _root_pre_hook(self, module, args):
+        self._check_usable()
+        self.recover()  # what a forward that raised left behind
+        # Without autograd there is no backward: chunks are pinned outside the pipeline.
+        self._moments.direct = not torch.is_grad_enabled()
+        if self._moments.direct:
+            self._moments.end_moment()
+
+    def _root_post_hook(self, module, args, output):
+        if not self._active:
+            self._moments.direct = False
+        return None
+
+    def recover(self):
+        """Lets go of every pin of forwards that did not return, and of their saved-tensor hooks."""
+        while self._saved_hooks:
+            self._saved_hooks.pop()[1].__exit__(None, None, None)
+        self._active = []
+        self._moments.direct = False
+        for record in self._table.records:
+            if record.pins > 0 and not record.for_backward:
+                record.pins = 1
+                self._moments.release(record)
+
+    def _pre_forward_hook(self, index):
+        moments, own = self._moments, self._module_params[index]
+
+        def hook(module, args):
+            if not moments.direct:
+                moments.begin_moment()
+                if torch.is_grad_enabled():
+                    context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+                    context.__enter__()
+                    self._saved_hooks.append((index, context))
+            self._active.append(index)
+            for record in own:
+                moments.materialize(record)
+        return hook
+
+    def _post_forward_hook(self, index):
+        moments, own = self._moments, self._module_params[index]
+
+        def hook(module, args, output):
+            # A parameter, or a view of one, returned by the module outlives
+            # it: copied while its chunk is still pinned.
+            output = _map_tensors(output, self._unalias)
+            if self._active and self._active[-1] == index:
+                self._active.pop()
+            for record in own:
+                moments.release(record)
+            if self._saved_hooks and self._saved_hooks[-1][0] == index:
+                self._saved_hooks.pop()[1].__exit__(None, None, None)
+            if moments.direct or not torch.is_grad_enabled():
+                return output
+            self._backward_pending.add(index)
+
+            def wrap(t):
+                if t.requires_grad and t.is_floating_point():
+                    return _PreBackward.apply(self, index, t)
+                return t
+            return _map_tensors(output, wrap)
+        return hook
+
+    def _unalias(self, t):
+        base = t._base if t._base is not None else t
+        return t.clone() if id(base) in self._table.by_param else t
+
+    # --- saved tensors -------------------------------------------------------------
+
+    def _pack(self, tensor):
+        base = tensor._base if tensor._base is not None else tensor
+        record = self._table.by_param.get(id(base))
+        if record is None or base is not record.param:
+            self._moments.saved_bytes += tensor.numel() * tensor.element_size()
+            return tensor
+        return (record, tensor.size(), tensor.stride(), tensor.storage_offset() - record.param.storage_offset())
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            self._moments.saved_bytes = max(0, self._moments.saved_bytes - packed.numel() * packed.element_size())
+            return packed
+        record, size, stride, offset = packed
+        if record.pins == 0:
+            self.pin_for_backward(record)
+        data = record.param.data
+        return data.as_strided(size, stride, data.storage_offset() + offset)
+
+    # --- backward --------------------------------------------------------------------
+
+    def pin_for_backward(self, record):
+        if record.for_backward:
+            return
+        self._moments.materialize(record)
+        record.for_backward = True
+        record.grad_arrived = False
+        self._backward_params.append(record)
+
+    def pre_backward(self, index):
+        """A module's backward begins (the first of its outputs' gradients): its moment, and its parameters."""
+        if index not in self._backward_pending:
+            return  # another output of the same module: its moment has begun
+        self._backward_pending.discard(index)
+        if not self._end_queued:
+            self._end_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
+        self._moments.begin_moment()
+        # Parameters whose gradient is in, or frozen ones of modules done, are let go.
+        own = self._module_params[index]
+        keep = []
+        for record in self._backward_params:
+            done = record.grad_arrived if record.trainable else record not in own
+            if done:
+                record.for_backward = False
+                self._moments.release(record)
+            else:
+                keep.append(record)
+        self._backward_params = keep
+        for record in own:
+            self.pin_for_backward(record)
+
+    def grad_ready(self, record):
+        """Autograd accumulated `record`'s gradient: added into its slot of its grad chunk, .grad dropped."""
+        grad = record.param.grad
+        if grad is None:
+            return
+        record.param.grad = None
+        access = self._moments.grad_access(record.grad_chunk)
+        target = self._runtime.view(access, self._runtime.dtype, record.numel, record.grad_offset)
+        with torch.no_grad():
+            target.add_(grad.reshape(-1))
+        record.grad_arrived = True
+        record.stepped = True
+        if self._grad_sync.reducing:
+            self._grad_sync.arrived(record)
+
+    def end_backward(self):
+        """Every pin backward holds is let go (autograd's callback as a backward ends, and before a step)."""
+        self._end_queued = False
+        for record in self._backward_params:
+            record.for_backward = False
+            self._moments.release(record)
+        self._backward_params = []
+        self._backward_pending.clear()
+        self._moments.saved_bytes = 0
