@@ -19,9 +19,8 @@ int RunBenchCheckpoint(BenchCheckpointFlags flags) {
   Result<size_t> params = ParseSizeFlag("--params", flags.params);  // "32M": a count, as bench optim reads it
   if (!params.ok()) return Fail(params.status());
   flags.config.params = *params;
-  Result<bench::CheckpointBenchReport> report = bench::RunCheckpointBench(flags.config);
-  if (!report.ok()) return Fail(report.status());
-  return PrintReport(bench::FormatCheckpointBench(*report), bench::CheckpointBenchJson(*report), flags.json_path);
+  return PrintReport(bench::RunCheckpointBench(flags.config), bench::FormatCheckpointBench,
+                     bench::CheckpointBenchJson, flags.json_path);
 }
 
 }  // namespace

@@ -73,9 +73,7 @@ Result<bench::IoBenchConfig> IoBenchConfigOf(const BenchIoFlags& flags) {
 int RunBenchIo(const BenchIoFlags& flags) {
   Result<bench::IoBenchConfig> config = IoBenchConfigOf(flags);
   if (!config.ok()) return Fail(config.status());
-  Result<bench::IoBenchReport> report = bench::RunIoBench(*config);
-  if (!report.ok()) return Fail(report.status());
-  return PrintReport(bench::FormatIoBench(*report), bench::IoBenchJson(*report), flags.json_path);
+  return PrintReport(bench::RunIoBench(*config), bench::FormatIoBench, bench::IoBenchJson, flags.json_path);
 }
 
 }  // namespace

@@ -31,9 +31,8 @@ int RunBenchOptimNvme(const BenchOptimFlags& flags, const bench::OptimBenchConfi
   if (!ring.ok()) return Fail(ring.status());
   nvme.group_params = *group_params;
   nvme.ring_bytes = *ring;
-  Result<bench::OptimNvmeBenchReport> report = bench::RunOptimNvmeBench(nvme);
-  if (!report.ok()) return Fail(report.status());
-  return PrintReport(bench::FormatOptimNvmeBench(*report), bench::OptimNvmeBenchJson(*report), flags.json_path);
+  return PrintReport(bench::RunOptimNvmeBench(nvme), bench::FormatOptimNvmeBench, bench::OptimNvmeBenchJson,
+                     flags.json_path);
 }
 
 int RunBenchOptim(const BenchOptimFlags& flags) {
@@ -50,9 +49,7 @@ int RunBenchOptim(const BenchOptimFlags& flags) {
     return Fail(InvalidArgument("--states {}: expected memory or nvme", flags.states));
   }
   if (!flags.dirs.empty()) return Fail(InvalidArgument("--dir is for --states nvme"));
-  Result<bench::OptimBenchReport> report = bench::RunOptimBench(config);
-  if (!report.ok()) return Fail(report.status());
-  return PrintReport(bench::FormatOptimBench(*report), bench::OptimBenchJson(*report), flags.json_path);
+  return PrintReport(bench::RunOptimBench(config), bench::FormatOptimBench, bench::OptimBenchJson, flags.json_path);
 }
 
 }  // namespace

@@ -26,9 +26,8 @@ int RunBenchReplay(BenchReplayFlags flags) {
   flags.config.device_budget_bytes = *device;
   flags.config.host_budget_bytes = *host;
   flags.config.baseline = !flags.no_baseline;
-  Result<bench::ReplayBenchReport> report = bench::RunReplayBench(flags.config);
-  if (!report.ok()) return Fail(report.status());
-  return PrintReport(bench::FormatReplayBench(*report), bench::ReplayBenchJson(*report), flags.json_path);
+  return PrintReport(bench::RunReplayBench(flags.config), bench::FormatReplayBench, bench::ReplayBenchJson,
+                     flags.json_path);
 }
 
 // The model, the budgets and the machine emulated: its bandwidths and rates.

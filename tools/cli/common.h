@@ -48,4 +48,12 @@ Result<size_t> ParseSizeFlag(const std::string& flag, const std::string& text);
 // empty path writes nothing): 0, or Fail's status when the file cannot be written.
 int PrintReport(const std::string& table, const std::string& json, const std::string& json_path);
 
+// The same for a report that may be an error: Fail's status if it is.
+template <typename Report>
+int PrintReport(const Result<Report>& report, std::string (*format)(const Report&),
+                std::string (*json)(const Report&), const std::string& json_path) {
+  if (!report.ok()) return Fail(report.status());
+  return PrintReport(format(*report), json(*report), json_path);
+}
+
 }  // namespace strata::cli

@@ -44,9 +44,8 @@ int RunPlan(PlanFlags flags) {
   if (flags.model != "gpt") return Fail(InvalidArgument("--model {}: only gpt is built", flags.model));
   Status sized = ParseMachineSizes(flags);
   if (!sized.ok()) return Fail(sized);
-  Result<offload::CapacityPlan> plan = offload::PlanCapacity(flags.shape, flags.machine);
-  if (!plan.ok()) return Fail(plan.status());
-  return PrintReport(offload::FormatCapacityPlan(*plan), offload::CapacityPlanJson(*plan), flags.json_path);
+  return PrintReport(offload::PlanCapacity(flags.shape, flags.machine), offload::FormatCapacityPlan,
+                     offload::CapacityPlanJson, flags.json_path);
 }
 
 }  // namespace

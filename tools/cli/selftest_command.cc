@@ -39,8 +39,7 @@ int RunSelftestCommand(const SelftestFlags& flags) {
     }
   }
   Result<SelftestReport> report = RunSelftest(flags.config, *options);
-  if (!report.ok()) return Fail(report.status());
-  const int printed = PrintReport(FormatSelftestReport(*report), SelftestReportJson(*report), flags.json_path);
+  const int printed = PrintReport(report, FormatSelftestReport, SelftestReportJson, flags.json_path);
   if (printed != 0) return printed;
   return report->mismatches == 0 ? 0 : kExitFailure;
 }
