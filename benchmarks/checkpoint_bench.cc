@@ -45,21 +45,23 @@ Result<double> IoPass(IoBenchConfig io, IoOp op) {
   return measured.rows.at(0).strata_median_gbps;
 }
 
-}  // namespace
+// The engine and optimizer whose state is saved and loaded.
+struct SavedModel {
+  std::unique_ptr<Engine> engine;
+  std::unique_ptr<optim::Optimizer> optimizer;
+};
 
-Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config) {
-  if (config.dir.empty()) return InvalidArgument("bench checkpoint: --dir is required: where to save");
-  if (config.runs == 0) return InvalidArgument("bench checkpoint: --runs 0: at least one run is needed");
-  if (config.chunk_elems == 0 || config.params < config.chunk_elems) {
-    return InvalidArgument("bench checkpoint: --params {} must hold at least one chunk of --chunk-elems {} (> 0)",
-                           config.params, config.chunk_elems);
-  }
-  CheckpointBenchReport report;
-  report.config = config;
+// Each run's ratios to its own bench io passes, whose medians are reported.
+struct RunRatios {
+  std::vector<double> save, async_save, load;
+};
+
+// The engine: `tensors` fp32 trainable tensors of a chunk each, every chunk
+// given bytes where its home is (a free chunk has none to save).
+Result<SavedModel> BuildModel(const CheckpointBenchConfig& config, CheckpointBenchReport& report) {
   const uint64_t tensors = config.params / config.chunk_elems;
   const uint64_t tensor_bytes = config.chunk_elems * sizeof(float);
   const uint64_t states_bytes = tensors * 2 * tensor_bytes;
-
   Options options;
   options.device.backend = DeviceBackendKind::kEmulated;
   options.device.budget_bytes = 4 * tensor_bytes;
@@ -73,9 +75,10 @@ Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& co
   std::error_code ec;
   fs::create_directories(options.nvme.dirs[0], ec);
   if (ec) return IoError("bench checkpoint: creating {}: {}", options.nvme.dirs[0], ec.message());
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options));
+  SavedModel model;
+  STRATA_ASSIGN_OR_RETURN(model.engine, Engine::Create(options));
   for (uint64_t t = 0; t < tensors; ++t) {
-    STRATA_RETURN_IF_ERROR(engine
+    STRATA_RETURN_IF_ERROR(model.engine
                                ->RegisterTensor({fmt::format("w{}", t),
                                                  {static_cast<int64_t>(config.chunk_elems)},
                                                  DType::kFloat32,
@@ -83,88 +86,141 @@ Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& co
                                                  fmt::format("m{}", t)})
                                .status());
   }
-  STRATA_RETURN_IF_ERROR(engine->Finalize());
-  // Every chunk given bytes (a free chunk has none to save), where its home is.
-  for (const ChunkInfo& c : engine->chunks()) {
+  STRATA_RETURN_IF_ERROR(model.engine->Finalize());
+  for (const ChunkInfo& c : model.engine->chunks()) {
     if (c.kind == ChunkKind::kGrad) continue;
     {
-      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine->AccessChunk(c.id, Tier::kHost));
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, model.engine->AccessChunk(c.id, Tier::kHost));
       std::memset(access.data(), 0x3c + static_cast<int>(c.kind), c.used_bytes);
     }
-    STRATA_ASSIGN_OR_RETURN(Tier home, engine->ChunkHome(c.id));
-    if (home != Tier::kHost) STRATA_RETURN_IF_ERROR(engine->MoveChunk(c.id, home));
+    STRATA_ASSIGN_OR_RETURN(Tier home, model.engine->ChunkHome(c.id));
+    if (home != Tier::kHost) STRATA_RETURN_IF_ERROR(model.engine->MoveChunk(c.id, home));
     report.saved_from_nvme += home == Tier::kNvme ? 1 : 0;
   }
   STRATA_ASSIGN_OR_RETURN(optim::OptimizerConfig optimizer_config, optim::OptimizerConfigFromOptions(options));
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer, optim::Optimizer::Create(optimizer_config));
+  STRATA_ASSIGN_OR_RETURN(model.optimizer, optim::Optimizer::Create(optimizer_config));
+  return model;
+}
 
-  // The reference: bench io on the same directory, a file as large as the
-  // checkpoint, a pass just before each run's saves (write) and its load
-  // (read): a drive that drifts moves both alike.
+// The reference: bench io on the same directory, a file as large as the
+// checkpoint (`checkpoint_bytes`), one pass at a time.
+IoBenchConfig ReferenceIo(const CheckpointBenchConfig& config, uint64_t checkpoint_bytes) {
   IoBenchConfig io;
   io.dirs = {(fs::path(config.dir) / "io").string()};
+  std::error_code ec;
   fs::create_directories(io.dirs[0], ec);
-  io.file_size_bytes = std::max<uint64_t>(3 * tensors * tensor_bytes, uint64_t{64} << 20) / (1 << 20) * (1 << 20);
+  io.file_size_bytes = std::max<uint64_t>(checkpoint_bytes, uint64_t{64} << 20) / (1 << 20) * (1 << 20);
   io.runs = 1;
+  return io;
+}
 
-  // Every save replaces the one before (the same step), as a run saving
-  // every N steps with keep_last replaces its oldest: with recycling, the
-  // files of the one before that are written over (offload/checkpoint.h).
-  // The first save writes new files, and so does the second, unmeasured.
-  const std::string root = (fs::path(config.dir) / "checkpoint").string();
-  const offload::CheckpointOptions save_options{.keep_last = 1, .recycle = config.recycle};
+// The first save, into new files, timed; and the second, unmeasured, also
+// into new files. Returns how many files a save writes.
+Result<uint32_t> FirstSaves(SavedModel& model, const std::string& root, const offload::CheckpointOptions& options,
+                            CheckpointBenchReport& report) {
+  std::error_code ec;
   fs::remove_all(root, ec);
-  Clock::time_point start = Clock::now();
+  const Clock::time_point start = Clock::now();
   STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary first,
-                          offload::SaveCheckpoint(*engine, *optimizer, root, save_options));
+                          offload::SaveCheckpoint(*model.engine, *model.optimizer, root, options));
   report.first_save_gbps = static_cast<double>(first.bytes) / SecondsSince(start) / 1e9;
-  STRATA_RETURN_IF_ERROR(offload::SaveCheckpoint(*engine, *optimizer, root, save_options).status());
-  report.recycled_files = first.files;
-  std::vector<double> save_ratios, async_ratios, load_ratios;
-  for (uint32_t run = 0; run < config.runs; ++run) {
-    STRATA_ASSIGN_OR_RETURN(report.io_write_run_gbps.emplace_back(), IoPass(io, IoOp::kWrite));
-    const uint64_t before = StatusBytes("VmRSS");
-    ResetPeakRss();
-    start = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved,
-                            offload::SaveCheckpoint(*engine, *optimizer, root, save_options));
-    const double save_seconds = SecondsSince(start);
-    report.recycled_files = std::min(report.recycled_files, saved.recycled);
-    report.save_rss_growth_bytes =
-        std::max(report.save_rss_growth_bytes, StatusBytes("VmHWM") > before ? StatusBytes("VmHWM") - before : 0);
-    report.checkpoint_bytes = saved.bytes;
-    report.files = saved.files;
-    report.save_gbps.push_back(static_cast<double>(saved.bytes) / save_seconds / 1e9);
-    start = Clock::now();
-    STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::PendingCheckpoint> pending,
-                            offload::StartCheckpoint(*engine, *optimizer, root, save_options));
-    report.async_start_max_ms = std::max(report.async_start_max_ms, SecondsSince(start) * 1e3);
-    STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved_async, pending->Wait());
-    report.recycled_files = std::min(report.recycled_files, saved_async.recycled);
-    report.async_save_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
-    STRATA_ASSIGN_OR_RETURN(report.io_read_run_gbps.emplace_back(), IoPass(io, IoOp::kRead));
-    start = Clock::now();
-    STRATA_RETURN_IF_ERROR(offload::LoadCheckpoint(*engine, *optimizer, root).status());
-    report.load_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
-    STRATA_RETURN_IF_ERROR(engine->OffloadAll());  // the states back home, as they were when saved
+  STRATA_RETURN_IF_ERROR(offload::SaveCheckpoint(*model.engine, *model.optimizer, root, options).status());
+  return first.files;
+}
 
-    const double write = report.io_write_run_gbps.back(), read = report.io_read_run_gbps.back();
-    save_ratios.push_back(write > 0 ? report.save_gbps.back() / write : 0);
-    async_ratios.push_back(write > 0 ? report.async_save_gbps.back() / write : 0);
-    load_ratios.push_back(read > 0 ? report.load_gbps.back() / read : 0);
-  }
-  fs::remove_all(root, ec);
-  fs::remove_all(io.dirs[0], ec);
-  report.buffer_bytes = 3 * tensor_bytes;  // a buffer for each of the three files written at a time
+// A save (its peak resident memory watched), an asynchronous save, and a
+// load, each beside a bench io pass of its own direction.
+Status MeasureRun(SavedModel& model, const IoBenchConfig& io, const std::string& root,
+                  const offload::CheckpointOptions& options, CheckpointBenchReport& report, RunRatios& ratios) {
+  Engine& engine = *model.engine;
+  optim::Optimizer& optimizer = *model.optimizer;
+  STRATA_ASSIGN_OR_RETURN(report.io_write_run_gbps.emplace_back(), IoPass(io, IoOp::kWrite));
+  const uint64_t before = StatusBytes("VmRSS");
+  ResetPeakRss();
+  Clock::time_point start = Clock::now();
+  STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved, offload::SaveCheckpoint(engine, optimizer, root, options));
+  const double save_seconds = SecondsSince(start);
+  report.recycled_files = std::min(report.recycled_files, saved.recycled);
+  report.save_rss_growth_bytes =
+      std::max(report.save_rss_growth_bytes, StatusBytes("VmHWM") > before ? StatusBytes("VmHWM") - before : 0);
+  report.checkpoint_bytes = saved.bytes;
+  report.files = saved.files;
+  report.save_gbps.push_back(static_cast<double>(saved.bytes) / save_seconds / 1e9);
+  start = Clock::now();
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::PendingCheckpoint> pending,
+                          offload::StartCheckpoint(engine, optimizer, root, options));
+  report.async_start_max_ms = std::max(report.async_start_max_ms, SecondsSince(start) * 1e3);
+  STRATA_ASSIGN_OR_RETURN(offload::CheckpointSummary saved_async, pending->Wait());
+  report.recycled_files = std::min(report.recycled_files, saved_async.recycled);
+  report.async_save_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
+  STRATA_ASSIGN_OR_RETURN(report.io_read_run_gbps.emplace_back(), IoPass(io, IoOp::kRead));
+  start = Clock::now();
+  STRATA_RETURN_IF_ERROR(offload::LoadCheckpoint(engine, optimizer, root).status());
+  report.load_gbps.push_back(static_cast<double>(saved.bytes) / SecondsSince(start) / 1e9);
+  STRATA_RETURN_IF_ERROR(engine.OffloadAll());  // the states back home, as they were when saved
+
+  const double write = report.io_write_run_gbps.back(), read = report.io_read_run_gbps.back();
+  ratios.save.push_back(write > 0 ? report.save_gbps.back() / write : 0);
+  ratios.async_save.push_back(write > 0 ? report.async_save_gbps.back() / write : 0);
+  ratios.load.push_back(read > 0 ? report.load_gbps.back() / read : 0);
+  return Status::Ok();
+}
+
+// The medians of the runs, and the ratios reported.
+void Summarize(const RunRatios& ratios, CheckpointBenchReport& report) {
   report.save_median_gbps = Median(report.save_gbps);
   report.async_save_median_gbps = Median(report.async_save_gbps);
   report.load_median_gbps = Median(report.load_gbps);
   report.io_write_gbps = Median(report.io_write_run_gbps);
   report.io_read_gbps = Median(report.io_read_run_gbps);
-  report.save_ratio = Median(save_ratios);
-  report.async_save_ratio = Median(async_ratios);
-  report.load_ratio = Median(load_ratios);
+  report.save_ratio = Median(ratios.save);
+  report.async_save_ratio = Median(ratios.async_save);
+  report.load_ratio = Median(ratios.load);
   report.first_save_ratio = report.io_write_gbps > 0 ? report.first_save_gbps / report.io_write_gbps : 0;
+}
+
+}  // namespace
+
+// Note [The checkpoint bench]
+// The model: fp32 trainable tensors of one chunk each, `params` in all, so a
+// checkpoint holds 12 bytes a parameter (the parameters and AdamW's two
+// moments). Its optimizer states stay in host memory, or with
+// states_on_nvme live in the NVMe tier (a directory under `dir`), as they do
+// when they outgrow the host.
+//
+// The reference is a bench io pass just before each run's saves (write) and
+// its load (read): a drive that drifts moves both alike.
+//
+// Every save replaces the one before (the same step), as a run saving every
+// N steps with keep_last replaces its oldest: with recycling, the files of
+// the one before that are written over (offload/persist/checkpoint.h). The
+// first save writes new files, and so does the second, unmeasured; then each
+// run saves, saves asynchronously (started, then waited for, nothing
+// training between), and loads.
+Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config) {
+  if (config.dir.empty()) return InvalidArgument("bench checkpoint: --dir is required: where to save");
+  if (config.runs == 0) return InvalidArgument("bench checkpoint: --runs 0: at least one run is needed");
+  if (config.chunk_elems == 0 || config.params < config.chunk_elems) {
+    return InvalidArgument("bench checkpoint: --params {} must hold at least one chunk of --chunk-elems {} (> 0)",
+                           config.params, config.chunk_elems);
+  }
+  CheckpointBenchReport report;
+  report.config = config;
+  const uint64_t tensor_bytes = config.chunk_elems * sizeof(float);
+  STRATA_ASSIGN_OR_RETURN(SavedModel model, BuildModel(config, report));
+  const IoBenchConfig io = ReferenceIo(config, 3 * (config.params / config.chunk_elems) * tensor_bytes);
+  const std::string root = (fs::path(config.dir) / "checkpoint").string();
+  const offload::CheckpointOptions save_options{.keep_last = 1, .recycle = config.recycle};
+  STRATA_ASSIGN_OR_RETURN(report.recycled_files, FirstSaves(model, root, save_options, report));
+  RunRatios ratios;
+  for (uint32_t run = 0; run < config.runs; ++run) {
+    STRATA_RETURN_IF_ERROR(MeasureRun(model, io, root, save_options, report, ratios));
+  }
+  std::error_code ec;
+  fs::remove_all(root, ec);
+  fs::remove_all(io.dirs[0], ec);
+  report.buffer_bytes = 3 * tensor_bytes;  // a buffer for each of the three files written at a time
+  Summarize(ratios, report);
   return report;
 }
 

@@ -1,15 +1,8 @@
 // `strata bench checkpoint`: a checkpoint's save and load bandwidth
-// (offload/checkpoint.h) against the NVMe write and read bandwidth that
-// `strata bench io` measures on the same directory in the same run, and the
-// host memory a save takes beyond what it held before.
-//
-// The model: fp32 trainable tensors of one chunk each, `params` in all, so a
-// checkpoint holds 12 bytes a parameter (the parameters and AdamW's two
-// moments). Its optimizer states stay in host memory, or with
-// states_on_nvme live in the NVMe tier (a directory under `dir`), as they do
-// when they outgrow the host. A first save writes new files; then each run
-// saves (replacing the checkpoint before, keep_last 1, into its files unless
-// recycle is off), saves asynchronously, and loads.
+// (offload/persist/checkpoint.h) against the NVMe write and read bandwidth
+// that `strata bench io` measures on the same directory in the same run, and
+// the host memory a save takes beyond what it held before. See Note [The
+// checkpoint bench] in checkpoint_bench.cc for the model and the runs.
 #pragma once
 
 #include <cstdint>
@@ -42,13 +35,11 @@ struct CheckpointBenchReport {
   std::vector<double> async_save_gbps;
   double async_save_median_gbps = 0, async_save_ratio = 0;  // (the ratio: as save_ratio)
   double async_start_max_ms = 0;
-  // The first save, into new files; each measured one replaces the one
-  // before, writing over the files of the one before that (recycle): how
-  // many files the measured saves wrote so, at the least.
+  // The first save, into new files; and the fewest files a measured save
+  // wrote over those of a removed checkpoint (recycle).
   double first_save_gbps = 0, first_save_ratio = 0;
   uint32_t recycled_files = 0;
-  // strata bench io, sequential, 1 MiB x 32: a pass each way per run, just
-  // before its saves, and their medians.
+  // strata bench io, sequential, 1 MiB x 32: a pass each way per run, and their medians.
   std::vector<double> io_write_run_gbps, io_read_run_gbps;
   double io_write_gbps = 0, io_read_gbps = 0;
   double save_ratio = 0, load_ratio = 0;  // the medians of each run's ratio to its own bench io pass
@@ -56,7 +47,10 @@ struct CheckpointBenchReport {
   uint64_t save_rss_growth_bytes = 0;          // the peak resident set during a save, above its start
 };
 
+// InvalidArgument without a dir, with no runs, or with params under a chunk;
+// removes the checkpoint and the bench io file it wrote.
 Result<CheckpointBenchReport> RunCheckpointBench(const CheckpointBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatCheckpointBench(const CheckpointBenchReport& report);
 std::string CheckpointBenchJson(const CheckpointBenchReport& report);
 

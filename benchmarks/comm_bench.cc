@@ -21,7 +21,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// The backend's own collectives for one rank (see the top of the header).
+// The backend's own collectives for one rank (see Note [The comm bench]).
 struct RawOps {
   std::function<Status(const float* shard, float* full, size_t shard_count)> all_gather;
   std::function<Status(const float* full, float* shard, size_t shard_count)> reduce_scatter;
@@ -204,6 +204,25 @@ Result<CommBenchReport> RunNccl(const CommBenchConfig& config) {
 
 }  // namespace
 
+// Note [The comm bench]
+// A size is the bytes of one whole fp32 chunk; each of W ranks holds 1/W of
+// it (ZeRO-3's shard). Bus bandwidth follows nccl-tests: bytes / seconds x
+// (W - 1) / W, what each rank's links carry. The raw figure:
+//   mpi       — the MPI library's own blocking MPI_Allgather and
+//               MPI_Reduce_scatter_block (strata's communicator runs the
+//               non-blocking calls polled against its timeout);
+//   nccl      — ncclAllGather and ncclReduceScatter on device buffers,
+//               waited for with cudaStreamSynchronize (nccl-tests' way);
+//               strata's communicator gets device buffers too, or host
+//               buffers with `host_buffers` (staged through the device, as
+//               the gradient reducer's are today). One rank without mpirun
+//               (bus bandwidth is then 0: the algorithm bandwidth is shown);
+//   loopback  — the same bytes moved (all-gather: copied from the other
+//               ranks' buffers; reduce-scatter: summed from them) by the same
+//               threads at the same time, without the group's barriers.
+// Each figure is the mean over `iterations` after two warm-up rounds; the
+// backends alternate per size. Under mpirun every rank runs it and rank 0
+// reports.
 Result<CommBenchReport> RunCommBench(const CommBenchConfig& config) {
   if (config.iterations == 0) return InvalidArgument("bench comm: --iterations must be > 0");
   if (config.sizes.empty()) return InvalidArgument("bench comm: --sizes is empty");

@@ -1,25 +1,7 @@
 // `strata bench comm`: all-gather and reduce-scatter of chunk-sized messages
 // on a communicator backend, beside that backend's raw figure for the same
-// sizes, measured in the same run.
-//
-// A size is the bytes of one whole fp32 chunk; each of W ranks holds 1/W of
-// it (ZeRO-3's shard). Bus bandwidth follows nccl-tests: bytes / seconds x
-// (W - 1) / W, what each rank's links carry. The raw figure:
-//   mpi       — the MPI library's own blocking MPI_Allgather and
-//               MPI_Reduce_scatter_block (strata's communicator runs the
-//               non-blocking calls polled against its timeout);
-//   nccl      — ncclAllGather and ncclReduceScatter on device buffers,
-//               waited for with cudaStreamSynchronize (nccl-tests' way);
-//               strata's communicator gets device buffers too, or host
-//               buffers with `host_buffers` (staged through the device, as
-//               the gradient reducer's are today). One rank without mpirun
-//               (bus bandwidth is then 0: the algorithm bandwidth is shown);
-//   loopback  — the same bytes moved (all-gather: copied from the other
-//               ranks' buffers; reduce-scatter: summed from them) by the same
-//               threads at the same time, without the group's barriers.
-// Each figure is the mean over `iterations` after two warm-up rounds; the
-// backends alternate per size. Under mpirun every rank runs it and rank 0
-// reports.
+// sizes, measured in the same run. Under mpirun every rank runs it and rank
+// 0 reports. See Note [The comm bench] in comm_bench.cc for the figures.
 #pragma once
 
 #include <cstdint>
@@ -54,7 +36,10 @@ struct CommBenchReport {
   std::vector<CommBenchRow> rows;
 };
 
+// InvalidArgument for no iterations or sizes, an unknown backend, or
+// host_buffers off nccl; NotSupported for a backend this build lacks.
 Result<CommBenchReport> RunCommBench(const CommBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatCommBench(const CommBenchReport& report);
 std::string CommBenchJson(const CommBenchReport& report);
 

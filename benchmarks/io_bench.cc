@@ -9,6 +9,7 @@
 #include <fstream>
 #include <functional>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <sstream>
 
@@ -201,6 +202,137 @@ double MedianRatio(const std::vector<double>& a, const std::vector<double>& b) {
   return Median(ratios);
 }
 
+// The settings a run is refused for: no directory or run, a block size not
+// a positive multiple of 4KiB or over the file, a queue depth out of 1..4096.
+Status ValidateIoConfig(const IoBenchConfig& config) {
+  if (config.dirs.empty()) return InvalidArgument("bench io: no --dir given: name at least one directory");
+  if (config.runs == 0) return InvalidArgument("bench io: --runs 0: at least one run is needed");
+  for (uint64_t block : config.block_sizes_bytes) {
+    if (block == 0 || block % kAlignmentBytes != 0) {
+      return InvalidArgument("bench io: block size {} is not allowed: expected a positive multiple of 4KiB", block);
+    }
+    if (block * config.dirs.size() > config.file_size_bytes) {
+      return InvalidArgument("bench io: --file-size {} is smaller than one block per directory ({} x {})",
+                             FormatSize(config.file_size_bytes), config.dirs.size(), FormatSize(block));
+    }
+  }
+  for (uint32_t depth : config.queue_depths) {
+    if (depth == 0 || depth > 4096) return InvalidArgument("bench io: queue depth {} is not allowed: expected 1..4096", depth);
+  }
+  if (config.compare_one_dir && config.dirs.size() < 2) {
+    return InvalidArgument("bench io: --compare-one-dir needs at least two --dir");
+  }
+  return Status::Ok();
+}
+
+// With IoDestination::kDevice: the device, with room for the largest
+// window; else none.
+Result<std::unique_ptr<Device>> OpenDestination(const IoBenchConfig& config) {
+  if (config.destination != IoDestination::kDevice) return std::unique_ptr<Device>();
+  Options device_options;
+  STRATA_RETURN_IF_ERROR(SetOption(device_options, "device.backend", config.device_backend));
+  uint64_t largest = 0;
+  for (uint64_t block : config.block_sizes_bytes) {
+    for (uint32_t depth : config.queue_depths) largest = std::max(largest, block * depth);
+  }
+  device_options.device.budget_bytes = largest;
+  return CreateDevice(device_options);
+}
+
+// One block size x queue depth: the striped target (and with
+// compare_one_dir the first directory's alone), written once, and the
+// buffers their passes use.
+struct Sweep {
+  uint64_t block = 0;
+  uint32_t depth = 0;
+  Target striped;
+  std::optional<Target> single;
+  Buffer window;             // queue_depth blocks of random bytes, registered with every target
+  Buffer bounce[2];          // with a device: its pinned bounce buffers
+  Buffer device_buffer;      // with a device: where the bytes start or end
+};
+
+Result<Sweep> PrepareSweep(const IoBenchConfig& config, uint64_t block, uint32_t depth, Device* device,
+                           std::mt19937_64& rng) {
+  Sweep sweep{.block = block, .depth = depth};
+  STRATA_ASSIGN_OR_RETURN(sweep.striped,
+                          OpenTarget(config.dirs, kFileName, config.file_size_bytes, block, depth, config.sqpoll));
+  if (config.compare_one_dir && config.dirs.size() > 1) {
+    STRATA_ASSIGN_OR_RETURN(sweep.single, OpenTarget({config.dirs[0]}, kOneDirFileName, sweep.striped.bytes, block,
+                                                     depth, config.sqpoll));
+  }
+  sweep.window = AllocateAlignedHost(uint64_t{depth} * block, kAlignmentBytes);
+  if (!sweep.window) return OutOfMemory("bench io: cannot allocate a {} window", FormatSize(uint64_t{depth} * block));
+  std::vector<Target*> targets = {&sweep.striped};
+  if (sweep.single) targets.push_back(&*sweep.single);
+  // As the engine does with its host arena and bounce buffers.
+  for (Target* target : targets) {
+    STRATA_RETURN_IF_ERROR(target->storage->RegisterBuffer(sweep.window.data(), sweep.window.size_bytes()));
+  }
+  for (uint64_t i = 0; i < sweep.window.size_bytes(); i += 8) {
+    uint64_t word = rng();
+    std::memcpy(sweep.window.bytes() + i, &word, 8);
+  }
+  if (device) {
+    for (Buffer& half : sweep.bounce) {
+      STRATA_ASSIGN_OR_RETURN(half, device->AllocatePinnedHost(uint64_t{depth} * block, kNumaNodeNearDevice));
+      STRATA_RETURN_IF_ERROR(sweep.striped.storage->RegisterBuffer(half.data(), half.size_bytes()));
+    }
+    STRATA_ASSIGN_OR_RETURN(sweep.device_buffer, device->Allocate(uint64_t{depth} * block));
+  }
+  // Reads must find written blocks: a preallocated, never-written extent
+  // reads as zeros without touching the drive.
+  for (Target* target : targets) {
+    std::vector<IoSegment> fill = PassSegments(*target, sweep.window, block, IoPattern::kSequential, rng);
+    STRATA_RETURN_IF_ERROR(target->storage->WriteBatch(fill).WithContext("bench io: writing the file once"));
+  }
+  return sweep;
+}
+
+// One row: `runs` rounds of strata's pass, fio's and the one-directory
+// pass, in an order that alternates from run to run so that none always
+// meets a drive warmed (or tired) by another; then their medians.
+Result<IoBenchRow> MeasureRow(const IoBenchConfig& config, Sweep& sweep, Device* device, IoOp op, IoPattern pattern,
+                              std::mt19937_64& rng) {
+  const uint64_t block = sweep.block;
+  IoBenchRow row{op, pattern, block, sweep.depth};
+  for (uint32_t run = 0; run < config.runs; ++run) {
+    std::vector<std::function<Status()>> passes;
+    passes.push_back([&]() -> Status {
+      std::vector<IoSegment> segments = PassSegments(sweep.striped, sweep.window, block, pattern, rng);
+      STRATA_ASSIGN_OR_RETURN(double gbps, device ? DevicePass(sweep.striped, *device, segments, op, block, sweep.depth,
+                                                               sweep.bounce, sweep.device_buffer)
+                                                  : StrataPass(sweep.striped, segments, op));
+      row.strata_gbps.push_back(gbps);
+      return Status::Ok();
+    });
+    if (config.compare_fio) {
+      passes.push_back([&]() -> Status {
+        STRATA_ASSIGN_OR_RETURN(double gbps, FioPass(config, sweep.striped, op, pattern, block, sweep.depth));
+        row.fio_gbps.push_back(gbps);
+        return Status::Ok();
+      });
+    }
+    if (sweep.single) {
+      passes.push_back([&]() -> Status {
+        Target& single = *sweep.single;
+        STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(single, PassSegments(single, sweep.window, block, pattern, rng), op));
+        row.one_dir_gbps.push_back(gbps);
+        return Status::Ok();
+      });
+    }
+    if (run % 2 == 1) std::reverse(passes.begin(), passes.end());
+    for (const auto& pass : passes) STRATA_RETURN_IF_ERROR(pass());
+  }
+  row.strata_median_gbps = Median(row.strata_gbps);
+  if (!row.fio_gbps.empty()) {
+    row.fio_median_gbps = Median(row.fio_gbps);
+    row.ratio_median = MedianRatio(row.strata_gbps, row.fio_gbps);
+  }
+  if (!row.one_dir_gbps.empty()) row.one_dir_ratio_median = MedianRatio(row.strata_gbps, row.one_dir_gbps);
+  return row;
+}
+
 }  // namespace
 
 double Median(std::vector<double> values) {
@@ -226,120 +358,32 @@ Result<double> ParseFioBandwidthGbps(const std::string& fio_json, IoOp op) {
   return bytes_per_second / 1e9;
 }
 
+// Note [The io bench]
+// For each block size x queue depth the engine's storage backend (the one
+// the NVMe tier uses) moves the whole file once per op and pattern, as one
+// batch that keeps queue_depth requests in flight; fio does the same on the
+// same file. Each pair is repeated `runs` times in alternating order and the
+// median of the per-run ratios strata/fio is reported. Also measured: the
+// cost of checking a CRC32C of everything read (the NVMe tier's integrity
+// check) as a fraction of the read time, and with several directories, the
+// striped engine against one directory alone.
 Result<IoBenchReport> RunIoBench(const IoBenchConfig& config) {
-  if (config.dirs.empty()) return InvalidArgument("bench io: no --dir given: name at least one directory");
-  if (config.runs == 0) return InvalidArgument("bench io: --runs 0: at least one run is needed");
-  for (uint64_t block : config.block_sizes_bytes) {
-    if (block == 0 || block % kAlignmentBytes != 0) {
-      return InvalidArgument("bench io: block size {} is not allowed: expected a positive multiple of 4KiB", block);
-    }
-    if (block * config.dirs.size() > config.file_size_bytes) {
-      return InvalidArgument("bench io: --file-size {} is smaller than one block per directory ({} x {})",
-                             FormatSize(config.file_size_bytes), config.dirs.size(), FormatSize(block));
-    }
-  }
-  for (uint32_t depth : config.queue_depths) {
-    if (depth == 0 || depth > 4096) return InvalidArgument("bench io: queue depth {} is not allowed: expected 1..4096", depth);
-  }
-  const bool one_dir = config.compare_one_dir && config.dirs.size() > 1;
-  if (config.compare_one_dir && config.dirs.size() < 2) {
-    return InvalidArgument("bench io: --compare-one-dir needs at least two --dir");
-  }
-
+  STRATA_RETURN_IF_ERROR(ValidateIoConfig(config));
   IoBenchReport report;
   report.config = config;
   SetHugePagesEnabled(config.huge_pages);
-  std::unique_ptr<Device> device;
-  if (config.destination == IoDestination::kDevice) {
-    Options device_options;
-    STRATA_RETURN_IF_ERROR(SetOption(device_options, "device.backend", config.device_backend));
-    uint64_t largest = 0;
-    for (uint64_t block : config.block_sizes_bytes) {
-      for (uint32_t depth : config.queue_depths) largest = std::max(largest, block * depth);
-    }
-    device_options.device.budget_bytes = largest;
-    STRATA_ASSIGN_OR_RETURN(device, CreateDevice(device_options));
-    report.device = device->Describe();
-  }
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, OpenDestination(config));
+  if (device) report.device = device->Describe();
   std::mt19937_64 rng(config.seed);
   for (uint64_t block : config.block_sizes_bytes) {
     for (uint32_t depth : config.queue_depths) {
-      STRATA_ASSIGN_OR_RETURN(Target striped, OpenTarget(config.dirs, kFileName, config.file_size_bytes, block, depth,
-                                                         config.sqpoll));
-      std::optional<Target> single;
-      if (one_dir) {
-        STRATA_ASSIGN_OR_RETURN(single, OpenTarget({config.dirs[0]}, kOneDirFileName, striped.bytes, block, depth,
-                                                   config.sqpoll));
-      }
-      Buffer window = AllocateAlignedHost(uint64_t{depth} * block, kAlignmentBytes);
-      if (!window) return OutOfMemory("bench io: cannot allocate a {} window", FormatSize(uint64_t{depth} * block));
-      std::vector<Target*> targets = {&striped};
-      if (single) targets.push_back(&*single);
-      // As the engine does with its host arena and bounce buffers.
-      for (Target* target : targets) {
-        STRATA_RETURN_IF_ERROR(target->storage->RegisterBuffer(window.data(), window.size_bytes()));
-      }
-      for (uint64_t i = 0; i < window.size_bytes(); i += 8) {
-        uint64_t word = rng();
-        std::memcpy(window.bytes() + i, &word, 8);
-      }
-      if (report.storage.empty()) report.storage = striped.storage->Describe();
-      Buffer bounce[2];
-      Buffer device_buffer;
-      if (device) {
-        for (Buffer& half : bounce) {
-          STRATA_ASSIGN_OR_RETURN(half, device->AllocatePinnedHost(uint64_t{depth} * block, kNumaNodeNearDevice));
-          STRATA_RETURN_IF_ERROR(striped.storage->RegisterBuffer(half.data(), half.size_bytes()));
-        }
-        STRATA_ASSIGN_OR_RETURN(device_buffer, device->Allocate(uint64_t{depth} * block));
-      }
-      // Reads must find written blocks: a preallocated, never-written extent
-      // reads as zeros without touching the drive.
-      for (Target* target : targets) {
-        std::vector<IoSegment> fill = PassSegments(*target, window, block, IoPattern::kSequential, rng);
-        STRATA_RETURN_IF_ERROR(target->storage->WriteBatch(fill).WithContext("bench io: writing the file once"));
-      }
-
+      STRATA_ASSIGN_OR_RETURN(Sweep sweep, PrepareSweep(config, block, depth, device.get(), rng));
+      if (report.storage.empty()) report.storage = sweep.striped.storage->Describe();
       for (IoOp op : config.ops) {
         for (IoPattern pattern : config.patterns) {
-          IoBenchRow row{op, pattern, block, depth};
-          for (uint32_t run = 0; run < config.runs; ++run) {
-            // The passes of one run, in an order that alternates from run to
-            // run, so that none always meets a drive warmed (or tired) by another.
-            std::vector<std::function<Status()>> passes;
-            passes.push_back([&]() -> Status {
-              std::vector<IoSegment> segments = PassSegments(striped, window, block, pattern, rng);
-              STRATA_ASSIGN_OR_RETURN(double gbps, device ? DevicePass(striped, *device, segments, op, block, depth,
-                                                                       bounce, device_buffer)
-                                                          : StrataPass(striped, segments, op));
-              row.strata_gbps.push_back(gbps);
-              return Status::Ok();
-            });
-            if (config.compare_fio) {
-              passes.push_back([&]() -> Status {
-                STRATA_ASSIGN_OR_RETURN(double gbps, FioPass(config, striped, op, pattern, block, depth));
-                row.fio_gbps.push_back(gbps);
-                return Status::Ok();
-              });
-            }
-            if (single) {
-              passes.push_back([&]() -> Status {
-                STRATA_ASSIGN_OR_RETURN(double gbps, StrataPass(*single, PassSegments(*single, window, block, pattern, rng), op));
-                row.one_dir_gbps.push_back(gbps);
-                return Status::Ok();
-              });
-            }
-            if (run % 2 == 1) std::reverse(passes.begin(), passes.end());
-            for (const auto& pass : passes) STRATA_RETURN_IF_ERROR(pass());
-          }
-          row.strata_median_gbps = Median(row.strata_gbps);
-          if (!row.fio_gbps.empty()) {
-            row.fio_median_gbps = Median(row.fio_gbps);
-            row.ratio_median = MedianRatio(row.strata_gbps, row.fio_gbps);
-          }
-          if (!row.one_dir_gbps.empty()) row.one_dir_ratio_median = MedianRatio(row.strata_gbps, row.one_dir_gbps);
+          STRATA_ASSIGN_OR_RETURN(IoBenchRow row, MeasureRow(config, sweep, device.get(), op, pattern, rng));
           if (op == IoOp::kRead && pattern == IoPattern::kSequential && report.crc.crc_gbps == 0) {
-            report.crc = MeasureCrc(window, striped.bytes, row.strata_median_gbps);
+            report.crc = MeasureCrc(sweep.window, sweep.striped.bytes, row.strata_median_gbps);
           }
           report.rows.push_back(std::move(row));
         }

@@ -1,17 +1,8 @@
 // `strata bench io`: the NVMe engine's read and write bandwidth, measured
 // against fio (ioengine=io_uring, direct=1) on the same file, block size and
-// queue depth in the same run, alternating the two.
-//
-// For each block size x queue depth the engine's storage backend (the one
-// the NVMe tier uses) moves the whole file once per op and pattern, as one
-// batch that keeps queue_depth requests in flight; fio does the same on the
-// same file. Each pair is repeated `runs` times in alternating order and the
-// median of the per-run ratios strata/fio is reported. Also measured: the
-// cost of checking a CRC32C of everything read (the NVMe tier's integrity
-// check) as a fraction of the read time, and with several directories, the
-// striped engine against one directory alone.
-//
-// Single-threaded driver; not thread-safe.
+// queue depth in the same run, alternating the two; also the CRC32C check's
+// cost and the striped engine against one directory. See Note [The io
+// bench] in io_bench.cc. Single-threaded driver; not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -75,7 +66,11 @@ struct IoBenchReport {
   CrcCost crc;
 };
 
+// InvalidArgument for a config it cannot run (no dir, no runs, a block size
+// not a multiple of 4KiB or over the file, a queue depth out of 1..4096,
+// compare_one_dir with one dir). Leaves its files in the directories.
 Result<IoBenchReport> RunIoBench(const IoBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatIoBench(const IoBenchReport& report);
 std::string IoBenchJson(const IoBenchReport& report);
 

@@ -130,60 +130,137 @@ double TimeSeconds(Fn&& fn) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// The dtype of --dtype: fp32 or bf16.
+Result<DType> ParseBenchDType(const std::string& text) {
+  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseDType(text));
+  if (dtype == DType::kFloat16) return InvalidArgument("bench optim: --dtype {}: expected fp32 or bf16", text);
+  return dtype;
+}
+
+// --threads: 0 is every core.
+uint32_t ThreadsOf(uint32_t threads) {
+  return threads > 0 ? threads : static_cast<uint32_t>(tbb::info::default_concurrency());
+}
+
+// Plausible values for element i: a weight, and a gradient around zero.
+float WeightAt(size_t i) { return 0.01f * static_cast<float>(i % 97); }
+float GradAt(size_t i) { return 0.001f * static_cast<float>(i % 89) - 0.04f; }
+
+// The arrays of the in-memory timing, one chunk of every parameter. fp32:
+// master is the parameter, the gradient fp32. bf16: fp32 master and states,
+// bf16 gradient and compute copy, and the bound's fp32 gradient apart.
+struct ChunkArrays {
+  std::vector<Buffer> arrays;  // master, exp_avg, exp_avg_sq, grad, the compute copy, the bound's gradient
+  optim::ChunkTensors chunk;
+  const float* bound_grad = nullptr;
+};
+
+Result<ChunkArrays> AllocateChunk(size_t n, DType dtype) {
+  const bool bf16 = dtype == DType::kBFloat16;
+  const size_t half_bytes = bf16 ? n * sizeof(uint16_t) : 0;
+  ChunkArrays c;
+  for (size_t bytes : {n * sizeof(float), n * sizeof(float), n * sizeof(float), bf16 ? half_bytes : n * sizeof(float),
+                       half_bytes, bf16 ? n * sizeof(float) : 0}) {
+    c.arrays.push_back(AllocateAlignedHost(std::max<size_t>(bytes, 64), 64));
+    if (!c.arrays.back()) return OutOfMemory("bench optim: cannot allocate {} for the arrays", FormatSize(bytes));
+  }
+  optim::ChunkTensors& chunk = c.chunk;
+  chunk.n = n;
+  chunk.master = static_cast<float*>(c.arrays[0].data());
+  chunk.state[0] = static_cast<float*>(c.arrays[1].data());
+  chunk.state[1] = static_cast<float*>(c.arrays[2].data());
+  chunk.grad = c.arrays[3].data();
+  chunk.grad_dtype = dtype;
+  if (bf16) {
+    chunk.param = c.arrays[4].data();
+    chunk.param_dtype = dtype;
+  }
+  c.bound_grad = static_cast<const float*>(bf16 ? c.arrays[5].data() : chunk.grad);
+  // Touch every page first (on the threads that will use it) with plausible values.
+  tbb::parallel_for(size_t{0}, n, [&](size_t i) {
+    chunk.master[i] = WeightAt(i);
+    const float g = GradAt(i);
+    if (bf16) {
+      static_cast<uint16_t*>(c.arrays[3].data())[i] = optim::Bf16FromFloat(g);
+      static_cast<uint16_t*>(chunk.param)[i] = 0;
+      static_cast<float*>(c.arrays[5].data())[i] = g;
+    } else {
+      static_cast<float*>(c.arrays[3].data())[i] = g;
+    }
+    chunk.state[0][i] = 0.0f;
+    chunk.state[1][i] = 0.0f;
+  });
+  return c;
+}
+
+// Every timed pass starts with nothing of its arrays in the caches: the
+// last-level cache can be large (260 MiB on the development VM), and a pass
+// right after the gradient-norm pass would read much of the gradients from
+// it. Writing twice its size in between evicts them.
+class CacheEvictor {
+ public:
+  static Result<CacheEvictor> Create() {
+    const long l3_bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    CacheEvictor evictor;
+    STRATA_ASSIGN_OR_RETURN(evictor.scratch_, HostArray(std::max<size_t>(2 * static_cast<size_t>(std::max(l3_bytes, 0L)),
+                                                                         size_t{64} << 20)));
+    return evictor;
+  }
+  void Evict() {
+    tbb::parallel_for(size_t{0}, scratch_.size_bytes() / 4096, [&](size_t page) {
+      std::memset(scratch_.bytes() + page * 4096, static_cast<int>(page), 4096);
+    });
+  }
+
+ private:
+  Buffer scratch_;
+};
+
+// Medians over repetitions of the in-memory timing.
+struct MemoryTimings {
+  std::vector<double> step, bound, norm;
+};
+
+// One repetition: the gradient-norm pass, the update and the bound, each
+// after a cache eviction.
+Status TimeRepetition(optim::Optimizer& optimizer, const ChunkArrays& c, CacheEvictor& evictor,
+                      MemoryTimings& timings) {
+  optim::GradStats stats;
+  evictor.Evict();
+  timings.norm.push_back(TimeSeconds([&] { stats.Add(c.chunk); }));
+  STRATA_ASSIGN_OR_RETURN(const optim::StepPlan plan, optimizer.PlanStep(stats));
+  Status status;
+  evictor.Evict();
+  timings.step.push_back(TimeSeconds([&] { status = optimizer.UpdateChunk(plan, c.chunk); }));
+  STRATA_RETURN_IF_ERROR(status);
+  evictor.Evict();
+  timings.bound.push_back(TimeSeconds([&] { BoundPass(c.chunk, c.bound_grad); }));
+  return Status::Ok();
+}
+
 }  // namespace
 
+// Note [The optim bench]
+// Adam touches 28 bytes per parameter per step. fp32: it reads param, grad,
+// exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq. bf16
+// (mixed precision): it reads a bf16 grad and the fp32 master, exp_avg and
+// exp_avg_sq, writes those three back and the bf16 compute copy. The bound
+// is a streaming loop with exactly that access pattern (trivial arithmetic),
+// on the same threads; the optimizer's bandwidth divided by it says how close
+// to the machine's limit the kernel runs. The update pass is what is timed;
+// the gradient-norm pass that precedes it in a step (4 or 2 bytes per
+// parameter, read only) is timed apart. Medians over repetitions.
 Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
-  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseDType(config.dtype));
-  if (dtype == DType::kFloat16) {
-    return InvalidArgument("bench optim: --dtype {}: expected fp32 or bf16", config.dtype);
-  }
+  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseBenchDType(config.dtype));
   if (config.params == 0) return InvalidArgument("bench optim: --params 0: at least one parameter is needed");
   if (config.repetitions == 0) return InvalidArgument("bench optim: --repetitions 0: at least one is needed");
   if (!optim::CpuSupports(optim::CpuIsa::kAvx2)) {
     return NotSupported("bench optim: the bandwidth bound is written for AVX2 or AVX-512, which this CPU lacks");
   }
-  const uint32_t threads = config.threads > 0 ? config.threads : static_cast<uint32_t>(tbb::info::default_concurrency());
+  const uint32_t threads = ThreadsOf(config.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
-
-  // fp32: master is the parameter, the gradient fp32. bf16: fp32 master and
-  // states, bf16 gradient and compute copy.
   const size_t n = config.params;
-  const size_t half_bytes = dtype == DType::kBFloat16 ? n * sizeof(uint16_t) : 0;
-  // master, exp_avg, exp_avg_sq, grad, the compute copy (bf16), and the
-  // bound's fp32 gradient (bf16: an array of its own).
-  std::vector<Buffer> arrays;
-  for (size_t bytes : {n * sizeof(float), n * sizeof(float), n * sizeof(float),
-                       dtype == DType::kBFloat16 ? half_bytes : n * sizeof(float), half_bytes,
-                       dtype == DType::kBFloat16 ? n * sizeof(float) : 0}) {
-    arrays.push_back(AllocateAlignedHost(std::max<size_t>(bytes, 64), 64));
-    if (!arrays.back()) return OutOfMemory("bench optim: cannot allocate {} for the arrays", FormatSize(bytes));
-  }
-  optim::ChunkTensors chunk;
-  chunk.n = n;
-  chunk.master = static_cast<float*>(arrays[0].data());
-  chunk.state[0] = static_cast<float*>(arrays[1].data());
-  chunk.state[1] = static_cast<float*>(arrays[2].data());
-  chunk.grad = arrays[3].data();
-  chunk.grad_dtype = dtype;
-  if (dtype == DType::kBFloat16) {
-    chunk.param = arrays[4].data();
-    chunk.param_dtype = dtype;
-  }
-  const float* bound_grad = static_cast<const float*>(dtype == DType::kBFloat16 ? arrays[5].data() : chunk.grad);
-  // Touch every page first (on the threads that will use it) with plausible values.
-  tbb::parallel_for(size_t{0}, n, [&](size_t i) {
-    chunk.master[i] = 0.01f * static_cast<float>(i % 97);
-    const float g = 0.001f * static_cast<float>(i % 89) - 0.04f;
-    if (dtype == DType::kBFloat16) {
-      static_cast<uint16_t*>(arrays[3].data())[i] = optim::Bf16FromFloat(g);
-      static_cast<uint16_t*>(chunk.param)[i] = 0;
-      static_cast<float*>(arrays[5].data())[i] = g;
-    } else {
-      static_cast<float*>(arrays[3].data())[i] = g;
-    }
-    chunk.state[0][i] = 0.0f;
-    chunk.state[1][i] = 0.0f;
-  });
+  STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, dtype));
 
   OptimBenchReport report;
   report.config = config;
@@ -191,35 +268,15 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   report.isa = std::string(optim::CpuIsaName(optim::BestCpuIsa()));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
-  // Every timed pass starts with nothing of its arrays in the caches: the
-  // last-level cache can be large (260 MiB on the development VM), and a
-  // pass right after the gradient-norm pass would read much of the
-  // gradients from it. Writing twice its size in between evicts them.
-  const long l3_bytes = sysconf(_SC_LEVEL3_CACHE_SIZE);
-  STRATA_ASSIGN_OR_RETURN(Buffer scratch, HostArray(std::max<size_t>(2 * static_cast<size_t>(std::max(l3_bytes, 0L)),
-                                                                      size_t{64} << 20)));
-  const auto evict = [&] {
-    tbb::parallel_for(size_t{0}, scratch.size_bytes() / 4096, [&](size_t page) {
-      std::memset(scratch.bytes() + page * 4096, static_cast<int>(page), 4096);
-    });
-  };
+  STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
   // Alternate the passes, so that none always runs on a warmer machine.
-  std::vector<double> step, bound, norm;
+  MemoryTimings timings;
   for (uint32_t r = 0; r < config.repetitions; ++r) {
-    optim::GradStats stats;
-    evict();
-    norm.push_back(TimeSeconds([&] { stats.Add(chunk); }));
-    STRATA_ASSIGN_OR_RETURN(const optim::StepPlan plan, optimizer->PlanStep(stats));
-    Status status;
-    evict();
-    step.push_back(TimeSeconds([&] { status = optimizer->UpdateChunk(plan, chunk); }));
-    STRATA_RETURN_IF_ERROR(status);
-    evict();
-    bound.push_back(TimeSeconds([&] { BoundPass(chunk, bound_grad); }));
+    STRATA_RETURN_IF_ERROR(TimeRepetition(*optimizer, arrays, evictor, timings));
   }
-  report.step_seconds = Median(step);
-  report.bound_seconds = Median(bound);
-  report.grad_norm_seconds = Median(norm);
+  report.step_seconds = Median(timings.step);
+  report.bound_seconds = Median(timings.bound);
+  report.grad_norm_seconds = Median(timings.norm);
   report.gparams_per_s = static_cast<double>(n) / report.step_seconds / 1e9;
   report.gbps = kBytesPerParam * static_cast<double>(n) / report.step_seconds / 1e9;
   report.bound_gbps = kBytesPerParam * static_cast<double>(n) / report.bound_seconds / 1e9;
@@ -257,30 +314,26 @@ namespace {
 
 // Host arrays for the NVMe mode: gradients and compute copies of every group
 // (they stay in host memory), and the master and states of every group for
-// the update-alone timing.
+// the update-alone timing; what the stream reads of each group (`io`), and
+// each group held in memory (`in_memory`).
 struct HostModel {
   std::vector<Buffer> grads, params, masters, exp_avgs, exp_avg_sqs;
+  std::vector<offload::GroupIo> io;
+  std::vector<optim::ChunkTensors> in_memory;
 };
 
-}  // namespace
-
-Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config) {
-  const OptimBenchConfig& base = config.base;
-  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseDType(base.dtype));
-  if (dtype == DType::kFloat16) return InvalidArgument("bench optim: --dtype {}: expected fp32 or bf16", base.dtype);
-  if (config.dirs.empty()) return InvalidArgument("bench optim: --states nvme needs --dir DIR (a directory on the drive)");
-  if (base.params == 0 || config.group_params == 0) {
-    return InvalidArgument("bench optim: --params and --group-params must be > 0");
-  }
-  if (base.repetitions == 0) return InvalidArgument("bench optim: --repetitions 0: at least one is needed");
-  const uint32_t threads = base.threads > 0 ? base.threads : static_cast<uint32_t>(tbb::info::default_concurrency());
-  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
-
+// Groups of group_params parameters, the last one the rest.
+std::vector<size_t> GroupSizes(uint64_t params, uint64_t group_params) {
   std::vector<size_t> sizes;
-  for (uint64_t done = 0; done < base.params; done += config.group_params) {
-    sizes.push_back(std::min<uint64_t>(config.group_params, base.params - done));
+  for (uint64_t done = 0; done < params; done += group_params) {
+    sizes.push_back(std::min<uint64_t>(group_params, params - done));
   }
-  // Each group: master + 2 states, padded; twice over (copy on write), plus a block per group.
+  return sizes;
+}
+
+// The drive's space: each group's master and 2 states, padded; twice over
+// (copy on write), plus a block per group.
+UringStorageOptions NvmeStorageOptions(const OptimNvmeBenchConfig& config, const std::vector<size_t>& sizes) {
   uint64_t group_bytes_total = 0;
   for (size_t n : sizes) group_bytes_total += 3 * ((n * sizeof(float) + 4095) / 4096 * 4096);
   UringStorageOptions storage_options;
@@ -288,59 +341,133 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   storage_options.file_name = "strata-bench-optim.nvme";
   const uint64_t stripe = storage_options.block_size_bytes * config.dirs.size();
   storage_options.capacity_bytes = (2 * group_bytes_total + sizes.size() * stripe + stripe - 1) / stripe * stripe;
-  // The backing files go when the benchmark does, whatever happens (a
-  // failed creation included); declared first, so it runs after the storage
-  // and the stream are gone.
-  struct RemoveFiles {
-    const UringStorageOptions& options;
-    ~RemoveFiles() {
-      for (const std::string& dir : options.dirs) {
-        std::error_code ignored;
-        std::filesystem::remove(std::filesystem::path(dir) / options.file_name, ignored);
-      }
+  return storage_options;
+}
+
+// Removes the backing files when it goes, whatever happened (a failed
+// creation included).
+struct RemoveFiles {
+  const UringStorageOptions& options;
+  ~RemoveFiles() {
+    for (const std::string& dir : options.dirs) {
+      std::error_code ignored;
+      std::filesystem::remove(std::filesystem::path(dir) / options.file_name, ignored);
     }
-  } remove_files{storage_options};
+  }
+};
+
+// One group of n parameters: its master added to the stream (which homes it
+// and its states on NVMe), its gradient and compute copy in host memory, and
+// a copy of it all in host memory for the update alone.
+Status AddGroup(size_t n, DType dtype, offload::StateStream& stream, HostModel& host) {
+  STRATA_ASSIGN_OR_RETURN(Buffer master, HostArray(n * sizeof(float)));
+  float* w = static_cast<float*>(master.data());
+  for (size_t i = 0; i < n; ++i) w[i] = WeightAt(i);
+  STRATA_RETURN_IF_ERROR(stream.AddGroup({w, n}).status());
+  STRATA_ASSIGN_OR_RETURN(Buffer grad, HostArray(n * DTypeSizeBytes(dtype)));
+  for (size_t i = 0; i < n; ++i) {
+    const float g = GradAt(i);
+    if (dtype == DType::kBFloat16) {
+      static_cast<uint16_t*>(grad.data())[i] = optim::Bf16FromFloat(g);
+    } else {
+      static_cast<float*>(grad.data())[i] = g;
+    }
+  }
+  Buffer param;
+  if (dtype == DType::kBFloat16) {
+    STRATA_ASSIGN_OR_RETURN(param, HostArray(n * sizeof(uint16_t)));
+  }
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(n * sizeof(float)));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(n * sizeof(float)));
+  host.io.push_back({.grad = grad.data(), .grad_dtype = dtype, .param = param ? param.data() : nullptr,
+                     .param_dtype = dtype});
+  optim::ChunkTensors t{.n = n, .master = w, .param = host.io.back().param, .param_dtype = dtype,
+                        .grad = grad.data(), .grad_dtype = dtype};
+  t.state[0] = static_cast<float*>(exp_avg.data());
+  t.state[1] = static_cast<float*>(exp_avg_sq.data());
+  host.in_memory.push_back(t);
+  host.grads.push_back(std::move(grad));
+  host.params.push_back(std::move(param));
+  host.masters.push_back(std::move(master));
+  host.exp_avgs.push_back(std::move(exp_avg));
+  host.exp_avg_sqs.push_back(std::move(exp_avg_sq));
+  return Status::Ok();
+}
+
+// What the NVMe mode times, per repetition; their medians are reported.
+struct NvmeTimings {
+  std::vector<double> step, io_only, compute, read_wait, ratio;
+};
+
+// Repetition r: the step and the I/O alone back to back (in turns first,
+// as the drive's speed drifts over seconds: each pair gives one ratio), then
+// the update alone on the threads the streamed update gets.
+Status TimeNvmeRepetition(uint32_t r, offload::StateStream& stream, optim::Optimizer& optimizer,
+                          const HostModel& host, tbb::task_arena& update_arena, NvmeTimings& timings,
+                          OptimNvmeBenchReport& report) {
+  const optim::StepPlan plan{.step = r + 1};
+  const auto run_step = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport streamed, stream.Step(optimizer, plan, host.io));
+    timings.step.push_back(streamed.seconds);
+    timings.read_wait.push_back(streamed.read_wait_seconds);
+    report.bytes_per_step = streamed.bytes_read + streamed.bytes_written;
+    return Status::Ok();
+  };
+  const auto run_io = [&]() -> Status {
+    STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport moved,
+                            stream.Run(host.io, [](size_t, const optim::ChunkTensors&) { return Status::Ok(); }));
+    timings.io_only.push_back(moved.seconds);
+    return Status::Ok();
+  };
+  if (r % 2 == 0) {
+    STRATA_RETURN_IF_ERROR(run_step());
+    STRATA_RETURN_IF_ERROR(run_io());
+  } else {
+    STRATA_RETURN_IF_ERROR(run_io());
+    STRATA_RETURN_IF_ERROR(run_step());
+  }
+  Status status;
+  timings.compute.push_back(TimeSeconds([&] {
+    update_arena.execute([&] {
+      for (const optim::ChunkTensors& t : host.in_memory) {
+        if (status.ok()) status = optimizer.UpdateChunk(plan, t);
+      }
+    });
+  }));
+  STRATA_RETURN_IF_ERROR(status);
+  timings.ratio.push_back(timings.step.back() / std::max(timings.io_only.back(), timings.compute.back()));
+  return Status::Ok();
+}
+
+}  // namespace
+
+// Note [The NVMe optimizer bench]
+// The three timings of --states nvme, alternated, medians: the step; the
+// same pipeline with a no-op update (the I/O alone: every group read and
+// written back); and the update alone over the same groups held in host
+// memory, on the threads the streamed update gets. The goal: step <= 1.15 x
+// max(I/O, update).
+Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config) {
+  const OptimBenchConfig& base = config.base;
+  STRATA_ASSIGN_OR_RETURN(const DType dtype, ParseBenchDType(base.dtype));
+  if (config.dirs.empty()) return InvalidArgument("bench optim: --states nvme needs --dir DIR (a directory on the drive)");
+  if (base.params == 0 || config.group_params == 0) {
+    return InvalidArgument("bench optim: --params and --group-params must be > 0");
+  }
+  if (base.repetitions == 0) return InvalidArgument("bench optim: --repetitions 0: at least one is needed");
+  const uint32_t threads = ThreadsOf(base.threads);
+  tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
+
+  const std::vector<size_t> sizes = GroupSizes(base.params, config.group_params);
+  const UringStorageOptions storage_options = NvmeStorageOptions(config, sizes);
+  // Declared before the storage and the stream, so it runs after they are gone.
+  const RemoveFiles remove_files{storage_options};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, CreateUringStorage(storage_options));
   memory::NvmeTierPool pool(*storage);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::StateStream> stream,
                           offload::StateStream::Create(pool, 2, {.ring_bytes = config.ring_bytes}));
-
   HostModel host;
-  std::vector<offload::GroupIo> io;
-  std::vector<optim::ChunkTensors> in_memory;
-  for (size_t n : sizes) {
-    STRATA_ASSIGN_OR_RETURN(Buffer master, HostArray(n * sizeof(float)));
-    float* w = static_cast<float*>(master.data());
-    for (size_t i = 0; i < n; ++i) w[i] = 0.01f * static_cast<float>(i % 97);
-    STRATA_RETURN_IF_ERROR(stream->AddGroup({w, n}).status());
-    STRATA_ASSIGN_OR_RETURN(Buffer grad, HostArray(n * DTypeSizeBytes(dtype)));
-    for (size_t i = 0; i < n; ++i) {
-      const float g = 0.001f * static_cast<float>(i % 89) - 0.04f;
-      if (dtype == DType::kBFloat16) {
-        static_cast<uint16_t*>(grad.data())[i] = optim::Bf16FromFloat(g);
-      } else {
-        static_cast<float*>(grad.data())[i] = g;
-      }
-    }
-    Buffer param;
-    if (dtype == DType::kBFloat16) {
-      STRATA_ASSIGN_OR_RETURN(param, HostArray(n * sizeof(uint16_t)));
-    }
-    STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(n * sizeof(float)));
-    STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(n * sizeof(float)));
-    io.push_back({.grad = grad.data(), .grad_dtype = dtype, .param = param ? param.data() : nullptr,
-                  .param_dtype = dtype});
-    optim::ChunkTensors t{.n = n, .master = w, .param = io.back().param, .param_dtype = dtype,
-                          .grad = grad.data(), .grad_dtype = dtype};
-    t.state[0] = static_cast<float*>(exp_avg.data());
-    t.state[1] = static_cast<float*>(exp_avg_sq.data());
-    in_memory.push_back(t);
-    host.grads.push_back(std::move(grad));
-    host.params.push_back(std::move(param));
-    host.masters.push_back(std::move(master));
-    host.exp_avgs.push_back(std::move(exp_avg));
-    host.exp_avg_sqs.push_back(std::move(exp_avg_sq));
-  }
+  for (size_t n : sizes) STRATA_RETURN_IF_ERROR(AddGroup(n, dtype, *stream, host));
 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
@@ -351,50 +478,17 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   report.groups = sizes.size();
   tbb::task_arena update_arena(static_cast<int>(stream->update_threads()));
   report.update_threads = stream->update_threads();
-  std::vector<double> step, io_only, compute, read_wait, ratio;
+  NvmeTimings timings;
   for (uint32_t r = 0; r < base.repetitions; ++r) {
-    const optim::StepPlan plan{.step = r + 1};
-    const auto run_step = [&]() -> Status {
-      STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport streamed, stream->Step(*optimizer, plan, io));
-      step.push_back(streamed.seconds);
-      read_wait.push_back(streamed.read_wait_seconds);
-      report.bytes_per_step = streamed.bytes_read + streamed.bytes_written;
-      return Status::Ok();
-    };
-    const auto run_io = [&]() -> Status {
-      STRATA_ASSIGN_OR_RETURN(offload::StreamStepReport moved,
-                              stream->Run(io, [](size_t, const optim::ChunkTensors&) { return Status::Ok(); }));
-      io_only.push_back(moved.seconds);
-      return Status::Ok();
-    };
-    // The drive's speed drifts over seconds: the step and the I/O alone run
-    // back to back, in turns first, and each pair gives one ratio.
-    if (r % 2 == 0) {
-      STRATA_RETURN_IF_ERROR(run_step());
-      STRATA_RETURN_IF_ERROR(run_io());
-    } else {
-      STRATA_RETURN_IF_ERROR(run_io());
-      STRATA_RETURN_IF_ERROR(run_step());
-    }
-    // The update alone on the threads the streamed update gets.
-    Status status;
-    compute.push_back(TimeSeconds([&] {
-      update_arena.execute([&] {
-        for (const optim::ChunkTensors& t : in_memory) {
-          if (status.ok()) status = optimizer->UpdateChunk(plan, t);
-        }
-      });
-    }));
-    STRATA_RETURN_IF_ERROR(status);
-    ratio.push_back(step.back() / std::max(io_only.back(), compute.back()));
+    STRATA_RETURN_IF_ERROR(TimeNvmeRepetition(r, *stream, *optimizer, host, update_arena, timings, report));
   }
   report.ring_slots = stream->ring_slots();
   report.ring_slot_bytes = stream->ring_slot_bytes();
-  report.step_seconds = Median(step);
-  report.io_seconds = Median(io_only);
-  report.compute_seconds = Median(compute);
-  report.read_wait_seconds = Median(read_wait);
-  report.step_over_bound = Median(ratio);
+  report.step_seconds = Median(timings.step);
+  report.io_seconds = Median(timings.io_only);
+  report.compute_seconds = Median(timings.compute);
+  report.read_wait_seconds = Median(timings.read_wait);
+  report.step_over_bound = Median(timings.ratio);
   return report;
 }
 

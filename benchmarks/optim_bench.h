@@ -1,16 +1,7 @@
 // `strata bench optim`: the CPU optimizer step against the memory-bandwidth
-// bound of the same machine, measured in the same run.
-//
-// Adam touches 28 bytes per parameter per step. fp32: it reads param, grad,
-// exp_avg and exp_avg_sq and writes param, exp_avg and exp_avg_sq. bf16
-// (mixed precision): it reads a bf16 grad and the fp32 master, exp_avg and
-// exp_avg_sq, writes those three back and the bf16 compute copy. The bound
-// is a streaming loop with exactly that access pattern (trivial arithmetic),
-// on the same threads; the optimizer's bandwidth divided by it says how close
-// to the machine's limit the kernel runs. The update pass is what is timed;
-// the gradient-norm pass that precedes it in a step (4 or 2 bytes per
-// parameter, read only) is timed apart. Medians over repetitions.
-// Single-threaded driver.
+// bound of the same machine, measured in the same run (see Note [The optim
+// bench] in optim_bench.cc); with its states on NVMe, against the I/O alone
+// and the update alone. Single-threaded driver.
 #pragma once
 
 #include <cstdint>
@@ -41,17 +32,17 @@ struct OptimBenchReport {
   double ratio() const { return bound_gbps > 0 ? gbps / bound_gbps : 0; }
 };
 
+// InvalidArgument for fp16, no params or no repetitions; NotSupported
+// without AVX2. Runs on `threads` oneTBB threads.
 Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatOptimBench(const OptimBenchReport& report);
 std::string OptimBenchJson(const OptimBenchReport& report);
 
 // `--states nvme`: fp32 master weights and both Adam states live on NVMe in
-// DIR and stream through the ring (offload/state_stream.h); gradients and
-// the compute copy stay in host memory. Three timings, alternated, medians:
-// the step; the same pipeline with a no-op update (the I/O alone: every
-// group read and written back); and the update alone over the same groups
-// held in host memory, on the threads the streamed update gets. The goal:
-// step <= 1.15 x max(I/O, update).
+// `dirs` and stream through the ring (offload/training/state_stream.h);
+// gradients and the compute copy stay in host memory. See Note [The NVMe
+// optimizer bench] in optim_bench.cc.
 struct OptimNvmeBenchConfig {
   OptimBenchConfig base;  // params, dtype, threads, repetitions
   std::vector<std::string> dirs;
@@ -77,7 +68,10 @@ struct OptimNvmeBenchReport {
   double step_over_bound = 0;
 };
 
+// InvalidArgument for fp16, no dirs, no params or groups, or no
+// repetitions; removes its backing files however it ends.
 Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatOptimNvmeBench(const OptimNvmeBenchReport& report);
 std::string OptimNvmeBenchJson(const OptimNvmeBenchReport& report);
 

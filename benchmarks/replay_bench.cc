@@ -149,133 +149,243 @@ CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInf
   return out;
 }
 
-Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
-                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline,
-                          Communicator* comm = nullptr) {
-  EngineSeams seams;
-  seams.comm = comm;
-  if (config.dirs.empty()) {
-    STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+// Note [The replay]
+// Moments: offload::GptStepTrace's (the same `strata plan` predicts from):
+// forward over the embedding, each layer and the tied head (param chunks,
+// the activation estimate as non-model memory), backward in reverse with the
+// grad chunks, then one update per chunk group (a host moment over all its
+// chunks, which the plan may move to the device). Each moment computes by
+// busy work: forward and backward for their FLOPs at --gpu-tflops, or when
+// that is 0 for --compute-ms, or by default 1.5 x the time its chunks take
+// over the throttled link; an update for its parameters at
+// --cpu-adam-gparams (on the host) or --gpu-adam-gparams (on the device).
+// So stalls are what remains of the transfers. Reported per iteration after
+// the warm-up: stall time / step time, bytes per link, the planner's time
+// against a step and, with --gpu-tflops, `strata plan`'s prediction for
+// the same machine.
+//
+// Data parallel (--ranks): ranks as threads (a loopback group), each its own
+// engine holding 1/ranks of the optimizer states and updating its share of
+// every group; each grad chunk's reduce-scatter starts as its last backward
+// moment ends (offload::GradReducer), and each updated param chunk is
+// all-gathered after its update, over a network of net_gbps (0: the
+// loopback's memory speed); also reported: the time waiting for
+// communication. With shard_params (ZeRO-3) each device moment gathers its
+// param chunks (GradReducer::Gather, ahead along the last step's order) and
+// an update writes only its master shard.
+
+// One replay of the step on a fresh engine; with `comm`, one rank of a
+// data-parallel group.
+class Replay {
+ public:
+  static Result<std::unique_ptr<Replay>> Create(const ReplayBenchConfig& config, const Options& options,
+                                                const std::vector<TensorSpec>& specs, const offload::Trace& step,
+                                                bool baseline, Communicator* comm) {
+    std::unique_ptr<Replay> replay(new Replay(config, step, comm, comm != nullptr && options.comm.shard_params));
+    STRATA_RETURN_IF_ERROR(replay->SetUp(options, specs, baseline));
+    return replay;
   }
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::Create(options, std::move(seams)));
-  for (const TensorSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine->RegisterTensor(spec).status());
-  STRATA_RETURN_IF_ERROR(engine->Finalize());
-  offload::PipelineOptions pipeline_options = offload::PipelineOptionsOf(options);
-  if (baseline) pipeline_options.policy = offload::Policy::kOnDemand;
-  const double link = config.pcie_gbps * 1e9;
-  pipeline_options.links.bytes_per_second = {link, link, 0, 0};  // the throttle; NVMe measured in the warm-up
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::Pipeline> pipeline,
-                          offload::Pipeline::Create(*engine, pipeline_options));
-  RunResult result;
-  std::vector<std::byte> gather_buffer;  // the all-gathers' bytes (the replay has no values to keep)
-  std::unique_ptr<offload::GradReducer> reducer;  // after the buffer its jobs use
-  CommMoments comm_moments;
-  const std::vector<ChunkInfo> chunks = engine->chunks();  // once: it is built anew on every call
-  if (comm != nullptr) {
-    reducer = std::make_unique<offload::GradReducer>(*engine, *comm);
-    comm_moments = CommMomentsOf(step, chunks);
-    uint64_t largest = 0;
-    for (const ChunkInfo& chunk : chunks) largest = std::max(largest, chunk.size_bytes);
-    gather_buffer.resize(2 * largest + 4096);
-  }
-  const auto gather = [&](const ChunkInfo& param) {
-    const uint64_t width = DTypeSizeBytes(param.dtype);
-    const uint64_t shard = memory::ShardOf(param.used_bytes / width, comm->rank(), comm->world_size()).elems * width;
-    return [&gather_buffer, shard](Communicator& c) {
-      return c.AllGather(gather_buffer.data(), gather_buffer.data() + shard, shard);
-    };
-  };
-  const bool sharded_params = comm != nullptr && options.comm.shard_params;
-  std::map<uint32_t, ChunkId> param_of_group;
-  std::set<uint32_t> trained_groups;  // those with gradients; the others are frozen
-  for (const ChunkInfo& chunk : chunks) {
-    if (chunk.kind == ChunkKind::kParam) param_of_group.emplace(chunk.group, chunk.id);
-    if (chunk.kind == ChunkKind::kGrad) trained_groups.insert(chunk.group);
-  }
-  for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
-    const double waited = reducer ? reducer->wait_seconds() : 0;
-    const uint64_t sent = comm != nullptr ? comm->stats().total_bytes() : 0;
-    const std::array<uint64_t, 3> gathered =
-        reducer ? std::array<uint64_t, 3>{reducer->gathers(), reducer->gathered_ahead(), reducer->filled_ahead()}
-                : std::array<uint64_t, 3>{};
-    STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+
+  // One iteration of the step; a measured one adds its share to the means.
+  Status RunIteration(bool measured) {
+    const CommCounters before = Counters();
+    STRATA_RETURN_IF_ERROR(pipeline_->BeginIteration());
     bool updating = false;
-    for (size_t k = 0; k < step.moments.size(); ++k) {
-      const offload::TraceMoment& m = step.moments[k];
-      if (reducer && comm_moments.take[k]) {
-        if (sharded_params && !updating) {  // as RunTrainStep does before its updates
-          reducer->ReleaseGathered();
-          for (const ChunkInfo& c : chunks) {  // and the frozen groups' gathers ahead, their shards final
-            if (c.kind == ChunkKind::kParam && c.transient && !trained_groups.contains(c.group)) reducer->Updated(c.id);
-          }
-        }
-        updating = true;
-        STRATA_ASSIGN_OR_RETURN(offload::GradReducer::Reduced reduced, reducer->Take(*comm_moments.take[k]));
-        reducer->Recycle(std::move(reduced.shard));  // as RunTrainStep does after the update
-      }
-      double compute = m.compute_seconds;
-      Tier runs_on = m.tier;
-      if (m.tier == Tier::kDevice) {
-        STRATA_RETURN_IF_ERROR(pipeline->BeginMoment(m.non_model_bytes));
-      } else {
-        STRATA_ASSIGN_OR_RETURN(runs_on, pipeline->BeginHostMoment(m.device_compute_seconds));
-        if (runs_on == Tier::kDevice) compute = *m.device_compute_seconds;
-      }
-      std::vector<ChunkAccess> held;
-      for (ChunkId c : m.chunks) {
-        STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline->Access(c));
-        if (sharded_params && chunks[c.value()].transient) STRATA_RETURN_IF_ERROR(reducer->Gather(c, access));
-        held.push_back(std::move(access));
-      }
-      ComputeFor(compute, runs_on);
-      held.clear();
-      STRATA_RETURN_IF_ERROR(pipeline->EndMoment());
-      if (reducer) {
-        if (sharded_params && comm_moments.take[k]) {  // as RunTrainStep: the next forward's first chunks gather ahead
-          reducer->Updated(param_of_group.at(chunks[comm_moments.take[k]->value()].group));
-        }
-        for (ChunkId c : comm_moments.submit[k]) STRATA_RETURN_IF_ERROR(reducer->Submit(c));
-        if (comm_moments.gather[k]) reducer->Enqueue(gather(chunks[comm_moments.gather[k]->value()]));
-      }
+    for (size_t k = 0; k < step_.moments.size(); ++k) {
+      if (reducer_ && comm_moments_.take[k]) STRATA_RETURN_IF_ERROR(TakeReduced(k, updating));
+      STRATA_RETURN_IF_ERROR(PlayMoment(step_.moments[k]));
+      if (reducer_) STRATA_RETURN_IF_ERROR(Communicate(k));
     }
     // The gathers are in before the next forward (parameters sharded: the
     // next forward's first chunks, gathered ahead as the updates end), so
     // each iteration counts its own bytes; the wait counts as a stall.
-    if (reducer) STRATA_RETURN_IF_ERROR(reducer->Drain());
-    STRATA_RETURN_IF_ERROR(pipeline->EndIteration());
-    if (it < config.warmup) continue;
-    const offload::PipelineStats s = pipeline->stats();
-    result.run.step_seconds += s.step_seconds / config.iterations;
-    result.run.stall_seconds += s.stall_seconds / config.iterations;
-    if (reducer) {
-      result.run.comm_stall_seconds += (reducer->wait_seconds() - waited) / config.iterations;
-      result.run.comm_bytes += (comm->stats().total_bytes() - sent) / config.iterations;
-      result.run.gathers += static_cast<double>(reducer->gathers() - gathered[0]) / config.iterations;
-      result.run.gathered_ahead += static_cast<double>(reducer->gathered_ahead() - gathered[1]) / config.iterations;
-      result.run.filled_ahead += static_cast<double>(reducer->filled_ahead() - gathered[2]) / config.iterations;
-    }
-    for (int l = 0; l < offload::kNumLinks; ++l) result.run.bytes[l] += s.bytes[l] / config.iterations;
+    if (reducer_) STRATA_RETURN_IF_ERROR(reducer_->Drain());
+    STRATA_RETURN_IF_ERROR(pipeline_->EndIteration());
+    if (measured) AddMeasured(before);
+    return Status::Ok();
   }
+
+  // The means, and what the pipeline and its plan report at the end.
+  RunResult Finish();
+
+ private:
+  // The reducer's and the communicator's counts at an iteration's start.
+  struct CommCounters {
+    double waited = 0;
+    uint64_t sent = 0;
+    std::array<uint64_t, 3> gathered = {};  // gathers, gathered ahead, filled ahead
+  };
+
+  Replay(const ReplayBenchConfig& config, const offload::Trace& step, Communicator* comm, bool sharded_params)
+      : config_(config), step_(step), comm_(comm), sharded_params_(sharded_params) {}
+
+  Status SetUp(const Options& options, const std::vector<TensorSpec>& specs, bool baseline);
+  Status TakeReduced(size_t k, bool& updating);
+  Status PlayMoment(const offload::TraceMoment& m);
+  Status Communicate(size_t k);
+  CommCounters Counters() const;
+  void AddMeasured(const CommCounters& before);
+
+  const ReplayBenchConfig& config_;
+  const offload::Trace& step_;
+  Communicator* const comm_;
+  const bool sharded_params_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<offload::Pipeline> pipeline_;
+  std::vector<std::byte> gather_buffer_;  // the all-gathers' bytes (the replay has no values to keep)
+  std::unique_ptr<offload::GradReducer> reducer_;  // after the buffer its jobs use
+  CommMoments comm_moments_;
+  std::vector<ChunkInfo> chunks_;  // once: the engine builds them anew on every call
+  std::map<uint32_t, ChunkId> param_of_group_;
+  std::set<uint32_t> trained_groups_;  // those with gradients; the others are frozen
+  RunResult result_;
+};
+
+Status Replay::SetUp(const Options& options, const std::vector<TensorSpec>& specs, bool baseline) {
+  EngineSeams seams;
+  seams.comm = comm_;
+  if (config_.dirs.empty()) {
+    STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+  }
+  STRATA_ASSIGN_OR_RETURN(engine_, Engine::Create(options, std::move(seams)));
+  for (const TensorSpec& spec : specs) STRATA_RETURN_IF_ERROR(engine_->RegisterTensor(spec).status());
+  STRATA_RETURN_IF_ERROR(engine_->Finalize());
+  offload::PipelineOptions pipeline_options = offload::PipelineOptionsOf(options);
+  if (baseline) pipeline_options.policy = offload::Policy::kOnDemand;
+  const double link = config_.pcie_gbps * 1e9;
+  pipeline_options.links.bytes_per_second = {link, link, 0, 0};  // the throttle; NVMe measured in the warm-up
+  STRATA_ASSIGN_OR_RETURN(pipeline_, offload::Pipeline::Create(*engine_, pipeline_options));
+  chunks_ = engine_->chunks();
+  if (comm_ != nullptr) {
+    reducer_ = std::make_unique<offload::GradReducer>(*engine_, *comm_);
+    comm_moments_ = CommMomentsOf(step_, chunks_);
+    uint64_t largest = 0;
+    for (const ChunkInfo& chunk : chunks_) largest = std::max(largest, chunk.size_bytes);
+    gather_buffer_.resize(2 * largest + 4096);
+  }
+  for (const ChunkInfo& chunk : chunks_) {
+    if (chunk.kind == ChunkKind::kParam) param_of_group_.emplace(chunk.group, chunk.id);
+    if (chunk.kind == ChunkKind::kGrad) trained_groups_.insert(chunk.group);
+  }
+  return Status::Ok();
+}
+
+// An update moment takes its group's reduced gradients first; the first
+// update of an iteration, parameters sharded, releases the gathered chunks
+// as RunTrainStep does before its updates.
+Status Replay::TakeReduced(size_t k, bool& updating) {
+  if (sharded_params_ && !updating) {
+    reducer_->ReleaseGathered();
+    for (const ChunkInfo& c : chunks_) {  // and the frozen groups' gathers ahead, their shards final
+      if (c.kind == ChunkKind::kParam && c.transient && !trained_groups_.contains(c.group)) reducer_->Updated(c.id);
+    }
+  }
+  updating = true;
+  STRATA_ASSIGN_OR_RETURN(offload::GradReducer::Reduced reduced, reducer_->Take(*comm_moments_.take[k]));
+  reducer_->Recycle(std::move(reduced.shard));  // as RunTrainStep does after the update
+  return Status::Ok();
+}
+
+// A moment: begun where it runs (a host moment where the plan puts it), its
+// chunks accessed (transient params gathered), its compute, its end.
+Status Replay::PlayMoment(const offload::TraceMoment& m) {
+  double compute = m.compute_seconds;
+  Tier runs_on = m.tier;
+  if (m.tier == Tier::kDevice) {
+    STRATA_RETURN_IF_ERROR(pipeline_->BeginMoment(m.non_model_bytes));
+  } else {
+    STRATA_ASSIGN_OR_RETURN(runs_on, pipeline_->BeginHostMoment(m.device_compute_seconds));
+    if (runs_on == Tier::kDevice) compute = *m.device_compute_seconds;
+  }
+  std::vector<ChunkAccess> held;
+  for (ChunkId c : m.chunks) {
+    STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline_->Access(c));
+    if (sharded_params_ && chunks_[c.value()].transient) STRATA_RETURN_IF_ERROR(reducer_->Gather(c, access));
+    held.push_back(std::move(access));
+  }
+  ComputeFor(compute, runs_on);
+  held.clear();
+  return pipeline_->EndMoment();
+}
+
+// After moment k: its grad chunks' reduce-scatters submitted, and an
+// update's param chunk all-gathered (or, sharded, marked updated).
+Status Replay::Communicate(size_t k) {
+  if (sharded_params_ && comm_moments_.take[k]) {  // as RunTrainStep: the next forward's first chunks gather ahead
+    reducer_->Updated(param_of_group_.at(chunks_[comm_moments_.take[k]->value()].group));
+  }
+  for (ChunkId c : comm_moments_.submit[k]) STRATA_RETURN_IF_ERROR(reducer_->Submit(c));
+  if (comm_moments_.gather[k]) {
+    const ChunkInfo& param = chunks_[comm_moments_.gather[k]->value()];
+    const uint64_t width = DTypeSizeBytes(param.dtype);
+    const uint64_t shard =
+        memory::ShardOf(param.used_bytes / width, comm_->rank(), comm_->world_size()).elems * width;
+    reducer_->Enqueue([this, shard](Communicator& c) {
+      return c.AllGather(gather_buffer_.data(), gather_buffer_.data() + shard, shard);
+    });
+  }
+  return Status::Ok();
+}
+
+Replay::CommCounters Replay::Counters() const {
+  CommCounters counters;
+  if (reducer_) {
+    counters.waited = reducer_->wait_seconds();
+    counters.gathered = {reducer_->gathers(), reducer_->gathered_ahead(), reducer_->filled_ahead()};
+  }
+  if (comm_ != nullptr) counters.sent = comm_->stats().total_bytes();
+  return counters;
+}
+
+void Replay::AddMeasured(const CommCounters& before) {
+  const double n = config_.iterations;
+  const offload::PipelineStats s = pipeline_->stats();
+  ReplayRun& run = result_.run;
+  run.step_seconds += s.step_seconds / n;
+  run.stall_seconds += s.stall_seconds / n;
+  if (reducer_) {
+    const CommCounters now = Counters();
+    run.comm_stall_seconds += (now.waited - before.waited) / n;
+    run.comm_bytes += (now.sent - before.sent) / config_.iterations;
+    run.gathers += static_cast<double>(now.gathered[0] - before.gathered[0]) / n;
+    run.gathered_ahead += static_cast<double>(now.gathered[1] - before.gathered[1]) / n;
+    run.filled_ahead += static_cast<double>(now.gathered[2] - before.gathered[2]) / n;
+  }
+  for (int l = 0; l < offload::kNumLinks; ++l) run.bytes[l] += s.bytes[l] / config_.iterations;
+}
+
+RunResult Replay::Finish() {
+  RunResult& result = result_;
   result.run.stall_fraction = result.run.step_seconds > 0 ? result.run.stall_seconds / result.run.step_seconds : 0;
   result.run.comm_stall_fraction =
       result.run.step_seconds > 0 ? result.run.comm_stall_seconds / result.run.step_seconds : 0;
-  const offload::PipelineStats s = pipeline->stats();
+  const offload::PipelineStats s = pipeline_->stats();
   result.planning_seconds = s.planning_seconds;
   result.divergences = s.divergences;
-  result.links = pipeline->links();
+  result.links = pipeline_->links();
   result.plan_error = s.plan_error;
-  const offload::Plan* plan = pipeline->plan();
+  const offload::Plan* plan = pipeline_->plan();
   if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
-  for (size_t k = 0; k < step.moments.size(); ++k) {
-    const Tier where = plan != nullptr ? plan->compute_tier[k] : step.moments[k].tier;
-    if (step.moments[k].device_compute_seconds) {
+  for (size_t k = 0; k < step_.moments.size(); ++k) {
+    const Tier where = plan != nullptr ? plan->compute_tier[k] : step_.moments[k].tier;
+    if (step_.moments[k].device_compute_seconds) {
       result.updates++;
       if (where == Tier::kDevice) result.updates_on_device++;
     }
-    result.moments_covered += ComputeCoversTransfer(step.moments[k], where, *engine, result.links);
+    result.moments_covered += ComputeCoversTransfer(step_.moments[k], where, *engine_, result.links);
   }
-  result.pipeline_json = pipeline->StatsJson();
-  return result;
+  result.pipeline_json = pipeline_->StatsJson();
+  return std::move(result_);
+}
+
+Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
+                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline,
+                          Communicator* comm = nullptr) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Replay> replay, Replay::Create(config, options, specs, step, baseline, comm));
+  for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
+    STRATA_RETURN_IF_ERROR(replay->RunIteration(/*measured=*/it >= config.warmup));
+  }
+  return replay->Finish();
 }
 
 // RunOnce on `config.ranks` ranks (threads of a loopback group, throttled
@@ -312,15 +422,8 @@ Result<RunResult> RunRanks(const ReplayBenchConfig& config, const Options& optio
   return out;
 }
 
-}  // namespace
-
-uint64_t ReplayRun::bytes_moved() const {
-  uint64_t total = 0;
-  for (uint64_t b : bytes) total += b;
-  return total;
-}
-
-Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
+// The shapes, counts and rates a replay is refused for.
+Status ValidateReplayConfig(const ReplayBenchConfig& config) {
   if (config.model.layers == 0 || config.model.hidden == 0 || config.model.vocab == 0 || config.model.sequence == 0) {
     return InvalidArgument("bench replay: --layers, --hidden, --vocab and --seq must be > 0");
   }
@@ -338,41 +441,37 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
   }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
-  const offload::GptShape shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
-                             .sequence = config.model.sequence};
-  const std::vector<TensorSpec> specs = offload::GptTensorSpecs(shape, DType::kBFloat16);
+  return Status::Ok();
+}
 
+// The engine's options before the budgets: the emulated device throttled to
+// --pcie-gbps, bf16 compute.
+Options ReplayOptions(const ReplayBenchConfig& config) {
   Options options;
   options.device.backend = DeviceBackendKind::kEmulated;
   options.compute_dtype = DType::kBFloat16;
   options.device.emulated_bandwidth_gbps = config.pcie_gbps;
   options.log_level = LogLevel::kWarning;
   options.comm.shard_params = config.shard_params && config.ranks > 1;
-  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
-                                                     options.chunk.search_max_elems));
+  return options;
+}
+
+Result<memory::ChunkLayout> LayoutOf(const std::vector<TensorSpec>& specs, const Options& options,
+                                     memory::ShardSpec shard = {}) {
+  return memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
+                                    options.chunk.search_max_elems, shard);
+}
+
+// The budgets (unless given: a quarter and half of the model states, but
+// room for the chunks a moment holds), the NVMe tier and the placement.
+Status SetBudgets(const ReplayBenchConfig& config, const memory::ChunkLayout& layout, uint64_t activation_peak_bytes,
+                  Options& options) {
   const uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());
-  // The trace names the chunks of the ranks' own layout (the same on every
-  // rank), which sharding can give more chunks than the whole one (a master
-  // shard for every group whose params are sharded).
-  STRATA_ASSIGN_OR_RETURN(
-      memory::ChunkLayout ranks_layout,
-      memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
-                                 options.chunk.search_max_elems,
-                                 {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm.shard_params}));
-  const offload::GptStep step = ReplayStep(config, specs, ranks_layout);
-  ReplayBenchReport report;
-  report.config = config;
-  report.model_states_bytes = total;
-  report.activation_peak_bytes = step.activation_peak_bytes;
-  report.chunks = static_cast<uint32_t>(layout.chunks().size());
-  report.moments = static_cast<uint32_t>(step.trace.moments.size());
-  for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;
-  options.device.budget_bytes =
-      config.device_budget_bytes > 0 ? config.device_budget_bytes
-                                     : std::max<uint64_t>(total / 4, 4 * largest + step.activation_peak_bytes);
+  options.device.budget_bytes = config.device_budget_bytes > 0
+                                    ? config.device_budget_bytes
+                                    : std::max<uint64_t>(total / 4, 4 * largest + activation_peak_bytes);
   // The host holds a CPU update's chunk group, pinned, beside what it homes.
   uint64_t largest_group = 0;
   for (const memory::ChunkGroup& group : layout.groups()) {
@@ -387,27 +486,32 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   options.placement.device_params = config.device_params;
   options.placement.host_states = config.host_states;
   options.nvme.capacity_bytes = 2 * total + 4 * largest;
-  report.device_budget_bytes = options.device.budget_bytes;
-  report.host_budget_bytes = options.host.budget_bytes;
-  STRATA_RETURN_IF_ERROR(ValidateOptions(options));
+  return ValidateOptions(options);
+}
 
-  // The backing files go afterwards, unless they were there before.
-  std::vector<std::filesystem::path> created;
-  for (const std::string& dir : config.dirs) {
-    std::filesystem::path file = std::filesystem::path(dir) / "strata.nvme";
-    if (!std::filesystem::exists(file)) created.push_back(file);
-  }
-  struct RemoveFiles {
-    std::vector<std::filesystem::path>& files;
-    ~RemoveFiles() {
-      for (const auto& f : files) {
-        std::error_code ignored;
-        std::filesystem::remove(f, ignored);
-      }
+// The backing files in `dirs` go when it does, unless they were there before.
+class RemoveCreatedFiles {
+ public:
+  explicit RemoveCreatedFiles(const std::vector<std::string>& dirs) {
+    for (const std::string& dir : dirs) {
+      std::filesystem::path file = std::filesystem::path(dir) / "strata.nvme";
+      if (!std::filesystem::exists(file)) created_.push_back(file);
     }
-  } remove_files{created};
+  }
+  RemoveCreatedFiles(const RemoveCreatedFiles&) = delete;
+  RemoveCreatedFiles& operator=(const RemoveCreatedFiles&) = delete;
+  ~RemoveCreatedFiles() {
+    for (const auto& f : created_) {
+      std::error_code ignored;
+      std::filesystem::remove(f, ignored);
+    }
+  }
 
-  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunRanks(config, options, specs, step.trace, /*baseline=*/false));
+ private:
+  std::vector<std::filesystem::path> created_;
+};
+
+void ReportPlanned(const RunResult& planned, ReplayBenchReport& report) {
   report.planned = planned.run;
   report.planning_seconds = planned.planning_seconds;
   report.predicted_step_seconds = planned.predicted_step_seconds;
@@ -417,30 +521,72 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   report.updates_on_device = planned.updates_on_device;
   report.moments_covered = planned.moments_covered;
   report.plan_error = planned.plan_error;
-  // What `strata plan` predicts for this machine: the budgets as HBM (no
-  // reserve) and DRAM, the links as the warm-up measured them.
-  if (config.gpu_tflops > 0 && config.compute_ms <= 0) {
-    offload::MachineSpec machine = MachineOf(config);
-    machine.hbm_bytes = options.device.budget_bytes;
-    machine.hbm_reserve_fraction = 0;
-    machine.dram_bytes = options.host.budget_bytes;
-    machine.nvme_bytes = options.nvme.capacity_bytes;
-    machine.nvme_read_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
-    machine.nvme_write_gbps = planned.links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
-    Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine);
-    if (predicted.ok()) {
-      report.strata_plan_step_seconds = predicted->step_seconds;
-      report.strata_plan_command = fmt::format(
-          "strata plan --layers {} --hidden {} --vocab {} --seq {} --batch {} --hbm {} --hbm-reserve 0 --dram {} "
-          "--nvme-capacity {} --pcie-gbps {} --nvme-read-gbps {:.3f} --nvme-write-gbps {:.3f} --gpu-tflops {} "
-          "--cpu-adam-gparams {} --gpu-adam-gparams {}",
-          config.model.layers, config.model.hidden, config.model.vocab, config.model.sequence, config.model.batch, machine.hbm_bytes,
-          machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps, machine.nvme_write_gbps,
-          config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams);
-    } else {
-      STRATA_LOG_WARNING("bench replay: strata plan refuses this machine: {}", predicted.status().ToString());
-    }
+}
+
+// What `strata plan` predicts for this machine: the budgets as HBM (no
+// reserve) and DRAM, the links as the warm-up measured them.
+void PredictWithStrataPlan(const ReplayBenchConfig& config, const Options& options,
+                           const offload::LinkBandwidths& links, ReplayBenchReport& report) {
+  offload::MachineSpec machine = MachineOf(config);
+  machine.hbm_bytes = options.device.budget_bytes;
+  machine.hbm_reserve_fraction = 0;
+  machine.dram_bytes = options.host.budget_bytes;
+  machine.nvme_bytes = options.nvme.capacity_bytes;
+  machine.nvme_read_gbps = links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
+  machine.nvme_write_gbps = links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
+  Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine);
+  if (!predicted.ok()) {
+    STRATA_LOG_WARNING("bench replay: strata plan refuses this machine: {}", predicted.status().ToString());
+    return;
   }
+  report.strata_plan_step_seconds = predicted->step_seconds;
+  report.strata_plan_command = fmt::format(
+      "strata plan --layers {} --hidden {} --vocab {} --seq {} --batch {} --hbm {} --hbm-reserve 0 --dram {} "
+      "--nvme-capacity {} --pcie-gbps {} --nvme-read-gbps {:.3f} --nvme-write-gbps {:.3f} --gpu-tflops {} "
+      "--cpu-adam-gparams {} --gpu-adam-gparams {}",
+      config.model.layers, config.model.hidden, config.model.vocab, config.model.sequence, config.model.batch,
+      machine.hbm_bytes, machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps,
+      machine.nvme_write_gbps, config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams);
+}
+
+}  // namespace
+
+uint64_t ReplayRun::bytes_moved() const {
+  uint64_t total = 0;
+  for (uint64_t b : bytes) total += b;
+  return total;
+}
+
+Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
+  STRATA_RETURN_IF_ERROR(ValidateReplayConfig(config));
+  const offload::GptShape shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
+                             .sequence = config.model.sequence};
+  const std::vector<TensorSpec> specs = offload::GptTensorSpecs(shape, DType::kBFloat16);
+  Options options = ReplayOptions(config);
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout, LayoutOf(specs, options));
+  // The trace names the chunks of the ranks' own layout (the same on every
+  // rank), which sharding can give more chunks than the whole one (a master
+  // shard for every group whose params are sharded).
+  STRATA_ASSIGN_OR_RETURN(
+      memory::ChunkLayout ranks_layout,
+      LayoutOf(specs, options,
+               {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm.shard_params}));
+  const offload::GptStep step = ReplayStep(config, specs, ranks_layout);
+  ReplayBenchReport report;
+  report.config = config;
+  report.model_states_bytes = layout.report().total_bytes;
+  report.activation_peak_bytes = step.activation_peak_bytes;
+  report.chunks = static_cast<uint32_t>(layout.chunks().size());
+  report.moments = static_cast<uint32_t>(step.trace.moments.size());
+  for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;
+  STRATA_RETURN_IF_ERROR(SetBudgets(config, layout, step.activation_peak_bytes, options));
+  report.device_budget_bytes = options.device.budget_bytes;
+  report.host_budget_bytes = options.host.budget_bytes;
+
+  const RemoveCreatedFiles remove_files(config.dirs);
+  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunRanks(config, options, specs, step.trace, /*baseline=*/false));
+  ReportPlanned(planned, report);
+  if (config.gpu_tflops > 0 && config.compute_ms <= 0) PredictWithStrataPlan(config, options, planned.links, report);
   if (config.baseline) {
     STRATA_ASSIGN_OR_RETURN(RunResult lru, RunRanks(config, options, specs, step.trace, /*baseline=*/true));
     report.lru = lru.run;

@@ -1,25 +1,9 @@
 // `strata bench replay`: the access pattern of a GPT-style model's training
-// step (forward, backward, the optimizer update of each chunk group),
-// replayed on the engine with the host-emulated device
-// (its copies throttled to a PCIe-like bandwidth) and, with --dir, real NVMe
-// I/O, for several iterations after the warm-up (--warmup); once with the planned
-// prefetch pipeline (offload/pipeline.h) and once without a plan (on demand,
-// least-recently-used eviction) as the reference, each on a fresh engine.
-//
-// Moments: offload::GptStepTrace's (the same `strata plan` predicts from):
-// forward over the embedding, each layer and the tied head (param chunks,
-// the activation estimate as non-model memory), backward in reverse with the
-// grad chunks, then one update per chunk group (a host moment over all its
-// chunks, which the plan may move to the device). Each moment computes by
-// busy work: forward and backward for their FLOPs at --gpu-tflops, or when
-// that is 0 for --compute-ms, or by default 1.5 x the time its chunks take
-// over the throttled link; an update for its parameters at
-// --cpu-adam-gparams (on the host) or --gpu-adam-gparams (on the device).
-// So stalls are what remains of the transfers. Reported per iteration after
-// the warm-up: stall time / step time, bytes per link, the planner's time
-// against a step and, with --gpu-tflops, `strata plan`'s prediction for
-// the same machine. With --ranks, data parallel over a throttled network
-// (ReplayBenchConfig::ranks): also the time waiting for communication.
+// step replayed on the engine with the host-emulated device (its copies
+// throttled to a PCIe-like bandwidth) and, with `dirs`, real NVMe I/O; once
+// with the planned prefetch pipeline (offload/schedule/pipeline.h) and once
+// on demand with LRU eviction as the reference, each on a fresh engine. See
+// Note [The replay] in replay_bench.cc for the moments and what is reported.
 #pragma once
 
 #include <array>
@@ -52,17 +36,11 @@ struct ReplayBenchConfig {
   uint32_t warmup = 2;
   bool baseline = true;              // also run without a plan
   std::string policy = "adaptive";   // placement.policy of the measured run: adaptive or static
-  // Data parallel: ranks as threads (a loopback group), each its own engine
-  // holding 1/ranks of the optimizer states and updating its share of every
-  // group; each grad chunk's reduce-scatter starts as its last backward
-  // moment ends (offload::GradReducer), and each updated param chunk is
-  // all-gathered after its update, over a network of net_gbps (0: the
-  // loopback's memory speed).
+  // Data parallel (see Note [The replay]): ranks as threads of a loopback
+  // group over a network of net_gbps (0: the loopback's memory speed), and
+  // with shard_params the parameters sharded too (comm.shard_params, ZeRO-3).
   uint32_t ranks = 1;
   double net_gbps = 0;
-  // With ranks: parameters sharded too (comm.shard_params, ZeRO-3): each
-  // device moment gathers its param chunks (GradReducer::Gather, ahead along
-  // the last step's order) and an update writes only its master shard.
   bool shard_params = false;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
@@ -109,7 +87,10 @@ struct ReplayBenchReport {
   ReplayRun lru;  // when config.baseline
 };
 
+// InvalidArgument for a shape, count or rate it cannot replay; removes the
+// backing files it created in `dirs`.
 Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config);
+// The report as a table for people, and as JSON for scripts.
 std::string FormatReplayBench(const ReplayBenchReport& report);
 std::string ReplayBenchJson(const ReplayBenchReport& report);
 

@@ -125,6 +125,14 @@ constexpr ChunkKind kAllKinds[] = {ChunkKind::kParam, ChunkKind::kGrad, ChunkKin
 
 }  // namespace
 
+// Note [The self-check]
+// It registers the tensors of a decoder-only transformer (token and frozen
+// position embeddings, then per layer: layer norms, attention and MLP
+// weights and biases), sizes the device and host budgets to a fraction of
+// the model states so that chunks must cycle device <-> host <-> NVMe, then
+// runs forward-like (params on device, module order) and backward-like
+// (grads on device, reverse order, written with a new pattern) passes and
+// checks every tensor of every kind against its expected pattern.
 Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options, EngineSeams seams) {
   auto start = std::chrono::steady_clock::now();
   std::vector<TensorSpec> specs = offload::GptTensorSpecs(GptShapeOf(config), options.compute_dtype);

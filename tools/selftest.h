@@ -1,13 +1,6 @@
 // The self-check behind `strata selftest`: a GPT-style stack of tensors
-// pushed through all three tiers under small budgets, every byte verified.
-//
-// It registers the tensors of a decoder-only transformer (token and frozen
-// position embeddings, then per layer: layer norms, attention and MLP
-// weights and biases), sizes the device and host budgets to a fraction of
-// the model states so that chunks must cycle device <-> host <-> NVMe, then
-// runs forward-like (params on device, module order) and backward-like
-// (grads on device, reverse order, written with a new pattern) passes and
-// checks every tensor of every kind against its expected pattern.
+// pushed through all three tiers under small budgets, every byte verified
+// (see Note [The self-check] in selftest.cc).
 #pragma once
 
 #include <cstdint>
