@@ -479,8 +479,10 @@ PYBIND11_MODULE(_strata, m) {
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         const strata::offload::TrainStepReport report = ValueOrThrow(Unlocked(
             [&] {
-              return strata::offload::RunTrainStep(engine, pipeline, optimizer, skip, comm,
-                                                   reducer != nullptr ? &reducer->get() : nullptr, fence);
+              return strata::offload::RunTrainStep(
+                  engine, pipeline, optimizer,
+                  {.skip = std::move(skip), .comm = comm, .reducer = reducer != nullptr ? &reducer->get() : nullptr,
+                   .fence = fence});
             }));
         py::dict d;
         d["skipped"] = report.plan.skip;
