@@ -22,10 +22,8 @@ namespace strata::offload {
 // The first iteration (warm-up) runs on demand and records the trace: the
 // chunks of each moment, the non-model memory the caller reports, the compute
 // time (the moment's duration less its waits), and the links' bandwidths.
-// At its end the planner (offload/schedule/planner.h) builds the plan; a
-// replayed iteration that measures a link more than 25% off the plan's
-// figure has the plan made again with it (Note [Links measured as they are
-// used]). Later iterations replay it: at the start of each moment the planned
+// At its end the planner builds the plan (made again when a link drifts:
+// Note [Links measured as they are used]). Later iterations replay it: at the start of each moment the planned
 // evictions and fetches for that moment are queued, and they run on queues of
 // the pipeline's own, in parallel: NVMe reads (staging an NVMe-homed chunk on
 // the host), device->host (evictions, on to NVMe for NVMe-homed chunks) and
