@@ -4,8 +4,7 @@
 // skipped and the scale backs off; after `growth_interval` good steps in a
 // row the scale grows.
 //
-// A plain value type; not thread-safe (the optimizer updates it once per
-// step from PlanStep).
+// A plain value type; not thread-safe.
 #pragma once
 
 #include <cstdint>
@@ -37,8 +36,8 @@ class LossScaler {
   // restarts the count; otherwise counts a good step and grows (not above
   // max_scale) when the count reaches growth_interval.
   void Update(bool found_non_finite);
-  // A checkpoint's state back (offload/checkpoint.h): InvalidArgument for a
-  // scale that is not finite and > 0 or negative counts, changing nothing.
+  // A saved state back: InvalidArgument for a scale that is not finite and
+  // > 0 or negative counts, changing nothing.
   Status Restore(float scale, int64_t good_steps, int64_t overflows);
 
  private:

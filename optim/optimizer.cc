@@ -6,6 +6,36 @@
 
 namespace strata::optim {
 
+// Note [A step in three phases]
+// So that a chunk can be updated as soon as it is where the update runs,
+// without the whole model in one place:
+//   1. gradient statistics: GradStats::Add over every grad chunk (or over
+//      each grad chunk as it completes), then PlanStep. PlanStep passes the
+//      local sum to the all-reduce hook (ranks sum it), computes the global
+//      norm of the unscaled gradients and the clip coefficient, and decides
+//      whether the step is skipped: an inf or NaN anywhere makes the sum
+//      non-finite, and nothing is updated. It changes nothing itself.
+//   2. UpdateChunk for every chunk, in any order and from any thread, with
+//      the plan: one fused pass reads the gradient (fp32, bf16 or fp16),
+//      multiplies it by 1 / loss_scale * clip_coefficient, updates the fp32
+//      master weights and the optimizer states, and writes the compute copy
+//      (bf16 or fp16, round to nearest even) when there is one.
+//   3. FinishStep once every chunk is updated (or the plan skips): counts
+//      the step and updates the loss scaler. A step that failed part way is
+//      not finished: once its states are back (their holder puts them
+//      back), it is planned again with the same step number.
+// Step() does all three over a list of chunks.
+//
+// Note [Optimizer kinds]
+// AdamW (decoupled weight decay), Adam (L2 weight decay in the gradient), SGD
+// with momentum (optionally Nesterov, dampening); each is the formula of the
+// torch.optim class of the same name (one difference: SGD's momentum buffer
+// starts as the gradient at step 1 for every chunk, where torch starts each
+// parameter's at that parameter's first step; the same unless parameters join
+// after training began). A new optimizer adds a kind, its per-element update
+// in optim/cpu/cpu_kernels_impl.h and the scalar reference in
+// optim/cpu/cpu_reference.cc, and says how many fp32 states it keeps.
+
 std::string_view OptimizerKindName(OptimizerKind kind) {
   switch (kind) {
     case OptimizerKind::kAdamW: return "adamw";

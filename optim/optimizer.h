@@ -1,32 +1,9 @@
-// The optimizer: updates model states chunk by chunk.
-//
-// A step has three phases, so that a chunk can be updated as soon as it is
-// where the update runs, without the whole model in one place:
-//   1. gradient statistics: GradStats::Add over every grad chunk (or over
-//      each grad chunk as it completes), then PlanStep. PlanStep passes the
-//      local sum to the all-reduce hook (ranks sum it), computes the global
-//      norm of the unscaled gradients and the clip coefficient, and decides
-//      whether the step is skipped: an inf or NaN anywhere makes the sum
-//      non-finite, and nothing is updated. It changes nothing itself.
-//   2. UpdateChunk for every chunk, in any order and from any thread, with
-//      the plan: one fused pass reads the gradient (fp32, bf16 or fp16),
-//      multiplies it by 1 / loss_scale * clip_coefficient, updates the fp32
-//      master weights and the optimizer states, and writes the compute copy
-//      (bf16 or fp16, round to nearest even) when there is one.
-//   3. FinishStep once every chunk is updated (or the plan skips): counts
-//      the step and updates the loss scaler. A step that failed part way is
-//      not finished: once its states are back (StateStream puts them back
-//      itself), it is planned again with the same step number.
-// Step() does all three over a list of chunks.
-//
-// Kinds: AdamW (decoupled weight decay), Adam (L2 weight decay in the
-// gradient), SGD with momentum (optionally Nesterov, dampening); each is the
-// formula of the torch.optim class of the same name (one difference: SGD's
-// momentum buffer starts as the gradient at step 1 for every chunk, where
-// torch starts each parameter's at that parameter's first step; the same
-// unless parameters join after training began). A new optimizer adds a
-// kind, its per-element update in optim/cpu_kernels_impl.h and the scalar
-// reference in optim/cpu_reference.cc, and says how many fp32 states it keeps.
+// The optimizer: updates model states chunk by chunk, so that a chunk can be
+// updated as soon as it is where the update runs. A step has three phases:
+// PlanStep from the gradients' statistics, UpdateChunk for every chunk, then
+// FinishStep (Note [A step in three phases] in optimizer.cc). Kinds: AdamW,
+// Adam (L2) and SGD with momentum, each the formula of the torch.optim class
+// of the same name (Note [Optimizer kinds]).
 //
 // Ownership: the optimizer owns no model memory; ChunkTensors point at the
 // caller's arrays (host memory for the CPU kernels) for the duration of a
@@ -118,8 +95,8 @@ struct StepPlan {
 
 class Optimizer {
  public:
-  // Sums GradStats across ranks in place (a later issue passes NCCL's
-  // all-reduce); an error fails PlanStep and changes nothing.
+  // Sums GradStats across ranks in place; an error fails PlanStep and
+  // changes nothing.
   using AllReduceHook = std::function<Status(GradStats&)>;
 
   // `scaler` is optional: without it gradients are taken as unscaled, and
@@ -139,9 +116,10 @@ class Optimizer {
   // Phase 1: the all-reduce, the norm, the clip coefficient and the skip
   // decision, for step steps_taken() + 1. Changes nothing.
   Result<StepPlan> PlanStep(GradStats local) const;
-  // Phase 2: one chunk (no-op when the plan skips). InvalidArgument when the
-  // chunk's arrays do not fit this optimizer (a missing state, a null grad)
-  // or the plan is not one (a step below 1, a non-finite multiplier).
+  // Phase 2: one chunk, in one fused pass (no-op when the plan skips).
+  // InvalidArgument when the chunk's arrays do not fit this optimizer (a
+  // missing state, a null grad) or the plan is not one (a step below 1, a
+  // non-finite multiplier).
   Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const;
   // The same for many chunks at once, spread over oneTBB's threads across
   // and within chunks; every chunk is checked before any is changed.
@@ -150,8 +128,7 @@ class Optimizer {
   // and update the loss scaler (back off on a skip, else count a good step).
   // InvalidArgument for a plan of another step than steps_taken() + 1.
   Status FinishStep(const StepPlan& plan);
-  // A checkpoint's step count and loss-scaler state back (offload/checkpoint.h).
-  // InvalidArgument for a negative count, or a scaler state this optimizer
+  // A saved step count and loss-scaler state back. InvalidArgument for a negative count, or a scaler state this optimizer
   // has no scaler for (or lacks one it has), changing nothing.
   struct ScalerState {
     float scale = 1.0f;

@@ -17,6 +17,50 @@
 #include "src/base/logging.h"
 
 namespace strata::offload {
+
+// Note [Recording and replaying]
+// The first iteration (warm-up) runs on demand and records the trace: the
+// chunks of each moment, the non-model memory the caller reports, the compute
+// time (the moment's duration less its waits), and the links' bandwidths.
+// At its end the planner builds the plan (made again when a link drifts:
+// Note [Links measured as they are used]). Later iterations replay it: at the start of each moment the planned
+// evictions and fetches for that moment are queued, and they run on queues of
+// the pipeline's own, in parallel: NVMe reads (staging an NVMe-homed chunk on
+// the host), device->host (evictions, on to NVMe for NVMe-homed chunks) and
+// host->device (a fetch, after its victims are off the device and its
+// staging is done). An access waits only for its own chunk's transfer, and
+// an error of that transfer (a failed NVMe read) is returned by the access
+// that needs the chunk; a transfer that found no room on its tier (free space
+// in pieces around chunks in use) moved nothing and is made again by the
+// access, on demand.
+//
+// Note [Host moments in the pipeline]
+// Host moments (CPU optimizer updates): a host-homed chunk they need goes to
+// the host right after its last use on the device; NVMe-homed ones are read
+// ahead on a queue of their own as the plan says, within the staging memory
+// (Engine::host_staging_bytes, kept at run time too: Note [Staging memory at
+// run time]), and written back on a fifth queue (NVMe writes) when the moment
+// ends. The plan may run an update on the device instead (BeginHostMoment
+// says where). The first moment of a replayed iteration waits for the
+// evictions that put the device as the plan has it when an iteration begins.
+//
+// Note [Divergence]
+// An access the plan does not have at that moment (evaluation, dynamic
+// control flow, recomputation), or a different number of moments, stops the
+// plan for the rest of the iteration (on demand from there, no error), is
+// counted, and the next iteration records a new trace.
+//
+// Note [Policies]
+// PipelineOptions::policy, option placement.policy:
+//   adaptive  -- the above;
+//   static    -- no trace, no plan: a fixed share of the param and grad chunks
+//                (placement.device_params, by bytes in model order) stays on
+//                the device for the whole run (a host moment takes one to the
+//                host and EndMoment brings it back); every other chunk moves
+//                on demand; NVMe-homed chunks of host moments are written
+//                back after them. The same moves every iteration;
+//   on demand -- every chunk on demand with the residency manager's
+//                least-recently-used eviction (the baseline of `strata bench replay`).
 namespace {
 
 using Clock = std::chrono::steady_clock;

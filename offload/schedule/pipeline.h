@@ -9,46 +9,10 @@
 //     pipeline->EndMoment();
 //   pipeline->EndIteration();
 //
-// The first iteration (warm-up) runs on demand and records the trace: the
-// chunks of each moment, the non-model memory the caller reports, the compute
-// time (the moment's duration less its waits), and the links' bandwidths.
-// At its end the planner (offload/planner.h) builds the plan; a replayed
-// iteration that measures a link more than 25% off the plan's figure has the
-// plan made again with it. Later iterations replay it: at the start of each
-// moment the planned evictions and fetches for that moment are queued, and
-// they run on queues of the pipeline's own, in parallel: NVMe reads
-// (staging an NVMe-homed chunk on the host), device->host (evictions, on to
-// NVMe for NVMe-homed chunks) and host->device (a fetch, after its victims
-// are off the device and its staging is done). An access waits only for its
-// own chunk's transfer, and an error of that transfer (a failed NVMe read)
-// is returned by the access that needs the chunk; a transfer that found no
-// room on its tier (free space in pieces around chunks in use) moved
-// nothing and is made again by the access, on demand.
-//
-// Host moments (CPU optimizer updates): a host-homed chunk they need goes to
-// the host right after its last use on the device; NVMe-homed ones are read
-// ahead on a queue of their own as the plan says, within the staging memory
-// (Engine::host_staging_bytes, kept at run time too), and written back on a
-// fifth queue (NVMe writes) when the moment ends. The plan may run an update
-// on the device instead (BeginHostMoment says where). The first moment of a
-// replayed iteration waits for the evictions that put the device as the plan
-// has it when an iteration begins.
-//
-// Divergence: an access the plan does not have at that moment (evaluation,
-// dynamic control flow, recomputation), or a different number of moments,
-// stops the plan for the rest of the iteration (on-demand from there, no
-// error), is counted, and the next iteration records a new trace.
-//
-// Policies (PipelineOptions::policy, option placement.policy):
-//   adaptive  — the above;
-//   static    — no trace, no plan: a fixed share of the param and grad chunks
-//               (placement.device_params, by bytes in model order) stays on
-//               the device for the whole run (a host moment takes one to the
-//               host and EndMoment brings it back); every other chunk moves
-//               on demand; NVMe-homed chunks of host moments are written
-//               back after them. The same moves every iteration;
-//   on demand — every chunk on demand with the residency manager's
-//               least-recently-used eviction (the baseline of `strata bench replay`).
+// The first iteration records the trace, later ones replay the plan made
+// from it on queues of the pipeline's own; an iteration that departs from
+// the trace runs on demand and is recorded again (Notes [Recording and
+// replaying], [Host moments in the pipeline] and [Divergence] in pipeline.cc).
 //
 // Ownership: borrows the engine (which must outlive it). Thread-safety: the
 // Begin/Access/End calls come from one thread (the training loop); the
@@ -69,6 +33,9 @@
 
 namespace strata::offload {
 
+// adaptive: record, plan, replay. static: no plan; a fixed share of the param
+// and grad chunks stays on the device, the rest moves on demand. on demand:
+// every chunk on demand, LRU eviction (the baseline). See Note [Policies].
 enum class Policy : uint8_t { kAdaptive, kStatic, kOnDemand };
 std::string_view PolicyName(Policy policy);
 

@@ -53,6 +53,15 @@ namespace strata::offload {
 // run time), after the chunk last left the device or was last written back;
 // each is written back when its moment ends.
 //
+// Note [The link model]
+// The prediction replays the plan on a model of the links: one queue per
+// direction (host->device, device->host, NVMe read, NVMe write), each at its
+// measured bandwidth; a moment starts when its compute is requested and
+// every chunk it needs has arrived, and the wait is its stall. A trace is a
+// sequence of moments; a moment names the chunks its compute needs on the
+// device, the device memory in use besides chunks (activations, workspace),
+// and how long its compute takes once they are there.
+//
 // Note [Where updates run]
 // An update moment may run on the device. The plan with every update on the
 // host comes first; the device bytes it never uses at its peak are the
@@ -136,97 +145,118 @@ struct Schedule {
 
 enum class Victims { kFurthestNextUse, kLeastRecentlyUsed };
 
-Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) {
-  const uint64_t capacity = u.input.device_bytes;
-  std::vector<bool> resident(u.input.chunk_bytes.size(), false);
-  std::vector<uint64_t> last_use(u.input.chunk_bytes.size(), 0);
-  std::vector<uint64_t> left_for_room(u.input.chunk_bytes.size(), 0);
-  std::vector<uint64_t> last_left(u.input.chunk_bytes.size(), 0);  // off the device (or written back) from here
-  uint64_t used = 0;
-  Schedule schedule;
-  schedule.evictions_at.resize(u.length);
-  schedule.offloads_at.resize(u.length);
-  schedule.occupancy.resize(u.length);
-  for (uint64_t g = 0; g < u.length; ++g) {
-    const TraceMoment& m = u.moment(g);
-    std::vector<bool> needed_now(resident.size(), false);
-    if (!u.on_host(g)) {
+// Stage 1's replay of the unrolled trace with demand paging: what is
+// resident, and the schedule of what moved.
+class DemandPager {
+ public:
+  DemandPager(const Unrolled& u, Victims policy)
+      : u_(u),
+        policy_(policy),
+        resident_(u.input.chunk_bytes.size(), false),
+        last_use_(u.input.chunk_bytes.size(), 0),
+        left_for_room_(u.input.chunk_bytes.size(), 0),
+        last_left_(u.input.chunk_bytes.size(), 0) {
+    schedule_.evictions_at.resize(u.length);
+    schedule_.offloads_at.resize(u.length);
+    schedule_.occupancy.resize(u.length);
+  }
+
+  Schedule Run() && {
+    for (uint64_t g = 0; g < u_.length; ++g) Moment(g);
+    return std::move(schedule_);
+  }
+
+ private:
+  void Moment(uint64_t g) {
+    const uint64_t capacity = u_.input.device_bytes;
+    const TraceMoment& m = u_.moment(g);
+    std::vector<bool> needed_now(resident_.size(), false);
+    if (!u_.on_host(g)) {
       for (ChunkId c : m.chunks) needed_now[c.value()] = true;
     }
-    // The victim that makes room now: not needed by this moment. See Note
-    // [Victims that leave room for a lead].
-    const uint64_t far = g + u.period / 2;
-    const auto pick_victim = [&]() -> std::optional<ChunkId> {
-      std::optional<ChunkId> best;
-      std::pair<uint64_t, uint64_t> best_key{0, 0};
-      for (uint32_t c = 0; c < resident.size(); ++c) {
-        if (!resident[c] || needed_now[c]) continue;
-        std::pair<uint64_t, uint64_t> key;  // a larger key wins
-        if (policy == Victims::kLeastRecentlyUsed) {
-          key = {kNever - last_use[c], 0};
-        } else {
-          const uint64_t next = u.NextUse(ChunkId(c), g);
-          // Far: longest unused first; near: furthest next use first.
-          key = next >= far ? std::pair{uint64_t{1}, kNever - last_use[c]} : std::pair{uint64_t{0}, next};
-        }
-        if (!best || key > best_key) {
-          best = ChunkId(c);
-          best_key = key;
-        }
-      }
-      return best;
-    };
-    const auto evict = [&](ChunkId v) {
-      resident[v.value()] = false;
-      used -= u.size(v);
-      last_left[v.value()] = g;
-    };
-    // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
-    if (u.on_host(g)) {
-      for (ChunkId c : m.chunks) {
-        if (resident[c.value()] && !u.nvme_homed(c)) {
-          // Off to the host right after its last use on the device; its room
-          // is counted until this moment all the same.
-          evict(c);
-          schedule.offloads_at[std::min<uint64_t>(last_use[c.value()] + 1, g)].push_back(c);
-        } else if (resident[c.value()]) {
-          evict(c);
-          schedule.evictions_at[g].push_back(c);
-        } else if (u.nvme_homed(c)) {
-          schedule.host_reads.push_back({.chunk = c, .needed = g, .issue = g, .lower = last_left[c.value()]});
-        }
-        left_for_room[c.value()] = g + 1;  // back on the device only after the moment
-        last_left[c.value()] = g + 1;      // written back as it ends
-      }
-    }
+    if (u_.on_host(g)) LeaveForHostMoment(g, m);
     // Room for this moment's non-model memory.
-    while (used + m.non_model_bytes > capacity) {
-      std::optional<ChunkId> victim = pick_victim();
-      STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
-      evict(*victim);
-      schedule.evictions_at[g].push_back(*victim);
-      left_for_room[victim->value()] = g;
+    while (used_ + m.non_model_bytes > capacity) {
+      const ChunkId victim = EvictVictim(g, needed_now);
+      schedule_.evictions_at[g].push_back(victim);
+      left_for_room_[victim.value()] = g;
     }
-    for (ChunkId c : m.chunks) {
-      if (u.on_host(g) || resident[c.value()]) continue;
-      Fetch fetch{.chunk = c, .needed = g, .issue = g, .left_at = left_for_room[c.value()]};
-      while (used + u.size(c) + m.non_model_bytes > capacity) {
-        std::optional<ChunkId> victim = pick_victim();
-        STRATA_CHECK(victim.has_value(), "planner: moment {} cannot fit although validated", g % u.period);
-        evict(*victim);
-        fetch.victims.push_back(*victim);
+    if (!u_.on_host(g)) {
+      for (ChunkId c : m.chunks) {
+        if (resident_[c.value()]) continue;
+        Fetch fetch{.chunk = c, .needed = g, .issue = g, .left_at = left_for_room_[c.value()]};
+        while (used_ + u_.size(c) + m.non_model_bytes > capacity) fetch.victims.push_back(EvictVictim(g, needed_now));
+        resident_[c.value()] = true;
+        used_ += u_.size(c);
+        schedule_.fetches.push_back(std::move(fetch));
       }
-      resident[c.value()] = true;
-      used += u.size(c);
-      schedule.fetches.push_back(std::move(fetch));
+      for (ChunkId c : m.chunks) last_use_[c.value()] = g;
     }
-    if (!u.on_host(g)) {
-      for (ChunkId c : m.chunks) last_use[c.value()] = g;
-    }
-    schedule.occupancy[g] = used + m.non_model_bytes;
+    schedule_.occupancy[g] = used_ + m.non_model_bytes;
   }
-  return schedule;
-}
+
+  // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
+  void LeaveForHostMoment(uint64_t g, const TraceMoment& m) {
+    for (ChunkId c : m.chunks) {
+      if (resident_[c.value()] && !u_.nvme_homed(c)) {
+        // Off to the host right after its last use on the device; its room
+        // is counted until this moment all the same.
+        Evict(c, g);
+        schedule_.offloads_at[std::min<uint64_t>(last_use_[c.value()] + 1, g)].push_back(c);
+      } else if (resident_[c.value()]) {
+        Evict(c, g);
+        schedule_.evictions_at[g].push_back(c);
+      } else if (u_.nvme_homed(c)) {
+        schedule_.host_reads.push_back({.chunk = c, .needed = g, .issue = g, .lower = last_left_[c.value()]});
+      }
+      left_for_room_[c.value()] = g + 1;  // back on the device only after the moment
+      last_left_[c.value()] = g + 1;      // written back as it ends
+    }
+  }
+
+  // Evicts the victim that makes room at moment g (not needed by it) and
+  // returns it. See Note [Victims that leave room for a lead].
+  ChunkId EvictVictim(uint64_t g, const std::vector<bool>& needed_now) {
+    const uint64_t far = g + u_.period / 2;
+    std::optional<ChunkId> best;
+    std::pair<uint64_t, uint64_t> best_key{0, 0};
+    for (uint32_t c = 0; c < resident_.size(); ++c) {
+      if (!resident_[c] || needed_now[c]) continue;
+      std::pair<uint64_t, uint64_t> key;  // a larger key wins
+      if (policy_ == Victims::kLeastRecentlyUsed) {
+        key = {kNever - last_use_[c], 0};
+      } else {
+        const uint64_t next = u_.NextUse(ChunkId(c), g);
+        // Far: longest unused first; near: furthest next use first.
+        key = next >= far ? std::pair{uint64_t{1}, kNever - last_use_[c]} : std::pair{uint64_t{0}, next};
+      }
+      if (!best || key > best_key) {
+        best = ChunkId(c);
+        best_key = key;
+      }
+    }
+    STRATA_CHECK(best.has_value(), "planner: moment {} cannot fit although validated", g % u_.period);
+    Evict(*best, g);
+    return *best;
+  }
+
+  void Evict(ChunkId v, uint64_t g) {
+    resident_[v.value()] = false;
+    used_ -= u_.size(v);
+    last_left_[v.value()] = g;
+  }
+
+  const Unrolled& u_;
+  const Victims policy_;
+  std::vector<bool> resident_;
+  std::vector<uint64_t> last_use_;
+  std::vector<uint64_t> left_for_room_;
+  std::vector<uint64_t> last_left_;  // off the device (or written back) from here
+  uint64_t used_ = 0;
+  Schedule schedule_;
+};
+
+Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) { return DemandPager(u, policy).Run(); }
 
 // Stage 2: each fetch (with its victims) as early as its victims and device
 // memory allow, in order of need.
@@ -342,7 +372,7 @@ Status CheckSchedule(const Unrolled& u, const Schedule& schedule) {
   return Status::Ok();
 }
 
-// Replays a schedule on the link model; measures the middle iteration.
+// Replays a schedule on the link model (Note [The link model]); measures the middle iteration.
 Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   const auto& bandwidth = u.input.links.bytes_per_second;
   std::array<double, kNumLinks> link_free = {};

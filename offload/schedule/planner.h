@@ -1,31 +1,10 @@
 // The placement planner: from one recorded iteration (the trace), which
-// chunk to fetch to the device before which moment, which to evict, and what
-// step time and stalls to expect.
-//
-// A trace is a sequence of moments; a moment names the chunks the compute of
-// that moment needs on the device, the device memory in use besides chunks
-// (activations, workspace), and how long its compute takes once they are
-// there. Training repeats the iteration, so the plan is for the steady state:
-// it plans three iterations back to back and keeps the middle one.
-//
-// Two stages (Note [Planning in two stages] in planner.cc):
-//   1. which bytes move: demand paging, evicting first the chunks not needed
-//      for half an iteration (longest unused first), else the furthest next
-//      use (Belady's MIN);
-//   2. when they move: each fetch, with the evictions that make its room, is
-//      hoisted to the earliest moment at which its victims are no longer
-//      needed and device memory holds it at every moment until its use, in
-//      the order the chunks are needed (the link is a queue).
-// Host moments (CPU optimizer updates) need their chunks off the device:
-// host-homed ones leave right after their last device use, NVMe-homed ones
-// are read ahead within `host_staging_bytes` and written back after. An
-// update that may run on the device is placed there when its states fit in
-// the device memory the all-host plan leaves at its peak, and the plan with
-// it there is no slower (Note [Host moments], Note [Where updates run]).
-// The prediction replays the plan on a model of the links: one queue per
-// direction (host->device, device->host, NVMe read, NVMe write), each at its
-// measured bandwidth; a moment starts when its compute is requested and
-// every chunk it needs has arrived, and the wait is its stall.
+// chunk to fetch to the device before which moment, which to evict, where
+// each optimizer update runs, and what step time and stalls to expect. It
+// plans for the steady state of a repeated iteration, in two stages (which
+// bytes move, then when), and predicts on a model of the links (Notes
+// [Planning in two stages], [Host moments], [Where updates run] and [The link
+// model] in planner.cc).
 //
 // Pure functions of their inputs; thread-safe.
 #pragma once
@@ -50,8 +29,7 @@ struct TraceMoment {
   // their home; they are written back there after).
   Tier tier = Tier::kDevice;
   // Set on a host moment that may run on the device instead (an optimizer
-  // update): its compute time there. The planner places it (Note [Where
-  // updates run] in planner.cc).
+  // update): its compute time there.
   std::optional<double> device_compute_seconds;
 };
 

@@ -16,6 +16,57 @@
 #include "strata/buffer.h"
 
 namespace strata::offload {
+
+// Note [Reductions on a queue]
+// Submit copies the grad chunk (Engine::ReadChunk, from wherever it is) on
+// the caller's thread and queues its reduce-scatter; the communicator is then
+// used by the reducer's thread until the queue is empty, so the caller runs
+// no other collective before Drain() (a train step drains it before its own
+// collectives). The reduction travels in the grad dtype, or fp32 (option
+// comm.reduce_dtype; see WireDType); the sum is divided by W in fp32.
+//
+// Every rank must submit the same groups in the same order. Each rank's slice
+// of a message is its range of the gradients, then the group's tag (id + 1)
+// as kTagBits values of 0 or 1: summed, each is 0 or W where every rank
+// reduced the same group, something between where they did not (exact in a
+// 16-bit dtype too: see WireDType). So a rank whose peers reduce another
+// group of the same size gets InvalidArgument naming its own, instead of
+// wrong sums (groups of different sizes are a mismatched collective, which
+// the backend may only report as an error of its own).
+//
+// Note [Recycled shards]
+// A taken shard's memory comes back through Recycle (a train step gives it
+// back after its update): a fresh vector per reduction would be a page fault
+// per 4 KiB of it, each step (they were half the CPU time of a sharded step
+// in the replay bench).
+//
+// Note [Gathers kept and ahead]
+// Parameters sharded, Gather fills a transient param chunk from every rank's
+// master shard, on the reduction queue, so it runs after the reductions
+// queued before it. The reducer keeps the last kKeptGathers chunks it
+// gathered pinned, so a Gather of one of them sends nothing: a chunk's
+// modules run one after another, each pinning it anew. The kept pins take
+// kKeptGatheredChunks chunks of the device beyond what the pipeline plans
+// (Engine::Finalize checks that the budget holds them). And it gathers
+// ahead, into host memory, the kPrefetchDepth chunks that came next in the
+// last step's sequence of Gathers, so that their collectives overlap the
+// compute before them; one that is on the device already, unpinned (the
+// pipeline's planned fetch came first), is filled there by the reducer's
+// thread as well (Engine::FillChunkIfOn: others wanting the chunk meanwhile
+// wait, and no room is taken that the plan did not give), and its Gather
+// copies nothing if it is still in that placement then
+// (ChunkAccess::generation). After a step's updates (Updated), the first
+// chunks of the next forward whose masters are final are gathered ahead,
+// overlapping the rest of the step.
+//
+// Every rank must gather the same chunks in the same order (so what is kept
+// and gathered ahead is the same everywhere): each message carries its
+// group's tag, and a rank whose peers gather another group gets
+// InvalidArgument naming them. A rank that cannot read its master shard still
+// joins the collective, tagged as failed, so every rank's gather fails
+// (IoError naming it) and none falls a collective behind. After any failed
+// Gather every later one returns that error: what this rank keeps may differ
+// from its peers'.
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -53,21 +104,13 @@ Status GradReducer::Submit(ChunkId grad) {
     return InvalidArgument("gradient reduce-scatter: chunk {} is not a grad chunk", grad.value());
   }
   const ChunkInfo& info = chunks_[grad.value()];
-  const int world = comm_.world_size();
-  const size_t n = info.used_bytes / DTypeSizeBytes(info.dtype);
-  const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
+  const memory::ShardRange range =
+      memory::ShardOf(info.used_bytes / DTypeSizeBytes(info.dtype), comm_.rank(), comm_.world_size());
   const DType wire = WireDType(info.dtype);
-  const size_t width = DTypeSizeBytes(wire);
   // The read and the message go to buffers kept for reuse: fresh ones would
   // be page faults by the chunk, for every chunk of every step.
   if (!submit_raw_) submit_raw_ = AllocateAlignedHost(largest_grad_bytes_, kIoAlignmentBytes);
-  const Buffer& raw = submit_raw_;
-  STRATA_RETURN_IF_ERROR(engine_.ReadChunk(grad, raw.data()).WithContext("reading gradients to reduce"));
-  // Each rank's slice of the message is its range of the gradients, then the
-  // group's tag (id + 1) as kTagBits values of 0 or 1: summed, each is 0 or
-  // W where every rank reduced the same group, something between where
-  // they did not (exact in a 16-bit dtype too: see WireDType).
-  const size_t slice = range.elems + kTagBits;
+  STRATA_RETURN_IF_ERROR(engine_.ReadChunk(grad, submit_raw_.data()).WithContext("reading gradients to reduce"));
   const uint64_t tag = info.group + 1;
   std::shared_ptr<Buffer> send;
   if (spare_sends_.empty()) {
@@ -76,19 +119,7 @@ Status GradReducer::Submit(ChunkId grad) {
     send = std::move(spare_sends_.back());
     spare_sends_.pop_back();
   }
-  for (int r = 0; r < world; ++r) {
-    std::byte* out = static_cast<std::byte*>(send->data()) + r * slice * width;
-    const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
-    if (wire == info.dtype) {
-      std::memcpy(out, static_cast<const std::byte*>(raw.data()) + begin * width, count * width);
-    } else {
-      for (size_t j = 0; j < count; ++j) optim::StoreFloat(out, wire, j, optim::FloatAt(raw.data(), info.dtype, begin + j));
-    }
-    std::memset(out + count * width, 0, (range.elems - count) * width);  // the last shard's padding
-    for (size_t bit = 0; bit < kTagBits; ++bit) {
-      optim::StoreFloat(out, wire, range.elems + bit, static_cast<float>((tag >> bit) & 1));
-    }
-  }
+  PackReduction(info, range, wire, tag, static_cast<std::byte*>(send->data()));
   // A gradient that arrives after its chunk was submitted (a parameter used
   // again, as reentrant checkpointing does) submits it again: the earlier
   // reduction is waited for and dropped.
@@ -101,40 +132,68 @@ Status GradReducer::Submit(ChunkId grad) {
   auto pending = std::make_unique<Pending>();
   Pending* into = pending.get();
   into->send = send;
+  const size_t slice = range.elems + kTagBits;
   const uint32_t group = info.group;
-  into->done = queue_->Push([this, send, slice, group, tag, wire, world, into]() -> Status {
-    // The queue's one thread owns the receive buffer.
-    if (!reduce_recv_) reduce_recv_ = AllocateAlignedHost(largest_message_bytes_ / world, 64);
-    const Buffer& mine = reduce_recv_;
-    const uint64_t before = comm_.stats().total_bytes();
-    STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send->data(), mine.data(), slice, wire)
-                               .WithContext(fmt::format("reduce-scatter of the gradients of chunk group {}", group)));
-    into->bytes = comm_.stats().total_bytes() - before;
-    const size_t elems = slice - kTagBits;
-    for (size_t bit = 0; bit < kTagBits; ++bit) {
-      const float expected = static_cast<float>(world) * static_cast<float>((tag >> bit) & 1);
-      if (optim::FloatAt(mine.data(), wire, elems + bit) != expected) {
-        return InvalidArgument(
-            "gradient reduce-scatter: rank {} reduced chunk group {} while other ranks reduced another (the group "
-            "tags differ): every rank must run the same backward, so that gradients complete in the same order",
-            comm_.rank(), group);
-      }
-    }
-    const float mean = 1.0f / static_cast<float>(world);
-    {
-      std::lock_guard lock(spare_shards_mu_);
-      if (!spare_shards_.empty()) {
-        into->shard = std::move(spare_shards_.back());
-        spare_shards_.pop_back();
-      }
-    }
-    into->shard.resize(elems);
-    for (size_t i = 0; i < elems; ++i) into->shard[i] = optim::FloatAt(mine.data(), wire, i) * mean;
-    return Status::Ok();
+  into->done = queue_->Push([this, send, slice, group, tag, wire, into]() -> Status {
+    return Reduce(*send, slice, group, tag, wire, *into);
   });
   into->seq = next_seq_++;
   queued_[into->seq] = into->done;
   pending_[grad.value()] = std::move(pending);
+  return Status::Ok();
+}
+
+void GradReducer::PackReduction(const ChunkInfo& info, const memory::ShardRange& range, DType wire, uint64_t tag,
+                                std::byte* message) const {
+  const size_t n = info.used_bytes / DTypeSizeBytes(info.dtype);
+  const size_t width = DTypeSizeBytes(wire);
+  const size_t slice = range.elems + kTagBits;
+  const void* raw = submit_raw_.data();
+  for (int r = 0; r < comm_.world_size(); ++r) {
+    std::byte* out = message + r * slice * width;
+    const size_t begin = std::min(n, r * range.elems), count = std::min(n, begin + range.elems) - begin;
+    if (wire == info.dtype) {
+      std::memcpy(out, static_cast<const std::byte*>(raw) + begin * width, count * width);
+    } else {
+      for (size_t j = 0; j < count; ++j) optim::StoreFloat(out, wire, j, optim::FloatAt(raw, info.dtype, begin + j));
+    }
+    std::memset(out + count * width, 0, (range.elems - count) * width);  // the last shard's padding
+    for (size_t bit = 0; bit < kTagBits; ++bit) {
+      optim::StoreFloat(out, wire, range.elems + bit, static_cast<float>((tag >> bit) & 1));
+    }
+  }
+}
+
+Status GradReducer::Reduce(const Buffer& send, size_t slice, uint32_t group, uint64_t tag, DType wire,
+                           Pending& into) {
+  const int world = comm_.world_size();
+  // The queue's one thread owns the receive buffer.
+  if (!reduce_recv_) reduce_recv_ = AllocateAlignedHost(largest_message_bytes_ / world, 64);
+  const Buffer& mine = reduce_recv_;
+  const uint64_t before = comm_.stats().total_bytes();
+  STRATA_RETURN_IF_ERROR(comm_.ReduceScatterSum(send.data(), mine.data(), slice, wire)
+                             .WithContext(fmt::format("reduce-scatter of the gradients of chunk group {}", group)));
+  into.bytes = comm_.stats().total_bytes() - before;
+  const size_t elems = slice - kTagBits;
+  for (size_t bit = 0; bit < kTagBits; ++bit) {
+    const float expected = static_cast<float>(world) * static_cast<float>((tag >> bit) & 1);
+    if (optim::FloatAt(mine.data(), wire, elems + bit) != expected) {
+      return InvalidArgument(
+          "gradient reduce-scatter: rank {} reduced chunk group {} while other ranks reduced another (the group "
+          "tags differ): every rank must run the same backward, so that gradients complete in the same order",
+          comm_.rank(), group);
+    }
+  }
+  const float mean = 1.0f / static_cast<float>(world);
+  {
+    std::lock_guard lock(spare_shards_mu_);
+    if (!spare_shards_.empty()) {
+      into.shard = std::move(spare_shards_.back());
+      spare_shards_.pop_back();
+    }
+  }
+  into.shard.resize(elems);
+  for (size_t i = 0; i < elems; ++i) into.shard[i] = optim::FloatAt(mine.data(), wire, i) * mean;
   return Status::Ok();
 }
 
@@ -186,6 +245,17 @@ Status GradReducer::Drain() {
   return first;
 }
 
+// One parameter all-gather, as its job on the queue needs it.
+struct GradReducer::GatherJob {
+  ChunkId param;
+  ChunkId master;
+  DType dtype;         // the param chunk's
+  DType master_dtype;
+  uint32_t group = 0;
+  memory::ShardRange range;  // this rank's
+  size_t slice = 0;          // each rank's slice of the message, in bytes
+};
+
 GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
   const ChunkInfo& info = chunks_[param.value()];
   const ChunkInfo* master = nullptr;
@@ -193,12 +263,16 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     if (c.group == info.group && c.kind == ChunkKind::kMaster) master = &c;
   }
   STRATA_CHECK(master != nullptr, "transient param chunk {} has no master shard", param.value());
-  const int world = comm_.world_size();
   const size_t width = DTypeSizeBytes(info.dtype);
-  const size_t n = info.used_bytes / width;
-  const memory::ShardRange range = memory::ShardOf(n, comm_.rank(), world);
+  const memory::ShardRange range = memory::ShardOf(info.used_bytes / width, comm_.rank(), comm_.world_size());
   // Each rank's slice: its range in the param dtype, then the group's tag.
-  const size_t slice = range.elems * width + sizeof(uint64_t);
+  const GatherJob job{.param = param,
+                      .master = master->id,
+                      .dtype = info.dtype,
+                      .master_dtype = master->dtype,
+                      .group = info.group,
+                      .range = range,
+                      .slice = range.elems * width + sizeof(uint64_t)};
   // The all-gather lands in a buffer of W slices, tags and all, copied into
   // the chunk slice by slice at Gather (no copy to strip the tags).
   // Buffers are reused: a fresh one per gather would be page faults by the
@@ -216,74 +290,83 @@ GradReducer::Queued GradReducer::QueueGather(ChunkId param) {
     spare_landings_.pop_back();
   }
   auto filled = std::make_shared<Filled>();
-  const ChunkId master_id = master->id;
-  const DType dtype = info.dtype;
-  const DType master_dtype = master->dtype;
-  const uint32_t group = info.group;
-  std::shared_future<Status> done = queue_->Push([=, this]() -> Status {
-    // The queue's one thread owns the scratch buffers.
-    if (!gather_shard_) gather_shard_ = AllocateAlignedHost(largest_master_bytes_, kIoAlignmentBytes);
-    std::vector<std::byte>& send = gather_send_;
-    if (send.size() < slice) send.resize(slice);  // the padding past this shard is never read
-    std::byte* all = static_cast<std::byte*>(landing->data());
-    // A shard this rank cannot read still joins the collective, tagged as
-    // failed (0), so that every rank fails this gather and none is left a
-    // collective behind its peers.
-    const Status read = engine_.ReadChunk(master_id, static_cast<std::byte*>(gather_shard_.data()))
-                            .WithContext(fmt::format("reading the master shard of chunk group {} to gather", group));
-    uint64_t tag = kFailedTag;
-    if (read.ok()) {
-      const float* weights = static_cast<const float*>(gather_shard_.data());
-      const size_t mine = range.end - range.begin;
-      if (dtype == master_dtype) {
-        std::memcpy(send.data(), gather_shard_.data(), mine * width);
-      } else if (dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
-        optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
-      } else {
-        optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
-      }
-      tag = group + 1;
-    }
-    std::memcpy(send.data() + range.elems * width, &tag, sizeof tag);
-    STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all, slice)
-                               .WithContext(fmt::format("all-gather of the parameters of chunk group {}", group)));
-    STRATA_RETURN_IF_ERROR(read);
-    std::string failed, others;
-    for (int r = 0; r < world; ++r) {
-      uint64_t theirs = 0;
-      std::memcpy(&theirs, all + r * slice + range.elems * width, sizeof theirs);
-      if (theirs == kFailedTag) {
-        failed += fmt::format("{}{}", failed.empty() ? "" : ", ", r);
-      } else if (theirs != tag) {
-        others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
-      }
-    }
-    if (!failed.empty()) {
-      return IoError("parameter all-gather of chunk group {}: rank(s) {} could not read their master shard (their "
-                     "own error says why)",
-                     group, failed);
-    }
-    if (!others.empty()) {
-      return InvalidArgument(
-          "parameter all-gather: rank {} gathered chunk group {} while {}: every rank must run the same forward and "
-          "backward, so that param chunks are needed in the same order (parameters are sharded: comm.shard_params)",
-          comm_.rank(), group, others);
-    }
-    // Where the chunk is on the device already, in hold (the pipeline's
-    // planned fetch came first), it is filled here, off the training
-    // thread; Gather copies nothing if it is still in that placement then.
-    // A fill that fails here is left to Gather to make again (and report):
-    // an error of this rank's own must not fail a collective its peers
-    // completed, which would leave them a job ahead of it.
-    Result<std::optional<uint64_t>> filled_in = engine_.FillChunkIfOn(param, Tier::kDevice, [&](void* chunk) {
-      return FillFromLanding(*landing, param, static_cast<std::byte*>(chunk), Tier::kDevice, &filled->copy_may_run);
-    });
-    if (filled_in.ok()) filled->generation = *filled_in;
-    return Status::Ok();
-  });
+  std::shared_future<Status> done =
+      queue_->Push([=, this]() -> Status { return GatherOnQueue(job, *landing, *filled); });
   const uint64_t seq = next_seq_++;
   queued_[seq] = done;
   return {std::move(done), std::move(landing), std::move(filled), seq};
+}
+
+Status GradReducer::GatherOnQueue(const GatherJob& job, const Buffer& landing, Filled& filled) {
+  // A shard this rank cannot read still joins the collective, tagged as
+  // failed (0), so that every rank fails this gather and none is left a
+  // collective behind its peers.
+  uint64_t tag = kFailedTag;
+  const Status read = PackGatherShard(job);
+  if (read.ok()) tag = job.group + 1;
+  std::vector<std::byte>& send = gather_send_;
+  std::memcpy(send.data() + job.range.elems * DTypeSizeBytes(job.dtype), &tag, sizeof tag);
+  std::byte* all = static_cast<std::byte*>(landing.data());
+  STRATA_RETURN_IF_ERROR(comm_.AllGather(send.data(), all, job.slice)
+                             .WithContext(fmt::format("all-gather of the parameters of chunk group {}", job.group)));
+  STRATA_RETURN_IF_ERROR(read);
+  STRATA_RETURN_IF_ERROR(CheckGatheredTags(job, all, tag));
+  // Where the chunk is on the device already, in hold (the pipeline's
+  // planned fetch came first), it is filled here, off the training
+  // thread; Gather copies nothing if it is still in that placement then.
+  // A fill that fails here is left to Gather to make again (and report):
+  // an error of this rank's own must not fail a collective its peers
+  // completed, which would leave them a job ahead of it.
+  Result<std::optional<uint64_t>> filled_in = engine_.FillChunkIfOn(job.param, Tier::kDevice, [&](void* chunk) {
+    return FillFromLanding(landing, job.param, static_cast<std::byte*>(chunk), Tier::kDevice, &filled.copy_may_run);
+  });
+  if (filled_in.ok()) filled.generation = *filled_in;
+  return Status::Ok();
+}
+
+Status GradReducer::PackGatherShard(const GatherJob& job) {
+  // The queue's one thread owns the scratch buffers.
+  if (!gather_shard_) gather_shard_ = AllocateAlignedHost(largest_master_bytes_, kIoAlignmentBytes);
+  std::vector<std::byte>& send = gather_send_;
+  if (send.size() < job.slice) send.resize(job.slice);  // the padding past this shard is never read
+  STRATA_RETURN_IF_ERROR(
+      engine_.ReadChunk(job.master, static_cast<std::byte*>(gather_shard_.data()))
+          .WithContext(fmt::format("reading the master shard of chunk group {} to gather", job.group)));
+  const float* weights = static_cast<const float*>(gather_shard_.data());
+  const size_t mine = job.range.end - job.range.begin;
+  if (job.dtype == job.master_dtype) {
+    std::memcpy(send.data(), gather_shard_.data(), mine * DTypeSizeBytes(job.dtype));
+  } else if (job.dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
+    optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+  } else {
+    optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+  }
+  return Status::Ok();
+}
+
+Status GradReducer::CheckGatheredTags(const GatherJob& job, const std::byte* all, uint64_t tag) const {
+  std::string failed, others;
+  for (int r = 0; r < comm_.world_size(); ++r) {
+    uint64_t theirs = 0;
+    std::memcpy(&theirs, all + r * job.slice + job.range.elems * DTypeSizeBytes(job.dtype), sizeof theirs);
+    if (theirs == kFailedTag) {
+      failed += fmt::format("{}{}", failed.empty() ? "" : ", ", r);
+    } else if (theirs != tag) {
+      others += fmt::format("{}rank {} gathered group {}", others.empty() ? "" : ", ", r, theirs - 1);
+    }
+  }
+  if (!failed.empty()) {
+    return IoError("parameter all-gather of chunk group {}: rank(s) {} could not read their master shard (their "
+                   "own error says why)",
+                   job.group, failed);
+  }
+  if (!others.empty()) {
+    return InvalidArgument(
+        "parameter all-gather: rank {} gathered chunk group {} while {}: every rank must run the same forward and "
+        "backward, so that param chunks are needed in the same order (parameters are sharded: comm.shard_params)",
+        comm_.rank(), job.group, others);
+  }
+  return Status::Ok();
 }
 
 Status GradReducer::FillFromLanding(const Buffer& landing, ChunkId param, std::byte* chunk, Tier tier,

@@ -1,28 +1,16 @@
 // GradReducer: data parallel, the reduce-scatter of each chunk group's
 // gradients on a thread of its own, started as soon as the group's
 // gradients are complete (Submit) so that it overlaps the rest of backward;
-// the step takes each group's reduced shard when it needs it (Take).
+// each group's reduced shard is taken when it is needed (Take). Parameters
+// sharded (comm.shard_params, ZeRO-3), Gather fills a transient param chunk
+// from every rank's master shard on the same queue. See Note [Reductions on a
+// queue] and Note [Gathers kept and ahead] in grad_reducer.cc.
 //
-//   GradReducer reducer(engine, comm);
-//   ... backward; a grad chunk is complete -> reducer.Submit(grad);
-//   RunTrainStep(engine, pipeline, optimizer, skip, &comm, &reducer);
-//       // Takes every group (submitting the ones not yet submitted)
-//
-// Submit copies the grad chunk (Engine::ReadChunk, from wherever it is) on
-// the caller's thread and queues its reduce-scatter; the communicator is
-// then used by the reducer's thread until the queue is empty, so the caller
-// runs no other collective before Drain() (RunTrainStep drains it before
-// its own collectives; a collective begun meanwhile is CommError). Every
-// rank must submit the same groups in the same order (the adapter submits
-// in one fixed order; see python/strata/training.py): each message carries
-// its group's tag, so a rank whose peers reduce another group of the same
-// size gets InvalidArgument naming its own, instead of wrong sums (groups
-// of different sizes are a mismatched collective, which the backend may
-// only report as an error of its own).
-//
-// Parameters sharded (option comm.shard_params, ZeRO-3): Gather fills a
-// transient param chunk from every rank's master shard, on the same queue,
-// so it runs after the reductions queued before it.
+// While anything is queued the reducer's thread uses the communicator: its
+// owner runs no other collective before Drain() (one begun meanwhile is
+// CommError). Every rank must submit the same groups, and gather the same
+// chunks, in the same order; a rank whose peers did otherwise gets
+// InvalidArgument naming them.
 //
 // Thread-safety: Submit, Take, Gather and Drain from one thread (the training loop).
 #pragma once
@@ -37,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include "memory/chunk_layout.h"
 #include "strata/access.h"
 #include "strata/buffer.h"
 #include "strata/comm.h"
@@ -56,63 +45,43 @@ class GradReducer {
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  // Copies `grad` (a grad chunk) and queues its reduce-scatter.
+  // Copies `grad` (a grad chunk, from wherever it is) and queues its
+  // reduce-scatter. Submitting it again before Take (a gradient that
+  // arrived late) replaces the earlier reduction.
   Status Submit(ChunkId grad);
   bool submitted(ChunkId grad) const { return pending_.count(grad.value()) != 0; }
-  // Submit again before Take (a gradient that arrived late, as reentrant
-  // checkpointing may deliver one) replaces the earlier reduction.
-  //
   // Take: this rank's range (memory::ShardOf) of the mean of every rank's
   // gradients of `grad`, in fp32 (`shard`, ShardRange::elems long), and the
-  // bytes its reduce-scatter sent (in the grad dtype, or fp32: option
-  // comm.reduce_dtype; the sum is divided by W in fp32); submits the chunk first if it was not.
-  // Waits for it: the time is counted in wait_seconds().
+  // bytes its reduce-scatter sent; submits the chunk first if it was not.
+  // Waits for it (counted in wait_seconds()).
   struct Reduced {
     std::vector<float> shard;
     uint64_t bytes = 0;
   };
   Result<Reduced> Take(ChunkId grad);
-  // Gives a taken shard's memory back for the next reductions (RunTrainStep
-  // does, after the update): a fresh vector per reduction would be a page
-  // fault per 4 KiB of it, each step (they were half the CPU time of a
-  // sharded step in the replay bench). Any thread.
+  // Gives a taken shard's memory back for the next reductions (Note
+  // [Recycled shards]). Any thread.
   void Recycle(std::vector<float> shard);
-  // Queues any collective after those queued (the replay bench's parameter
-  // all-gathers); its result at Drain or through the future.
+  // Queues any collective after those queued; its result at Drain or
+  // through the future.
   std::shared_future<Status> Enqueue(std::function<Status(Communicator&)> job);
   // Parameters sharded: fills `into` (a pin of the transient param chunk
   // `param`, on the device or the host) with its group's parameters in the
   // param dtype, all-gathered from every rank's master shard; waits for it
-  // (counted in wait_seconds()). The reducer keeps the last kKeptGathers
-  // chunks it gathered pinned, so a Gather of one of them sends nothing:
-  // a chunk's modules run one after another, each pinning it anew. And it
-  // gathers ahead, into host memory, the kPrefetchDepth chunks that came
-  // next in the last step's sequence of Gathers, so that their collectives
-  // overlap the compute before them; one that is on the device already,
-  // unpinned (the pipeline's planned fetch came first), is filled there by
-  // the reducer's thread as well (Engine::FillChunkIfOn: others wanting the
-  // chunk meanwhile wait, and no room is taken that the plan did not give),
-  // and its Gather copies nothing if it is still in that placement then
-  // (ChunkAccess::generation). Every rank must gather the same chunks
-  // in the same order (so what is kept and gathered ahead is the same
-  // everywhere): each message carries its group's tag, and a rank whose
-  // peers gather another group gets InvalidArgument naming them. A rank
-  // that cannot read its master shard still joins the collective, tagged as
-  // failed, so every rank's gather fails (IoError naming it) and none falls
-  // a collective behind. After any failed Gather every later one returns
-  // that error: what this rank keeps may differ from its peers'. The kept
-  // pins take kKeptGatheredChunks chunks of the device beyond what the
-  // pipeline plans (Engine::Finalize checks that the budget holds them).
+  // (counted in wait_seconds()). Keeps the last kKeptGathers chunks pinned
+  // and gathers ahead the kPrefetchDepth chunks that followed in the last
+  // step (Note [Gathers kept and ahead]). IoError naming the ranks that could
+  // not read their master shard; after any failed Gather every later one
+  // returns that error.
   Status Gather(ChunkId param, const ChunkAccess& into);
   // Lets the kept chunks go and drops what was gathered ahead: stale once
-  // the masters change (RunTrainStep calls it before updating); the step's
+  // the masters change, so call it before updating them; this step's
   // sequence of Gathers becomes the one the next step gathers ahead from.
   // Also at destruction.
   void ReleaseGathered();
-  // Group `param`'s master shard is final for this step (RunTrainStep calls
-  // it after each group's update): of the first kPrefetchDepth chunks of the
-  // last step's sequence (the next forward's first), those whose masters are
-  // final are gathered ahead now, overlapping the rest of the step.
+  // Group `param`'s master shard is final for this step: of the first
+  // kPrefetchDepth chunks of the last step's sequence (the next forward's
+  // first), those whose masters are final are gathered ahead now.
   void Updated(ChunkId param);
   static constexpr size_t kKeptGathers = kKeptGatheredChunks;
   static constexpr size_t kPrefetchDepth = 4;
@@ -144,6 +113,13 @@ class GradReducer {
   // The dtype `grad`'s reductions travel in: the grad dtype
   // (comm.reduce_dtype = grad) where W ranks' tags sum exactly in it, else fp32.
   DType WireDType(DType grad) const;
+  // Every rank's slice of a reduction's message for `info` (read into
+  // submit_raw_): its range in `wire`, then `tag` (Note [Reductions on a queue]).
+  void PackReduction(const ChunkInfo& info, const memory::ShardRange& range, DType wire, uint64_t tag,
+                     std::byte* message) const;
+  // The queued job of a reduction: the reduce-scatter, the tags checked,
+  // the mean into `into`.
+  Status Reduce(const Buffer& send, size_t slice, uint32_t group, uint64_t tag, DType wire, Pending& into);
 
   Engine& engine_;
   Communicator& comm_;
@@ -166,6 +142,14 @@ class GradReducer {
     uint64_t seq = 0;  // its place in the queue
   };
   Queued QueueGather(ChunkId param);
+  struct GatherJob;
+  // The queued job of a gather: this rank's shard out, every rank's into
+  // `landing`, and the chunk filled where it is on the device, unpinned.
+  Status GatherOnQueue(const GatherJob& job, const Buffer& landing, Filled& filled);
+  // This rank's master shard, in the param dtype, into gather_send_.
+  Status PackGatherShard(const GatherJob& job);
+  // InvalidArgument or IoError when a rank's tag in `all` is not `tag`.
+  Status CheckGatheredTags(const GatherJob& job, const std::byte* all, uint64_t tag) const;
   // Copies `landing` (W slices of shard and tag) into `param`'s bytes at
   // `chunk` on `tier`; sets *copy_may_run when a device copy timed out (it
   // may still read the landing).

@@ -18,6 +18,29 @@
 #include "strata/options.h"
 
 namespace strata::offload {
+
+// Note [Three stages at once]
+// Each group (a chunk group: the master and states of one param chunk) lives
+// in one NVMe slot: master, then each state, each padded to the slot
+// alignment. A step runs three stages at once over the groups in order:
+//   reader   (worker thread)  reads group i+k into a free ring buffer (CRC checked)
+//   update   (calling thread) updates group i in its buffer (oneTBB inside)
+//   writer   (worker thread)  writes group i-j back from its buffer
+// so disk reads, the update and disk writes overlap; a buffer is read into
+// again only once its group is written. Host memory is the ring and nothing
+// else: ring_slots x the largest group. The update runs on every core but
+// one: the drive, not the update, sets the pace, and the reader's and
+// writer's CRCs and submissions must not queue behind it.
+//
+// Note [Copy on write]
+// Nothing stored is lost on an error. Updated groups are written to fresh
+// slots; only when every group is written are the old slots freed and the new
+// ones made current. A failed read or write, a corrupt slot or a stuck drive
+// ends the step with that error, the fresh slots are freed, the states on
+// NVMe are those of before the step, and the compute copies already written
+// for the step are put back from the old masters. The NVMe tier therefore
+// needs room for a second copy of all groups during a step (OutOfMemory,
+// before anything is read, when it has not).
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -167,7 +190,100 @@ Result<StreamStepReport> StateStream::Step(const optim::Optimizer& optimizer, co
   return report;
 }
 
+// The pipeline's progress: groups read, updated and written so far, shared
+// by the reader, the update and the writer (Note [Three stages at once]).
+struct StateStream::Progress {
+  std::mutex mu;
+  std::condition_variable changed;
+  size_t read = 0, updated = 0, written = 0;  // guarded by mu
+  bool abort = false;                         // guarded by mu
+  Status error;                               // guarded by mu: the first failure
+
+  // Keeps the first failure and stops every stage.
+  void Fail(Status status) {
+    {
+      std::lock_guard lock(mu);
+      if (error.ok()) error = std::move(status);
+      abort = true;
+    }
+    changed.notify_all();
+  }
+  // Sets `counter` (read, updated or written) and wakes the other stages.
+  void Advance(size_t& counter, size_t value) {
+    {
+      std::lock_guard lock(mu);
+      counter = value;
+    }
+    changed.notify_all();
+  }
+  // Waits until `ready()` or an abort; false on an abort.
+  template <typename Ready>
+  bool WaitUntil(Ready ready) {
+    std::unique_lock lock(mu);
+    changed.wait(lock, [&] { return abort || ready(); });
+    return !abort;
+  }
+  // Stops the workers, unless the step committed (they are done then).
+  void Stop(bool committed) {
+    {
+      std::lock_guard lock(mu);
+      abort = abort || !committed;
+    }
+    changed.notify_all();
+  }
+};
+
 Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const UpdateFn& update) {
+  STRATA_RETURN_IF_ERROR(CheckIo(io));
+  StreamStepReport report;
+  if (groups_.empty()) return report;
+  const Clock::time_point start = Clock::now();
+  STRATA_RETURN_IF_ERROR(PrepareRing());
+
+  // See Note [Copy on write]. On every way out (an exception included) the
+  // workers are stopped and joined, and the fresh slots freed unless the
+  // step committed.
+  Progress progress;
+  std::vector<memory::Extent> fresh;
+  std::thread reader, writer;
+  bool committed = false;
+  ScopeExit cleanup([&] {
+    progress.Stop(committed);
+    if (reader.joinable()) reader.join();
+    if (writer.joinable()) writer.join();
+    if (!committed) {
+      for (const memory::Extent& slot : fresh) pool_.Free(slot);
+    }
+  });
+  STRATA_RETURN_IF_ERROR(AllocateFresh(fresh));
+
+  reader = std::thread([&] { ReadStage(progress); });
+  writer = std::thread([&] { WriteStage(progress, fresh); });
+  const size_t computed = UpdateStage(progress, io, update, report);
+  // The workers finish the groups (or stop at an error) before anything else.
+  reader.join();
+  writer.join();
+
+  if (const Status& error = progress.error; !error.ok()) {
+    Status restored = RestoreComputeCopies(io, computed);
+    if (!restored.ok()) {
+      return Status(error.code(), fmt::format("{}; and not every compute copy could be put back: {}",
+                                              error.message(), restored.ToString()));
+    }
+    return error;
+  }
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    pool_.Free(groups_[i].slot);
+    groups_[i].slot = fresh[i];
+    report.bytes_read += GroupBytes(groups_[i].n);
+  }
+  committed = true;
+  report.bytes_written = report.bytes_read;
+  report.seconds = SecondsSince(start);
+  return report;
+}
+
+Status StateStream::CheckIo(std::span<const GroupIo> io) const {
   if (io.size() != groups_.size()) {
     return InvalidArgument("state stream: a step over {} groups got gradients for {}", groups_.size(), io.size());
   }
@@ -181,52 +297,10 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
                              i, DTypeName(io[i].param_dtype), io[i].param == nullptr ? "is missing" : "was given");
     }
   }
-  StreamStepReport report;
-  if (groups_.empty()) return report;
-  const Clock::time_point start = Clock::now();
-  STRATA_RETURN_IF_ERROR(PrepareRing());
+  return Status::Ok();
+}
 
-  const size_t num_groups = groups_.size();
-  const size_t slots = ring_slots_;
-  const auto buffer_of = [&](size_t group) { return ring_.bytes() + (group % slots) * ring_slot_bytes_; };
-
-  // The pipeline's progress: groups read, updated and written so far.
-  std::mutex mu;
-  std::condition_variable changed;
-  size_t read = 0, updated = 0, written = 0;  // guarded by mu
-  bool abort = false;                         // guarded by mu
-  Status error;                               // guarded by mu: the first failure
-  const auto fail = [&](Status status) {
-    {
-      std::lock_guard lock(mu);
-      if (error.ok()) error = std::move(status);
-      abort = true;
-    }
-    changed.notify_all();
-  };
-
-  // Copy on write: every group goes to a fresh slot, so the step can fail at
-  // any point and leave the states of before it. On every way out (an
-  // exception included) the workers are stopped and joined, and the fresh
-  // slots freed unless the step committed.
-  std::vector<memory::Extent> fresh;
-  std::thread reader, writer;
-  bool committed = false;
-  const auto stop_workers = [&] {
-    {
-      std::lock_guard lock(mu);
-      abort = abort || !committed;
-    }
-    changed.notify_all();
-    if (reader.joinable()) reader.join();
-    if (writer.joinable()) writer.join();
-  };
-  ScopeExit cleanup([&] {
-    stop_workers();
-    if (!committed) {
-      for (const memory::Extent& slot : fresh) pool_.Free(slot);
-    }
-  });
+Status StateStream::AllocateFresh(std::vector<memory::Extent>& fresh) {
   for (const Group& group : groups_) {
     std::optional<memory::Extent> slot = pool_.Allocate(GroupBytes(group.n));
     if (!slot) {
@@ -236,101 +310,70 @@ Result<StreamStepReport> StateStream::Run(std::span<const GroupIo> io, const Upd
     }
     fresh.push_back(*slot);
   }
+  return Status::Ok();
+}
 
-  reader = std::thread([&] {
-    for (size_t i = 0; i < num_groups; ++i) {
-      {
-        // Buffer i % slots is free once group i - slots is written.
-        std::unique_lock lock(mu);
-        changed.wait(lock, [&] { return abort || i < slots || written + slots > i; });
-        if (abort) return;
-      }
-      Status status = pool_.Read(groups_[i].slot, buffer_of(i), GroupBytes(groups_[i].n));
-      if (!status.ok()) return fail(std::move(status));
-      {
-        std::lock_guard lock(mu);
-        read = i + 1;
-      }
-      changed.notify_all();
-    }
-  });
-  writer = std::thread([&] {
-    for (size_t i = 0; i < num_groups; ++i) {
-      {
-        std::unique_lock lock(mu);
-        changed.wait(lock, [&] { return abort || updated > i; });
-        if (abort) return;
-      }
-      Status status = pool_.Write(fresh[i], buffer_of(i), GroupBytes(groups_[i].n));
-      if (!status.ok()) return fail(std::move(status));
-      {
-        std::lock_guard lock(mu);
-        written = i + 1;
-      }
-      changed.notify_all();
-    }
-  });
+std::byte* StateStream::RingBuffer(size_t group) const {
+  return ring_.bytes() + (group % ring_slots_) * ring_slot_bytes_;
+}
 
-  // The update, on this thread, in group order, on all cores but one: the
-  // drive is the bottleneck, and the reader's and writer's CRCs and
-  // submissions must not queue behind the update.
+void StateStream::ReadStage(Progress& progress) {
+  const size_t slots = ring_slots_;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    // Buffer i % slots is free once group i - slots is written.
+    if (!progress.WaitUntil([&] { return i < slots || progress.written + slots > i; })) return;
+    Status status = pool_.Read(groups_[i].slot, RingBuffer(i), GroupBytes(groups_[i].n));
+    if (!status.ok()) return progress.Fail(std::move(status));
+    progress.Advance(progress.read, i + 1);
+  }
+}
+
+void StateStream::WriteStage(Progress& progress, const std::vector<memory::Extent>& fresh) {
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (!progress.WaitUntil([&] { return progress.updated > i; })) return;
+    Status status = pool_.Write(fresh[i], RingBuffer(i), GroupBytes(groups_[i].n));
+    if (!status.ok()) return progress.Fail(std::move(status));
+    progress.Advance(progress.written, i + 1);
+  }
+}
+
+size_t StateStream::UpdateStage(Progress& progress, std::span<const GroupIo> io, const UpdateFn& update,
+                                StreamStepReport& report) {
+  // On all cores but one: the drive is the bottleneck, and the reader's and
+  // writer's CRCs and submissions must not queue behind the update.
   tbb::task_arena update_arena(static_cast<int>(update_threads()));
   size_t computed = 0;
-  for (size_t i = 0; i < num_groups; ++i) {
+  for (size_t i = 0; i < groups_.size(); ++i) {
     const Clock::time_point wait_start = Clock::now();
     {
-      std::unique_lock lock(mu);
-      if (!changed.wait_for(lock, std::chrono::milliseconds(options_.wait_timeout_ms),
-                            [&] { return abort || read > i; })) {
+      std::unique_lock lock(progress.mu);
+      if (!progress.changed.wait_for(lock, std::chrono::milliseconds(options_.wait_timeout_ms),
+                                     [&] { return progress.abort || progress.read > i; })) {
         lock.unlock();
-        fail(Timeout("state stream: group {} was not read within {} ms (a read, or the write that frees its "
-                     "buffer, is stuck)",
-                     i, options_.wait_timeout_ms));
+        progress.Fail(Timeout("state stream: group {} was not read within {} ms (a read, or the write that frees "
+                              "its buffer, is stuck)",
+                              i, options_.wait_timeout_ms));
         break;
       }
-      if (abort) break;
+      if (progress.abort) break;
     }
     report.read_wait_seconds += SecondsSince(wait_start);
     const Clock::time_point update_start = Clock::now();
     Status status;
     try {
-      update_arena.execute([&] { status = update(i, TensorsIn(buffer_of(i), groups_[i], io[i])); });
+      update_arena.execute([&] { status = update(i, TensorsIn(RingBuffer(i), groups_[i], io[i])); });
     } catch (const std::exception& e) {
       status = Internal("state stream: the update of group {} threw: {}", i, e.what());
     }
     report.update_seconds += SecondsSince(update_start);
     computed = i + 1;  // its compute copy may have been written, even on an error
     if (!status.ok()) {
-      fail(std::move(status));
+      progress.Fail(std::move(status));
       break;
     }
-    {
-      std::lock_guard lock(mu);
-      updated = i + 1;
-    }
-    changed.notify_all();
+    progress.Advance(progress.updated, i + 1);
   }
-  // The workers finish the groups (or stop at an error) before anything else.
-  reader.join();
-  writer.join();
-
-  if (!error.ok()) {
-    Status restored = RestoreComputeCopies(io, computed);
-    if (!restored.ok()) {
-      return Status(error.code(), fmt::format("{}; and not every compute copy could be put back: {}",
-                                              error.message(), restored.ToString()));
-    }
-    return error;
-  }
-  for (size_t i = 0; i < num_groups; ++i) {
-    pool_.Free(groups_[i].slot);
-    groups_[i].slot = fresh[i];
-    report.bytes_read += GroupBytes(groups_[i].n);
-  }
-  committed = true;
-  report.bytes_written = report.bytes_read;
-  report.seconds = SecondsSince(start);
-  return report;
+  return computed;
 }
 
 Status StateStream::RestoreComputeCopies(std::span<const GroupIo> io, size_t count) {

@@ -1,25 +1,9 @@
 // Streaming of NVMe-resident optimizer states through a bounded ring of host
 // buffers: the update of a model whose fp32 master weights and optimizer
-// states do not fit in host memory.
-//
-// Each group (a chunk group: the master and states of one param chunk) lives
-// in one NVMe slot: master, then each state, each padded to the slot
-// alignment. A step runs three stages at once over the groups in order:
-//   reader   (worker thread)  reads group i+k into a free ring buffer (CRC checked)
-//   update   (calling thread) updates group i in its buffer (oneTBB inside)
-//   writer   (worker thread)  writes group i-j back from its buffer
-// so disk reads, the update and disk writes overlap; a buffer is read into
-// again only once its group is written. Host memory is the ring and nothing
-// else: ring_slots x the largest group.
-//
-// Nothing stored is lost on an error. Updated groups are written to fresh
-// slots (copy on write); only when every group is written are the old slots
-// freed and the new ones made current. A failed read or write, a corrupt
-// slot or a stuck drive ends the step with that error, the fresh slots are
-// freed, the states on NVMe are those of before the step, and the compute
-// copies already written for the step are put back from the old masters.
-// The NVMe tier therefore needs room for a second copy of all groups during
-// a step (OutOfMemory, before anything is read, when it has not).
+// states do not fit in host memory. Reads, the update and writes overlap
+// (Note [Three stages at once] in state_stream.cc); a failed step leaves the
+// states on NVMe as they were (Note [Copy on write]), so the NVMe tier needs
+// room for a second copy of every group during a step.
 //
 // Ownership: borrows the NvmeTierPool (which must outlive it); owns the
 // slots of its groups and the ring. Thread-safety: one caller at a time; the
@@ -123,6 +107,16 @@ class StateStream {
   uint64_t GroupBytes(size_t n) const { return (1 + num_states_) * ArrayBytes(n); }
   optim::ChunkTensors TensorsIn(std::byte* buffer, const Group& group, const GroupIo& io) const;
   Status PrepareRing();
+  std::byte* RingBuffer(size_t group) const;  // the ring buffer group `group` goes through
+  // The stages of Run (Note [Three stages at once]), sharing a Progress.
+  struct Progress;
+  Status CheckIo(std::span<const GroupIo> io) const;
+  Status AllocateFresh(std::vector<memory::Extent>& fresh);  // a fresh slot per group, in order
+  void ReadStage(Progress& progress);
+  void WriteStage(Progress& progress, const std::vector<memory::Extent>& fresh);
+  // Returns how many groups it ran the update on (their compute copies may have changed).
+  size_t UpdateStage(Progress& progress, std::span<const GroupIo> io, const UpdateFn& update,
+                     StreamStepReport& report);
   // After a failed step: the compute copies of groups [0, count) from the
   // masters on NVMe, which the step did not change.
   Status RestoreComputeCopies(std::span<const GroupIo> io, size_t count);

@@ -17,6 +17,51 @@
 #include "strata/buffer.h"
 
 namespace strata::offload {
+
+// Note [The train step]
+// RunTrainStep runs three phases:
+//   1. gradient statistics: every grad chunk is read where it lives (a copy
+//      into one host buffer; nothing moves), for the global norm, clipping
+//      and the inf/NaN skip (Optimizer::PlanStep);
+//   2. one host moment per trainable chunk group, in layout order: its grad,
+//      master (bf16/fp16 only), optimizer states and param chunk are
+//      accessed through the pipeline (so the plan reads NVMe-homed states
+//      ahead and writes them back after), updated in one fused pass, and the
+//      grad chunk is zeroed for the next accumulation;
+//   3. Optimizer::FinishStep.
+// A step the plan skips (inf/NaN) still zeroes the grads. A skipped tensor is
+// left as torch.optim leaves a parameter whose .grad is None: its weight
+// decay and moments included. An error (a failed or corrupt NVMe read of a
+// state chunk) ends the step with it; groups updated before it keep their
+// update, the step is not counted, and the engine keeps every chunk (nothing
+// is freed).
+//
+// Note [Data-parallel step]
+// With a communicator (more than one rank; every rank steps with the same
+// layout), each group's gradients are reduce-scattered (summed, then divided
+// by the number of ranks: the mean), the norm's sum of squares all-reduced
+// (the optimizer's all-reduce hook), each rank updates its 1/W range of every
+// group, and the updated param chunk is all-gathered. So every rank ends with
+// the same parameters as one rank stepping the mean gradient. Each rank's
+// master and state chunks hold just its range (memory::ShardOf).
+//
+// With a reducer, the gradients of groups submitted to it during backward
+// are taken from it (their reduction overlapped backward), the others
+// submitted now; without, every group is reduced here by a reducer of the
+// step's own. A communicator of one rank takes this path when a reducer
+// comes with it (comm.backend nccl on a single GPU: its collectives are
+// copies, but they run); without one, the single-rank path, which holds no
+// reduction buffers.
+//
+// Parameters sharded (comm.shard_params): only the master shard is updated,
+// and the reducer's kept gathers are let go; the param chunks are gathered
+// again when compute needs them (GradReducer::Gather), so the reducer that
+// gathered them is required. Frozen groups' master shards never change: the
+// next forward's gathers of their param chunks are queued as soon as the
+// step's own collective (the norm's all-reduce) is done, and a trainable
+// group's as soon as its update is. The step's own collectives are counted
+// as they run; parameters gathered ahead overlap the updates and are the
+// next step's.
 namespace {
 
 using Clock = std::chrono::steady_clock;
@@ -86,49 +131,190 @@ Result<std::vector<std::vector<float>>> ReduceScatterGrads(GradReducer& reducer,
   return shards;
 }
 
-// Accesses group `g`'s chunks in the open host moment (into `held`),
-// updates elements [lo, hi) but the skipped tensors' (this rank's sharded
-// chunks hold that range), and zeroes the grad chunk. `reduced`: null to
-// read the grad chunk (one rank); else this rank's reduced fp32 gradients
-// of [lo, hi) (data parallel).
-Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimizer& optimizer,
-                   const optim::StepPlan& plan, const Group& g, const std::vector<bool>& skip, size_t lo, size_t hi,
-                   const float* reduced, std::array<ChunkAccess, kNumChunkKinds>& held) {
-  for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg,
-                         ChunkKind::kExpAvgSq}) {
-    // A transient param chunk (parameters sharded) is not written: the
-    // master shard is the parameters, gathered again when compute needs them.
-    const bool used = kind == ChunkKind::kExpAvg     ? optimizer.num_states() >= 1
-                      : kind == ChunkKind::kExpAvgSq ? optimizer.num_states() >= 2
-                      : kind == ChunkKind::kParam    ? !g[kind].transient
-                                                     : g.has(kind);
-    if (used) {
-      STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
+// Data parallel: every rank's updated range of the param chunk (pinned in
+// `param_data`) to every rank.
+Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param_data) {
+  const size_t n = UsedElems(param), width = DTypeSizeBytes(param.dtype);
+  const memory::ShardRange range = RankShard(n, comm);
+  std::vector<std::byte> mine(range.elems * width), all(range.elems * width * comm.world_size());
+  std::memcpy(mine.data(), param_data + range.begin * width, (range.end - range.begin) * width);
+  STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), range.elems * width)
+                             .WithContext(fmt::format("all-gather of the updated chunk {}", param.id.value())));
+  std::memcpy(param_data, all.data(), n * width);
+  return Status::Ok();
+}
+
+// One RunTrainStep: its inputs, and what its phases share.
+class TrainStep {
+ public:
+  TrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer, const TrainStepOptions& options)
+      : engine_(engine),
+        pipeline_(pipeline),
+        optimizer_(optimizer),
+        options_(options),
+        groups_(TrainableGroups(engine)),
+        // See Note [Data-parallel step] for a communicator of one rank.
+        parallel_(options.comm != nullptr && (options.comm->world_size() > 1 || options.reducer != nullptr)),
+        comm_(parallel_ ? options.comm : nullptr),
+        reducer_(options.reducer) {}
+
+  Result<TrainStepReport> Run() {
+    STRATA_RETURN_IF_ERROR(CheckSeams());
+    Clock::time_point start = Clock::now();
+    STRATA_RETURN_IF_ERROR(PlanFromGradients());
+    report_.stats_seconds = SecondsSince(start);
+    if (parallel_) GatherFrozenAhead();
+
+    start = Clock::now();
+    for (size_t k = 0; k < groups_.size(); ++k) STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
+    report_.update_seconds = SecondsSince(start);
+    for (std::vector<float>& shard : reduced_) reducer_->Recycle(std::move(shard));
+    STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan));
+    return std::move(report_);
+  }
+
+ private:
+  Status CheckSeams() const {
+    const Communicator* comm = options_.comm;
+    const int world = parallel_ ? comm->world_size() : 1;
+    if (world != engine_.world_size() || (parallel_ && comm->rank() != engine_.rank())) {
+      return InvalidArgument(
+          "train step: the engine is rank {} of {} (its states are sharded that way) but the step was given {}: pass "
+          "the communicator the engine was created with (EngineSeams::comm)",
+          engine_.rank(), engine_.world_size(),
+          parallel_ ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
+    }
+    if (parallel_ && reducer_ == nullptr) {
+      for (const Group& g : groups_) {
+        if (g[ChunkKind::kParam].transient) {
+          return InvalidArgument(
+              "train step: parameters are sharded (comm.shard_params) but no GradReducer was given: pass the one "
+              "that gathered the param chunks, whose kept gathers the update makes stale");
+        }
+      }
+    }
+    return Status::Ok();
+  }
+
+  // Phase 1: the gradients' statistics (data parallel: their reduction, into
+  // reduced_), and the step's plan.
+  Status PlanFromGradients() {
+    optim::GradStats stats;
+    if (parallel_) {
+      if (reducer_ == nullptr) reducer_ = (own_reducer_ = std::make_unique<GradReducer>(engine_, *comm_)).get();
+      const double waited = reducer_->wait_seconds();
+      STRATA_ASSIGN_OR_RETURN(reduced_, ReduceScatterGrads(*reducer_, *comm_, groups_, stats, report_.comm_bytes));
+      report_.comm_wait_seconds = reducer_->wait_seconds() - waited;
+      reducer_->ReleaseGathered();  // gathered from the masters this step updates
+      sent_before_ = comm_->stats().total_bytes();
+      optimizer_.SetAllReduceHook(
+          [comm = comm_](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
+    } else {
+      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_));
+      optimizer_.SetAllReduceHook(nullptr);
+    }
+    STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));
+    CountSent();  // the norm's all-reduce
+    return Status::Ok();
+  }
+
+  // Queues the next forward's gathers of the frozen groups' param chunks
+  // (Note [Data-parallel step]).
+  void GatherFrozenAhead() {
+    std::set<uint32_t> trainable;
+    for (const Group& g : groups_) trainable.insert(g[ChunkKind::kParam].group);
+    for (const ChunkInfo& c : engine_.chunks()) {
+      if (c.kind == ChunkKind::kParam && c.transient && !trainable.contains(c.group)) reducer_->Updated(c.id);
     }
   }
-  // Element `i` of the group's whole chunk in `kind`'s chunk (a sharded
-  // chunk holds only this rank's range, which covers [lo, hi)).
-  const auto element = [&](ChunkKind kind, size_t i) {
-    const ChunkInfo& chunk = g[kind];
-    return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
-  };
-  const ChunkInfo& param = g[ChunkKind::kParam];
-  const ChunkInfo& grad = g[ChunkKind::kGrad];
+
+  // Phase 2 for group k: its update in a host moment of its own; data
+  // parallel, its updated param chunk to every rank.
+  Status UpdateInMoment(size_t k) {
+    const Group& g = groups_[k];
+    const ChunkInfo& param = g[ChunkKind::kParam];
+    const size_t n = UsedElems(param);
+    const memory::ShardRange range = parallel_ ? RankShard(n, *comm_) : memory::ShardRange{.begin = 0, .end = n};
+    if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(param.group));
+    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+    // Released before EndMoment, so the plan's write-backs may take them.
+    std::array<ChunkAccess, kNumChunkKinds> held;
+    Status updated = UpdateGroup(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held);
+    if (updated.ok() && parallel_ && !param.transient) {
+      sent_before_ = comm_->stats().total_bytes();
+      updated = GatherParams(*comm_, param, held[static_cast<int>(ChunkKind::kParam)].data());
+      CountSent();
+    }
+    for (ChunkAccess& a : held) a.Release();
+    const Status ended = pipeline_.EndMoment();
+    STRATA_RETURN_IF_ERROR(updated);
+    STRATA_RETURN_IF_ERROR(ended);
+    report_.groups++;
+    if (parallel_ && param.transient) reducer_->Updated(param.id);  // the next forward's first chunks gather ahead
+    return Status::Ok();
+  }
+
+  // Accesses group `g`'s chunks in the open host moment (into `held`),
+  // updates elements [lo, hi) but the skipped tensors' (this rank's sharded
+  // chunks hold that range), and zeroes the grad chunk. `reduced`: null to
+  // read the grad chunk (one rank); else this rank's reduced fp32 gradients
+  // of [lo, hi) (data parallel).
+  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced,
+                     std::array<ChunkAccess, kNumChunkKinds>& held) {
+    STRATA_RETURN_IF_ERROR(AccessGroup(g, held));
+    for (const auto& [a, b] : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
+      STRATA_RETURN_IF_ERROR(optimizer_.UpdateChunk(report_.plan, TensorsOf(g, held, lo, a, b, reduced)));
+    }
+    std::memset(held[static_cast<int>(ChunkKind::kGrad)].data(), 0, g[ChunkKind::kGrad].used_bytes);
+    return Status::Ok();
+  }
+
+  // Pins the chunks of `g` the update reads or writes into `held`.
+  Status AccessGroup(const Group& g, std::array<ChunkAccess, kNumChunkKinds>& held) {
+    for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg,
+                           ChunkKind::kExpAvgSq}) {
+      // A transient param chunk (parameters sharded) is not written: the
+      // master shard is the parameters, gathered again when compute needs them.
+      const bool used = kind == ChunkKind::kExpAvg     ? optimizer_.num_states() >= 1
+                        : kind == ChunkKind::kExpAvgSq ? optimizer_.num_states() >= 2
+                        : kind == ChunkKind::kParam    ? !g[kind].transient
+                                                       : g.has(kind);
+      if (used) {
+        STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline_.Access(g[kind].id));
+      }
+    }
+    return Status::Ok();
+  }
+
   // The element ranges to update: [lo, hi), less the skipped tensors.
-  std::vector<std::pair<size_t, size_t>> ranges;
-  const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
-  if (std::none_of(param.tensors.begin(), param.tensors.end(), skipped)) {
-    ranges.emplace_back(lo, hi);
-  } else {
+  std::vector<std::pair<size_t, size_t>> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const {
+    const std::vector<bool>& skip = options_.skip;
+    std::vector<std::pair<size_t, size_t>> ranges;
+    const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
+    if (std::none_of(param.tensors.begin(), param.tensors.end(), skipped)) {
+      ranges.emplace_back(lo, hi);
+      return ranges;
+    }
     for (size_t i = 0; i < param.tensors.size(); ++i) {
       if (skipped(param.tensors[i])) continue;
       const size_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
-      const size_t end = at + static_cast<size_t>(engine.tensors()[param.tensors[i].value()].num_elements());
+      const size_t end = at + static_cast<size_t>(engine_.tensors()[param.tensors[i].value()].num_elements());
       if (std::max(at, lo) < std::min(end, hi)) ranges.emplace_back(std::max(at, lo), std::min(end, hi));
     }
+    return ranges;
   }
-  const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
-  for (const auto& [a, b] : ranges) {
+
+  // The arrays of elements [a, b) of group `g` (pinned in `held`; `reduced`
+  // as for UpdateGroup, starting at element `lo`).
+  optim::ChunkTensors TensorsOf(const Group& g, const std::array<ChunkAccess, kNumChunkKinds>& held, size_t lo,
+                                size_t a, size_t b, const float* reduced) const {
+    // Element `i` of the group's whole chunk in `kind`'s chunk (a sharded
+    // chunk holds only this rank's range, which covers [lo, hi)).
+    const auto element = [&](ChunkKind kind, size_t i) {
+      const ChunkInfo& chunk = g[kind];
+      return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
+    };
+    const ChunkInfo& param = g[ChunkKind::kParam];
     optim::ChunkTensors part;
     part.n = b - a;
     // A transient param chunk gets no compute copy: the update is the master's alone.
@@ -144,133 +330,42 @@ Status UpdateGroup(const Engine& engine, Pipeline& pipeline, const optim::Optimi
       part.grad_dtype = DType::kFloat32;
     } else {
       part.grad = element(ChunkKind::kGrad, a);
-      part.grad_dtype = grad.dtype;
+      part.grad_dtype = g[ChunkKind::kGrad].dtype;
     }
-    for (int k = 0; k < optimizer.num_states(); ++k) {
+    const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+    for (int k = 0; k < optimizer_.num_states(); ++k) {
       part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
     }
-    STRATA_RETURN_IF_ERROR(optimizer.UpdateChunk(plan, part));
+    return part;
   }
-  std::memset(held[static_cast<int>(ChunkKind::kGrad)].data(), 0, grad.used_bytes);
-  return Status::Ok();
-}
 
-// Data parallel: every rank's updated range of the param chunk (pinned in
-// `param_data`) to every rank.
-Status GatherParams(Communicator& comm, const ChunkInfo& param, std::byte* param_data) {
-  const size_t n = UsedElems(param), width = DTypeSizeBytes(param.dtype);
-  const memory::ShardRange range = RankShard(n, comm);
-  std::vector<std::byte> mine(range.elems * width), all(range.elems * width * comm.world_size());
-  std::memcpy(mine.data(), param_data + range.begin * width, (range.end - range.begin) * width);
-  STRATA_RETURN_IF_ERROR(comm.AllGather(mine.data(), all.data(), range.elems * width)
-                             .WithContext(fmt::format("all-gather of the updated chunk {}", param.id.value())));
-  std::memcpy(param_data, all.data(), n * width);
-  return Status::Ok();
-}
+  // Adds what the communicator sent since sent_before_ to the report.
+  void CountSent() {
+    if (!parallel_) return;
+    const uint64_t now = comm_->stats().total_bytes();
+    report_.comm_bytes += now - sent_before_;
+    sent_before_ = now;
+  }
+
+  Engine& engine_;
+  Pipeline& pipeline_;
+  optim::Optimizer& optimizer_;
+  const TrainStepOptions& options_;
+  const std::vector<Group> groups_;
+  const bool parallel_;
+  Communicator* const comm_;  // set when parallel_
+  GradReducer* reducer_;      // set when parallel_, once phase 1 begins
+  std::unique_ptr<GradReducer> own_reducer_;  // data parallel without one given
+  std::vector<std::vector<float>> reduced_;  // data parallel: this rank's reduced gradients, by group
+  uint64_t sent_before_ = 0;                 // the communicator's total when last counted
+  TrainStepReport report_;
+};
 
 }  // namespace
 
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip, Communicator* comm, GradReducer* reducer,
-                                     UpdateFence* fence) {
-  TrainStepReport report;
-  const std::vector<Group> groups = TrainableGroups(engine);
-  // A communicator of one rank takes the data-parallel path when a reducer
-  // comes with it (comm.backend nccl on a single GPU: its collectives are
-  // copies, but they run); without one, the single-rank path, which holds no
-  // reduction buffers.
-  const bool parallel = comm != nullptr && (comm->world_size() > 1 || reducer != nullptr);
-  const int world = parallel ? comm->world_size() : 1;
-  if (world != engine.world_size() || (parallel && comm->rank() != engine.rank())) {
-    return InvalidArgument(
-        "train step: the engine is rank {} of {} (its states are sharded that way) but the step was given {}: pass "
-        "the communicator the engine was created with (EngineSeams::comm)",
-        engine.rank(), engine.world_size(),
-        parallel ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
-  }
-  Clock::time_point start = Clock::now();
-  optim::GradStats stats;
-  std::vector<std::vector<float>> reduced;
-  uint64_t comm_bytes_before = 0;
-  std::unique_ptr<GradReducer> own;
-  if (parallel && reducer == nullptr) {
-    for (const Group& g : groups) {
-      if (g[ChunkKind::kParam].transient) {
-        return InvalidArgument(
-            "train step: parameters are sharded (comm.shard_params) but no GradReducer was given: pass the one that "
-            "gathered the param chunks, whose kept gathers the update makes stale");
-      }
-    }
-  }
-  if (parallel) {
-    if (reducer == nullptr) reducer = (own = std::make_unique<GradReducer>(engine, *comm)).get();
-    const double waited = reducer->wait_seconds();
-    STRATA_ASSIGN_OR_RETURN(reduced, ReduceScatterGrads(*reducer, *comm, groups, stats, report.comm_bytes));
-    report.comm_wait_seconds = reducer->wait_seconds() - waited;
-    reducer->ReleaseGathered();  // gathered from the masters this step updates
-    comm_bytes_before = comm->stats().total_bytes();
-    optimizer.SetAllReduceHook(
-        [comm](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
-  } else {
-    STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine, groups));
-    optimizer.SetAllReduceHook(nullptr);
-  }
-  STRATA_ASSIGN_OR_RETURN(report.plan, optimizer.PlanStep(stats));
-  // The step's own collectives are counted as they run: parameters
-  // gathered ahead (parameters sharded) overlap the updates, and are the
-  // next step's.
-  const auto count_sent = [&] {
-    if (!parallel) return;
-    const uint64_t now = comm->stats().total_bytes();
-    report.comm_bytes += now - comm_bytes_before;
-    comm_bytes_before = now;
-  };
-  count_sent();  // the norm's all-reduce
-  report.stats_seconds = SecondsSince(start);
-  if (parallel && reducer != nullptr) {
-    // Frozen groups' master shards never change: the next forward's gathers
-    // of their param chunks may be queued now, after the step's own collective.
-    std::set<uint32_t> trainable;
-    for (const Group& g : groups) trainable.insert(g[ChunkKind::kParam].group);
-    for (const ChunkInfo& c : engine.chunks()) {
-      if (c.kind == ChunkKind::kParam && c.transient && !trainable.contains(c.group)) reducer->Updated(c.id);
-    }
-  }
-
-  start = Clock::now();
-  for (size_t k = 0; k < groups.size(); ++k) {
-    const Group& g = groups[k];
-    const size_t n = UsedElems(g[ChunkKind::kParam]);
-    size_t lo = 0, hi = n;
-    if (parallel) {
-      const memory::ShardRange range = RankShard(n, *comm);
-      lo = range.begin;
-      hi = range.end;
-    }
-    if (fence != nullptr) STRATA_RETURN_IF_ERROR(fence->BeforeUpdate(g[ChunkKind::kParam].group));
-    STRATA_RETURN_IF_ERROR(pipeline.BeginHostMoment().status());
-    // Released before EndMoment, so the plan's write-backs may take them.
-    std::array<ChunkAccess, kNumChunkKinds> held;
-    Status updated = UpdateGroup(engine, pipeline, optimizer, report.plan, g, skip, lo, hi,
-                                 parallel ? reduced[k].data() : nullptr, held);
-    if (updated.ok() && parallel && !g[ChunkKind::kParam].transient) {
-      comm_bytes_before = comm->stats().total_bytes();
-      updated = GatherParams(*comm, g[ChunkKind::kParam], held[static_cast<int>(ChunkKind::kParam)].data());
-      count_sent();
-    }
-    for (ChunkAccess& a : held) a.Release();
-    const Status ended = pipeline.EndMoment();
-    STRATA_RETURN_IF_ERROR(updated);
-    STRATA_RETURN_IF_ERROR(ended);
-    report.groups++;
-    if (parallel && g[ChunkKind::kParam].transient) {
-      reducer->Updated(g[ChunkKind::kParam].id);  // the next forward's first chunks gather ahead
-    }
-  }
-  report.update_seconds = SecondsSince(start);
-  for (std::vector<float>& shard : reduced) reducer->Recycle(std::move(shard));
-  STRATA_RETURN_IF_ERROR(optimizer.FinishStep(report.plan));
-  return report;
+                                     const TrainStepOptions& options) {
+  return TrainStep(engine, pipeline, optimizer, options).Run();
 }
 
 }  // namespace strata::offload

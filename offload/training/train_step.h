@@ -1,20 +1,6 @@
 // The optimizer step of a training loop that runs its forward and backward
-// through a Pipeline (the PyTorch adapter's engine.step()).
-//
-//   1. gradient statistics: every grad chunk is read where it lives (a copy
-//      into one host buffer; nothing moves), for the global norm, clipping
-//      and the inf/NaN skip (Optimizer::PlanStep);
-//   2. one host moment per trainable chunk group, in layout order: its grad,
-//      master (bf16/fp16 only), optimizer states and param chunk are
-//      accessed through the pipeline (so the plan reads NVMe-homed states
-//      ahead and writes them back after), updated in one fused pass, and the
-//      grad chunk is zeroed for the next accumulation;
-//   3. Optimizer::FinishStep.
-// A step the plan skips (inf/NaN) still zeroes the grads.
-//
-// An error (a failed or corrupt NVMe read of a state chunk) ends the step
-// with it; groups updated before it keep their update, the step is not
-// counted, and the engine keeps every chunk (nothing is freed).
+// through a Pipeline: every trainable chunk group updated in a host moment of
+// its own, its grad chunk zeroed. See Note [The train step] in train_step.cc.
 //
 // Thread-safety: the pipeline's thread (the training loop).
 #pragma once
@@ -40,8 +26,7 @@ struct TrainStepReport {
 };
 
 // What an update waits for before it changes a chunk group's chunks (its
-// param, master and optimizer states): an asynchronous checkpoint that has
-// not yet read them out (offload::PendingCheckpoint).
+// param, master and optimizer states).
 class UpdateFence {
  public:
   virtual ~UpdateFence() = default;
@@ -49,31 +34,27 @@ class UpdateFence {
   virtual Status BeforeUpdate(uint32_t group) = 0;
 };
 
+// What a step runs with besides the engine, the pipeline and the optimizer.
+struct TrainStepOptions {
+  // skip[tensor id]: tensors left as they are this step, weight decay and
+  // moments included (no gradient reached them).
+  std::vector<bool> skip;
+  // Data parallel: the engine's own communicator (EngineSeams::comm), the
+  // same layout on every rank. See Note [Data-parallel step].
+  Communicator* comm = nullptr;
+  // The reducer backward submitted gradients to; required when parameters
+  // are sharded (comm.shard_params).
+  GradReducer* reducer = nullptr;
+  // Each group's update first waits for fence->BeforeUpdate.
+  UpdateFence* fence = nullptr;
+};
+
 // Needs an open pipeline iteration and no open moment; leaves the iteration
-// open (the caller ends it). `skip[tensor id]`: tensors left as they are
-// this step (no gradient reached them: torch.optim skips a parameter whose
-// .grad is None, its weight decay and moments included).
-//
-// With `comm` (more than one rank; every rank calls this with the same
-// layout): data parallel. Each group's gradients are reduce-scattered
-// (summed, then divided by the number of ranks: the mean), the norm's sum of
-// squares all-reduced (the optimizer's all-reduce hook), each rank updates
-// its 1/W range of every group, and the updated param chunk is all-gathered
-// (parameters sharded, option comm.shard_params: only the master shard is
-// updated, and the reducer's kept gathers are let go; the param chunks are
-// gathered again when compute needs them, GradReducer::Gather).
-// So every rank ends with the same parameters as one rank stepping the mean
-// gradient. Each rank's master and state chunks hold just its range
-// (memory::ShardOf). `comm` must be the engine's own (EngineSeams::comm):
-// any other (or none for a sharded engine) is InvalidArgument. With
-// `reducer`, the gradients of groups submitted to it during backward are
-// taken from it (their reduction overlapped backward), the others submitted
-// now; without, every group is reduced here (parameters sharded: the reducer
-// that gathered them is required, InvalidArgument without one).
-//
-// With `fence`, each group's update first waits for fence->BeforeUpdate.
+// open. InvalidArgument when `comm` is not the engine's (or missing for a
+// sharded engine), or parameters are sharded and no reducer is given. Any
+// other error (a failed NVMe read of a state chunk) ends the step with it:
+// groups updated before keep their update, the step is not counted.
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                     const std::vector<bool>& skip = {}, Communicator* comm = nullptr,
-                                     GradReducer* reducer = nullptr, UpdateFence* fence = nullptr);
+                                     const TrainStepOptions& options = {});
 
 }  // namespace strata::offload

@@ -9,6 +9,27 @@
 #include "strata/options.h"
 
 namespace strata::offload {
+
+// Note [The GPT step estimate]
+// The model's tensors are those of the self-check's GPT (GptTensorSpecs),
+// bf16 with fp32 master weights and Adam moments, packed by the same chunk
+// layout the engine uses. Activations per layer are estimated as
+// s*b*h*(34 + 5*a*s/h) bytes (bf16, no recomputation; Korthikanti et al.,
+// "Reducing Activation Recomputation in Large Transformer Models"), kept from
+// a layer's forward to its backward. Compute per moment is its matmul FLOPs
+// (forward 24*b*s*h^2 + 4*b*s^2*h per layer and 2*b*s*h*V for the logits;
+// backward twice that) at --gpu-tflops.
+//
+// The step: forward over the embedding, each layer and the head (param
+// chunks; activations alive as non-model memory), backward in reverse (with
+// the grad chunks), then each trainable chunk group's optimizer update (a
+// host moment over all of the group's chunks): on the CPU at
+// --cpu-adam-gparams, or on the GPU at --gpu-adam-gparams where the planner
+// places it there (Note [Where updates run] in planner.cc). The whole step
+// goes to the planner with the links' bandwidths and homes as the engine
+// gives them (states beyond DRAM on NVMe, read ahead of their update and
+// written back), so the prediction is the plan's: compute, stalls and every
+// link.
 namespace {
 
 Status Validate(const ModelShape& m, const MachineSpec& x) {
@@ -89,23 +110,13 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
   return step;
 }
 
-Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
-  STRATA_RETURN_IF_ERROR(Validate(model, machine));
-  CapacityPlan plan;
-  plan.model = model;
-  plan.machine = machine;
-  const GptShape shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
-                             .sequence = model.sequence};
-  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+namespace {
+
+// The planner's input but the trace, with homes as the engine gives them
+// (memory::AssignHomes, with the same room kept for staging NVMe reads); the
+// model states' sizes and homes into `plan`.
+Result<PlannerInput> HomesOf(const memory::ChunkLayout& layout, const MachineSpec& machine, CapacityPlan& plan) {
   const Options defaults;
-  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, 0, defaults.chunk.search_min_elems,
-                                                     defaults.chunk.search_max_elems));
-  for (const TensorSpec& spec : specs) {
-    if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
-  }
-  // Homes, as the engine gives them (memory::AssignHomes, with the same room
-  // kept for staging NVMe reads).
   PlannerInput input;
   const uint64_t total = layout.report().total_bytes;
   const memory::HostReserve reserve =
@@ -132,6 +143,57 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
     (*homes[i] == Tier::kHost ? plan.host_chunk_bytes : plan.nvme_chunk_bytes) += size;
     if (*homes[i] == Tier::kNvme && state) plan.nvme_state_bytes += size;
   }
+  return input;
+}
+
+// Forward and backward against the updates, as `built` places them; and how
+// long each resource is busy in a step, the longest being the bottleneck.
+void SummarizeStep(const Trace& trace, const Plan& built, const MachineSpec& machine, CapacityPlan& plan) {
+  double gpu_busy = 0, cpu_busy = 0;
+  for (size_t k = 0; k < trace.moments.size(); ++k) {
+    const TraceMoment& m = trace.moments[k];
+    const double stall = plan.prediction.stall_per_moment[k];
+    if (!m.device_compute_seconds) {
+      plan.compute_seconds += m.compute_seconds;
+      plan.forward_backward_seconds += m.compute_seconds + stall;
+      gpu_busy += m.compute_seconds;
+    } else if (built.compute_tier[k] == Tier::kDevice) {
+      plan.updates_on_device++;
+      plan.optimizer_seconds += *m.device_compute_seconds + stall;
+      gpu_busy += *m.device_compute_seconds;
+    } else {
+      plan.optimizer_seconds += m.compute_seconds + stall;
+      cpu_busy += m.compute_seconds;
+    }
+    if (m.device_compute_seconds) plan.updates++;
+  }
+  const auto& bytes = plan.prediction.bytes;
+  const double pcie_seconds = static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9);
+  const double nvme_seconds = static_cast<double>(bytes[2]) / (machine.nvme_read_gbps * 1e9) +
+                              static_cast<double>(bytes[3]) / (machine.nvme_write_gbps * 1e9);
+  const std::pair<double, const char*> busy[] = {
+      {gpu_busy, "compute"}, {pcie_seconds, "pcie"}, {nvme_seconds, "nvme"}, {cpu_busy, "cpu optimizer"}};
+  plan.bottleneck = std::max_element(std::begin(busy), std::end(busy))->second;
+}
+
+}  // namespace
+
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
+  STRATA_RETURN_IF_ERROR(Validate(model, machine));
+  CapacityPlan plan;
+  plan.model = model;
+  plan.machine = machine;
+  const GptShape shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
+                             .sequence = model.sequence};
+  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+  const Options defaults;
+  STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
+                          memory::ChunkLayout::Build(specs, 0, defaults.chunk.search_min_elems,
+                                                     defaults.chunk.search_max_elems));
+  for (const TensorSpec& spec : specs) {
+    if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
+  }
+  STRATA_ASSIGN_OR_RETURN(PlannerInput input, HomesOf(layout, machine, plan));
   GptStep step = GptStepTrace(specs, layout, model, machine);
   input.trace = std::move(step.trace);
   plan.model_flops = step.model_flops;
@@ -150,33 +212,7 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   }
   plan.prediction = built->prediction;
   plan.step_seconds = plan.prediction.step_seconds;
-  // Forward and backward against the updates, as placed; and how long each
-  // resource is busy in a step, the longest being the bottleneck.
-  double gpu_busy = 0, cpu_busy = 0;
-  for (size_t k = 0; k < input.trace.moments.size(); ++k) {
-    const TraceMoment& m = input.trace.moments[k];
-    const double stall = plan.prediction.stall_per_moment[k];
-    if (!m.device_compute_seconds) {
-      plan.compute_seconds += m.compute_seconds;
-      plan.forward_backward_seconds += m.compute_seconds + stall;
-      gpu_busy += m.compute_seconds;
-    } else if (built->compute_tier[k] == Tier::kDevice) {
-      plan.updates_on_device++;
-      plan.optimizer_seconds += *m.device_compute_seconds + stall;
-      gpu_busy += *m.device_compute_seconds;
-    } else {
-      plan.optimizer_seconds += m.compute_seconds + stall;
-      cpu_busy += m.compute_seconds;
-    }
-    if (m.device_compute_seconds) plan.updates++;
-  }
-  const auto& bytes = plan.prediction.bytes;
-  const double pcie_seconds = static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9);
-  const double nvme_seconds = static_cast<double>(bytes[2]) / (machine.nvme_read_gbps * 1e9) +
-                              static_cast<double>(bytes[3]) / (machine.nvme_write_gbps * 1e9);
-  const std::pair<double, const char*> busy[] = {
-      {gpu_busy, "compute"}, {pcie_seconds, "pcie"}, {nvme_seconds, "nvme"}, {cpu_busy, "cpu optimizer"}};
-  plan.bottleneck = std::max_element(std::begin(busy), std::end(busy))->second;
+  SummarizeStep(input.trace, *built, machine, plan);
   return plan;
 }
 

@@ -1,20 +1,9 @@
 // `strata plan`: what fits where for a GPT-style model on a given machine,
-// and the step time to expect, before anything is allocated.
-//
-// The model's tensors are those of the self-check's GPT (src/selftest.h),
-// bf16 with fp32 master weights and Adam moments, packed by the same chunk
-// layout the engine uses. Activations per layer are estimated as
-// s*b*h*(34 + 5*a*s/h) bytes (bf16, no recomputation; Korthikanti et al.,
-// "Reducing Activation Recomputation in Large Transformer Models"), kept from
-// a layer's forward to its backward. Compute per moment is its matmul FLOPs
-// (forward 24*b*s*h^2 + 4*b*s^2*h per layer and 2*b*s*h*V for the logits;
-// backward twice that) at --gpu-tflops. After backward, each chunk group's
-// optimizer update: on the CPU at --cpu-adam-gparams, or on the GPU at
-// --gpu-adam-gparams where the planner places it there (Note [Where updates
-// run] in planner.cc). The whole step goes to the planner
-// (offload/planner.h) with the links' bandwidths, homes as the engine gives
-// them (states beyond DRAM on NVMe, read ahead of their update and written
-// back), so the prediction is the plan's: compute, stalls and every link.
+// and the step time to expect, before anything is allocated. The model's
+// tensors are those of offload/workloads/gpt_model.h (bf16 with fp32 master
+// weights and Adam moments) in the engine's chunk layout and homes; the step
+// is estimated as Note [The GPT step estimate] in capacity_plan.cc says and
+// predicted by the planner (offload/schedule/planner.h).
 //
 // Pure functions; thread-safe.
 #pragma once
@@ -72,11 +61,8 @@ struct CapacityPlan {
   Prediction prediction;   // the planner's, for the whole step
 };
 
-// One training step of the GPT as the planner sees it: forward over the
-// embedding, each layer and the head (param chunks; activations alive as
-// non-model memory), backward in reverse (with the grad chunks), then one
-// update per trainable chunk group (a host moment over all of the group's
-// chunks that may run on the device). Compute per moment as above.
+// One training step of the GPT as the planner sees it: forward, backward,
+// then one update per trainable chunk group that may run on the device.
 struct GptStep {
   Trace trace;
   double model_flops = 0;  // forward and backward

@@ -19,7 +19,7 @@ struct Vec {
     return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
   }
   static F LoadFp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  // Round to nearest even on the bits; NaN -> 0xFFFF (optim/half.h).
+  // Round to nearest even on the bits; NaN -> 0xFFFF (src/base/half.h).
   static void StoreBf16(uint16_t* p, F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i kept_lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));

@@ -25,7 +25,7 @@ struct Vec {
   static F LoadFp16(const uint16_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
-  // Round to nearest even on the bits; NaN -> 0xFFFF (optim/half.h).
+  // Round to nearest even on the bits; NaN -> 0xFFFF (src/base/half.h).
   static void StoreBf16(uint16_t* p, F x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i kept_lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));

@@ -1,17 +1,11 @@
 // The CPU optimizer kernels: one update of a range of a chunk, the gradient
 // sum of squares, and the fp32 -> bf16/fp16 conversions, in three versions:
-//   scalar   optim/cpu_reference.cc: the formulas as written, one element at
-//            a time, no fused multiply-add. The reference for the others.
-//   avx2     optim/cpu_avx2.cc (AVX2 + FMA + F16C), 8 lanes
-//   avx512   optim/cpu_avx512.cc (AVX-512F + FMA + F16C), 16 lanes
-// The two vector files instantiate one template (optim/cpu_kernels_impl.h)
-// and are compiled with their instruction set; nothing else is, and the
-// dispatcher only calls a version the CPU supports.
-//
-// Tolerance of a vector version against the reference (tests/optim/
-// cpu_kernels_test.cc): |x - ref| <= 1e-6 + 1e-5 |ref| for the fp32 states
-// (fused multiply-adds round differently); 16-bit outputs are exactly the
-// round-to-nearest-even of the version's own fp32 result, bit for bit.
+//   scalar   optim/cpu/cpu_reference.cc: the reference for the others
+//   avx2     optim/cpu/cpu_avx2.cc (AVX2 + FMA + F16C), 8 lanes
+//   avx512   optim/cpu/cpu_avx512.cc (AVX-512F + FMA + F16C), 16 lanes
+// The vector versions are one template (optim/cpu/cpu_kernels_impl.h, with
+// their tolerance against the reference); the dispatcher only calls a
+// version the CPU supports.
 //
 // Pure functions over caller-owned arrays; thread-safe on disjoint ranges.
 #pragma once
@@ -63,8 +57,7 @@ inline void UpdateParallel(const UpdateConstants& constants, const ChunkTensors&
 // Sum of squares of grad[begin, end) in fp64.
 double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end);
 
-// fp32 -> 16 bits with the rounding of optim/half.h (for tests and callers
-// that convert outside an update).
+// fp32 -> 16 bits with the rounding of src/base/half.h.
 void ConvertToBf16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
 

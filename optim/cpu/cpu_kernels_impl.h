@@ -1,8 +1,13 @@
 // The vector kernels, written once over a `Vec` type that each instruction
-// set file defines before including this (optim/cpu_avx2.cc: 8 lanes,
-// optim/cpu_avx512.cc: 16). The math is the reference's
-// (optim/cpu_reference.cc) with fused multiply-adds; elements past the last
+// set file defines before including this (optim/cpu/cpu_avx2.cc: 8 lanes,
+// optim/cpu/cpu_avx512.cc: 16). The math is the reference's
+// (optim/cpu/cpu_reference.cc) with fused multiply-adds; elements past the last
 // whole vector go to the reference itself.
+//
+// Tolerance against the reference (tests/optim/cpu/cpu_kernels_test.cc):
+// |x - ref| <= 1e-6 + 1e-5 |ref| for the fp32 states (fused multiply-adds
+// round differently); 16-bit outputs are exactly the round-to-nearest-even of
+// the version's own fp32 result, bit for bit.
 //
 // Everything here has internal linkage and calls only intrinsics and the
 // reference: no inline function with external linkage is compiled with the
@@ -10,7 +15,7 @@
 // code running on a CPU without it.
 //
 // Vec provides: F (the register), kLanes, Set, Load, Store, LoadBf16,
-// LoadFp16, StoreBf16, StoreFp16 (optim/half.h's rounding, bit for bit),
+// LoadFp16, StoreBf16, StoreFp16 (src/base/half.h's rounding, bit for bit),
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total().
 

@@ -1,6 +1,6 @@
 // The C++20 side of the CUDA optimizer kernels: checks the callers' chunks and
 // translates them into the plain launch structs of
-// optim/cuda_kernels_launch.h, which optim/cuda_kernels.cu (C++17) takes.
+// optim/cuda/cuda_kernels_launch.h, which optim/cuda/cuda_kernels.cu (C++17) takes.
 // No CUDA call here; every one is in the .cu.
 #include "optim/cuda/cuda_kernels.h"
 

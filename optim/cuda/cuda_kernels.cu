@@ -1,5 +1,5 @@
-// The CUDA optimizer kernels (interface: optim/cuda_kernels.h; launch
-// structs: optim/cuda_kernels_launch.h).
+// The CUDA optimizer kernels (interface: optim/cuda/cuda_kernels.h; launch
+// structs: optim/cuda/cuda_kernels_launch.h).
 //
 // Algorithm: multi-tensor apply.
 //   1. The host packs up to kMaxChunksPerLaunch non-empty chunks into a
@@ -17,16 +17,16 @@
 //      array when every array of the chunk is aligned for that (cudaMalloc'd
 //      arrays are), element by element otherwise and for the last, partial
 //      group of a chunk. A warp thus reads 512 contiguous bytes per array.
-//   4. Each element is the reference's formula (optim/cpu_reference.cc) with
-//      every operation rounded on its own: __fmul_rn, __fadd_rn, __fsub_rn,
-//      __fdiv_rn and __fsqrt_rn are IEEE round-to-nearest and are never
-//      contracted into a fused multiply-add (nvcc contracts a * b + c by
-//      default), so each operation rounds as the reference's does.
-//   5. The 16-bit copy is rounded as optim/half.h rounds: bf16 by the same
-//      bit arithmetic (NaN -> 0xFFFF, as PyTorch writes it); fp16 by the hardware's IEEE
-//      round-to-nearest-even (__float2half_rn: subnormals kept, 65520 and up
-//      to inf) with NaN mapped to sign | 0x7E00 first, as half.h maps it
-//      (the hardware's NaN need not be that pattern).
+//   4. Each element is the reference's formula (optim/cpu/cpu_reference.cc)
+//      with every operation rounded on its own: __fmul_rn, __fadd_rn,
+//      __fsub_rn, __fdiv_rn and __fsqrt_rn are IEEE round-to-nearest and are
+//      never contracted into a fused multiply-add (nvcc contracts a * b + c
+//      by default), so each operation rounds as the reference's does.
+//   5. The 16-bit copy is rounded as src/base/half.h rounds: bf16 by the same
+//      bit arithmetic (NaN -> 0xFFFF, as PyTorch writes it); fp16 by the
+//      hardware's IEEE round-to-nearest-even (__float2half_rn: subnormals
+//      kept, 65520 and up to inf) with NaN mapped to sign | 0x7E00 first, as
+//      half.h maps it (the hardware's NaN need not be that pattern).
 //   Sum of squares: the same tiling; each thread sums the squares of its
 //   gradients widened to fp64, a block reduces with warp shuffles and then
 //   its warps in order and writes one partial; a one-block kernel per launch
@@ -35,10 +35,12 @@
 //   coefficient (and the same weights) from it.
 //
 // Reference: scalar::UpdateRange and scalar::SumSquaresRange
-// (optim/cpu_reference.cc), in tests/optim/cuda_kernels_test.cc. Tolerance:
-// master and states |x - ref| <= 1e-6 + 1e-5 |ref| (NaN where the reference
-// has NaN); 16-bit outputs equal half.h's rounding of the kernel's own master,
-// bit for bit; sum of squares relative 1e-9 (the summation order differs).
+// (optim/cpu/cpu_reference.cc), in tests/optim/cuda/cuda_kernels_test.cc.
+// Tolerance: master and states |x - ref| <= 1e-6 + 1e-5 |ref| (NaN where the
+// reference has NaN; the tolerance of the CPU vector versions: the kernel is
+// expected to match bit for bit, and the test reports how many values do);
+// 16-bit outputs equal half.h's rounding of the kernel's own master, bit for
+// bit; sum of squares relative 1e-9 (the summation order differs).
 #include <cuda_fp16.h>
 
 #include <algorithm>
@@ -118,14 +120,14 @@ __device__ BlockWork WorkOfBlock(const ChunkTable& table) {
   return BlockWork{table.chunks[lo], block - table.block_start[lo], table.block_start[lo + 1] - table.block_start[lo]};
 }
 
-// 16-bit <-> fp32, as optim/half.h converts (bits are the low 16 of a uint32_t).
+// 16-bit <-> fp32, as src/base/half.h converts (bits are the low 16 of a uint32_t).
 __device__ __forceinline__ float FloatFromBf16(uint32_t bits) { return __uint_as_float(bits << 16); }
 __device__ __forceinline__ float FloatFromFp16(uint32_t bits) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));  // exact
 }
 __device__ __forceinline__ uint32_t Bf16FromFloat(float value) {
   const uint32_t bits = __float_as_uint(value);
-  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;  // NaN, as optim/half.h
+  if ((bits & 0x7FFFFFFFu) > 0x7F800000u) return 0xFFFFu;  // NaN, as src/base/half.h
   const uint32_t kept_lsb = (bits >> 16) & 1u;
   return (bits + 0x7FFFu + kept_lsb) >> 16;  // round to nearest, ties to even
 }

@@ -1,12 +1,12 @@
-// The launch interface of the CUDA optimizer kernels (optim/cuda_kernels.cu),
+// The launch interface of the CUDA optimizer kernels (optim/cuda/cuda_kernels.cu),
 // internal to optim/: the per-step constants and one chunk's device arrays in
 // plain C++17 types.
 //
 // Why a second header: nvcc compiles .cu files as C++17 in this build (CMake
 // 3.25 cannot pass it C++20), and the caller-facing types cannot be parsed as
 // C++17 -- optim/optimizer.h takes std::span, strata/types.h declares
-// operator<=>, optim/half.h uses std::bit_cast. So callers use
-// optim/cuda_kernels.h (C++20); optim/cuda_kernels.cc checks their chunks and
+// operator<=>, src/base/half.h uses std::bit_cast. So callers use
+// optim/cuda/cuda_kernels.h (C++20); optim/cuda/cuda_kernels.cc checks their chunks and
 // translates UpdateConstants and ChunkTensors into the structs below, which
 // the kernels take by value.
 //
@@ -24,7 +24,7 @@ namespace strata::optim::cuda_internal {
 // DType's three values, for the gradient and the compute copy.
 enum class ElementType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
-// UpdateConstants (optim/cpu_kernels.h), field for field; `sgd` stands for
+// UpdateConstants (optim/cpu/cpu_kernels.h), field for field; `sgd` stands for
 // the kind (Adam and AdamW share the Adam path: their difference is in
 // decay_l2 and decay_rate).
 struct LaunchConstants {

@@ -115,8 +115,11 @@ void BindTrainStep(py::module_& m) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         return TrainStepDict(ValueOrThrow(Unlocked([&] {
-          return offload::RunTrainStep(engine, pipeline, optimizer, skip, comm,
-                                       reducer != nullptr ? &reducer->get() : nullptr, fence);
+          return offload::RunTrainStep(engine, pipeline, optimizer,
+                                       {.skip = std::move(skip),
+                                        .comm = comm,
+                                        .reducer = reducer != nullptr ? &reducer->get() : nullptr,
+                                        .fence = fence});
         })));
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},

@@ -120,7 +120,7 @@ struct Model {
         backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
       }
     }
-    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {}, comm, reducer, fence)
+    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {.comm = comm, .reducer = reducer, .fence = fence})
                                                    : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;

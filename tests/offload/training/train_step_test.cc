@@ -106,7 +106,7 @@ TEST(TrainStepTest, SkippedTensorsAreLeftAsTheyAreAndTheOthersUpdated) {
   std::vector<bool> skip(kLayers + 1, false);
   skip[2] = true;
   ASSERT_OK(model.pipeline->BeginIteration());
-  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, skip).status());
+  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, {.skip = skip}).status());
   ASSERT_OK(model.pipeline->EndIteration());
   for (int l = 0; l < kLayers; ++l) {
     if (l == 2) {
@@ -365,7 +365,7 @@ TEST(TrainStepTest, AShardThatCannotBeReadFailsTheGatherOnEveryRankInStep) {
       ASSERT_OK(access.status());
       (attempt == 0 ? first : later)[r] = reducer.Gather(param, *access);
     }
-    step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {}, &comm).status();
+    step[r] = RunTrainStep(*rank.engine, *rank.pipeline, *rank.optimizer, {.comm = &comm}).status();
   });
   EXPECT_EQ(first[0].code(), StatusCode::kIoError) << first[0].ToString();
   EXPECT_NE(first[0].message().find("reading the master shard of chunk group"), std::string::npos) << first[0].ToString();
