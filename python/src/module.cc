@@ -594,14 +594,14 @@ PYBIND11_MODULE(_strata, m) {
       [](strata::Engine& engine, const strata::optim::Optimizer& optimizer, const std::string& root,
          uint32_t keep_last, strata::Communicator* comm, uint32_t delay_ms, bool recycle) {
         strata::offload::CheckpointOptions options{.keep_last = keep_last, .recycle = recycle};
-        if (delay_ms > 0) {  // tests: a slow drive's stand-in
-          options.before_chunk = [delay_ms](strata::ChunkId) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-            return strata::Status::Ok();
-          };
+        strata::FileSystem* files = &strata::PosixFileSystem();
+        if (delay_ms > 0) {  // tests: a slow drive's stand-in, each file write delayed; outlives every save
+          static strata::FaultInjectingFileSystem slow(strata::PosixFileSystem());
+          slow.SetDelayMs(delay_ms);
+          files = &slow;
         }
         return ValueOrThrow(
-            Unlocked([&] { return strata::offload::StartCheckpoint(engine, optimizer, root, options, comm); }));
+            Unlocked([&] { return strata::offload::StartCheckpoint(engine, optimizer, root, options, comm, *files); }));
       },
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
       py::arg("delay_ms_per_chunk") = 0, py::arg("recycle") = true, py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),
