@@ -335,27 +335,41 @@ Result<json> ReadHeader(File& file, uint64_t file_bytes, uint64_t* data_begin) {
   return header;
 }
 
+// Whether a tensor's header entry has its fields, of their types.
+bool HasEntryFields(const json& value) {
+  return value.is_object() && value.contains("dtype") && value.contains("shape") && value.contains("data_offsets") &&
+         value["dtype"].is_string() && value["shape"].is_array() && value["data_offsets"].is_array() &&
+         value["data_offsets"].size() == 2;
+}
+
+// The bytes of a tensor of `shape` and elements of `width` bytes, its
+// dimensions appended to `dims`; nothing unless they are non-negative
+// integers whose product fits.
+std::optional<uint64_t> ShapeBytes(const json& shape, uint64_t width, std::vector<int64_t>& dims) {
+  uint64_t bytes = width;
+  for (const json& dim : shape) {
+    if (!dim.is_number_unsigned() || dim.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ||
+        __builtin_mul_overflow(bytes, dim.get<uint64_t>(), &bytes)) {
+      return std::nullopt;
+    }
+    dims.push_back(dim.get<int64_t>());
+  }
+  return bytes;
+}
+
 // One tensor of the header: its dtype one of safetensors', its range of its
 // shape's size (no overflow) inside the `data_bytes` of data at `data_begin`.
 Result<SafetensorsEntry> ParseEntry(const std::string& path, const std::string& name, const json& value,
                                     uint64_t data_begin, uint64_t data_bytes) {
   const auto bad = [&](const std::string& why) { return NotOne(path, fmt::format("tensor '{}': {}", name, why)); };
-  if (!value.is_object() || !value.contains("dtype") || !value.contains("shape") || !value.contains("data_offsets") ||
-      !value["dtype"].is_string() || !value["shape"].is_array() || !value["data_offsets"].is_array() ||
-      value["data_offsets"].size() != 2) {
-    return bad("it needs dtype (a string), shape (an array) and data_offsets ([begin, end])");
-  }
+  if (!HasEntryFields(value)) return bad("it needs dtype (a string), shape (an array) and data_offsets ([begin, end])");
   SafetensorsEntry entry;
   entry.dtype = value["dtype"].get<std::string>();
   const uint64_t width = SizeOf(entry.dtype);
   if (width == 0) return bad(fmt::format("dtype '{}' is not one of safetensors'", entry.dtype));
-  uint64_t bytes = width;
-  for (const json& dim : value["shape"]) {
-    if (!dim.is_number_unsigned() || dim.get<uint64_t>() > static_cast<uint64_t>(INT64_MAX) ||
-        __builtin_mul_overflow(bytes, dim.get<uint64_t>(), &bytes)) {
-      return bad(fmt::format("shape {} is not of non-negative integers of a size that fits", value["shape"].dump()));
-    }
-    entry.shape.push_back(dim.get<int64_t>());
+  const std::optional<uint64_t> bytes = ShapeBytes(value["shape"], width, entry.shape);
+  if (!bytes) {
+    return bad(fmt::format("shape {} is not of non-negative integers of a size that fits", value["shape"].dump()));
   }
   const json& offsets = value["data_offsets"];
   if (!offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned()) return bad("data_offsets are not integers");
@@ -363,9 +377,9 @@ Result<SafetensorsEntry> ParseEntry(const std::string& path, const std::string& 
   if (begin > end || end > data_bytes) {
     return bad(fmt::format("data_offsets [{}, {}] fall outside the {} bytes of data", begin, end, data_bytes));
   }
-  if (end - begin != bytes) {
+  if (end - begin != *bytes) {
     return bad(fmt::format("data_offsets [{}, {}] hold {} bytes, its shape and dtype {} need {}", begin, end,
-                           end - begin, entry.dtype, bytes));
+                           end - begin, entry.dtype, *bytes));
   }
   entry.offset = data_begin + begin;
   entry.bytes = end - begin;

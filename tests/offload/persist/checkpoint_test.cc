@@ -161,7 +161,7 @@ TEST(CheckpointTest, DamageIsCorruptionNamingTheFileAndFallBackLoadsTheOneBefore
   ASSERT_OK(VerifyCheckpoint((fs::path(dir.path()) / "step-00000001").string()).status());
 }
 
-// A save that fails part way (an NVMe read, a full disk) leaves the last
+// A save that fails part way (an NVMe read, a full disk, a failed flush) leaves the last
 // published checkpoint as it was, `latest` naming it, and no temporary.
 TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   ScratchDir dir("ckpt");
@@ -187,6 +187,18 @@ TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   EXPECT_EQ(full.code(), StatusCode::kIoError) << full.ToString();
   EXPECT_NE(full.message().find("chunk-"), std::string::npos) << full.ToString();
 
+  // A disk that fills (ENOSPC), and a flush that fails (EIO), through the file system seam.
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.FailWrites(ENOSPC, 1, /*after=*/1);
+  const Status no_space = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
+  EXPECT_EQ(no_space.code(), StatusCode::kIoError) << no_space.ToString();
+  EXPECT_NE(no_space.message().find("No space left on device"), std::string::npos) << no_space.ToString();
+  EXPECT_NE(no_space.message().find("chunk-"), std::string::npos) << no_space.ToString();
+  files.FailSyncs(EIO);
+  const Status unflushed = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
+  EXPECT_EQ(unflushed.code(), StatusCode::kIoError) << unflushed.ToString();
+  EXPECT_NE(unflushed.message().find("flushing"), std::string::npos) << unflushed.ToString();
+
   EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
   EXPECT_EQ(Latest(dir.path()), "step-00000001");
   Model fresh;
@@ -194,80 +206,58 @@ TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   EXPECT_EQ(State(fresh), at_one);
 }
 
-// A save on a disk that fills (ENOSPC) or whose flush fails (EIO) fails
-// naming the cause, and leaves the last checkpoint as it was.
-TEST(CheckpointTest, AFullDiskOrAFailedFlushFailsTheSaveAndLeavesThePreviousOne) {
-  ScratchDir dir("ckpt");
-  Model model;
-  std::vector<std::vector<float>> at_one;
-  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
-  FaultInjectingFileSystem files(PosixFileSystem());
-  files.FailWrites(ENOSPC, 1, /*after=*/1);
-  const Status full = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
-  EXPECT_EQ(full.code(), StatusCode::kIoError) << full.ToString();
-  EXPECT_NE(full.message().find("No space left on device"), std::string::npos) << full.ToString();
-  EXPECT_NE(full.message().find("chunk-"), std::string::npos) << full.ToString();
-  files.FailSyncs(EIO);
-  const Status unflushed = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
-  EXPECT_EQ(unflushed.code(), StatusCode::kIoError) << unflushed.ToString();
-  EXPECT_NE(unflushed.message().find("flushing"), std::string::npos) << unflushed.ToString();
-  EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
-  Model fresh;
-  ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
-  EXPECT_EQ(State(fresh), at_one);
-}
+// A model saved at step 1 and trained on, and a file system to inject faults through.
+class CheckpointFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model_, dir_.path(), at_one_)); }
+
+  ScratchDir dir_{"ckpt"};
+  Model model_;
+  std::vector<std::vector<float>> at_one_;  // the state saved
+  FaultInjectingFileSystem files_{PosixFileSystem()};
+};
 
 // A write the drive cut short or corrupted without saying so is published,
 // and found by its CRC32C: VerifyCheckpoint says Corruption, and a load
 // that falls back takes the checkpoint before.
-TEST(CheckpointTest, AWriteCutShortOrCorruptedIsFoundAndALoadFallsBack) {
-  ScratchDir dir("ckpt");
-  Model model;
-  std::vector<std::vector<float>> at_one;
-  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
-  FaultInjectingFileSystem files(PosixFileSystem());
+TEST_F(CheckpointFaultTest, AWriteCutShortOrCorruptedIsFoundAndALoadFallsBack) {
   for (bool cut : {true, false}) {
     if (cut) {
-      files.ShortWrites(1, /*after=*/1);
+      files_.ShortWrites(1, /*after=*/1);
     } else {
-      files.CorruptWrites(1, /*after=*/1);
+      files_.CorruptWrites(1, /*after=*/1);
     }
-    ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status());
-    const Status verified = VerifyCheckpoint(dir.path()).status();
+    ASSERT_OK(SaveCheckpoint(*model_.engine, *model_.optimizer, dir_.path(), {}, nullptr, files_).status());
+    const Status verified = VerifyCheckpoint(dir_.path()).status();
     EXPECT_EQ(verified.code(), StatusCode::kCorruption) << verified.ToString();
     EXPECT_NE(verified.message().find("CRC32C"), std::string::npos) << verified.ToString();
     Model fresh;
     ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
-                         LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(), {.fall_back = true}));
+                         LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir_.path(), {.fall_back = true}));
     EXPECT_EQ(loaded.step, 1) << "cut " << cut;
-    EXPECT_EQ(State(fresh), at_one);
+    EXPECT_EQ(State(fresh), at_one_);
   }
 }
 
 // A load whose chunk file read fails, comes back corrupted or ends early
 // fails: IoError naming the cause, or Corruption.
-TEST(CheckpointTest, AChunkFileThatCannotBeReadWholeFailsTheLoad) {
-  ScratchDir dir("ckpt");
-  Model model;
-  std::vector<std::vector<float>> at_one;
-  ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
-  FaultInjectingFileSystem files(PosixFileSystem());
+TEST_F(CheckpointFaultTest, AChunkFileThatCannotBeReadWholeFailsTheLoad) {
   Model fresh;
-  const auto load = [&] { return LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path(), {}, nullptr, files); };
-  files.FailReads(EIO, 1, /*after=*/2);  // after `latest` and the manifest
+  const auto load = [&] { return LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir_.path(), {}, nullptr, files_); };
+  files_.FailReads(EIO, 1, /*after=*/2);  // after `latest` and the manifest
   const Status unreadable = load().status();
   EXPECT_EQ(unreadable.code(), StatusCode::kIoError) << unreadable.ToString();
   EXPECT_NE(unreadable.message().find("Input/output error"), std::string::npos) << unreadable.ToString();
-  files.CorruptReads(1, /*after=*/2);
+  files_.CorruptReads(1, /*after=*/2);
   const Status corrupted = load().status();
   EXPECT_EQ(corrupted.code(), StatusCode::kCorruption) << corrupted.ToString();
   EXPECT_NE(corrupted.message().find("CRC32C"), std::string::npos) << corrupted.ToString();
-  files.ShortReads(1, /*after=*/2);
+  files_.ShortReads(1, /*after=*/2);
   const Status cut = load().status();
   EXPECT_EQ(cut.code(), StatusCode::kCorruption) << cut.ToString();
   EXPECT_NE(cut.message().find("ended at byte"), std::string::npos) << cut.ToString();
   ASSERT_OK(load().status());
-  EXPECT_EQ(State(fresh), at_one);
+  EXPECT_EQ(State(fresh), at_one_);
 }
 
 // keep_last removes the oldest once the new one is published (its files
