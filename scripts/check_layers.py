@@ -43,6 +43,7 @@ PUBLIC_HEADERS = {
     "strata/options.h": "config",
     "strata/device.h": "device",
     "strata/storage.h": "storage",
+    "strata/file_system.h": "storage",
     "strata/comm.h": "comm",
     "strata/engine.h": "memory",
     "strata/access.h": "memory",

@@ -4,10 +4,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include <chrono>
 #include <cstdint>
 #include <string>
-#include <thread>
 
 #include "offload/persist/checkpoint.h"
 #include "offload/persist/safetensors.h"
@@ -44,16 +42,14 @@ py::dict InterchangeDict(const offload::InterchangeSummary& s) {
   return d;
 }
 
-// The options of an asynchronous save; delay_ms > 0 (tests) stands in for a slow drive.
-offload::CheckpointOptions StartOptions(uint32_t keep_last, bool recycle, uint32_t delay_ms) {
-  offload::CheckpointOptions options{.keep_last = keep_last, .recycle = recycle};
-  if (delay_ms > 0) {
-    options.before_chunk = [delay_ms](ChunkId) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
-      return Status::Ok();
-    };
-  }
-  return options;
+// The files an asynchronous save writes through: delay_ms > 0 (tests) stands
+// in for a slow drive, each file write that much later. The wrapper outlives
+// every save that uses it.
+FileSystem& StartFiles(uint32_t delay_ms) {
+  if (delay_ms == 0) return PosixFileSystem();
+  static FaultInjectingFileSystem slow(PosixFileSystem());
+  slow.SetDelayMs(delay_ms);
+  return slow;
 }
 
 void BindPendingCheckpoint(py::module_& m) {
@@ -94,8 +90,10 @@ void BindCheckpoint(py::module_& m) {
       "start_checkpoint",
       [](Engine& engine, const optim::Optimizer& optimizer, const std::string& root, uint32_t keep_last,
          Communicator* comm, uint32_t delay_ms, bool recycle) {
-        const offload::CheckpointOptions options = StartOptions(keep_last, recycle, delay_ms);
-        return ValueOrThrow(Unlocked([&] { return offload::StartCheckpoint(engine, optimizer, root, options, comm); }));
+        const offload::CheckpointOptions options{.keep_last = keep_last, .recycle = recycle};
+        FileSystem& files = StartFiles(delay_ms);
+        return ValueOrThrow(
+            Unlocked([&] { return offload::StartCheckpoint(engine, optimizer, root, options, comm, files); }));
       },
       py::arg("engine"), py::arg("optimizer"), py::arg("root"), py::arg("keep_last") = 0, py::arg("comm") = nullptr,
       py::arg("delay_ms_per_chunk") = 0, py::arg("recycle") = true, py::keep_alive<0, 1>(), py::keep_alive<0, 5>(),

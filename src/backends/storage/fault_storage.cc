@@ -125,7 +125,7 @@ Status FaultInjectingStorage::Write(uint64_t offset, const std::byte* src, size_
 
   if (fault == Fault::kFail) {
     // The base is not called: the stored bytes stay as they were.
-    return IoError("injected fault: write at offset {}: {} (errno {})", offset, storage::ErrnoText(error_number),
+    return IoError("injected fault: write at offset {}: {} (errno {})", offset, ErrnoText(error_number),
                    error_number);
   }
   if (fault == Fault::kCorrupt && size_bytes > 0) {
@@ -168,7 +168,7 @@ Status FaultInjectingStorage::Read(uint64_t offset, std::byte* dst, size_t size_
   if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
 
   if (fault == Fault::kFail) {
-    return IoError("injected fault: read at offset {}: {} (errno {})", offset, storage::ErrnoText(error_number),
+    return IoError("injected fault: read at offset {}: {} (errno {})", offset, ErrnoText(error_number),
                    error_number);
   }
   STRATA_RETURN_IF_ERROR(base_->Read(offset, dst, size_bytes));

@@ -15,17 +15,11 @@
 #include <memory>
 #include <string>
 
+#include "src/base/posix_file.h"
 #include "strata/status.h"
 #include "strata/storage.h"
 
 namespace strata::storage {
-
-// "No space left on device": strerror without its thread-safety problem
-// (strerrordesc_np returns a constant string and never writes a shared buffer).
-inline std::string ErrnoText(int error_number) {
-  const char* text = ::strerrordesc_np(error_number);
-  return text != nullptr ? text : fmt::format("unknown error {}", error_number);
-}
 
 // InvalidArgument unless offset, size and buffer address are multiples of
 // storage.alignment_bytes() and [offset, offset + size) lies inside

@@ -4,7 +4,7 @@
 // once the first checkpoint is, so that every kill lands after one exists.
 // With "async", each step is saved once, asynchronously, while the next
 // step trains. With "nfs", the second save of a step replaces the first as
-// on a file system without RENAME_EXCHANGE (CheckpointOptions::exchange).
+// on a file system without RENAME_EXCHANGE (FaultInjectingFileSystem::RefuseExchange).
 #include <cstdio>
 #include <memory>
 #include <random>
@@ -21,6 +21,8 @@ int main(int argc, char** argv) {
   }
   const bool asynchronous = mode == "async";
   using namespace strata::offload;
+  strata::FaultInjectingFileSystem files(strata::PosixFileSystem());
+  files.RefuseExchange(mode == "nfs");
   Model model;
   std::mt19937 rng(5);
   for (int l = 0; l < kLayers; ++l) model.Write(l, strata::ChunkKind::kParam, Random(rng, 0.5f));
@@ -36,8 +38,7 @@ int main(int argc, char** argv) {
     model.fence = nullptr;
     pending.reset();
     for (int again = 0; again < (asynchronous ? 0 : 2) && waited.ok(); ++again) {
-      auto saved =
-          SaveCheckpoint(*model.engine, *model.optimizer, argv[1], {.keep_last = 2, .exchange = mode != "nfs"});
+      auto saved = SaveCheckpoint(*model.engine, *model.optimizer, argv[1], {.keep_last = 2}, nullptr, files);
       if (!saved.ok()) {
         std::fprintf(stderr, "save at step %d: %s\n", step + 1, saved.status().ToString().c_str());
         return 1;

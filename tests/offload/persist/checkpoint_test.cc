@@ -12,6 +12,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <memory>
 #include <random>
 #include <set>
 #include <thread>
@@ -160,7 +161,7 @@ TEST(CheckpointTest, DamageIsCorruptionNamingTheFileAndFallBackLoadsTheOneBefore
   ASSERT_OK(VerifyCheckpoint((fs::path(dir.path()) / "step-00000001").string()).status());
 }
 
-// A save that fails part way (an NVMe read, a full disk) leaves the last
+// A save that fails part way (an NVMe read, a full disk, a failed flush) leaves the last
 // published checkpoint as it was, `latest` naming it, and no temporary.
 TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   ScratchDir dir("ckpt");
@@ -186,11 +187,77 @@ TEST(CheckpointTest, AFailedSaveLeavesThePreviousCheckpointIntact) {
   EXPECT_EQ(full.code(), StatusCode::kIoError) << full.ToString();
   EXPECT_NE(full.message().find("chunk-"), std::string::npos) << full.ToString();
 
+  // A disk that fills (ENOSPC), and a flush that fails (EIO), through the file system seam.
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.FailWrites(ENOSPC, 1, /*after=*/1);
+  const Status no_space = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
+  EXPECT_EQ(no_space.code(), StatusCode::kIoError) << no_space.ToString();
+  EXPECT_NE(no_space.message().find("No space left on device"), std::string::npos) << no_space.ToString();
+  EXPECT_NE(no_space.message().find("chunk-"), std::string::npos) << no_space.ToString();
+  files.FailSyncs(EIO);
+  const Status unflushed = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, files).status();
+  EXPECT_EQ(unflushed.code(), StatusCode::kIoError) << unflushed.ToString();
+  EXPECT_NE(unflushed.message().find("flushing"), std::string::npos) << unflushed.ToString();
+
   EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{"latest", "step-00000001"}));
   EXPECT_EQ(Latest(dir.path()), "step-00000001");
   Model fresh;
   ASSERT_OK(LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status());
   EXPECT_EQ(State(fresh), at_one);
+}
+
+// A model saved at step 1 and trained on, and a file system to inject faults through.
+class CheckpointFaultTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model_, dir_.path(), at_one_)); }
+
+  ScratchDir dir_{"ckpt"};
+  Model model_;
+  std::vector<std::vector<float>> at_one_;  // the state saved
+  FaultInjectingFileSystem files_{PosixFileSystem()};
+};
+
+// A write the drive cut short or corrupted without saying so is published,
+// and found by its CRC32C: VerifyCheckpoint says Corruption, and a load
+// that falls back takes the checkpoint before.
+TEST_F(CheckpointFaultTest, AWriteCutShortOrCorruptedIsFoundAndALoadFallsBack) {
+  for (bool cut : {true, false}) {
+    if (cut) {
+      files_.ShortWrites(1, /*after=*/1);
+    } else {
+      files_.CorruptWrites(1, /*after=*/1);
+    }
+    ASSERT_OK(SaveCheckpoint(*model_.engine, *model_.optimizer, dir_.path(), {}, nullptr, files_).status());
+    const Status verified = VerifyCheckpoint(dir_.path()).status();
+    EXPECT_EQ(verified.code(), StatusCode::kCorruption) << verified.ToString();
+    EXPECT_NE(verified.message().find("CRC32C"), std::string::npos) << verified.ToString();
+    Model fresh;
+    ASSERT_OK_AND_ASSIGN(CheckpointSummary loaded,
+                         LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir_.path(), {.fall_back = true}));
+    EXPECT_EQ(loaded.step, 1) << "cut " << cut;
+    EXPECT_EQ(State(fresh), at_one_);
+  }
+}
+
+// A load whose chunk file read fails, comes back corrupted or ends early
+// fails: IoError naming the cause, or Corruption.
+TEST_F(CheckpointFaultTest, AChunkFileThatCannotBeReadWholeFailsTheLoad) {
+  Model fresh;
+  const auto load = [&] { return LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir_.path(), {}, nullptr, files_); };
+  files_.FailReads(EIO, 1, /*after=*/2);  // after `latest` and the manifest
+  const Status unreadable = load().status();
+  EXPECT_EQ(unreadable.code(), StatusCode::kIoError) << unreadable.ToString();
+  EXPECT_NE(unreadable.message().find("Input/output error"), std::string::npos) << unreadable.ToString();
+  files_.CorruptReads(1, /*after=*/2);
+  const Status corrupted = load().status();
+  EXPECT_EQ(corrupted.code(), StatusCode::kCorruption) << corrupted.ToString();
+  EXPECT_NE(corrupted.message().find("CRC32C"), std::string::npos) << corrupted.ToString();
+  files_.ShortReads(1, /*after=*/2);
+  const Status cut = load().status();
+  EXPECT_EQ(cut.code(), StatusCode::kCorruption) << cut.ToString();
+  EXPECT_NE(cut.message().find("ended at byte"), std::string::npos) << cut.ToString();
+  ASSERT_OK(load().status());
+  EXPECT_EQ(State(fresh), at_one_);
 }
 
 // keep_last removes the oldest once the new one is published (its files
@@ -222,7 +289,9 @@ TEST(CheckpointTest, KeepLastAndResavingAStep) {
   // Again as on a file system without RENAME_EXCHANGE (NFS): the old one
   // moved aside and removed, the new one in its place.
   model.Write(0, ChunkKind::kParam, std::vector<float>(kChunkElems, 0.5f));
-  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2, .exchange = false}).status());
+  FaultInjectingFileSystem nfs(PosixFileSystem());
+  nfs.RefuseExchange();
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {.keep_last = 2}, nullptr, nfs).status());
   EXPECT_EQ(Entries(dir.path()), (std::vector<std::string>{".spare", "latest", "step-00000002", "step-00000003"}));
   Model again;
   ASSERT_OK(LoadCheckpoint(*again.engine, *again.optimizer, dir.path()).status());
@@ -321,18 +390,22 @@ TEST(CheckpointTest, AChunkThatMovesWhileItsFileIsWrittenIsWrittenAgain) {
   Train(model, 0, 2);
   std::optional<ChunkId> previous;
   uint32_t moved = 0;
-  CheckpointOptions moving{.before_chunk = [&](ChunkId chunk) {
-    // The chunk taken before this one is still being written.
+  FaultInjectingFileSystem moving(PosixFileSystem());
+  moving.SetOpenHook([&](const std::string& path) {
+    // As a chunk's file is opened, the chunk taken before it is still being written.
+    const std::string name = fs::path(path).filename().string();
+    if (name.rfind("chunk-", 0) != 0) return Status::Ok();
     if (previous && *model.engine->ChunkTier(*previous) == Tier::kHost) {
       STRATA_RETURN_IF_ERROR(model.engine->MoveChunk(*previous, Tier::kNvme));
       moved++;
     }
-    previous = chunk;
+    previous = ChunkId(static_cast<uint32_t>(std::stoul(name.substr(6))));
     return Status::Ok();
-  }};
+  });
   const std::vector<std::vector<float>> before = State(model);
   ASSERT_OK(model.engine->OffloadAll());
-  ASSERT_OK_AND_ASSIGN(CheckpointSummary saved, SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), moving));
+  ASSERT_OK_AND_ASSIGN(CheckpointSummary saved,
+                       SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, moving));
   EXPECT_GT(moved, 0u);
   EXPECT_EQ(saved.rewritten, moved);
   Model fresh;
@@ -679,20 +752,19 @@ TEST(CheckpointTest, RanksFailingDifferentlyStopAlike) {
   EXPECT_EQ(results[0].code(), StatusCode::kCorruption) << results[0].ToString();  // its own error, not a Timeout
 }
 
-// A save that reads each chunk out slowly (`ms` before each), so that
-// training goes on well past its start.
-CheckpointOptions Slow(int ms) {
-  return {.keep_last = 0, .before_chunk = [ms](ChunkId) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(ms));
-            return Status::Ok();
-          }};
+// A file system on which every file write takes `ms` (a slow drive), so
+// that training goes on well past a save's start.
+std::unique_ptr<FaultInjectingFileSystem> Slow(uint32_t ms) {
+  auto files = std::make_unique<FaultInjectingFileSystem>(PosixFileSystem());
+  files->SetDelayMs(ms);
+  return files;
 }
 
-// A save whose third chunk cannot be read (an NVMe read error's stand-in).
-CheckpointOptions FailingThirdChunk() {
-  return {.keep_last = 0, .before_chunk = [n = 0](ChunkId chunk) mutable {
-            return ++n == 3 ? IoError("reading chunk {}: injected", chunk.value()) : Status::Ok();
-          }};
+// One on which the third file write fails (EIO).
+std::unique_ptr<FaultInjectingFileSystem> FailingThirdWrite() {
+  auto files = std::make_unique<FaultInjectingFileSystem>(PosixFileSystem());
+  files->FailWrites(EIO, 1, /*after=*/2);
+  return files;
 }
 
 // An asynchronous save at step 4, written while 4 more steps run, holds
@@ -705,9 +777,10 @@ TEST(CheckpointTest, AnAsynchronousSaveHoldsTheStateOfItsStartWhileTrainingGoesO
   Model first;
   Initialize(first);
   Train(first, 0, 4);
+  const std::unique_ptr<FaultInjectingFileSystem> slow = Slow(40);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                       StartCheckpoint(*first.engine, *first.optimizer, dir.path(), Slow(15)));
-  EXPECT_FALSE(pending->done());  // 19 chunks at 15 ms each
+                       StartCheckpoint(*first.engine, *first.optimizer, dir.path(), {}, nullptr, *slow));
+  EXPECT_FALSE(pending->done());  // 19 chunk files at 40 ms each, 3 at a time
   first.fence = pending.get();
   Train(first, 4, 8);
   first.fence = nullptr;
@@ -733,8 +806,9 @@ TEST(CheckpointTest, AFailedAsynchronousSaveReportsAtWaitAndTrainingGoesOn) {
   Model model;
   std::vector<std::vector<float>> at_one;
   ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  const std::unique_ptr<FaultInjectingFileSystem> failing = FailingThirdWrite();
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), FailingThirdChunk()));
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, *failing));
   model.fence = pending.get();
   Train(model, 2, 3);
   model.fence = nullptr;
@@ -747,8 +821,7 @@ TEST(CheckpointTest, AFailedAsynchronousSaveReportsAtWaitAndTrainingGoesOn) {
   EXPECT_EQ(State(fresh), at_one);
 }
 
-// A save that stalls (its third chunk's read held, as a hung file write
-// would hold it) is abandoned once a step's update has waited
+// A save that stalls (its third file write hung, as on a stalled drive) is abandoned once a step's update has waited
 // update_wait_ms for it: the step ends while the save is still held, its
 // Wait is a Timeout saying so, nothing is published, and training went on
 // exactly as without a save.
@@ -759,19 +832,15 @@ TEST(CheckpointTest, AStalledAsynchronousSaveIsAbandonedAndTrainingGoesOn) {
   ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
   Initialize(unsaved);
   Train(unsaved, 0, 3);
-  std::promise<void> step_done;
-  std::shared_future<void> stepped = step_done.get_future().share();
-  CheckpointOptions stalls{.keep_last = 0, .update_wait_ms = 200, .before_chunk = [stepped, n = 0](ChunkId) mutable {
-                             // Bounded, so that a fence that waits for ever fails the test instead of hanging it.
-                             if (++n == 3) stepped.wait_for(std::chrono::seconds(30));
-                             return Status::Ok();
-                           }};
+  FaultInjectingFileSystem stalls(PosixFileSystem());
+  stalls.StallWrites(/*after=*/2);  // bounded, so that a fence that waits for ever fails the test instead of hanging it
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), stalls));
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), {.update_wait_ms = 200}, nullptr,
+                                       stalls));
   model.fence = pending.get();
   Train(model, 2, 3);
   EXPECT_FALSE(pending->done()) << "the step waited for the stalled save";
-  step_done.set_value();
+  stalls.Unstall();
   model.fence = nullptr;
   const Status abandoned = pending->Wait().status();
   EXPECT_EQ(abandoned.code(), StatusCode::kTimeout) << abandoned.ToString();
@@ -794,8 +863,9 @@ TEST(CheckpointTest, DataParallelAsynchronousSavesResumeExactly) {
     GradReducer reducer(*model.engine, comm);
     Initialize(model);
     TrainRanks(model, r, 2, 0, 3, &comm, &reducer);
+    const std::unique_ptr<FaultInjectingFileSystem> slow = Slow(10 * (r + 1));
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(), Slow(10 * (r + 1)), &comm));
+                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm, *slow));
     model.fence = pending.get();
     TrainRanks(model, r, 2, 3, 6, &comm, &reducer);
     model.fence = nullptr;
@@ -815,8 +885,8 @@ TEST(CheckpointTest, ARankWhoseSaveStallsGivesUpBeforeItsPeersCollectiveTimesOut
   ScratchDir dir("ckpt");
   constexpr uint32_t kTimeoutMs = 3'000;
   ASSERT_OK_AND_ASSIGN(auto group, CreateLoopbackGroup(2, {.timeout_ms = kTimeoutMs}));
-  std::promise<void> steps_done;
-  std::shared_future<void> stepped = steps_done.get_future().share();
+  FaultInjectingFileSystem stalls(PosixFileSystem());
+  stalls.StallWrites(/*after=*/1);  // rank 1's; bounded: a failing test ends
   std::vector<Status> trained(2, Status::Ok()), saved(2, Status::Ok());
   std::vector<std::unique_ptr<PendingCheckpoint>> pending(2);
   std::vector<std::unique_ptr<Model>> models(2);
@@ -831,15 +901,9 @@ TEST(CheckpointTest, ARankWhoseSaveStallsGivesUpBeforeItsPeersCollectiveTimesOut
       Initialize(model);
       TrainRanks(model, r, 2, 0, 1, &comm, reducers[r].get());
       ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
-      CheckpointOptions options;  // update_wait_ms left at 60 s: the communicator's timeout caps it
-      if (r == 1) {
-        options.before_chunk = [stepped, n = 0](ChunkId) mutable {
-          if (++n == 2) stepped.wait_for(std::chrono::seconds(30));  // bounded: a failing test ends
-          return Status::Ok();
-        };
-      }
-      Result<std::unique_ptr<PendingCheckpoint>> started =
-          StartCheckpoint(*model.engine, *model.optimizer, dir.path(), options, &comm);
+      // update_wait_ms left at 60 s: the communicator's timeout caps it.
+      Result<std::unique_ptr<PendingCheckpoint>> started = StartCheckpoint(
+          *model.engine, *model.optimizer, dir.path(), {}, &comm, r == 1 ? stalls : PosixFileSystem());
       ASSERT_OK(started.status());
       pending[r] = std::move(started).value();
       model.fence = pending[r].get();
@@ -849,7 +913,7 @@ TEST(CheckpointTest, ARankWhoseSaveStallsGivesUpBeforeItsPeersCollectiveTimesOut
     });
   }
   for (std::thread& t : threads) t.join();
-  steps_done.set_value();
+  stalls.Unstall();
   threads.clear();
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
@@ -881,13 +945,14 @@ TEST(CheckpointTest, ARankThatFailsOrNeverReportsFailsTheSaveOnEveryRank) {
     TrainRanks(model, r, 2, 0, 1, &comm, &reducer);
     ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm).status());
     TrainRanks(model, r, 2, 1, 2, &comm, &reducer);
-    failed[r] = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(),
-                               r == 1 ? FailingThirdChunk() : CheckpointOptions{}, &comm)
+    const std::unique_ptr<FaultInjectingFileSystem> failing = FailingThirdWrite(), slow = Slow(1500);
+    failed[r] = SaveCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm,
+                               r == 1 ? *failing : PosixFileSystem())
                     .status();
-    // Rank 1 reads its first chunk out 1.5 s late, beyond rank 0's 300 ms.
+    // Rank 1 writes its first chunk files 1.5 s late, beyond rank 0's 300 ms.
     ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(),
-                                         r == 1 ? Slow(1500) : CheckpointOptions{}, &comm));
+                         StartCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, &comm,
+                                         r == 1 ? *slow : PosixFileSystem()));
     late[r] = pending->Wait().status();
   });
   EXPECT_EQ(failed[1].code(), StatusCode::kIoError) << failed[1].ToString();
@@ -907,8 +972,9 @@ TEST(CheckpointTest, ASaveOrLoadWhileASaveIsInFlightIsRefused) {
   Model model;
   std::vector<std::vector<float>> at_one;
   ASSERT_NO_FATAL_FAILURE(SaveStepOneThenTrainTwo(model, dir.path(), at_one));
+  const std::unique_ptr<FaultInjectingFileSystem> slow = Slow(10);
   ASSERT_OK_AND_ASSIGN(std::unique_ptr<PendingCheckpoint> pending,
-                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), Slow(10)));
+                       StartCheckpoint(*model.engine, *model.optimizer, dir.path(), {}, nullptr, *slow));
   const Status load = LoadCheckpoint(*model.engine, *model.optimizer, dir.path()).status();
   EXPECT_EQ(load.code(), StatusCode::kInvalidArgument) << load.ToString();
   EXPECT_NE(load.message().find("in flight"), std::string::npos) << load.ToString();

@@ -228,6 +228,46 @@ TEST(InterchangeTest, MismatchesAndDamagedFilesAreRefused) {
             StatusCode::kIoError);
 }
 
+// An export whose write fails (a full disk) or whose flush fails returns
+// IoError naming the cause and leaves no file, not even its temporary.
+TEST(InterchangeTest, AFailedWriteOrFlushFailsTheExportAndLeavesNoFile) {
+  ScratchDir dir("st");
+  const std::string path = dir.path() + "/model.safetensors";
+  Model model;
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.FailWrites(ENOSPC, 1, /*after=*/2);
+  const Status full = ExportSafetensors(*model.engine, path, {}, nullptr, files).status();
+  EXPECT_EQ(full.code(), StatusCode::kIoError) << full.ToString();
+  EXPECT_NE(full.message().find("No space left on device"), std::string::npos) << full.ToString();
+  files.FailSyncs(EIO);
+  const Status unflushed = ExportSafetensors(*model.engine, path, {}, nullptr, files).status();
+  EXPECT_EQ(unflushed.code(), StatusCode::kIoError) << unflushed.ToString();
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+  ASSERT_OK(ExportSafetensors(*model.engine, path, {}, nullptr, files).status());
+  EXPECT_EQ(Parse(path).data.size(), static_cast<size_t>(kLayers) + 1);
+}
+
+// An import whose read fails is IoError; one whose file ends early is
+// InvalidArgument (not a whole safetensors file).
+TEST(InterchangeTest, AFailedOrShortReadFailsTheImport) {
+  ScratchDir dir("st");
+  const std::string path = dir.path() + "/model.safetensors";
+  Model model;
+  ASSERT_OK(ExportSafetensors(*model.engine, path).status());
+  FaultInjectingFileSystem files(PosixFileSystem());
+  Model fresh;
+  files.FailReads(EIO, 1, /*after=*/2);  // after the header's length and the header
+  const Status unreadable = ImportSafetensors(*fresh.engine, path, {}, nullptr, files).status();
+  EXPECT_EQ(unreadable.code(), StatusCode::kIoError) << unreadable.ToString();
+  EXPECT_NE(unreadable.message().find("Input/output error"), std::string::npos) << unreadable.ToString();
+  files.ShortReads(1, /*after=*/1);  // the header
+  const Status cut = ImportSafetensors(*fresh.engine, path, {}, nullptr, files).status();
+  EXPECT_EQ(cut.code(), StatusCode::kInvalidArgument) << cut.ToString();
+  EXPECT_NE(cut.message().find("ends before byte"), std::string::npos) << cut.ToString();
+  ASSERT_OK(ImportSafetensors(*fresh.engine, path, {}, nullptr, files).status());
+  EXPECT_EQ(fresh.Read(0, ChunkKind::kParam), model.Read(0, ChunkKind::kParam));
+}
+
 // Data parallel with parameters sharded: the masters are the only stored
 // copy, each rank holding a shard; the export gathers them (rank 0 writes),
 // and an import sets each rank's shard, which exports the same file again.
