@@ -104,51 +104,6 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
 
 }  // namespace
 
-std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes, uint64_t max_host_state_bytes) {
-  std::vector<std::optional<Tier>> homes(chunks.size());
-  for (bool states : {false, true}) {
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      if (IsStateChunk(chunks[i]) != states) continue;
-      const uint64_t size = chunks[i].size_bytes();
-      if (chunks[i].transient) {
-        homes[i] = Tier::kHost;
-      } else if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
-        homes[i] = Tier::kHost;
-        host_bytes -= size;
-        if (states) max_host_state_bytes -= size;
-      } else if (size <= nvme_bytes) {
-        homes[i] = Tier::kNvme;
-        nvme_bytes -= size;
-      }
-    }
-  }
-  return homes;
-}
-
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
-  if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
-  std::vector<uint64_t> group_states;
-  uint64_t largest_chunk = 0;
-  for (const ChunkGroup& group : layout.groups()) {
-    uint64_t states = 0;
-    for (int k = 0; k < kNumChunkKinds; ++k) {
-      const std::optional<ChunkId> c = group.chunk_of_kind[k];
-      if (!c) continue;
-      largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
-      if (IsStateChunk(layout.chunk(*c))) states += layout.chunk(*c).size_bytes();
-    }
-    group_states.push_back(states);
-  }
-  // A typical group, not the largest: an embedding's group may be many times the others.
-  std::nth_element(group_states.begin(), group_states.begin() + group_states.size() / 2, group_states.end());
-  const uint64_t median_states = group_states.empty() ? 0 : group_states[group_states.size() / 2];
-  HostReserve reserve;
-  reserve.staging_bytes = std::min({stream_ring, host_bytes / 4, std::max(host_bytes / 8, 4 * median_states)});
-  reserve.reserved_bytes = std::min(host_bytes, reserve.staging_bytes + 2 * largest_chunk);
-  return reserve;
-}
-
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
   return IsOptimizerState(kind) ? DType::kFloat32 : param_dtype;
 }

@@ -33,7 +33,6 @@
 
 #include <array>
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,33 +140,6 @@ class ChunkLayout {
   LayoutReport report_;
   ShardSpec shard_;
 };
-
-// Home tiers as the engine gives them: first the chunks compute touches
-// every iteration (params and grads), then the optimizer states, each in
-// layout order, on the host while `host_bytes` lasts, then on NVMe while
-// `nvme_bytes` lasts; nullopt for a chunk that fits on neither. So the
-// states are what goes to NVMe first (read and written once a step, by the
-// update); params and grads only when the host cannot hold even them.
-// With `max_host_state_bytes`, optimizer states go to the host only up to
-// that many bytes (the static placement policy's share). A transient param
-// chunk is given the host and takes none of it: it is never stored there
-// (moved off the device, it is dropped).
-std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes,
-                                             uint64_t max_host_state_bytes = std::numeric_limits<uint64_t>::max());
-
-// Host memory kept free of homes when some chunks must live on NVMe: room
-// for NVMe-homed chunks read ahead of their CPU update (staging: four
-// typical (median) chunk groups' optimizer states, one updated, one being
-// written back, two read ahead; at least an eighth of the host tier, at most
-// a quarter of it and at most `stream_ring`, option optimizer.stream_ring),
-// and two of the largest chunks of slack, so that free space in pieces can
-// be joined. Zero when the host holds every chunk or there is no NVMe tier.
-struct HostReserve {
-  uint64_t staging_bytes = 0;
-  uint64_t reserved_bytes = 0;  // staging and slack: what homes may not use
-};
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
 
 // Element size of a chunk kind for a group whose params are `param_dtype`.
 DType ChunkKindDType(ChunkKind kind, DType param_dtype);
