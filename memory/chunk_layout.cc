@@ -102,6 +102,35 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
   return Status::Ok();
 }
 
+// The chunk size in [search_min_elems, search_max_elems] that packs
+// `tensors` (of tensor_elems in all) with the least waste, within tolerance.
+Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_t tensor_elems,
+                                 uint64_t search_min_elems, uint64_t search_max_elems) {
+  if (search_min_elems == 0 || search_min_elems > search_max_elems) {
+    return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
+                           search_min_elems, search_max_elems);
+  }
+  // A chunk larger than everything gains nothing: stop there.
+  uint64_t upper = std::min(search_max_elems, AlignElems(tensor_elems + kTensorAlignmentElems * tensors.size()));
+  // Smaller chunks always waste less at the tail, but every chunk is a
+  // transfer: take the largest chunk whose waste is within
+  // kWasteToleranceFraction of the least waste found.
+  constexpr double kWasteToleranceFraction = 0.01;
+  std::vector<std::pair<uint64_t, double>> candidates;  // size, waste fraction
+  double least_waste = 1.0;
+  for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
+       size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
+    double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
+    candidates.emplace_back(size, waste);
+    least_waste = std::min(least_waste, waste);
+  }
+  uint64_t chosen = 0;
+  for (const auto& [size, waste] : candidates) {
+    if (waste <= least_waste + kWasteToleranceFraction) chosen = size;
+  }
+  return chosen;
+}
+
 }  // namespace
 
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
@@ -135,30 +164,10 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
   uint64_t tensor_elems = 0;
   for (const TensorSpec& t : tensors) tensor_elems += static_cast<uint64_t>(t.num_elements());
 
-  uint64_t chosen = AlignElems(chunk_size_elems);
   layout.report_.searched = chunk_size_elems == 0;
+  uint64_t chosen = AlignElems(chunk_size_elems);
   if (chunk_size_elems == 0) {
-    if (search_min_elems == 0 || search_min_elems > search_max_elems) {
-      return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
-                             search_min_elems, search_max_elems);
-    }
-    // A chunk larger than everything gains nothing: stop there.
-    uint64_t upper = std::min(search_max_elems, AlignElems(tensor_elems + kTensorAlignmentElems * tensors.size()));
-    // Smaller chunks always waste less at the tail, but every chunk is a
-    // transfer: take the largest chunk whose waste is within
-    // kWasteToleranceFraction of the least waste found.
-    constexpr double kWasteToleranceFraction = 0.01;
-    std::vector<std::pair<uint64_t, double>> candidates;  // size, waste fraction
-    double least_waste = 1.0;
-    for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
-         size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
-      double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
-      candidates.emplace_back(size, waste);
-      least_waste = std::min(least_waste, waste);
-    }
-    for (const auto& [size, waste] : candidates) {
-      if (waste <= least_waste + kWasteToleranceFraction) chosen = size;
-    }
+    STRATA_ASSIGN_OR_RETURN(chosen, SearchChunkSize(tensors, tensor_elems, search_min_elems, search_max_elems));
   }
   layout.report_.chunk_size_elems = chosen;
 

@@ -166,6 +166,10 @@ class ResidencyManager final : public AccessOwner {
   // by moving chunks in hold within the tier (Note [Compaction]); nullopt
   // when no such move makes one.
   Result<std::optional<Extent>> Compact(Lock& lock, Tier tier, uint64_t size_bytes);
+  // Moves chunk `id`, in hold at `expected_offset` on `tier`, to a free slot
+  // of the tier; returns the slot it left, or nullopt when the chunk is no
+  // longer there so or the tier has no slot for it (nothing moved).
+  Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset);
   // Copies bytes between slots; runs without the lock.
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;
