@@ -1,3 +1,22 @@
+// Note [Sharded layout]
+// Data parallel (a ShardSpec of more than one rank): a group's master and
+// optimizer-state chunks hold only this rank's shard of the group — elements
+// ShardOf(used, rank, world) of the param chunk's element space — so each
+// rank stores 1/W of them; param and grad chunks stay whole. Every rank's
+// layout has the same chunks of the same sizes. With ShardSpec::params
+// (ZeRO-3), every group has a master shard, fp32 params too, and that shard
+// is the rank's only stored copy of the parameters: the group's param chunk
+// is transient (ChunkDesc::transient), a whole chunk gathered from every
+// rank's shard while compute uses it, homed on no tier (nothing of it is
+// written below the tier it is on). A frozen group's params are sharded too:
+// its master shard is in the param dtype (nothing updates it), and it has no
+// grad or state chunks.
+//
+// Note [Chunk size search]
+// The chunk size (in elements) is given, or searched between two bounds for
+// the least padding waste; sizes within one percentage point of the least
+// waste count as equal, and the largest of them wins (fewer transfers).
+
 #include "memory/chunk_layout.h"
 
 #include <algorithm>
@@ -103,7 +122,8 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
 }
 
 // The chunk size in [search_min_elems, search_max_elems] that packs
-// `tensors` (of tensor_elems in all) with the least waste, within tolerance.
+// `tensors` (of tensor_elems in all) with the least waste; see Note [Chunk
+// size search].
 Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_t tensor_elems,
                                  uint64_t search_min_elems, uint64_t search_max_elems) {
   if (search_min_elems == 0 || search_min_elems > search_max_elems) {

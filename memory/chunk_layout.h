@@ -12,21 +12,13 @@
 // (and, parameters sharded, a master shard: below).
 //
 // Data parallel (a ShardSpec of more than one rank): a group's master and
-// optimizer-state chunks hold only this rank's shard of the group — elements
-// ShardOf(used, rank, world) of the param chunk's element space — so each
-// rank stores 1/W of them; param and grad chunks stay whole. Every rank's
-// layout has the same chunks of the same sizes. With ShardSpec::params
-// (ZeRO-3), every group has a master shard, fp32 params too, and
-// that shard is the rank's only stored copy of the parameters: the group's
-// param chunk is transient (ChunkDesc::transient), a whole chunk gathered
-// from every rank's shard while compute uses it, homed on no tier (nothing
-// of it is written below the tier it is on).
-// A frozen group's params are sharded too: its master shard is in the
-// param dtype (nothing updates it), and it has no grad or state chunks.
+// optimizer-state chunks hold only this rank's shard of the group; with
+// ShardSpec::params the param chunks are transient, gathered from the
+// shards. Every rank's layout has the same chunks of the same sizes. See
+// Note [Sharded layout] in chunk_layout.cc.
 //
-// The chunk size (in elements) is given, or searched between two bounds for
-// the least padding waste; sizes within one percentage point of the least
-// waste count as equal, and the largest of them wins (fewer transfers).
+// The chunk size is given, or searched between two bounds for the least
+// padding waste (Note [Chunk size search]).
 //
 // Immutable once built; thread-safe to read.
 #pragma once

@@ -22,6 +22,16 @@
 // host and device pools, then the storage, then the device. The communicator
 // is the caller's and outlives the engine.
 
+// Note [Ranks]
+// With a communicator of more than one rank, Create checks that every rank
+// has the same options (but device.index, nvme.dirs and log.level, which
+// may differ) and Finalize that every rank registered the same tensors,
+// each an InvalidArgument on every rank naming the ranks that differ. Each
+// rank's NVMe files go into a subdirectory `rank<r>` of every nvme.dirs
+// entry, so ranks sharing a drive never collide. Each rank keeps only its
+// shard (1/W) of every group's master and optimizer states
+// (ChunkInfo::sharded).
+
 namespace strata {
 
 // Everything the engine owns; see Note [Engine teardown] for the order it dies in.

@@ -1,3 +1,23 @@
+// Note [Eviction]
+// A transient chunk (ChunkDesc::transient: a gathered param chunk) has no
+// bytes worth keeping below the tier it is on: moved down, or evicted, it is
+// dropped (free again) instead of copied. A move copies, then frees the
+// source slot, so a failed move (an I/O error, a full disk) leaves the chunk
+// where it was. A free chunk is materialized at home by its first Move.
+//
+// When a tier has no room, a chunk in hold on it is evicted one tier down
+// (device -> host -> NVMe), cascading: the least recently used of those not
+// at home there, else the least recently used of all. A victim the tier
+// below cannot hold (every chunk there in use, or its free space in pieces
+// too small) goes one tier further down. A memory tier whose free bytes
+// suffice but are in pieces is compacted first (Note [Compaction]), and
+// nothing is evicted.
+//
+// Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
+// bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
+// in flight waits up to kMoveSteps times that. Copies and I/O run without
+// the lock, with the chunk marked in flight.
+
 #include "memory/residency.h"
 
 #include <algorithm>
