@@ -208,10 +208,9 @@ Status ValidateUringOptions(const UringStorageOptions& options) {
 Result<std::vector<BackingFile>> OpenBackingFiles(const UringStorageOptions& options, const OpenFileFn& open_file,
                                                   CreatedFilesGuard& created) {
   const uint64_t num_dirs = options.dirs.size();
-  const uint64_t block = options.block_size_bytes;
   // See Note [Backing files].
   const uint64_t share_bytes = (options.capacity_bytes + num_dirs - 1) / num_dirs;
-  const uint64_t file_size_bytes = (share_bytes + block - 1) / block * block;
+  const uint64_t file_size_bytes = RoundUp(share_bytes, options.block_size_bytes);
 
   std::vector<struct stat> dir_stats;
   STRATA_RETURN_IF_ERROR(CheckDirectories(options.dirs, dir_stats));
