@@ -1,3 +1,22 @@
+// Note [Sharded layout]
+// Data parallel (a ShardSpec of more than one rank): a group's master and
+// optimizer-state chunks hold only this rank's shard of the group — elements
+// ShardOf(used, rank, world) of the param chunk's element space — so each
+// rank stores 1/W of them; param and grad chunks stay whole. Every rank's
+// layout has the same chunks of the same sizes. With ShardSpec::params
+// (ZeRO-3), every group has a master shard, fp32 params too, and that shard
+// is the rank's only stored copy of the parameters: the group's param chunk
+// is transient (ChunkDesc::transient), a whole chunk gathered from every
+// rank's shard while compute uses it, homed on no tier (nothing of it is
+// written below the tier it is on). A frozen group's params are sharded too:
+// its master shard is in the param dtype (nothing updates it), and it has no
+// grad or state chunks.
+//
+// Note [Chunk size search]
+// The chunk size (in elements) is given, or searched between two bounds for
+// the least padding waste; sizes within one percentage point of the least
+// waste count as equal, and the largest of them wins (fewer transfers).
+
 #include "memory/chunk_layout.h"
 
 #include <algorithm>
@@ -102,52 +121,37 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
   return Status::Ok();
 }
 
+// The chunk size in [search_min_elems, search_max_elems] that packs
+// `tensors` (of tensor_elems in all) with the least waste; see Note [Chunk
+// size search].
+Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_t tensor_elems,
+                                 uint64_t search_min_elems, uint64_t search_max_elems) {
+  if (search_min_elems == 0 || search_min_elems > search_max_elems) {
+    return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
+                           search_min_elems, search_max_elems);
+  }
+  // A chunk larger than everything gains nothing: stop there.
+  uint64_t upper = std::min(search_max_elems, AlignElems(tensor_elems + kTensorAlignmentElems * tensors.size()));
+  // Smaller chunks always waste less at the tail, but every chunk is a
+  // transfer: take the largest chunk whose waste is within
+  // kWasteToleranceFraction of the least waste found.
+  constexpr double kWasteToleranceFraction = 0.01;
+  std::vector<std::pair<uint64_t, double>> candidates;  // size, waste fraction
+  double least_waste = 1.0;
+  for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
+       size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
+    double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
+    candidates.emplace_back(size, waste);
+    least_waste = std::min(least_waste, waste);
+  }
+  uint64_t chosen = 0;
+  for (const auto& [size, waste] : candidates) {
+    if (waste <= least_waste + kWasteToleranceFraction) chosen = size;
+  }
+  return chosen;
+}
+
 }  // namespace
-
-std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes, uint64_t max_host_state_bytes) {
-  std::vector<std::optional<Tier>> homes(chunks.size());
-  for (bool states : {false, true}) {
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      if (IsStateChunk(chunks[i]) != states) continue;
-      const uint64_t size = chunks[i].size_bytes();
-      if (chunks[i].transient) {
-        homes[i] = Tier::kHost;
-      } else if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
-        homes[i] = Tier::kHost;
-        host_bytes -= size;
-        if (states) max_host_state_bytes -= size;
-      } else if (size <= nvme_bytes) {
-        homes[i] = Tier::kNvme;
-        nvme_bytes -= size;
-      }
-    }
-  }
-  return homes;
-}
-
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
-  if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
-  std::vector<uint64_t> group_states;
-  uint64_t largest_chunk = 0;
-  for (const ChunkGroup& group : layout.groups()) {
-    uint64_t states = 0;
-    for (int k = 0; k < kNumChunkKinds; ++k) {
-      const std::optional<ChunkId> c = group.chunk_of_kind[k];
-      if (!c) continue;
-      largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
-      if (IsStateChunk(layout.chunk(*c))) states += layout.chunk(*c).size_bytes();
-    }
-    group_states.push_back(states);
-  }
-  // A typical group, not the largest: an embedding's group may be many times the others.
-  std::nth_element(group_states.begin(), group_states.begin() + group_states.size() / 2, group_states.end());
-  const uint64_t median_states = group_states.empty() ? 0 : group_states[group_states.size() / 2];
-  HostReserve reserve;
-  reserve.staging_bytes = std::min({stream_ring, host_bytes / 4, std::max(host_bytes / 8, 4 * median_states)});
-  reserve.reserved_bytes = std::min(host_bytes, reserve.staging_bytes + 2 * largest_chunk);
-  return reserve;
-}
 
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
   return IsOptimizerState(kind) ? DType::kFloat32 : param_dtype;
@@ -180,30 +184,10 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
   uint64_t tensor_elems = 0;
   for (const TensorSpec& t : tensors) tensor_elems += static_cast<uint64_t>(t.num_elements());
 
-  uint64_t chosen = AlignElems(chunk_size_elems);
   layout.report_.searched = chunk_size_elems == 0;
+  uint64_t chosen = AlignElems(chunk_size_elems);
   if (chunk_size_elems == 0) {
-    if (search_min_elems == 0 || search_min_elems > search_max_elems) {
-      return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
-                             search_min_elems, search_max_elems);
-    }
-    // A chunk larger than everything gains nothing: stop there.
-    uint64_t upper = std::min(search_max_elems, AlignElems(tensor_elems + kTensorAlignmentElems * tensors.size()));
-    // Smaller chunks always waste less at the tail, but every chunk is a
-    // transfer: take the largest chunk whose waste is within
-    // kWasteToleranceFraction of the least waste found.
-    constexpr double kWasteToleranceFraction = 0.01;
-    std::vector<std::pair<uint64_t, double>> candidates;  // size, waste fraction
-    double least_waste = 1.0;
-    for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
-         size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
-      double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
-      candidates.emplace_back(size, waste);
-      least_waste = std::min(least_waste, waste);
-    }
-    for (const auto& [size, waste] : candidates) {
-      if (waste <= least_waste + kWasteToleranceFraction) chosen = size;
-    }
+    STRATA_ASSIGN_OR_RETURN(chosen, SearchChunkSize(tensors, tensor_elems, search_min_elems, search_max_elems));
   }
   layout.report_.chunk_size_elems = chosen;
 

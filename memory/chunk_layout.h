@@ -12,28 +12,19 @@
 // (and, parameters sharded, a master shard: below).
 //
 // Data parallel (a ShardSpec of more than one rank): a group's master and
-// optimizer-state chunks hold only this rank's shard of the group — elements
-// ShardOf(used, rank, world) of the param chunk's element space — so each
-// rank stores 1/W of them; param and grad chunks stay whole. Every rank's
-// layout has the same chunks of the same sizes. With ShardSpec::params
-// (ZeRO-3), every group has a master shard, fp32 params too, and
-// that shard is the rank's only stored copy of the parameters: the group's
-// param chunk is transient (ChunkDesc::transient), a whole chunk gathered
-// from every rank's shard while compute uses it, homed on no tier (nothing
-// of it is written below the tier it is on).
-// A frozen group's params are sharded too: its master shard is in the
-// param dtype (nothing updates it), and it has no grad or state chunks.
+// optimizer-state chunks hold only this rank's shard of the group; with
+// ShardSpec::params the param chunks are transient, gathered from the
+// shards. Every rank's layout has the same chunks of the same sizes. See
+// Note [Sharded layout] in chunk_layout.cc.
 //
-// The chunk size (in elements) is given, or searched between two bounds for
-// the least padding waste; sizes within one percentage point of the least
-// waste count as equal, and the largest of them wins (fewer transfers).
+// The chunk size is given, or searched between two bounds for the least
+// padding waste (Note [Chunk size search]).
 //
 // Immutable once built; thread-safe to read.
 #pragma once
 
 #include <array>
 #include <cstdint>
-#include <limits>
 #include <optional>
 #include <string>
 #include <vector>
@@ -141,33 +132,6 @@ class ChunkLayout {
   LayoutReport report_;
   ShardSpec shard_;
 };
-
-// Home tiers as the engine gives them: first the chunks compute touches
-// every iteration (params and grads), then the optimizer states, each in
-// layout order, on the host while `host_bytes` lasts, then on NVMe while
-// `nvme_bytes` lasts; nullopt for a chunk that fits on neither. So the
-// states are what goes to NVMe first (read and written once a step, by the
-// update); params and grads only when the host cannot hold even them.
-// With `max_host_state_bytes`, optimizer states go to the host only up to
-// that many bytes (the static placement policy's share). A transient param
-// chunk is given the host and takes none of it: it is never stored there
-// (moved off the device, it is dropped).
-std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
-                                             uint64_t nvme_bytes,
-                                             uint64_t max_host_state_bytes = std::numeric_limits<uint64_t>::max());
-
-// Host memory kept free of homes when some chunks must live on NVMe: room
-// for NVMe-homed chunks read ahead of their CPU update (staging: four
-// typical (median) chunk groups' optimizer states, one updated, one being
-// written back, two read ahead; at least an eighth of the host tier, at most
-// a quarter of it and at most `stream_ring`, option optimizer.stream_ring),
-// and two of the largest chunks of slack, so that free space in pieces can
-// be joined. Zero when the host holds every chunk or there is no NVMe tier.
-struct HostReserve {
-  uint64_t staging_bytes = 0;
-  uint64_t reserved_bytes = 0;  // staging and slack: what homes may not use
-};
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
 
 // Element size of a chunk kind for a group whose params are `param_dtype`.
 DType ChunkKindDType(ChunkKind kind, DType param_dtype);

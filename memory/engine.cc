@@ -9,12 +9,32 @@
 #include <fmt/ranges.h>
 
 #include "memory/chunk_layout.h"
+#include "memory/placement.h"
 #include "memory/residency.h"
 #include "memory/tier_pool.h"
 #include "src/base/logging.h"
 
+// Note [Engine teardown]
+// The engine's parts depend on each other downwards: the residency manager's
+// handles and moves use the tier pools, the pools hold memory the device (and
+// the storage, for NVMe slots) gave them. So ~Engine destroys them top down,
+// explicitly rather than by member order: the residency manager, the NVMe,
+// host and device pools, then the storage, then the device. The communicator
+// is the caller's and outlives the engine.
+
+// Note [Ranks]
+// With a communicator of more than one rank, Create checks that every rank
+// has the same options (but device.index, nvme.dirs and log.level, which
+// may differ) and Finalize that every rank registered the same tensors,
+// each an InvalidArgument on every rank naming the ranks that differ. Each
+// rank's NVMe files go into a subdirectory `rank<r>` of every nvme.dirs
+// entry, so ranks sharing a drive never collide. Each rank keeps only its
+// shard (1/W) of every group's master and optimizer states
+// (ChunkInfo::sharded).
+
 namespace strata {
 
+// Everything the engine owns; see Note [Engine teardown] for the order it dies in.
 struct Engine::Impl {
   Options options;
   std::unique_ptr<Device> device;
@@ -33,6 +53,36 @@ struct Engine::Impl {
     if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
     return Status::Ok();
   }
+  // Every rank of the group must register the same tensors.
+  Status CheckSameModelOnAllRanks() const {
+    if (comm == nullptr || comm->world_size() <= 1) return Status::Ok();
+    std::string model;
+    for (const TensorSpec& t : tensors) {
+      model += fmt::format("{}:{}:{}:{}:{};", t.name, fmt::join(t.shape, "x"), DTypeName(t.dtype), t.trainable, t.module);
+    }
+    return CheckSameOnAllRanks(*comm, "registered tensors", model);
+  }
+  memory::TierCapacities Capacities() const {
+    memory::TierCapacities capacities;
+    capacities.device_bytes = device_pool->usage().capacity_bytes;
+    capacities.host_bytes = host_pool->usage().capacity_bytes;
+    capacities.nvme_bytes = nvme_pool ? nvme_pool->usage().capacity_bytes : 0;
+    capacities.has_nvme = nvme_pool != nullptr;
+    return capacities;
+  }
+  std::unique_ptr<memory::ResidencyManager> MakeResidency(const memory::ChunkLayout& chunk_layout,
+                                                          const std::vector<Tier>& homes) const {
+    memory::ResidencyConfig config;
+    config.device = device.get();
+    config.device_pool = device_pool.get();
+    config.host_pool = host_pool.get();
+    config.nvme_pool = nvme_pool.get();
+    config.transfer_workers = options.transfer_workers;
+    config.wait_timeout_ms = std::max(options.device.copy_timeout_ms, options.nvme.io_timeout_ms);
+    auto manager = std::make_unique<memory::ResidencyManager>(config, chunk_layout.chunks());
+    for (size_t i = 0; i < homes.size(); ++i) manager->SetHome(ChunkId(static_cast<uint32_t>(i)), homes[i]);
+    return manager;
+  }
   Status CheckChunk(ChunkId id) const {
     STRATA_RETURN_IF_ERROR(CheckFinalized("chunk access"));
     if (id.value() >= layout->chunks().size()) {
@@ -46,8 +96,7 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Engine::~Engine() {
   if (impl_ == nullptr) return;
-  // Order matters: handles and moves go before the pools they use, pools
-  // before the backends that gave them memory.
+  // See Note [Engine teardown].
   impl_->residency.reset();
   impl_->nvme_pool.reset();
   impl_->host_pool.reset();
@@ -157,105 +206,14 @@ uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; 
 Status Engine::Finalize() {
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;
-  if (impl_->comm != nullptr && impl_->comm->world_size() > 1) {
-    std::string model;
-    for (const TensorSpec& t : impl_->tensors) {
-      model += fmt::format("{}:{}:{}:{}:{};", t.name, fmt::join(t.shape, "x"), DTypeName(t.dtype), t.trainable, t.module);
-    }
-    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*impl_->comm, "registered tensors", model));
-  }
+  STRATA_RETURN_IF_ERROR(impl_->CheckSameModelOnAllRanks());
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, o.chunk.search_min_elems,
                                                      o.chunk.search_max_elems,
                                                      {rank(), world_size(), o.comm.shard_params}));
-
-  // Homes: params and grads, then optimizer states; host while it has room,
-  // then NVMe (memory::AssignHomes). The device tier is a cache of what
-  // compute touches, so no chunk calls it home. When some chunks must live
-  // on NVMe, part of the host tier stays free of homes: room for NVMe-homed
-  // states read ahead of their CPU update.
-  const uint64_t host_capacity = impl_->host_pool->usage().capacity_bytes;
-  const uint64_t nvme_capacity = impl_->nvme_pool ? impl_->nvme_pool->usage().capacity_bytes : 0;
-  const uint64_t total_bytes = layout.report().total_bytes;
-  const memory::HostReserve reserve =
-      memory::HostReserveFor(layout, host_capacity, nvme_capacity, o.optimizer.stream_ring_bytes);
-  impl_->host_staging_bytes = reserve.staging_bytes;
-  // The static policy homes a fixed share of the optimizer states on the host.
-  const bool fixed = o.placement.policy == PlacementPolicy::kStatic;
-  uint64_t state_bytes = 0, largest_state_chunk = 0;
-  for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    if (!memory::IsStateChunk(chunk)) continue;
-    state_bytes += chunk.size_bytes();
-    largest_state_chunk = std::max(largest_state_chunk, chunk.size_bytes());
-  }
-  const uint64_t host_state_share =
-      static_cast<uint64_t>(o.placement.host_states * static_cast<double>(state_bytes));
-  const std::vector<std::optional<Tier>> assigned =
-      memory::AssignHomes(layout.chunks(), host_capacity - reserve.reserved_bytes, nvme_capacity,
-                          fixed ? host_state_share : std::numeric_limits<uint64_t>::max());
-  uint64_t largest_chunk = 0;
-  std::vector<Tier> homes;
-  for (size_t i = 0; i < assigned.size(); ++i) {
-    largest_chunk = std::max(largest_chunk, layout.chunks()[i].size_bytes());
-    if (!assigned[i]) {
-      return OutOfMemory(
-          "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
-          "(nvme.capacity{}): raise a budget or add nvme.dirs{}",
-          FormatSize(total_bytes), layout.chunks().size(), FormatSize(host_capacity),
-          reserve.reserved_bytes > 0
-              ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(reserve.reserved_bytes))
-              : "",
-          FormatSize(nvme_capacity), impl_->nvme_pool ? "" : ", not configured",
-          fixed ? fmt::format(", or raise placement.host_states ({}: the rest of the states go to NVMe)",
-                              o.placement.host_states)
-                : std::string());
-    }
-    homes.push_back(*assigned[i]);
-  }
-  if (fixed) {
-    uint64_t host_states = 0;
-    for (size_t i = 0; i < homes.size(); ++i) {
-      if (homes[i] == Tier::kHost && memory::IsStateChunk(layout.chunks()[i])) {
-        host_states += layout.chunks()[i].size_bytes();
-      }
-    }
-    if (host_states + largest_state_chunk < host_state_share) {
-      return OutOfMemory(
-          "placement.host_states {} asks for {} of the {} of optimizer states in host memory, but host.budget {} "
-          "holds only {} of them beside the params and grads{}: raise host.budget or lower placement.host_states",
-          o.placement.host_states, FormatSize(host_state_share), FormatSize(state_bytes), FormatSize(host_capacity),
-          FormatSize(host_states),
-          reserve.reserved_bytes > 0 ? fmt::format(" and {} kept for staging", FormatSize(reserve.reserved_bytes))
-                                     : std::string());
-    }
-  }
-  uint64_t largest_transient = 0;
-  for (const memory::ChunkDesc& chunk : layout.chunks()) {
-    if (chunk.transient) largest_transient = std::max(largest_transient, chunk.size_bytes());
-  }
-  const uint64_t device_capacity = impl_->device_pool->usage().capacity_bytes;
-  if ((kKeptGatheredChunks + 2) * largest_transient > device_capacity) {
-    return OutOfMemory(
-        "comm.shard_params: the device tier holds {} (device.budget) but gathered parameters need room for {} of "
-        "the largest param chunk ({} each: {} kept pinned after their gather, and a moment's own): raise "
-        "device.budget, lower chunk.size_elems / chunk.search_max_elems, or turn comm.shard_params off",
-        FormatSize(device_capacity), kKeptGatheredChunks + 2, FormatSize(largest_transient), kKeptGatheredChunks);
-  }
-  if (largest_chunk > impl_->device_pool->usage().capacity_bytes) {
-    return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
-                       "or lower chunk.size_elems / chunk.search_max_elems",
-                       FormatSize(largest_chunk), FormatSize(impl_->device_pool->usage().capacity_bytes));
-  }
-
-  memory::ResidencyConfig config;
-  config.device = impl_->device.get();
-  config.device_pool = impl_->device_pool.get();
-  config.host_pool = impl_->host_pool.get();
-  config.nvme_pool = impl_->nvme_pool.get();
-  config.transfer_workers = o.transfer_workers;
-  config.wait_timeout_ms = std::max(o.device.copy_timeout_ms, o.nvme.io_timeout_ms);
-  impl_->residency = std::make_unique<memory::ResidencyManager>(config, layout.chunks());
-  for (size_t i = 0; i < homes.size(); ++i) impl_->residency->SetHome(ChunkId(static_cast<uint32_t>(i)), homes[i]);
+  STRATA_ASSIGN_OR_RETURN(memory::Placement placement, memory::PlaceChunks(layout, impl_->Capacities(), o));
+  impl_->host_staging_bytes = placement.host_staging_bytes;
+  impl_->residency = impl_->MakeResidency(layout, placement.homes);
   impl_->layout = std::move(layout);
   const memory::LayoutReport& r = impl_->layout->report();
   STRATA_LOG_INFO("finalized {} tensors into {} chunks ({} groups, chunk size {} elements{}, padding waste {:.2f}%, {})",

@@ -1,3 +1,23 @@
+// Note [Eviction]
+// A transient chunk (ChunkDesc::transient: a gathered param chunk) has no
+// bytes worth keeping below the tier it is on: moved down, or evicted, it is
+// dropped (free again) instead of copied. A move copies, then frees the
+// source slot, so a failed move (an I/O error, a full disk) leaves the chunk
+// where it was. A free chunk is materialized at home by its first Move.
+//
+// When a tier has no room, a chunk in hold on it is evicted one tier down
+// (device -> host -> NVMe), cascading: the least recently used of those not
+// at home there, else the least recently used of all. A victim the tier
+// below cannot hold (every chunk there in use, or its free space in pieces
+// too small) goes one tier further down. A memory tier whose free bytes
+// suffice but are in pieces is compacted first (Note [Compaction]), and
+// nothing is evicted.
+//
+// Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
+// bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
+// in flight waits up to kMoveSteps times that. Copies and I/O run without
+// the lock, with the chunk marked in flight.
+
 #include "memory/residency.h"
 
 #include <algorithm>
@@ -515,17 +535,72 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
 // its slot is taken, the window is given back as it is; either way the caller
 // evicts instead. A failed copy is an error (the chunk keeps its slot). Every
 // step leaves each chunk whole in one slot.
+
+namespace {
+
+// A piece of a memory tier's address space: a free extent or a chunk's slot.
+struct Piece {
+  uint64_t offset = 0, size_bytes = 0;
+  std::optional<uint32_t> chunk;  // nullopt: free
+  bool movable = true;
+};
+
+// Pieces [first, last], spanning [begin, end), whose chunks hold chunk_bytes.
+struct Window {
+  size_t first = 0, last = 0;
+  uint64_t begin = 0, end = 0;
+  uint64_t chunk_bytes = 0;
+};
+
+// The window of least chunk bytes: contiguous pieces, all movable, whose span
+// reaches `size` (a slot reserved for a chunk arriving is in no piece: the
+// gap ends the window). `pieces` are sorted by offset.
+std::optional<Window> CheapestWindow(const std::vector<Piece>& pieces, uint64_t size) {
+  std::optional<Window> best;
+  for (size_t first = 0; first < pieces.size(); ++first) {
+    uint64_t cost = 0;
+    for (size_t last = first; last < pieces.size(); ++last) {
+      const Piece& p = pieces[last];
+      if (!p.movable || (last > first && p.offset != pieces[last - 1].offset + pieces[last - 1].size_bytes)) break;
+      if (p.chunk) cost += p.size_bytes;
+      if (best && cost >= best->chunk_bytes) break;
+      if (p.offset + p.size_bytes - pieces[first].offset >= size) {
+        best = Window{first, last, pieces[first].offset, p.offset + p.size_bytes, cost};
+        break;
+      }
+    }
+  }
+  return best;
+}
+
+// Whether every chunk of `window` has a free slot outside it (first fit, as
+// the allocator will place them).
+bool ChunksFitOutside(const std::vector<Piece>& pieces, const Window& window) {
+  std::vector<Extent> outside;
+  for (const Piece& p : pieces) {
+    if (!p.chunk && (p.offset + p.size_bytes <= window.begin || p.offset >= window.end)) {
+      outside.push_back({p.offset, p.size_bytes});
+    }
+  }
+  for (size_t k = window.first; k <= window.last; ++k) {
+    if (!pieces[k].chunk) continue;
+    auto fit = std::find_if(outside.begin(), outside.end(),
+                            [&](const Extent& e) { return e.size_bytes >= pieces[k].size_bytes; });
+    if (fit == outside.end()) return false;
+    fit->offset += pieces[k].size_bytes;
+    fit->size_bytes -= pieces[k].size_bytes;
+  }
+  return true;
+}
+
+}  // namespace
+
 Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, uint64_t size_bytes) {
   TierPool* target = pool(tier);
   const uint64_t size = RoundUp(size_bytes, kSlotAlignmentBytes);
   TierUsage usage = target->usage();
   if (usage.capacity_bytes - usage.used_bytes < size) return std::optional<Extent>();
 
-  struct Piece {
-    uint64_t offset = 0, size_bytes = 0;
-    std::optional<uint32_t> chunk;  // nullopt: free
-    bool movable = true;
-  };
   std::vector<Piece> pieces;
   for (Extent free : target->FreeExtents()) pieces.push_back({free.offset, free.size_bytes});
   for (uint32_t i = 0; i < chunks_.size(); ++i) {
@@ -534,96 +609,66 @@ Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, u
     pieces.push_back({c.extent.offset, c.extent.size_bytes, i, !c.in_flight && c.refs == 0 && !c.arriving});
   }
   std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  const std::optional<Window> window = CheapestWindow(pieces, size);
+  if (!window || window->chunk_bytes == 0 || !ChunksFitOutside(pieces, *window)) return std::optional<Extent>();
 
-  // The window of least chunk bytes: contiguous pieces, all movable, whose
-  // span reaches `size` (a slot reserved for a chunk arriving is in no piece:
-  // the gap ends the window).
-  std::optional<std::pair<size_t, size_t>> best;  // [first, last] piece
-  uint64_t best_cost = 0;
-  for (size_t first = 0; first < pieces.size(); ++first) {
-    uint64_t cost = 0;
-    for (size_t last = first; last < pieces.size(); ++last) {
-      const Piece& p = pieces[last];
-      if (!p.movable || (last > first && p.offset != pieces[last - 1].offset + pieces[last - 1].size_bytes)) break;
-      if (p.chunk) cost += p.size_bytes;
-      if (best && cost >= best_cost) break;
-      if (p.offset + p.size_bytes - pieces[first].offset >= size) {
-        best = {first, last};
-        best_cost = cost;
-        break;
-      }
-    }
-  }
-  if (!best || best_cost == 0) return std::optional<Extent>();
-  const uint64_t begin = pieces[best->first].offset;
-  const uint64_t end = pieces[best->second].offset + pieces[best->second].size_bytes;
-  // Every chunk of the window must have a free slot outside it (first fit,
-  // as the allocator will place them), or nothing is moved at all.
-  {
-    std::vector<Extent> outside;
-    for (const Piece& p : pieces) {
-      if (!p.chunk && (p.offset + p.size_bytes <= begin || p.offset >= end)) outside.push_back({p.offset, p.size_bytes});
-    }
-    for (size_t k = best->first; k <= best->second; ++k) {
-      if (!pieces[k].chunk) continue;
-      auto fit = std::find_if(outside.begin(), outside.end(),
-                              [&](const Extent& e) { return e.size_bytes >= pieces[k].size_bytes; });
-      if (fit == outside.end()) return std::optional<Extent>();
-      fit->offset += pieces[k].size_bytes;
-      fit->size_bytes -= pieces[k].size_bytes;
-    }
-  }
-
-  std::vector<Extent> claimed = target->ClaimFree(begin, end);
+  std::vector<Extent> claimed = target->ClaimFree(window->begin, window->end);
   auto give_back = [&] {
     for (Extent e : claimed) target->Free(e);
   };
-  for (size_t k = best->first; k <= best->second; ++k) {
+  for (size_t k = window->first; k <= window->last; ++k) {
     if (!pieces[k].chunk) continue;
-    const uint32_t id = *pieces[k].chunk;
-    Chunk& chunk = chunks_[id];
-    if (chunk.tier != tier || chunk.in_flight || chunk.refs > 0 || chunk.arriving ||
-        chunk.extent.offset != pieces[k].offset) {
-      give_back();  // taken or moved while an earlier chunk was copied
-      return std::optional<Extent>();
+    Result<std::optional<Extent>> vacated = MoveWithinTier(lock, tier, *pieces[k].chunk, pieces[k].offset);
+    if (vacated.ok() && vacated.value()) {
+      claimed.push_back(*vacated.value());
+      continue;
     }
-    std::optional<Extent> dst = target->Allocate(chunk.size_bytes);
-    if (!dst) {
-      give_back();
-      return std::optional<Extent>();
-    }
-    const Extent src = chunk.extent;
-    chunk.in_flight = true;
-    lock.unlock();
-    Status copied = Status::Ok();
-    if (tier == Tier::kDevice) {
-      copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
-    } else {
-      std::memcpy(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
-    }
-    lock.lock();
-    chunk.in_flight = false;
-    moved_.notify_all();
-    if (!copied.ok()) {
-      // The chunk keeps its slot. A copy that timed out may still be
-      // writing its destination: that slot is never handed out again.
-      if (copied.code() == StatusCode::kTimeout) {
-        STRATA_LOG_ERROR("chunk {}: a copy within the {} tier timed out; its {} destination is quarantined", id,
-                         TierName(tier), FormatSize(dst->size_bytes));
-      } else {
-        target->Free(*dst);
-      }
-      give_back();
-      return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
-    }
-    chunk.extent = *dst;
-    chunk.generation++;
-    claimed.push_back(src);
-    stats_.compactions++;
-    stats_.compacted_bytes += chunk.size_bytes;
+    give_back();  // a failed copy, or the chunk was taken or moved while an earlier one was copied
+    if (!vacated.ok()) return vacated.status();
+    return std::optional<Extent>();
   }
   give_back();
   return target->Allocate(size_bytes);
+}
+
+Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier tier, uint32_t id,
+                                                               uint64_t expected_offset) {
+  TierPool* target = pool(tier);
+  Chunk& chunk = chunks_[id];
+  if (chunk.tier != tier || chunk.in_flight || chunk.refs > 0 || chunk.arriving ||
+      chunk.extent.offset != expected_offset) {
+    return std::optional<Extent>();
+  }
+  std::optional<Extent> dst = target->Allocate(chunk.size_bytes);
+  if (!dst) return std::optional<Extent>();
+  const Extent src = chunk.extent;
+  chunk.in_flight = true;
+  lock.unlock();
+  Status copied = Status::Ok();
+  if (tier == Tier::kDevice) {
+    copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
+  } else {
+    std::memcpy(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
+  }
+  lock.lock();
+  chunk.in_flight = false;
+  moved_.notify_all();
+  if (!copied.ok()) {
+    // The chunk keeps its slot. A copy that timed out may still be
+    // writing its destination: that slot is never handed out again.
+    if (copied.code() == StatusCode::kTimeout) {
+      STRATA_LOG_ERROR("chunk {}: a copy within the {} tier timed out; its {} destination is quarantined", id,
+                       TierName(tier), FormatSize(dst->size_bytes));
+    } else {
+      target->Free(*dst);
+    }
+    return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
+  }
+  chunk.extent = *dst;
+  chunk.generation++;
+  stats_.compactions++;
+  stats_.compacted_bytes += chunk.size_bytes;
+  return std::optional<Extent>(src);
 }
 
 Result<Buffer> ResidencyManager::AcquireStaging() {

@@ -1,39 +1,18 @@
 // Residency: where every chunk's bytes are, and moving them.
 //
-// Every chunk has a home tier (where it is first materialized by Move) and a
-// current tier. A chunk is in one of four states:
-//   free      — no payload yet (it reads as zeros when first accessed);
-//   hold      — resident on one tier, not in use;
-//   compute   — pinned by one or more ChunkAccess handles;
-//   in flight — being moved; everyone else waits for it.
-// A chunk's payload lives on exactly one tier at a time: a move copies, then
-// frees the source slot, so a failed move (an I/O error, a full disk) leaves
-// the chunk where it was, intact.
-//
-// A transient chunk (ChunkDesc::transient: a gathered param chunk) has no
-// bytes worth keeping below the tier it is on: moved down, or evicted, it is
-// dropped (free again) instead of copied.
-//
-// When a tier has no room, a chunk in hold on it is evicted one tier down
-// (device -> host -> NVMe), cascading: the least recently used of those not
-// at home there, else the least recently used of all. A victim the tier
-// below cannot hold (every chunk there in use, or its free space in pieces
-// too small) goes one tier further down. A memory tier whose free bytes
-// suffice but are in pieces is compacted first: chunks in hold are moved
-// within the tier (device to device) to join the pieces, and nothing is
-// evicted. When nothing can be
-// evicted the result is OutOfMemory naming the tier, the request, what is in
-// use and the capacity. (A later planner replaces LRU.)
-//
-// Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
-// bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
-// in flight waits up to kMoveSteps times that. Handles must not outlive the
-// manager (checked at destruction).
+// Every chunk has a home tier and a current tier, and is in one of four
+// states: free (no payload yet: reads as zeros), hold (resident, not in use),
+// compute (pinned by ChunkAccess handles) or in flight (being moved; everyone
+// else waits). A payload lives on one tier at a time, so a failed move
+// leaves the chunk where it was, intact. A tier without room evicts chunks
+// in hold one tier down (Note [Eviction] in residency.cc); when nothing can
+// be evicted the result is OutOfMemory naming the tier, the request, what is
+// in use and the capacity. Each step of a move is bounded by wait_timeout_ms.
+// Handles must not outlive the manager (checked at destruction).
 //
 // Thread-safety: every method may be called from any thread. One mutex
-// guards the chunk table; it is never held while bytes move (copies and I/O
-// run with the chunk marked in flight). Asynchronous moves run on
-// `transfer_workers` threads owned by the manager.
+// guards the chunk table; it is never held while bytes move. Asynchronous
+// moves run on `transfer_workers` threads owned by the manager.
 #pragma once
 
 #include <array>
@@ -81,14 +60,12 @@ class ResidencyManager final : public AccessOwner {
   Result<ChunkAccess> Access(ChunkId id, Tier tier);
   // A transient chunk resident on `tier` in hold (not in flight, not
   // pinned): `fill` writes its bytes (at their address on `tier`) while the
-  // chunk is marked in flight, so that an access, a move or an eviction for
-  // room waits for the fill rather than finding the chunk pinned. Returns
-  // the chunk's new generation (ChunkAccess::generation), or nullopt when
-  // the chunk was not there so (nothing ran, nothing moved: for a thread
-  // that must take no room the plan did not give, GradReducer's gathers
-  // ahead); `fill`'s error otherwise. After a fill that timed out (a copy
-  // that may still write) the chunk is free and its slot never handed out
-  // again. InvalidArgument for a chunk that is not transient.
+  // chunk is marked in flight, so that an access, a move or an eviction
+  // waits for the fill. Returns the chunk's new generation
+  // (ChunkAccess::generation), or nullopt when the chunk was not there so
+  // (nothing ran, nothing moved, no room taken); `fill`'s error otherwise.
+  // After a fill that timed out the chunk is free and its slot never handed
+  // out again. InvalidArgument for a chunk that is not transient.
   Result<std::optional<uint64_t>> FillIfOn(ChunkId id, Tier tier, const std::function<Status(std::byte*)>& fill);
 
   // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
@@ -102,13 +79,12 @@ class ResidencyManager final : public AccessOwner {
 
   // Copies a chunk's bytes, wherever they are, into host memory at `dst`
   // (chunk_size_bytes, 4096-aligned) without moving it: zeros for a free
-  // chunk. For checkpoints and verification. A pinned chunk is read as it
-  // is; whoever holds it must not be writing it.
+  // chunk. A pinned chunk is read as it is; whoever holds it must not be
+  // writing it.
   Status ReadChunk(ChunkId id, std::byte* dst);
   // The chunk's bytes where they lie in host memory, unpinned (HostBytes),
-  // or nullopt when it is elsewhere or in flight. For a reader that lets
-  // the chunk move while it reads and then checks Generation: a checkpoint's
-  // file written without a copy while training goes on.
+  // or nullopt when it is elsewhere or in flight. They stay valid while
+  // Generation is unchanged.
   std::optional<HostBytes> PeekHost(ChunkId id);
   // ChunkAccess::generation of the chunk's placement now.
   uint64_t Generation(ChunkId id);
@@ -119,7 +95,7 @@ class ResidencyManager final : public AccessOwner {
   // tier has no room for both: a failed write then leaves the slot failing
   // its CRC). A free chunk homed on NVMe is written there; another free
   // chunk is materialized at home first. A pinned chunk is written where it
-  // is pinned; whoever holds it sees the new bytes. For checkpoint loads.
+  // is pinned; whoever holds it sees the new bytes.
   Status WriteChunk(ChunkId id, const std::byte* src);
 
   // Moves every chunk that is not pinned and not free to its home tier:
@@ -166,6 +142,10 @@ class ResidencyManager final : public AccessOwner {
   // by moving chunks in hold within the tier (Note [Compaction]); nullopt
   // when no such move makes one.
   Result<std::optional<Extent>> Compact(Lock& lock, Tier tier, uint64_t size_bytes);
+  // Moves chunk `id`, in hold at `expected_offset` on `tier`, to a free slot
+  // of the tier; returns the slot it left, or nullopt when the chunk is no
+  // longer there so or the tier has no slot for it (nothing moved).
+  Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset);
   // Copies bytes between slots; runs without the lock.
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;

@@ -41,8 +41,7 @@ class TierPool {
  public:
   virtual ~TierPool() = default;
   virtual Tier tier() const = 0;
-  // A free slot of at least size_bytes, or nullopt when the tier has no room
-  // (the caller evicts and tries again).
+  // A free slot of at least size_bytes, or nullopt when the tier has no room.
   std::optional<Extent> Allocate(uint64_t size_bytes);
   void Free(Extent extent);
   TierUsage usage() const;

@@ -56,6 +56,10 @@ PRIVATE_HEADERS = [
     "src/backends/device/capacity_ledger.h",
     "src/backends/device/cuda_pattern.h",
     "src/backends/storage/storage_util.h",
+    "src/backends/storage/uring_check.h",
+    "src/backends/storage/uring_files.h",
+    "src/backends/storage/uring_ring.h",
+    "offload/persist/checkpoint_internal.h",
     "optim/cpu/cpu_kernels_impl.h",
     "optim/cuda/cuda_kernels_launch.h",
 ]

@@ -53,7 +53,7 @@ class Buffer {
 // bound to `numa_node` when the machine has more than one node and the node is
 // >= 0. Allocations of 2 MiB or more are 2 MiB-aligned and backed by
 // transparent huge pages where the kernel allows (fewer scatter-gather
-// segments per direct I/O request; see src/buffer.cc), unless turned off.
+// segments per direct I/O request; see src/base/buffer.cc), unless turned off.
 // Returns an empty Buffer when the allocation fails.
 Buffer AllocateAlignedHost(size_t size_bytes, size_t alignment_bytes, int numa_node = -1);
 

@@ -1,29 +1,13 @@
 // The communicator seam: the collectives data parallelism needs, over one
-// group of ranks.
-//
-// Implementations: an in-process loopback (ranks as threads; how tests and
-// `strata bench comm --backend loopback` run several ranks in one process),
-// MPI over MPI_COMM_WORLD (src/comm/mpi_comm.cc, the only file that
-// includes <mpi.h>; host buffers), and NCCL over one GPU per rank
-// (src/comm/nccl_comm.cc, the only file that includes <nccl.h>; device
-// buffers as they are, host buffers staged through the device).
+// group of ranks: in-process loopback (ranks as threads), MPI (host buffers)
+// or NCCL (one GPU per rank). See Note [Communicators] in comm.cc.
 //
 // Contract: every rank of the group calls the same collectives in the same
-// order with the same sizes. A collective that does not complete within
-// CommOptions::timeout_ms (a rank that died or never came) is Timeout on
-// every rank that waited, naming the collective and the ranks missing where
-// the backend knows them; after any failure the communicator is broken and
-// every later call is CommError at once, so that no rank hangs on a group
-// that cannot complete. Thread-safety: one thread at a time runs
-// collectives on a communicator (a collective begun while another runs is
-// CommError at once, instead of MPI's undefined behaviour); stats() from any
-// thread.
-//
-// Every communicator counts what it carried (stats()): for each collective,
-// its calls, their time, and the bytes this rank sends under the
-// bandwidth-optimal ring algorithm — (W-1)/W of the whole buffer for an
-// all-gather or a reduce-scatter, twice that for an all-reduce, the buffer
-// for a broadcast — the volume ZeRO's figures count.
+// order with the same sizes. A collective not complete within
+// CommOptions::timeout_ms is Timeout on every rank that waited; after any
+// failure the communicator is broken and every later call is CommError at
+// once. Thread-safety: one thread at a time runs collectives on a
+// communicator (a second one is CommError at once); stats() from any thread.
 #pragma once
 
 #include <cstddef>
@@ -65,13 +49,10 @@ class Communicator {
 
   // `recv` (world_size * bytes_per_rank) gets rank r's `send` at r * bytes_per_rank.
   Status AllGather(const void* send, void* recv, size_t bytes_per_rank);
-  // `send` holds world_size slices of `count_per_rank` elements of `dtype`;
-  // `recv` gets the element-wise sum over ranks of slice rank(), in `dtype`.
-  // fp32, bf16 or fp16 (16-bit values as their bits, uint16_t): a 16-bit
-  // sum is formed in fp32 and rounded to nearest even, by the loopback once
-  // (in rank order), by MPI at each step of its reduction (as NCCL's ring
-  // does); so 16-bit sums of integers are exact only while they stay
-  // representable (256 for bf16, 2048 for fp16).
+  // `send` holds world_size slices of `count_per_rank` elements of `dtype`
+  // (fp32, bf16 or fp16, 16-bit values as their bits); `recv` gets the
+  // element-wise sum over ranks of slice rank(), in `dtype`. See Note
+  // [16-bit sums] in comm.cc.
   Status ReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype);
   Status ReduceScatterSum(const float* send, float* recv, size_t count_per_rank) {
     return ReduceScatterSum(send, recv, count_per_rank, DType::kFloat32);
@@ -81,7 +62,8 @@ class Communicator {
   Status Broadcast(void* data, size_t bytes, int root);
   virtual Status Barrier() = 0;
 
-  // A snapshot (safe to take while another thread runs a collective).
+  // Calls, time and bytes sent per collective (Note [Communicators]); a
+  // snapshot, safe to take while another thread runs a collective.
   CommStats stats() const;
 
  protected:
@@ -106,45 +88,35 @@ Result<std::vector<std::unique_ptr<Communicator>>> CreateLoopbackGroup(int world
 
 // `inner` (borrowed: it must outlive the result) with its collectives
 // slowed to `gbps` (1e9 bytes/s): each one takes at least the bytes this
-// rank sends (Communicator::stats) over that rate, sleeping out the rest —
-// a network slower than the loopback, for the replay bench and tests.
-// InvalidArgument unless gbps > 0.
+// rank sends (Communicator::stats) over that rate. InvalidArgument unless
+// gbps > 0.
 Result<std::unique_ptr<Communicator>> CreateThrottledCommunicator(Communicator& inner, double gbps);
 
 // MPI_COMM_WORLD (initializing MPI with thread support if nobody has).
 // NotSupported when strata was built without MPI.
 Result<std::unique_ptr<Communicator>> CreateMpiCommunicator(CommOptions options = {});
 // NCCL over the ranks of `bootstrap`, each on its CUDA device `device_index`.
-// `bootstrap` (borrowed, needed only during the call) carries NCCL's unique
-// id from rank 0 to the others, one broadcast, and nothing after: MPI under
-// mpirun, torch.distributed's gloo under torchrun; null for a group of one
-// rank. A buffer in this device's memory goes to NCCL as it is; host memory
-// is staged through device buffers the communicator keeps (grown to the
-// largest message). Failures follow the seam's contract: a collective or the
-// group's creation not complete within `options.timeout_ms` is a Timeout, an
-// error NCCL reports meanwhile (a peer gone) a CommError with NCCL's text;
-// either aborts the NCCL communicator (ncclCommAbort) and breaks this one.
-// NotSupported when strata was built without CUDA or no GPU is visible;
-// InvalidArgument for a device index this process does not see.
+// `bootstrap` (borrowed, used only during the call, null for one rank)
+// carries NCCL's unique id from rank 0. Device buffers go to NCCL as they
+// are, host buffers through device staging. Creation follows the seam's
+// timeout contract. NotSupported without CUDA or a visible GPU;
+// InvalidArgument for a device index this process does not see. See the
+// file comment of nccl_comm.cc.
 Result<std::unique_ptr<Communicator>> CreateNcclCommunicator(Communicator* bootstrap, int device_index,
                                                              CommOptions options = {});
 
 // Whether this process was started by an MPI launcher (mpirun sets OMPI_COMM_WORLD_SIZE or PMI_SIZE).
 bool LaunchedByMpi();
 
-// Checks that every rank passes the same `value` (a configuration, a model's
-// layout): InvalidArgument on every rank naming `what` and the ranks that
-// differ from rank 0, so that a mismatch is found at start, not as a hang
-// or wrong numbers later.
+// Checks that every rank passes the same `value`: InvalidArgument on every
+// rank naming `what` and the ranks that differ from rank 0.
 Status CheckSameOnAllRanks(Communicator& comm, std::string_view what, std::string_view value);
 
 // Whether every rank's `status` is OK, decided alike on every rank (one
 // small all-reduce): a failing rank gets its own error back, the others an
 // error naming the ranks that failed, InvalidArgument if any of theirs was,
 // else IoError. `any_invalid`: whether any rank's was InvalidArgument, the
-// same on every rank (so that what the ranks do next, such as a load
-// falling back to an older checkpoint, is the same). A null `comm` or a
-// single rank: `status` itself.
+// same on every rank. A null `comm` or a single rank: `status` itself.
 Status AgreeOnStatus(Communicator* comm, const Status& status, std::string_view what, bool* any_invalid = nullptr);
 
 }  // namespace strata

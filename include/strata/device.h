@@ -1,11 +1,9 @@
 // The device backend seam: where the `device` tier's memory comes from and how
 // bytes move between it and host memory.
 //
-// Two implementations: CUDA (cudaMalloc'd slots, pinned host memory, copy
-// streams and events) and the host-emulated device (host memory with a
-// capacity, one copy worker thread per stream running queued copies in order,
-// real events, an optional bandwidth throttle to imitate PCIe). Everything
-// above this seam (memory/, offload/) sees only this interface.
+// Implementations: CUDA, and a host-emulated device (host memory with a
+// capacity, a copy thread per stream, real events, an optional bandwidth
+// throttle imitating PCIe).
 //
 // Ownership: Allocate* return Buffers that free themselves; events are shared
 // between the backend and every waiter. Thread-safety: every method may be
@@ -74,8 +72,7 @@ class Device {
   virtual Status Memset(void* device_dst, int value, size_t size_bytes) = 0;
 
   // Copies between two non-overlapping ranges of device memory (synchronous;
-  // not ordered with queued copies). Used to compact the device arena, so it
-  // runs at the device's memory bandwidth, not over the host link.
+  // not ordered with queued copies), at the device's memory bandwidth.
   virtual Status CopyWithinDevice(void* device_dst, const void* device_src, size_t size_bytes) = 0;
 
   // Waits for every queued copy on both streams.

@@ -35,20 +35,15 @@
 
 namespace strata {
 
-// Backends to use instead of the ones the options name: how tests inject
-// faults through the seams.
+// Backends to use instead of the ones the options name.
 struct EngineSeams {
   std::unique_ptr<Device> device;    // null: CreateDevice(options)
   std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme.dirs (if any)
   // The data-parallel group this engine is one rank of (borrowed: it must
-  // outlive the engine; null: a single rank). With more than one rank,
-  // Create checks that every rank has the same options (but device.index,
-  // nvme.dirs and log.level, which may differ) and Finalize that every rank
-  // registered the same tensors, each an InvalidArgument on every rank
-  // naming the ranks that differ; and each rank's NVMe files go into a
-  // subdirectory `rank<r>` of every nvme.dirs entry, so ranks sharing a
-  // drive never collide. Each rank keeps only its shard (1/W) of every
-  // group's master and optimizer states (ChunkInfo::sharded).
+  // outlive the engine; null: a single rank). Every rank must have the same
+  // options and register the same tensors (else InvalidArgument on every
+  // rank); each keeps its NVMe files under `rank<r>` of every nvme.dirs
+  // entry and only its shard of the states. See Note [Ranks] in engine.cc.
   Communicator* comm = nullptr;
 };
 
@@ -69,17 +64,16 @@ struct ChunkInfo {
   // false for whole chunks.
   uint64_t shard_offset_bytes = 0;
   bool sharded = false;
-  // Parameters sharded (option comm.shard_params): a param chunk (of a
-  // trainable or a frozen group) homed nowhere. Its bytes are valid only once gathered
-  // (offload::GradReducer::Gather) from the ranks' master shards, until the
-  // next update (then stale until gathered again); moved off the device it
-  // is dropped, and read while never gathered it is zeros.
+  // Parameters sharded (option comm.shard_params): a param chunk homed
+  // nowhere, valid only once gathered from the ranks' master shards and
+  // until the next update; moved off the device it is dropped, and never
+  // gathered it reads as zeros.
   bool transient = false;
 };
 
-// Parameters sharded: the gathered chunks a GradReducer keeps pinned on the
-// device beyond the pipeline's plan (Finalize checks the device holds them
-// and two more of the largest param chunks).
+// Parameters sharded: how many gathered param chunks may stay pinned on the
+// device beyond a plan; Finalize requires device room for them and two more
+// of the largest param chunk.
 inline constexpr size_t kKeptGatheredChunks = 2;
 
 struct LayoutSummary {
@@ -101,15 +95,13 @@ class Engine {
   // Registers a tensor (before Finalize). Names must be unique.
   Result<TensorId> RegisterTensor(const TensorSpec& spec);
   // Packs the registered tensors into chunks and sets each chunk's home tier
-  // (host while it has room, then NVMe). OutOfMemory when the model states
-  // exceed the host and NVMe capacity together.
+  // (host while it has room, then NVMe: Note [Homes] in memory/placement.cc).
+  // OutOfMemory, naming the options to change, when the chunks do not fit.
   Status Finalize();
   bool finalized() const;
-  // Host memory Finalize kept free of homed chunks for NVMe-homed chunks
-  // read ahead of a CPU update (memory::HostReserveFor): 0 when the host
-  // could hold every chunk or there is no NVMe tier, else room for four
-  // chunk groups' optimizer states, within [host.budget / 8, host.budget / 4]
-  // and at most optimizer.stream_ring. (Two chunks more are kept free as slack.)
+  // Host memory Finalize kept free of homes as staging for NVMe-homed chunks
+  // read ahead of a CPU update; 0 when the host holds every chunk or there
+  // is no NVMe tier (Note [Host reserve] in memory/placement.cc).
   uint64_t host_staging_bytes() const;
 
   // Pins `tensor`'s copy of `kind` on `tier` (device or host), moving its
@@ -133,16 +125,14 @@ class Engine {
   Status ReadChunk(ChunkId chunk, void* dst);
   // A chunk's bytes where they lie in host memory now, neither pinned nor
   // held in place (HostBytes: valid while ChunkGeneration is unchanged), or
-  // nullopt when it is not on the host or is in flight. For a reader that
-  // must not hold training up: a checkpoint writes a file from them, then
-  // writes it again from ReadChunk if the generation changed meanwhile.
+  // nullopt when it is not on the host or is in flight.
   Result<std::optional<HostBytes>> PeekHostChunk(ChunkId chunk);
   // The generation of the chunk's placement now (ChunkAccess::generation).
   Result<uint64_t> ChunkGeneration(ChunkId chunk);
   // Overwrites a chunk's bytes (ChunkInfo::size_bytes from `src`,
   // 4096-aligned) where the chunk is, without reading them first: an
   // NVMe-resident chunk (or a free one homed there) is written to a fresh
-  // NVMe slot that then replaces its old one. For checkpoint loads.
+  // NVMe slot that then replaces its old one.
   Status WriteChunk(ChunkId chunk, const void* src);
   // Sends every unpinned chunk that has a payload back to its home tier.
   Status OffloadAll();

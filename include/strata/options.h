@@ -3,7 +3,7 @@
 // from the command line, and validate. A bad key or value is InvalidArgument
 // naming the key, the value and what is allowed.
 //
-// `strata options` prints the table of keys below (OptionDocs()).
+// OptionDocs() is the table of keys below.
 // Value types; thread-safe to copy.
 #pragma once
 
@@ -98,7 +98,7 @@ struct DataParallelOptions {
 };
 
 // Every setting of the engine. The meaning, unit and allowed values of each
-// key are in OptionDocs() (`strata options`).
+// key are in OptionDocs().
 struct Options {
   DeviceOptions device;
   HostOptions host;

@@ -1,5 +1,5 @@
 // Statistics of the memory tiers and of the links between them: what the
-// engine reports (Engine::stats(), `strata selftest`). Plain values.
+// engine reports (Engine::stats()). Plain values.
 #pragma once
 
 #include <array>

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include "memory/chunk_layout.h"
+#include "memory/placement.h"
 #include "offload/workloads/gpt_model.h"
 #include "strata/options.h"
 

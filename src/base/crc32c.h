@@ -15,8 +15,7 @@ namespace strata {
 uint32_t Crc32c(const void* data, size_t size_bytes, uint32_t seed = 0);
 
 // The CRC32C of every `piece_bytes` piece of the range (the last may be
-// shorter), computed in parallel on oneTBB's threads: how the NVMe tier
-// checks a chunk without the check costing a chunk's worth of one core.
+// shorter), computed in parallel on oneTBB's threads.
 inline constexpr size_t kCrcPieceBytes = size_t{1} << 20;
 std::vector<uint32_t> Crc32cPieces(const void* data, size_t size_bytes, size_t piece_bytes = kCrcPieceBytes);
 

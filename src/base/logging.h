@@ -1,7 +1,6 @@
 // Leveled logging to stderr: STRATA_LOG_INFO("moved {} bytes", n).
-// The level is process-wide (set from Options::log_level by the engine, or
-// from the STRATA_LOG_LEVEL environment variable). Thread-safe: each message
-// is written with one call.
+// The level is process-wide (SetLogLevel, or the STRATA_LOG_LEVEL
+// environment variable). Thread-safe: each message is written with one call.
 #pragma once
 
 #include <string_view>

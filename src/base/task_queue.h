@@ -1,6 +1,4 @@
-// TaskQueue: worker threads running queued jobs in the order queued — the
-// transfer workers of the residency manager, one worker per extra NVMe
-// drive, and the prefetch pipeline's link queues.
+// TaskQueue: worker threads running queued jobs in the order queued.
 //
 // Push returns a future of the job's Status. Destruction runs every job
 // already queued (each is bounded by its own deadlines), then joins, so no

@@ -1,3 +1,15 @@
+// Note [Topology lifetime]
+// The topology is discovered once, on first use, with hwloc (PCI devices
+// included) and then kept for the life of the process: memory allocated with
+// it (AllocateAlignedHost binds host buffers to a node) may be freed at any
+// time, static destruction included, so it is never destroyed. Only this
+// unit and src/base/buffer.cc include <hwloc.h>; the header declares the
+// handle's struct so that it needs no hwloc header. A machine always has at
+// least one NUMA node, so a failed discovery reports one. PCI bus ids are
+// taken as cudaDeviceGetPCIBusId writes them ("0000:3b:00.0") or without the
+// domain; NUMA nodes are named as in /sys/devices/system/node/nodeN and
+// `numactl`.
+
 #include "src/base/topology.h"
 
 #include <hwloc.h>
@@ -12,8 +24,8 @@ namespace strata {
 namespace {
 
 struct LoadedTopology {
-  // Owned for the life of the process and deliberately never destroyed: see
-  // the header (buffers bound with it may be freed during static destruction).
+  // Owned for the life of the process and deliberately never destroyed:
+  // see Note [Topology lifetime].
   hwloc_topology_t topology = nullptr;
   std::string error;  // why discovery failed; empty when `topology` is set
 };

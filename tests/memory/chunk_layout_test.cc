@@ -2,6 +2,7 @@
 
 #include <set>
 
+#include "memory/placement.h"
 #include "test_util.h"
 
 namespace strata::memory {

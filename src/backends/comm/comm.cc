@@ -1,6 +1,35 @@
 // What every communicator shares: its collectives counted (and refused while
 // another runs), the configuration check across ranks, and whether an MPI
 // launcher started this process.
+//
+// Note [Communicators]
+// Three implementations of the seam: an in-process loopback (ranks as
+// threads: several ranks in one process, for tests and benchmarks), MPI over
+// MPI_COMM_WORLD (mpi_comm.cc, the only file that includes <mpi.h>; host
+// buffers), and NCCL over one GPU per rank (nccl_comm.cc, the only file that
+// includes <nccl.h>; device buffers as they are, host buffers staged through
+// the device). A collective that times out (a rank that died or never came)
+// names the collective and the ranks missing where the backend knows them;
+// a failed communicator stays broken so that no rank hangs on a group that
+// cannot complete; a collective begun while another runs is refused, instead
+// of MPI's undefined behaviour.
+//
+// Every communicator counts what it carried: for each collective, its calls,
+// their time, and the bytes this rank sends under the bandwidth-optimal ring
+// algorithm — (W-1)/W of the whole buffer for an all-gather or a
+// reduce-scatter, twice that for an all-reduce, the buffer for a broadcast —
+// the volume ZeRO's figures count.
+//
+// Note [16-bit sums]
+// A bf16 or fp16 reduce-scatter forms each sum in fp32 and rounds it to
+// nearest even: the loopback once (adding in rank order), MPI at each step of
+// its reduction (as NCCL's ring does). So 16-bit sums of integers are exact
+// only while they stay representable (256 for bf16, 2048 for fp16).
+//
+// CheckSameOnAllRanks exists so that a mismatch of configuration or model
+// layout is found at start, not as a hang or wrong numbers later;
+// AgreeOnStatus so that what the ranks do after a failure (a load falling
+// back to an older checkpoint) is the same on every rank.
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>

@@ -1,6 +1,6 @@
 // The backends' own blocking collectives, without strata's timeout polling
-// or staging: the reference `strata bench comm` measures its communicators
-// against in the same run. Internal (src/comm). MPI's are NotSupported
+// or staging: a reference for what a communicator adds. Private to
+// src/backends/comm/. MPI's are NotSupported
 // without MPI; NCCL's take a communicator CreateNcclCommunicator made and
 // buffers in its device's memory (InvalidArgument for any other
 // communicator, NotSupported without CUDA).

@@ -16,7 +16,7 @@ class CapacityLedger {
   explicit CapacityLedger(size_t capacity_bytes) : capacity_bytes_(capacity_bytes) {}
 
   // Takes `size_bytes` if they fit; either way reports what was allocated
-  // before, for the caller's error message.
+  // before.
   bool TryReserve(size_t size_bytes, size_t* allocated_before_bytes) {
     std::lock_guard<std::mutex> lock(mutex_);
     *allocated_before_bytes = allocated_bytes_;

@@ -1,4 +1,17 @@
-// Pattern kernels for testing copies (see cuda_pattern.h for the pattern).
+// Pattern kernels for checking copies.
+//
+// Note [Pattern]
+// Byte i of the pattern for `seed` is byte (i % 8) of the little-endian word
+// PatternWord(seed, i / 8), where PatternWord is the splitmix64 finalizer
+// applied to seed + (i / 8 + 1) * golden ratio. Every bit depends on the seed
+// and on the position, so a dropped, repeated or shifted piece of a copy and
+// a copy from the wrong buffer all show up as mismatches. Fill device memory
+// on the device, copy it, check the copy on the host with PatternByte (or
+// the reverse: fill on the host, copy, count mismatches on the device). The
+// host and device code share the inline functions of cuda_pattern.h
+// (compiled by nvcc as __host__ __device__), so the host check is the
+// kernel's own reference; the header has no CUDA types, so that host code
+// includes it with the host compiler.
 //
 // Algorithm: a grid-stride loop over 8-byte words; when the buffer is 8-byte
 // aligned each thread writes (or reads) whole words, PatternWord(seed, w),

@@ -1,20 +1,9 @@
-// A deterministic byte pattern written and checked on the GPU, for end-to-end
-// tests of host<->device copies and for bandwidth measurements: fill device
-// memory on the device, copy it, check the copy on the host with PatternByte
-// (or the reverse: fill on the host, copy, count mismatches on the device).
-//
-// Byte i of the pattern for `seed` is byte (i % 8) of the little-endian word
-// PatternWord(seed, i / 8), where PatternWord is the splitmix64 finalizer
-// applied to seed + (i / 8 + 1) * golden ratio. Every bit depends on the seed
-// and on the position, so a dropped, repeated or shifted piece of a copy and
-// a copy from the wrong buffer all show up as mismatches.
-//
-// The host and device code share the inline functions below (compiled by nvcc
-// as __host__ __device__), so the host check is the kernel's own reference.
-// The kernels run on the calling thread's current CUDA device; the memory
-// must belong to it. In a build without CUDA the two functions return
-// NotSupported. No CUDA types here: tests include this with the host compiler.
-// Thread-safe.
+// A deterministic byte pattern, written and checked on the GPU or on the
+// host alike, so that a copy between them can be checked end to end. Byte i
+// of the pattern for `seed` is PatternByte(seed, i); see Note [Pattern] in
+// cuda_pattern.cu. The kernels run on the calling thread's current CUDA
+// device, on memory of that device; without CUDA they are NotSupported. No
+// CUDA types here. Thread-safe.
 #pragma once
 
 #include <cstddef>

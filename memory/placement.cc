@@ -1,0 +1,185 @@
+// Note [Homes]
+// Every chunk gets a home tier when the engine is finalized: first the
+// chunks compute touches every iteration (params and grads), then the
+// optimizer states, each in layout order, on the host while it has room,
+// then on NVMe. So the states are what goes to NVMe first (read and written
+// once a step, by the update); params and grads only when the host cannot
+// hold even them. The device tier is a cache of what compute touches, so no
+// chunk calls it home.
+//
+// The static placement policy homes a fixed share of the optimizer states
+// (placement.host_states) on the host and the rest on NVMe; the adaptive one
+// puts as many as fit. A frozen group's master shard (parameters sharded) is
+// its parameters, not a state, and is homed like them. A transient param
+// chunk is given the host and takes none of it: it is never stored there
+// (moved off the device, it is dropped).
+//
+// Note [Host reserve]
+// When some chunks must live on NVMe, part of the host tier stays free of
+// homes: staging room for NVMe-homed states read ahead of their CPU update —
+// four typical (median) chunk groups' optimizer states (one updated, one
+// being written back, two read ahead), at least an eighth of the host tier,
+// at most a quarter of it and at most optimizer.stream_ring — and two of the
+// largest chunks of slack, so that free space in pieces can be joined. A
+// typical group, not the largest: an embedding's group may be many times the
+// others.
+
+#include "memory/placement.h"
+
+#include <algorithm>
+#include <string>
+
+#include <fmt/format.h>
+
+#include "strata/engine.h"
+
+namespace strata::memory {
+namespace {
+
+struct StateTotals {
+  uint64_t bytes = 0;
+  uint64_t largest_chunk_bytes = 0;
+};
+
+StateTotals StatesOf(const std::vector<ChunkDesc>& chunks) {
+  StateTotals totals;
+  for (const ChunkDesc& chunk : chunks) {
+    if (!IsStateChunk(chunk)) continue;
+    totals.bytes += chunk.size_bytes();
+    totals.largest_chunk_bytes = std::max(totals.largest_chunk_bytes, chunk.size_bytes());
+  }
+  return totals;
+}
+
+Status NoRoomError(const ChunkLayout& layout, const TierCapacities& capacities, const HostReserve& reserve,
+                   const PlacementOptions& placement) {
+  return OutOfMemory(
+      "model states need {} in {} chunks but the host tier holds {} (host.budget{}) and the NVMe tier {} "
+      "(nvme.capacity{}): raise a budget or add nvme.dirs{}",
+      FormatSize(layout.report().total_bytes), layout.chunks().size(), FormatSize(capacities.host_bytes),
+      reserve.reserved_bytes > 0
+          ? fmt::format(", {} of it kept for staging NVMe reads", FormatSize(reserve.reserved_bytes))
+          : std::string(),
+      FormatSize(capacities.nvme_bytes),
+      capacities.has_nvme ? "" : ", not configured",
+      placement.policy == PlacementPolicy::kStatic
+          ? fmt::format(", or raise placement.host_states ({}: the rest of the states go to NVMe)",
+                        placement.host_states)
+          : std::string());
+}
+
+// The static policy's share must fit on the host, to within one state chunk.
+Status CheckStaticShare(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes, uint64_t share_bytes,
+                        const StateTotals& states, const TierCapacities& capacities, const HostReserve& reserve,
+                        double host_states) {
+  uint64_t host_state_bytes = 0;
+  for (size_t i = 0; i < homes.size(); ++i) {
+    if (homes[i] == Tier::kHost && IsStateChunk(chunks[i])) host_state_bytes += chunks[i].size_bytes();
+  }
+  if (host_state_bytes + states.largest_chunk_bytes >= share_bytes) return Status::Ok();
+  return OutOfMemory(
+      "placement.host_states {} asks for {} of the {} of optimizer states in host memory, but host.budget {} "
+      "holds only {} of them beside the params and grads{}: raise host.budget or lower placement.host_states",
+      host_states, FormatSize(share_bytes), FormatSize(states.bytes), FormatSize(capacities.host_bytes),
+      FormatSize(host_state_bytes),
+      reserve.reserved_bytes > 0 ? fmt::format(" and {} kept for staging", FormatSize(reserve.reserved_bytes))
+                                 : std::string());
+}
+
+// The device must hold the largest chunk and, params sharded, the gathered
+// param chunks kept pinned after their gather and a moment's own.
+Status CheckDeviceRoom(const std::vector<ChunkDesc>& chunks, uint64_t device_bytes) {
+  uint64_t largest_chunk = 0;
+  uint64_t largest_transient = 0;
+  for (const ChunkDesc& chunk : chunks) {
+    largest_chunk = std::max(largest_chunk, chunk.size_bytes());
+    if (chunk.transient) largest_transient = std::max(largest_transient, chunk.size_bytes());
+  }
+  if ((kKeptGatheredChunks + 2) * largest_transient > device_bytes) {
+    return OutOfMemory(
+        "comm.shard_params: the device tier holds {} (device.budget) but gathered parameters need room for {} of "
+        "the largest param chunk ({} each: {} kept pinned after their gather, and a moment's own): raise "
+        "device.budget, lower chunk.size_elems / chunk.search_max_elems, or turn comm.shard_params off",
+        FormatSize(device_bytes), kKeptGatheredChunks + 2, FormatSize(largest_transient), kKeptGatheredChunks);
+  }
+  if (largest_chunk > device_bytes) {
+    return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
+                       "or lower chunk.size_elems / chunk.search_max_elems",
+                       FormatSize(largest_chunk), FormatSize(device_bytes));
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// See Note [Homes].
+std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunks, uint64_t host_bytes,
+                                             uint64_t nvme_bytes, uint64_t max_host_state_bytes) {
+  std::vector<std::optional<Tier>> homes(chunks.size());
+  for (bool states : {false, true}) {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      if (IsStateChunk(chunks[i]) != states) continue;
+      const uint64_t size = chunks[i].size_bytes();
+      if (chunks[i].transient) {
+        homes[i] = Tier::kHost;
+      } else if (size <= host_bytes && (!states || size <= max_host_state_bytes)) {
+        homes[i] = Tier::kHost;
+        host_bytes -= size;
+        if (states) max_host_state_bytes -= size;
+      } else if (size <= nvme_bytes) {
+        homes[i] = Tier::kNvme;
+        nvme_bytes -= size;
+      }
+    }
+  }
+  return homes;
+}
+
+// See Note [Host reserve].
+HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
+  if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
+  std::vector<uint64_t> group_states;
+  uint64_t largest_chunk = 0;
+  for (const ChunkGroup& group : layout.groups()) {
+    uint64_t states = 0;
+    for (int k = 0; k < kNumChunkKinds; ++k) {
+      const std::optional<ChunkId> c = group.chunk_of_kind[k];
+      if (!c) continue;
+      largest_chunk = std::max(largest_chunk, layout.chunk(*c).size_bytes());
+      if (IsStateChunk(layout.chunk(*c))) states += layout.chunk(*c).size_bytes();
+    }
+    group_states.push_back(states);
+  }
+  std::nth_element(group_states.begin(), group_states.begin() + group_states.size() / 2, group_states.end());
+  const uint64_t median_states = group_states.empty() ? 0 : group_states[group_states.size() / 2];
+  HostReserve reserve;
+  reserve.staging_bytes = std::min({stream_ring, host_bytes / 4, std::max(host_bytes / 8, 4 * median_states)});
+  reserve.reserved_bytes = std::min(host_bytes, reserve.staging_bytes + 2 * largest_chunk);
+  return reserve;
+}
+
+Result<Placement> PlaceChunks(const ChunkLayout& layout, const TierCapacities& capacities, const Options& options) {
+  const std::vector<ChunkDesc>& chunks = layout.chunks();
+  const HostReserve reserve =
+      HostReserveFor(layout, capacities.host_bytes, capacities.nvme_bytes, options.optimizer.stream_ring_bytes);
+  const bool fixed = options.placement.policy == PlacementPolicy::kStatic;
+  const StateTotals states = StatesOf(chunks);
+  const auto share_bytes = static_cast<uint64_t>(options.placement.host_states * static_cast<double>(states.bytes));
+  const std::vector<std::optional<Tier>> assigned =
+      AssignHomes(chunks, capacities.host_bytes - reserve.reserved_bytes, capacities.nvme_bytes,
+                  fixed ? share_bytes : std::numeric_limits<uint64_t>::max());
+  Placement placement;
+  placement.host_staging_bytes = reserve.staging_bytes;
+  for (const std::optional<Tier>& home : assigned) {
+    if (!home) return NoRoomError(layout, capacities, reserve, options.placement);
+    placement.homes.push_back(*home);
+  }
+  if (fixed) {
+    STRATA_RETURN_IF_ERROR(CheckStaticShare(chunks, placement.homes, share_bytes, states, capacities, reserve,
+                                            options.placement.host_states));
+  }
+  STRATA_RETURN_IF_ERROR(CheckDeviceRoom(chunks, capacities.device_bytes));
+  return placement;
+}
+
+}  // namespace strata::memory
