@@ -559,9 +559,7 @@ uint64_t ReplayRun::bytes_moved() const {
 
 Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   STRATA_RETURN_IF_ERROR(ValidateReplayConfig(config));
-  const offload::GptShape shape{.layers = config.model.layers, .hidden = config.model.hidden, .vocab = config.model.vocab,
-                             .sequence = config.model.sequence};
-  const std::vector<TensorSpec> specs = offload::GptTensorSpecs(shape, DType::kBFloat16);
+  const std::vector<TensorSpec> specs = offload::GptTensorSpecs(config.model, DType::kBFloat16);
   Options options = ReplayOptions(config);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout, LayoutOf(specs, options));
   // The trace names the chunks of the ranks' own layout (the same on every

@@ -44,7 +44,7 @@ struct SelftestReport {
 Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options, EngineSeams seams = {});
 
 // The shape of the model the self-check registers.
-inline offload::GptShape GptShapeOf(const SelftestConfig& config) {
+inline offload::ModelShape GptShapeOf(const SelftestConfig& config) {
   return {.layers = config.layers, .hidden = config.hidden, .vocab = config.vocab, .sequence = config.sequence};
 }
 

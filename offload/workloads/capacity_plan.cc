@@ -184,9 +184,7 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   CapacityPlan plan;
   plan.model = model;
   plan.machine = machine;
-  const GptShape shape{.layers = model.layers, .hidden = model.hidden, .vocab = model.vocab,
-                             .sequence = model.sequence};
-  const std::vector<TensorSpec> specs = GptTensorSpecs(shape, DType::kBFloat16);
+  const std::vector<TensorSpec> specs = GptTensorSpecs(model, DType::kBFloat16);
   const Options defaults;
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(specs, 0, defaults.chunk.search_min_elems,

@@ -13,18 +13,10 @@
 
 #include "memory/chunk_layout.h"
 #include "offload/schedule/planner.h"
+#include "offload/workloads/gpt_model.h"
 #include "strata/status.h"
 
 namespace strata::offload {
-
-struct ModelShape {
-  uint32_t layers = 24;
-  uint32_t hidden = 2048;
-  uint32_t vocab = 50304;
-  uint32_t sequence = 2048;
-  uint32_t batch = 8;
-  uint32_t heads = 0;  // 0: hidden / 64
-};
 
 struct MachineSpec {
   uint64_t hbm_bytes = uint64_t{80} << 30;

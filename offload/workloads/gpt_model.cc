@@ -4,7 +4,7 @@
 
 namespace strata::offload {
 
-std::vector<TensorSpec> GptTensorSpecs(const GptShape& c, DType dtype) {
+std::vector<TensorSpec> GptTensorSpecs(const ModelShape& c, DType dtype) {
   const int64_t h = c.hidden;
   std::vector<TensorSpec> specs;
   specs.push_back({"embed.tokens.weight", {c.vocab, h}, dtype, true, "embed"});

@@ -12,17 +12,20 @@
 
 namespace strata::offload {
 
-struct GptShape {
-  uint32_t layers = 8;
-  uint32_t hidden = 512;
-  uint32_t vocab = 8192;
-  uint32_t sequence = 512;  // rows of the frozen position embedding
+// A GPT's shape, and the batch a step trains on.
+struct ModelShape {
+  uint32_t layers = 24;
+  uint32_t hidden = 2048;
+  uint32_t vocab = 50304;
+  uint32_t sequence = 2048;  // tokens per sample; rows of the frozen position embedding
+  uint32_t batch = 8;
+  uint32_t heads = 0;  // 0: hidden / 64
 };
 
 // Token and frozen position embeddings, then per layer two layer norms and
 // the attention and MLP weights and biases, then the final norm (the output
 // head is tied to the token embedding).
-std::vector<TensorSpec> GptTensorSpecs(const GptShape& shape, DType dtype);
+std::vector<TensorSpec> GptTensorSpecs(const ModelShape& shape, DType dtype);
 
 // Where a tensor of GptTensorSpecs runs in a forward pass: 0 the embedding,
 // 1 + l layer l, layers + 1 the final norm (and the tied output head).

@@ -6,17 +6,9 @@
 
 #include <fmt/format.h>
 
+#include "src/base/strings.h"
+
 namespace strata {
-namespace {
-
-std::string Trim(std::string_view text) {
-  size_t begin = 0, end = text.size();
-  while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
-  while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
-  return std::string(text.substr(begin, end - begin));
-}
-
-}  // namespace
 
 std::string_view DTypeName(DType dtype) {
   switch (dtype) {

@@ -11,17 +11,10 @@
 #include <nlohmann/json.hpp>
 
 #include "src/base/alignment.h"
-#include "src/base/logging.h"
+#include "src/base/strings.h"
 
 namespace strata {
 namespace {
-
-std::string Trim(std::string_view text) {
-  size_t begin = 0, end = text.size();
-  while (begin < end && std::isspace(static_cast<unsigned char>(text[begin]))) ++begin;
-  while (end > begin && std::isspace(static_cast<unsigned char>(text[end - 1]))) --end;
-  return std::string(text.substr(begin, end - begin));
-}
 
 Result<uint64_t> ParseUnsigned(std::string_view key, std::string_view text) {
   std::string trimmed = Trim(text);
