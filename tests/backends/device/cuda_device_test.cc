@@ -1,5 +1,5 @@
 // Tests of the CUDA device (src/device/cuda_device.cc) and the pattern
-// kernels (src/device/cuda_pattern.cu), end to end on a real GPU: bytes
+// kernels (src/backends/device/cuda_pattern.cu), end to end on a real GPU: bytes
 // written by a kernel are checked on the host after a copy, and bytes written
 // on the host are checked by a kernel. Every test skips when no CUDA device is
 // visible (or the build has no CUDA backend).
