@@ -1,9 +1,10 @@
 // Picks the device backend named by the options. In a build without CUDA the
 // CUDA entry points are stubs here, so callers need no #ifdef of their own.
+#include "strata/device.h"
+
 #include <memory>
 
 #include "src/backends/device/cuda_pattern.h"
-#include "strata/device.h"
 #include "src/base/logging.h"
 #include "strata/options.h"
 #include "strata/status.h"
@@ -17,7 +18,7 @@ Result<std::unique_ptr<Device>> CreateCudaDevice(int /*device_index*/, size_t /*
   return NotSupported("this build has no CUDA backend (configure with the CUDA toolkit and STRATA_ENABLE_CUDA=ON)");
 }
 
-// The pattern kernels (src/device/cuda_pattern.cu) likewise, so that the gpu
+// The pattern kernels (src/backends/device/cuda_pattern.cu) likewise, so that the gpu
 // tests build everywhere and skip where there is no device.
 Status FillPatternOnDevice(void* /*dst*/, size_t /*size_bytes*/, uint64_t /*seed*/) {
   return NotSupported("this build has no CUDA backend");
