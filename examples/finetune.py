@@ -21,6 +21,7 @@ moments of one iteration) and loss.png.
 """
 
 import argparse
+import collections
 import copy
 import glob
 import json
@@ -159,60 +160,70 @@ def plots(out, report, timeline):
     plt.close(fig)
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    import strata  # after argument parsing: --help works without the build
+def mib(size_bytes):
+    return f"{size_bytes / 2**20:.0f}MiB"
 
-    os.makedirs(args.out, exist_ok=True)
-    nvme_dir = args.nvme_dir or os.path.join(args.out, "nvme")
-    os.makedirs(nvme_dir, exist_ok=True)
-    torch.manual_seed(args.seed)
-    model = GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-    if args.init:
-        model.load_state_dict(torch.load(args.init, map_location="cpu"))
-    initial = copy.deepcopy(model.state_dict()) if args.baseline_steps else None
+
+def new_model(args):
+    return GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
+
+
+# What the run's budgets and report are measured against.
+Sizes = collections.namedtuple("Sizes", "params states optimizer_states device_budget host_budget")
+
+
+def model_sizes(model, args):
+    """The model's parameters and state bytes, and the tier budgets: given, or shares of the states."""
     states, optimizer_states = model_state_bytes(model, args.precision)
-    device_budget = size(args.device_budget, states // 5)
-    host_budget = size(args.host_budget, optimizer_states * 9 // 10)
-    params = sum(p.numel() for p in model.parameters())
-    config = {
+    return Sizes(params=sum(p.numel() for p in model.parameters()), states=states, optimizer_states=optimizer_states,
+                 device_budget=size(args.device_budget, states // 5),
+                 host_budget=size(args.host_budget, optimizer_states * 9 // 10))
+
+
+def strata_config(args, sizes, nvme_dir):
+    return {
         "precision": args.precision,
         "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
-        "device": {"backend": args.device, "budget": device_budget},
-        "host": {"budget": host_budget},
-        "nvme": {"dirs": [nvme_dir], "capacity": max(4 * states, 64 << 20)},
+        "device": {"backend": args.device, "budget": sizes.device_budget},
+        "host": {"budget": sizes.host_budget},
+        "nvme": {"dirs": [nvme_dir], "capacity": max(4 * sizes.states, 64 << 20)},
         # Chunks small enough that the device holds a dozen fp32 ones or more
         # (the size with the least padding is searched below that).
-        "chunk": {"search_min_elems": device_budget // 256, "search_max_elems": device_budget // 48},
+        "chunk": {"search_min_elems": sizes.device_budget // 256, "search_max_elems": sizes.device_budget // 48},
         # The emulated device holds chunks only: activations stay in process
         # memory, outside its budget. On a GPU the adapter measures them.
         "non_model_memory": 0 if args.device == "emulated" else "measured",
         "log": {"level": "warning"},
         "comm": {"shard_params": args.shard_params, "backend": args.comm_backend},
     }
-    engine = strata.initialize(model, config)
-    rank, world = engine.rank, engine.world_size
-    if engine.comm is not None and rank == 0:
+
+
+def describe_start(engine, args, sizes, nvme_dir, say):
+    """Checks that the batch splits over the ranks, says what lives where, and returns the bytes of chunks
+    per home tier."""
+    world = engine.world_size
+    if engine.comm is not None and engine.rank == 0:
         print(f"strata: collectives over {engine.comm.describe()}")
     if args.batch % world:
         raise SystemExit(f"finetune: --batch {args.batch} does not split over {world} ranks: use a multiple of {world}")
-    share = args.batch // world
-    say = print if rank == 0 else (lambda *a, **k: None)
     homes = {}
     for chunk in engine.engine.chunks():
         homes[chunk["home"]] = homes.get(chunk["home"], 0) + chunk["size_bytes"]
-    mib = lambda b: f"{b / 2**20:.0f}MiB"  # noqa: E731
-    say(f"model: {params / 1e6:.1f}M parameters, model states {mib(states)} "
-        f"(optimizer states {mib(optimizer_states)}); budgets: device {mib(device_budget)}, "
-        f"host {mib(host_budget)}, NVMe under {nvme_dir}" + (f"; {world} ranks" if world > 1 else ""))
+    say(f"model: {sizes.params / 1e6:.1f}M parameters, model states {mib(sizes.states)} "
+        f"(optimizer states {mib(sizes.optimizer_states)}); budgets: device {mib(sizes.device_budget)}, "
+        f"host {mib(sizes.host_budget)}, NVMe under {nvme_dir}" + (f"; {world} ranks" if world > 1 else ""))
     say("homes" + (" (rank 0)" if world > 1 else "") + ": " +
         ", ".join(f"{tier} {mib(b)}" for tier, b in sorted(homes.items())))
+    return homes
 
-    text = corpus()
-    batches = make_batches(text, args.steps, args.batch, args.seq, args.seed + 1)
+
+def train(engine, args, batches, say):
+    """The strata steps, each rank on its share of each batch, with the checkpoints asked for. Returns the
+    losses (the mean over the ranks), the step times and the time each save took of the loop."""
+    rank, world = engine.rank, engine.world_size
+    share = args.batch // world
     tokens_per_step = args.batch * args.seq
     losses, times, save_times = [], [], []
-    checkpoints = os.path.join(args.out, "ckpt")
     progress = None
     if not args.no_progress and rank == 0:
         from tqdm import tqdm
@@ -226,7 +237,7 @@ def main(argv=None):
         losses.append(loss.item() if world == 1 else engine.comm.all_reduce_sum([loss.item()])[0] / world)
         if args.save_every and step % args.save_every == 0:  # the time the training loop spends on it
             saving = time.perf_counter()
-            engine.save_checkpoint(checkpoints, keep_last=2, asynchronous=args.async_save)
+            engine.save_checkpoint(checkpoint_root(args), keep_last=2, asynchronous=args.async_save)
             save_times.append(time.perf_counter() - saving)
         times.append(time.perf_counter() - start)
         tiers = engine.stats()["tiers"]
@@ -241,49 +252,67 @@ def main(argv=None):
         progress.close()
     if args.save_every:  # the last asynchronous save, waited for outside the loop's time
         engine.wait_checkpoint()
-    stats = engine.stats()
+    return losses, times, save_times
+
+
+def checkpoint_root(args):
+    return os.path.join(args.out, "ckpt")
+
+
+def chunk_bytes_per_rank(engine):
+    """Every rank's bytes of each chunk kind, and of those stored (on the host and NVMe: a sharded run's
+    gathered param chunks are on the device only), one dict per rank. Every rank calls it."""
     tiers_of_kind = engine.chunk_tiers()
     kinds = {kind: sum(tiers.values()) for kind, tiers in tiers_of_kind.items()}
-    # Stored: on the host and NVMe (a sharded run's gathered param chunks are on the device only).
     stored = {kind: tiers.get("host", 0) + tiers.get("nvme", 0) for kind, tiers in tiers_of_kind.items()}
-    rank_kinds, rank_stored = [kinds], [stored]
-    if world > 1:  # every rank's bytes of each chunk kind, to rank 0
-        names = sorted(kinds)
-        row = [kinds[n] for n in names] + [stored[n] for n in names]
-        gathered = engine.comm.all_gather(torch.tensor(row, dtype=torch.int64).numpy())
-        rows = torch.frombuffer(bytearray(gathered), dtype=torch.int64).reshape(world, -1).tolist()
-        rank_kinds = [dict(zip(names, r[:len(names)])) for r in rows]
-        rank_stored = [dict(zip(names, r[len(names):])) for r in rows]
-    if rank != 0:
+    if engine.world_size == 1:
+        return [kinds], [stored]
+    names = sorted(kinds)
+    row = [kinds[n] for n in names] + [stored[n] for n in names]
+    gathered = engine.comm.all_gather(torch.tensor(row, dtype=torch.int64).numpy())
+    rows = torch.frombuffer(bytearray(gathered), dtype=torch.int64).reshape(engine.world_size, -1).tolist()
+    return [dict(zip(names, r[:len(names)])) for r in rows], [dict(zip(names, r[len(names):])) for r in rows]
+
+
+def device_peak_bytes(engine, stats):
+    """On a GPU, strata's chunks and PyTorch's activations and workspace at their peak; else None."""
+    if engine.device.type != "cuda":
         return None
+    return stats["tiers"]["device"]["peak_bytes"] + torch.cuda.max_memory_allocated()
 
-    baseline_losses, baseline_times = [], []
-    strata_hbm = baseline_hbm = None
-    if engine.device.type == "cuda":  # strata's chunks, and PyTorch's activations and workspace
-        strata_hbm = stats["tiers"]["device"]["peak_bytes"] + torch.cuda.max_memory_allocated()
-    if args.baseline_steps:
-        print(f"plain PyTorch, everything in memory, {args.baseline_steps} steps on the same batches...")
-        torch.manual_seed(args.seed)
-        baseline = GPT(vocab=256, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
-        baseline.load_state_dict(initial)
-        baseline = baseline.to(device=engine.device, dtype=torch.bfloat16 if args.precision == "bf16" else None)
-        if engine.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        baseline_batches = [t.to(engine.device) for t in batches[:args.baseline_steps]]
-        baseline_losses, baseline_times = plain_pytorch(baseline, baseline_batches, args.lr)
-        if engine.device.type == "cuda":
-            baseline_hbm = torch.cuda.max_memory_allocated()
 
+def compare_with_pytorch(engine, args, initial, batches):
+    """The first --baseline-steps batches with plain PyTorch from the same weights: losses, step times and
+    (on a GPU) the peak bytes."""
+    if not args.baseline_steps:
+        return [], [], None
+    print(f"plain PyTorch, everything in memory, {args.baseline_steps} steps on the same batches...")
+    torch.manual_seed(args.seed)
+    baseline = new_model(args)
+    baseline.load_state_dict(initial)
+    baseline = baseline.to(device=engine.device, dtype=torch.bfloat16 if args.precision == "bf16" else None)
+    if engine.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    baseline_batches = [t.to(engine.device) for t in batches[:args.baseline_steps]]
+    losses, times = plain_pytorch(baseline, baseline_batches, args.lr)
+    return losses, times, torch.cuda.max_memory_allocated() if engine.device.type == "cuda" else None
+
+
+def make_report(args, stats, sizes, homes, per_rank, trained, baseline, hbm):
+    """report.json: what ran, the losses and times of both runs, and the bytes per tier, link and rank."""
+    rank_kinds, rank_stored = per_rank
+    losses, times, save_times = trained
+    baseline_losses, baseline_times = baseline
     pipeline = stats["pipeline"]
-    report = {
-        "model": {"parameters": params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
+    return {
+        "model": {"parameters": sizes.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq": args.seq, "batch": args.batch, "precision": args.precision},
-        "world_size": world,
+        "world_size": len(rank_kinds),  # one entry per rank
         "rank_chunk_bytes": rank_kinds,
         "rank_stored_bytes": rank_stored,
         "shard_params": args.shard_params,
         "comm": stats.get("comm"),
-        "model_state_bytes": states,
+        "model_state_bytes": sizes.states,
         "loss": losses,
         "step_time_s": times,
         "train_seconds": sum(times),
@@ -292,7 +321,7 @@ def main(argv=None):
         "baseline_step_time_s": steady(baseline_times) if baseline_times else None,
         "baseline_step_times_s": baseline_times,
         "step_time_over_baseline": steady(times) / steady(baseline_times) if baseline_times else None,
-        "tokens_per_second": tokens_per_step / steady(times),
+        "tokens_per_second": args.batch * args.seq / steady(times),
         "tier_budget_bytes": {t: u["capacity_bytes"] for t, u in stats["tiers"].items()},
         "tier_peak_bytes": {t: u["peak_bytes"] for t, u in stats["tiers"].items()},
         "tier_home_bytes": homes,
@@ -300,12 +329,16 @@ def main(argv=None):
         "stall_fraction_last_step": pipeline.get("stall_fraction"),
         "planned_iterations": pipeline.get("planned_iterations"),
         "timeline": stats["timeline"],
-        "peak_hbm_bytes": strata_hbm,
-        "baseline_peak_hbm_bytes": baseline_hbm,
+        "peak_hbm_bytes": hbm[0],  # strata's, then plain PyTorch's
+        "baseline_peak_hbm_bytes": hbm[1],
     }
-    with open(os.path.join(args.out, "report.json"), "w") as f:
-        json.dump(report, f, indent=1)
-    plots(args.out, report, stats["timeline"])
+
+
+def print_summary(args, report, sizes):
+    """What the report says, in a few lines."""
+    losses, times = report["loss"], report["step_time_s"]
+    baseline_losses, baseline_times = report["baseline_loss"], report["baseline_step_times_s"]
+    world, save_times = report["world_size"], report["checkpoint_seconds_in_loop"]
     print(f"strata: {steady(times):.3f} s/step ({report['tokens_per_second']:.0f} tokens/s), loss "
           f"{losses[0]:.3f} -> {losses[-1]:.3f}")
     if baseline_times:
@@ -317,16 +350,50 @@ def main(argv=None):
           ", ".join(f"{t} {mib(report['tier_peak_bytes'][t])} of {mib(report['tier_budget_bytes'][t])}"
                     for t in report["tier_peak_bytes"]))
     if world > 1:
-        comm = stats["comm"]
-        held = [sum(k.get(n, 0) for n in ("master", "exp_avg", "exp_avg_sq")) for k in rank_kinds]
-        print(f"optimizer states per rank: {', '.join(mib(b) for b in held)} of {mib(optimizer_states)}; "
-              f"params stored per rank: {', '.join(mib(k.get('param', 0)) for k in rank_stored)}; "
+        comm = report["comm"]
+        held = [sum(k.get(n, 0) for n in ("master", "exp_avg", "exp_avg_sq")) for k in report["rank_chunk_bytes"]]
+        print(f"optimizer states per rank: {', '.join(mib(b) for b in held)} of {mib(sizes.optimizer_states)}; "
+              f"params stored per rank: {', '.join(mib(k.get('param', 0)) for k in report['rank_stored_bytes'])}; "
               f"rank 0 sent {mib(comm['last_step_bytes'])} in the last step "
               f"(ZeRO-3 would send {mib(comm['zero3_bytes_per_step'])})")
     if save_times:
         print(f"checkpoints: {len(save_times)} {'asynchronous' if args.async_save else 'synchronous'} saves under "
-              f"{checkpoints}, {sum(save_times):.2f} s of the training loop's {sum(times):.2f} s")
+              f"{checkpoint_root(args)}, {sum(save_times):.2f} s of the training loop's {sum(times):.2f} s")
     print(f"wrote {args.out}/report.json, memory.png, loss.png")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import strata  # after argument parsing: --help works without the build
+
+    os.makedirs(args.out, exist_ok=True)
+    nvme_dir = args.nvme_dir or os.path.join(args.out, "nvme")
+    os.makedirs(nvme_dir, exist_ok=True)
+    torch.manual_seed(args.seed)
+    model = new_model(args)
+    if args.init:
+        model.load_state_dict(torch.load(args.init, map_location="cpu"))
+    initial = copy.deepcopy(model.state_dict()) if args.baseline_steps else None
+    sizes = model_sizes(model, args)
+    engine = strata.initialize(model, strata_config(args, sizes, nvme_dir))
+    say = print if engine.rank == 0 else (lambda *a, **k: None)
+    homes = describe_start(engine, args, sizes, nvme_dir, say)
+
+    batches = make_batches(corpus(), args.steps, args.batch, args.seq, args.seed + 1)
+    trained = train(engine, args, batches, say)
+    stats = engine.stats()
+    per_rank = chunk_bytes_per_rank(engine)
+    if engine.rank != 0:
+        return None
+
+    strata_hbm = device_peak_bytes(engine, stats)  # before the baseline resets the peak
+    baseline_losses, baseline_times, baseline_hbm = compare_with_pytorch(engine, args, initial, batches)
+    report = make_report(args, stats, sizes, homes, per_rank, trained, (baseline_losses, baseline_times),
+                         (strata_hbm, baseline_hbm))
+    with open(os.path.join(args.out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    plots(args.out, report, stats["timeline"])
+    print_summary(args, report, sizes)
     return report
 
 

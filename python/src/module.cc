@@ -92,16 +92,12 @@ void BindOptions(py::module_& m) {
 PYBIND11_MODULE(_strata, m) {
   namespace bind = strata::python;
   m.doc() = "strata's C++ engine (the Python package is strata)";
-  bind::BindErrors(m);
-  bind::BindOptions(m);
-  bind::BindCommunicator(m);
-  bind::BindTransports(m);
-  bind::BindEngine(m);
-  bind::BindChunkAccess(m);
-  bind::BindOptimizer(m);
-  bind::BindPipeline(m);
-  bind::BindTrainStep(m);
-  bind::BindGradReducer(m);
-  bind::BindCheckpoint(m);
-  bind::BindSafetensors(m);
+  // In order: the errors first, since ThrowIfError raises them; each class before the functions whose
+  // signatures name it, so that their docstrings give its Python name.
+  for (auto* bind_concern : {&bind::BindErrors, &bind::BindOptions, &bind::BindCommunicator, &bind::BindTransports,
+                             &bind::BindEngine, &bind::BindChunkAccess, &bind::BindOptimizer, &bind::BindPipeline,
+                             &bind::BindTrainStep, &bind::BindGradReducer, &bind::BindCheckpoint,
+                             &bind::BindSafetensors}) {
+    bind_concern(m);
+  }
 }

@@ -391,20 +391,3 @@ class TrainingEngine:
     def engine(self):
         """The C++ engine (strata._strata.Engine): chunks, tiers."""
         return self._runtime.engine
-
-    # Tests reach into these.
-    @property
-    def _reducer(self):
-        return self._grad_sync.reducer
-
-    @property
-    def _saved_bytes(self):
-        return self._moments.saved_bytes
-
-    @property
-    def _save_delay_ms(self):
-        return self._checkpoints.save_delay_ms
-
-    @_save_delay_ms.setter
-    def _save_delay_ms(self, delay_ms):
-        self._checkpoints.save_delay_ms = delay_ms

@@ -50,8 +50,8 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
             if os.environ.get("DP_WORKER_HANG"):  # hangs instead (torchrun's agent would kill the others)
                 time.sleep(120)
             os.kill(os.getpid(), signal.SIGKILL)  # the last rank dies before its step's collectives
-        if engine._reducer is not None and (step + 1) % accumulation == 0:
-            reduced_in_backward.append(sum(engine._reducer.submitted(c) for c in grad_chunks))
+        if engine._grad_sync.reducer is not None and (step + 1) % accumulation == 0:
+            reduced_in_backward.append(sum(engine._grad_sync.reducer.submitted(c) for c in grad_chunks))
         start = time.monotonic()
         try:
             engine.step()

@@ -89,7 +89,7 @@ def test_an_asynchronous_save_holds_the_state_of_its_start(tmp_path):
     data = list(batches(10))
     first = trained(tmp_path, "first", "fp32")
     strata_losses(first, data[:5])
-    first._save_delay_ms = 20
+    first._checkpoints.save_delay_ms = 20
     assert first.save_checkpoint(tmp_path / "ckpt", asynchronous=True) is None
     expected = strata_losses(first, data[5:])
     saved = first.wait_checkpoint()

@@ -330,7 +330,7 @@ def test_an_exception_in_forward_leaves_nothing_behind(tmp_path):
     # No saved-tensor hook of strata's is left on: another model's forward and backward are its own.
     other = torch.nn.Linear(4, 4)
     other(torch.randn(2, 4)).sum().backward()
-    assert engine._saved_bytes == 0
+    assert engine._moments.saved_bytes == 0
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
 
 
