@@ -12,7 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "benchmarks/io_bench.h"
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 #include "optim/optimizer.h"
 #include "strata/engine.h"
 #include "strata/options.h"
@@ -193,7 +193,7 @@ void Summarize(const RunRatios& ratios, CheckpointBenchReport& report) {
 //
 // Every save replaces the one before (the same step), as a run saving every
 // N steps with keep_last replaces its oldest: with recycling, the files of
-// the one before that are written over (offload/persist/checkpoint.h). The
+// the one before that are written over (strata/checkpoint.h). The
 // first save writes new files, and so does the second, unmeasured; then each
 // run saves, saves asynchronously (started, then waited for, nothing
 // training between), and loads.

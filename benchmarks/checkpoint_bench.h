@@ -1,5 +1,5 @@
 // `strata bench checkpoint`: a checkpoint's save and load bandwidth
-// (offload/persist/checkpoint.h) against the NVMe write and read bandwidth
+// (strata/checkpoint.h) against the NVMe write and read bandwidth
 // that `strata bench io` measures on the same directory in the same run, and
 // the host memory a save takes beyond what it held before. See Note [The
 // checkpoint bench] in checkpoint_bench.cc for the model and the runs.

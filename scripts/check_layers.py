@@ -49,6 +49,9 @@ PUBLIC_HEADERS = {
     "strata/access.h": "memory",
     "strata/stats.h": "memory",
     "strata/tensor.h": "memory",
+    "strata/update_fence.h": "training",
+    "strata/checkpoint.h": "persist",
+    "strata/safetensors.h": "persist",
 }
 
 # Headers only their own folder may include.

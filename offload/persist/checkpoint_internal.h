@@ -16,8 +16,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "offload/persist/checkpoint.h"
+#include "optim/optimizer.h"
 #include "src/base/task_queue.h"
+#include "strata/checkpoint.h"
 #include "strata/comm.h"
 #include "strata/file_system.h"
 

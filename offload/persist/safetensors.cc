@@ -1,4 +1,4 @@
-#include "offload/persist/safetensors.h"
+#include "strata/safetensors.h"
 
 #include <unistd.h>
 

@@ -13,6 +13,7 @@
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/status.h"
+#include "strata/update_fence.h"
 
 namespace strata::offload {
 
@@ -23,15 +24,6 @@ struct TrainStepReport {
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
-};
-
-// What an update waits for before it changes a chunk group's chunks (its
-// param, master and optimizer states).
-class UpdateFence {
- public:
-  virtual ~UpdateFence() = default;
-  // Returns once `group`'s chunks may change.
-  virtual Status BeforeUpdate(uint32_t group) = 0;
 };
 
 // What a step runs with besides the engine, the pipeline and the optimizer.

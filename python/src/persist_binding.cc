@@ -7,8 +7,8 @@
 #include <cstdint>
 #include <string>
 
-#include "offload/persist/checkpoint.h"
-#include "offload/persist/safetensors.h"
+#include "strata/checkpoint.h"
+#include "strata/safetensors.h"
 #include "optim/optimizer.h"
 #include "python/src/binding.h"
 #include "strata/comm.h"
@@ -18,7 +18,7 @@ namespace strata::python {
 
 namespace {
 
-// What was saved, loaded or verified (offload/persist/checkpoint.h), as a dict.
+// What was saved, loaded or verified (strata/checkpoint.h), as a dict.
 py::dict CheckpointDict(const offload::CheckpointSummary& s) {
   py::dict d;
   d["path"] = s.path;
@@ -31,7 +31,7 @@ py::dict CheckpointDict(const offload::CheckpointSummary& s) {
   return d;
 }
 
-// What a safetensors export or import did (offload/persist/safetensors.h), as a dict.
+// What a safetensors export or import did (strata/safetensors.h), as a dict.
 py::dict InterchangeDict(const offload::InterchangeSummary& s) {
   py::dict d;
   d["path"] = s.path;

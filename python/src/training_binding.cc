@@ -8,7 +8,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 #include "offload/schedule/pipeline.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/training/train_step.h"

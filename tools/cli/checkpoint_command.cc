@@ -5,7 +5,7 @@
 #include <memory>
 #include <string>
 
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 #include "tools/cli/commands.h"
 
 namespace strata::cli {
@@ -44,7 +44,7 @@ int RunCheckpointVerify(const CheckpointFlags& flags) {
 
 std::vector<Command> AddCheckpointCommands(CLI::App& parent) {
   auto flags = std::make_shared<CheckpointFlags>();
-  CLI::App* checkpoint = parent.add_subcommand("checkpoint", "look into a checkpoint (offload/persist/checkpoint.h)");
+  CLI::App* checkpoint = parent.add_subcommand("checkpoint", "look into a checkpoint (strata/checkpoint.h)");
   checkpoint->require_subcommand(1);
   CLI::App* inspect = checkpoint->add_subcommand(
       "inspect", "what a checkpoint holds: step, ranks, optimizer state, tensors, bytes by chunk kind");

@@ -18,7 +18,7 @@
 #include <string>
 #include <thread>
 
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 #include "tests/offload/training/train_model.h"
 #include "tests/test_util.h"
 

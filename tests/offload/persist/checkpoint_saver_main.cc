@@ -10,7 +10,7 @@
 #include <random>
 #include <string>
 
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 #include "tests/offload/training/train_model.h"
 
 int main(int argc, char** argv) {

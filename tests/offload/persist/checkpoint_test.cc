@@ -1,5 +1,5 @@
 // Checkpoints: save and load through the whole stack, crash safety, damage.
-#include "offload/persist/checkpoint.h"
+#include "strata/checkpoint.h"
 
 #include <gtest/gtest.h>
 #include <sys/resource.h>

@@ -1,5 +1,5 @@
 // safetensors export and import through the engine's chunks.
-#include "offload/persist/safetensors.h"
+#include "strata/safetensors.h"
 
 #include <gtest/gtest.h>
 

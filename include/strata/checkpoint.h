@@ -17,12 +17,15 @@
 #include <string>
 #include <vector>
 
-#include "offload/training/train_step.h"
-#include "optim/optimizer.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
 #include "strata/file_system.h"
 #include "strata/status.h"
+#include "strata/update_fence.h"
+
+namespace strata::optim {
+class Optimizer;  // optim/optimizer.h
+}  // namespace strata::optim
 
 namespace strata::offload {
 
