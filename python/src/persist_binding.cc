@@ -4,15 +4,19 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstdint>
+#include <map>
+#include <memory>
 #include <string>
+#include <thread>
 
-#include "strata/checkpoint.h"
-#include "strata/safetensors.h"
 #include "optim/optimizer.h"
 #include "python/src/binding.h"
+#include "strata/checkpoint.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
+#include "strata/safetensors.h"
 
 namespace strata::python {
 
@@ -43,13 +47,21 @@ py::dict InterchangeDict(const offload::InterchangeSummary& s) {
 }
 
 // The files an asynchronous save writes through: delay_ms > 0 (tests) stands
-// in for a slow drive, each file write that much later. The wrapper outlives
-// every save that uses it.
+// in for a slow drive, each chunk file opened that much later. One wrapper
+// per delay, kept for the process so that it outlives every save using it
+// (the map is guarded by the GIL, held here).
 FileSystem& StartFiles(uint32_t delay_ms) {
   if (delay_ms == 0) return PosixFileSystem();
-  static FaultInjectingFileSystem slow(PosixFileSystem());
-  slow.SetDelayMs(delay_ms);
-  return slow;
+  static std::map<uint32_t, std::unique_ptr<FaultInjectingFileSystem>> slow_by_delay;
+  std::unique_ptr<FaultInjectingFileSystem>& slow = slow_by_delay[delay_ms];
+  if (slow == nullptr) {
+    slow = std::make_unique<FaultInjectingFileSystem>(PosixFileSystem());
+    slow->SetOpenHook([delay_ms](const std::string& path) {
+      if (path.find("/chunk-") != std::string::npos) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      return Status::Ok();
+    });
+  }
+  return *slow;
 }
 
 void BindPendingCheckpoint(py::module_& m) {

@@ -26,7 +26,7 @@ class Checkpoints:
         self._optimizer = optimizer
         self.pending = None        # an asynchronous save still to be waited for (each step's update fences on it)
         self._pending_exit = None  # its exit hook
-        self.save_delay_ms = 0     # tests: each file write of an asynchronous save this much later
+        self.save_delay_ms = 0     # tests: each chunk file of an asynchronous save opened this much later
 
     def save(self, path, keep_last, asynchronous, recycle):
         """Saves at once and returns the summary, or starts an asynchronous save and returns None."""

@@ -83,7 +83,7 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
 
 
 def test_an_asynchronous_save_holds_the_state_of_its_start(tmp_path):
-    """5 steps, a save written (slowly: 20 ms before each chunk) while 5 more run: a fresh engine that loads
+    """5 steps, a save written (slowly: each chunk file opened 20 ms late) while 5 more run: a fresh engine that loads
     it and runs the 5 has the same losses and masters, bit for bit, so the steps' updates waited for the
     save. The next save waits for it."""
     data = list(batches(10))

@@ -317,10 +317,12 @@ void AddCommAndRuntimeKeys(Table& t) {
       field(&DataParallelOptions::reduce_dtype), {{"grad", ReduceDType::kGrad}, {"fp32", ReduceDType::kFloat32}}));
   t.push_back(IntEntry("transfer.workers", "threads running asynchronous chunk moves", In(&Options::transfer_workers),
                        1, 64));
+  // "warn" as STRATA_LOG_LEVEL takes it; named "warning".
   t.push_back(ChoiceEntry<LogLevel>("log.level", "debug, info, warning, error or off", In(&Options::log_level),
                                     {{"debug", LogLevel::kDebug},
                                      {"info", LogLevel::kInfo},
                                      {"warning", LogLevel::kWarning},
+                                     {"warn", LogLevel::kWarning},
                                      {"error", LogLevel::kError},
                                      {"off", LogLevel::kOff}}));
 }
@@ -365,6 +367,69 @@ Status ApplyJsonValue(Options& options, const std::string& key, const nlohmann::
   return InvalidArgument("option {}: value {} has an unsupported JSON type", key, value.dump());
 }
 
+// Note [Validating set fields]
+// SetOption bounds each key as it parses it, but C++ callers set the fields
+// directly. Every key's value is therefore read back through the table and
+// set again on a scratch copy: a value out of the key's range, or one that is
+// not finite, is refused with the same message SetOption gives. The text
+// forms round-trip exactly (fmt prints the shortest form that reads back).
+Status CheckEachKey(const Options& options) {
+  Options scratch;
+  for (const OptionEntry& entry : AllKeys()) STRATA_RETURN_IF_ERROR(entry.set(scratch, entry.get(options)));
+  return Status::Ok();
+}
+
+Status CheckTierRelations(const Options& options) {
+  if (options.nvme.block_size_bytes == 0 || options.nvme.block_size_bytes % kIoAlignmentBytes != 0) {
+    return InvalidArgument("option nvme.block_size: {} bytes is not allowed: expected a positive multiple of 4KiB",
+                           options.nvme.block_size_bytes);
+  }
+  if (options.device.budget_bytes == 0) {
+    return InvalidArgument("option device.budget: 0 is not allowed: the device tier needs room for at least one chunk");
+  }
+  if (options.chunk.search_min_elems > options.chunk.search_max_elems) {
+    return InvalidArgument("option chunk.search_min_elems: {} exceeds chunk.search_max_elems {}",
+                           options.chunk.search_min_elems, options.chunk.search_max_elems);
+  }
+  if (!options.nvme.dirs.empty() && options.nvme.capacity_bytes == 0) {
+    return InvalidArgument("option nvme.capacity: 0 is not allowed when nvme.dirs is set");
+  }
+  if (options.optimizer.stream_ring_bytes == 0) {
+    return InvalidArgument("option optimizer.stream_ring: 0 is not allowed: the ring holds at least two chunk groups");
+  }
+  return Status::Ok();
+}
+
+Status CheckOptimizerRelations(const OptimizerOptions& optimizer) {
+  if (optimizer.kind == OptimizerKind::kSgd && optimizer.nesterov &&
+      (optimizer.momentum <= 0 || optimizer.dampening != 0)) {
+    return InvalidArgument("option optimizer.nesterov: needs momentum > 0 (got {}) and dampening 0 (got {})",
+                           optimizer.momentum, optimizer.dampening);
+  }
+  return Status::Ok();
+}
+
+// Checked even where scaling is off, so that a bad key is found before a run
+// that turns scaling on; in fp32, as the loss scaler holds them, so that a
+// factor a hair from 1 is not accepted here and refused by the scaler.
+Status CheckLossScaleRelations(const LossScaleOptions& scale) {
+  const float growth = static_cast<float>(scale.growth_factor);
+  const float backoff = static_cast<float>(scale.backoff_factor);
+  if (!(growth > 1.0f && backoff > 0.0f && backoff < 1.0f)) {
+    return InvalidArgument(
+        "options loss_scale.growth_factor, loss_scale.backoff_factor: need growth_factor > 1 (got {}) and "
+        "backoff_factor in (0, 1) (got {}), in fp32",
+        scale.growth_factor, scale.backoff_factor);
+  }
+  const float min = static_cast<float>(scale.min), init = static_cast<float>(scale.init);
+  if (!(min > 0.0f && min <= init && init <= static_cast<float>(scale.max))) {
+    return InvalidArgument(
+        "options loss_scale.min, loss_scale.init, loss_scale.max: need 0 < min ({}) <= init ({}) <= max ({})", scale.min,
+        scale.init, scale.max);
+  }
+  return Status::Ok();
+}
+
 }  // namespace
 
 const std::vector<OptionDoc>& OptionDocs() {
@@ -399,42 +464,10 @@ Status ApplyOptionsFile(Options& options, const std::string& path) {
 }
 
 Status ValidateOptions(const Options& options) {
-  if (options.nvme.block_size_bytes == 0 || options.nvme.block_size_bytes % kIoAlignmentBytes != 0) {
-    return InvalidArgument("option nvme.block_size: {} bytes is not allowed: expected a positive multiple of 4KiB",
-                           options.nvme.block_size_bytes);
-  }
-  if (options.device.budget_bytes == 0) {
-    return InvalidArgument("option device.budget: 0 is not allowed: the device tier needs room for at least one chunk");
-  }
-  if (options.chunk.search_min_elems > options.chunk.search_max_elems) {
-    return InvalidArgument("option chunk.search_min_elems: {} exceeds chunk.search_max_elems {}",
-                           options.chunk.search_min_elems, options.chunk.search_max_elems);
-  }
-  if (!options.nvme.dirs.empty() && options.nvme.capacity_bytes == 0) {
-    return InvalidArgument("option nvme.capacity: 0 is not allowed when nvme.dirs is set");
-  }
-  if (options.optimizer.stream_ring_bytes == 0) {
-    return InvalidArgument("option optimizer.stream_ring: 0 is not allowed: the ring holds at least two chunk groups");
-  }
-  const OptimizerOptions& optimizer = options.optimizer;
-  if (optimizer.kind == OptimizerKind::kSgd && optimizer.nesterov &&
-      (optimizer.momentum <= 0 || optimizer.dampening != 0)) {
-    return InvalidArgument("option optimizer.nesterov: needs momentum > 0 (got {}) and dampening 0 (got {})",
-                           optimizer.momentum, optimizer.dampening);
-  }
-  // The loss_scale.* keys are checked even where scaling is off, so a bad
-  // one is found before a run that turns scaling on. The table bounds each
-  // key; what is left is their order.
-  const LossScaleOptions& scale = options.loss_scale;
-  if (scale.growth_factor <= 1 || scale.backoff_factor <= 0 || scale.backoff_factor >= 1) {
-    return InvalidArgument("option loss_scale.*: need growth_factor > 1 (got {}) and backoff_factor in (0, 1) (got {})",
-                           scale.growth_factor, scale.backoff_factor);
-  }
-  if (!(scale.min <= scale.init && scale.init <= scale.max)) {
-    return InvalidArgument("options loss_scale.min, loss_scale.init, loss_scale.max: need min ({}) <= init ({}) <= max ({})", scale.min, scale.init,
-                           scale.max);
-  }
-  return Status::Ok();
+  STRATA_RETURN_IF_ERROR(CheckEachKey(options));
+  STRATA_RETURN_IF_ERROR(CheckTierRelations(options));
+  STRATA_RETURN_IF_ERROR(CheckOptimizerRelations(options.optimizer));
+  return CheckLossScaleRelations(options.loss_scale);
 }
 
 std::vector<std::pair<std::string, std::string>> DescribeOptions(const Options& options) {

@@ -1,6 +1,10 @@
 #include "strata/options.h"
 
 #include <fstream>
+#include <functional>
+#include <limits>
+#include <string>
+#include <vector>
 
 #include "optim/loss_scaler.h"
 #include "optim/optimizer.h"
@@ -124,6 +128,43 @@ TEST(OptionsTest, ValidateChecksRelationsBetweenKeys) {
   options = Options();
   options.device.budget_bytes = 0;
   ExpectInvalid(ValidateOptions(options), "device.budget");
+}
+
+TEST(OptionsTest, ValidateChecksFieldsSetDirectlyAgainstTheirKeysRanges) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double inf = std::numeric_limits<double>::infinity();
+  struct Case {
+    std::function<void(Options&)> set;
+    std::string key;
+  };
+  const std::vector<Case> cases = {
+      {[&](Options& o) { o.optimizer.lr = nan; }, "optimizer.lr"},
+      {[&](Options& o) { o.optimizer.beta1 = 1.5; }, "optimizer.beta1"},
+      {[&](Options& o) { o.optimizer.eps = 0; }, "optimizer.eps"},
+      {[&](Options& o) { o.optimizer.dampening = 2; }, "optimizer.dampening"},
+      {[&](Options& o) { o.loss_scale.growth_factor = inf; }, "loss_scale.growth_factor"},
+      {[&](Options& o) { o.loss_scale.growth_interval = 0; }, "loss_scale.growth_interval"},
+      {[&](Options& o) { o.loss_scale.min = 0; }, "loss_scale.min"},
+      {[&](Options& o) { o.device.index = -1; }, "device.index"},
+      {[&](Options& o) { o.device.emulated_bandwidth_gbps = -1; }, "device.emulated_bandwidth_gbps"},
+      {[&](Options& o) { o.placement.device_params = 1.5; }, "placement.device_params"},
+      // Within the key's range as a double, but 1 once rounded to the fp32 the loss scaler holds.
+      {[&](Options& o) { o.loss_scale.growth_factor = 1.00000001; }, "loss_scale.growth_factor"},
+      {[&](Options& o) { o.loss_scale.backoff_factor = 0.99999999; }, "loss_scale.backoff_factor"},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.key);
+    Options options;
+    c.set(options);
+    ExpectInvalid(ValidateOptions(options), c.key);
+  }
+}
+
+TEST(OptionsTest, LogLevelTakesWarnAsWarning) {
+  Options options;
+  ASSERT_OK(SetOption(options, "log.level", "warn"));
+  EXPECT_EQ(options.log_level, LogLevel::kWarning);
+  EXPECT_EQ(DescribeOptions(options).back(), (std::pair<std::string, std::string>{"log.level", "warning"}));
 }
 
 TEST(OptionsTest, OptimizerKeysBecomeTheOptimizerConfig) {
