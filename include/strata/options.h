@@ -137,5 +137,4 @@ Status ValidateOptions(const Options& options);
 // The current value of every key, as text, in OptionDocs() order.
 std::vector<std::pair<std::string, std::string>> DescribeOptions(const Options& options);
 
-
 }  // namespace strata

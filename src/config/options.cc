@@ -160,7 +160,9 @@ void AddDeviceAndHostKeys(Table& t) {
   t.push_back(ChoiceEntry<DeviceBackendKind>(
       "device.backend", "device tier backend: auto (cuda when a GPU is visible, else emulated), emulated, cuda",
       In(&Options::device, &DeviceOptions::backend),
-      {{"auto", DeviceBackendKind::kAuto}, {"emulated", DeviceBackendKind::kEmulated}, {"cuda", DeviceBackendKind::kCuda}}));
+      {{"auto", DeviceBackendKind::kAuto},
+       {"emulated", DeviceBackendKind::kEmulated},
+       {"cuda", DeviceBackendKind::kCuda}}));
   t.push_back(IntEntry("device.index", "CUDA device ordinal", In(&Options::device, &DeviceOptions::index), 0, 1023));
   t.push_back(SizeEntry("device.budget", "bytes of device memory strata may use for chunks",
                         In(&Options::device, &DeviceOptions::budget_bytes)));
@@ -275,7 +277,8 @@ void AddPlacementAndLossScaleKeys(Table& t) {
                          In(&Options::placement, &PlacementOptions::host_states), 0, 1));
   const auto field = [](auto member) { return In(&Options::loss_scale, member); };
   t.push_back(ChoiceEntry<LossScaleMode>(
-      "loss_scale.mode", "auto (dynamic when precision is fp16, else off), dynamic or off", field(&LossScaleOptions::mode),
+      "loss_scale.mode", "auto (dynamic when precision is fp16, else off), dynamic or off",
+      field(&LossScaleOptions::mode),
       {{"auto", LossScaleMode::kAuto}, {"dynamic", LossScaleMode::kDynamic}, {"off", LossScaleMode::kOff}}));
   t.push_back(FloatEntry("loss_scale.init", "first loss scale", field(&LossScaleOptions::init), 1e-30, 1e30));
   t.push_back(FloatEntry("loss_scale.growth_factor", "the scale grows by this after growth_interval good steps, > 1",
@@ -424,8 +427,8 @@ Status CheckLossScaleRelations(const LossScaleOptions& scale) {
   const float min = static_cast<float>(scale.min), init = static_cast<float>(scale.init);
   if (!(min > 0.0f && min <= init && init <= static_cast<float>(scale.max))) {
     return InvalidArgument(
-        "options loss_scale.min, loss_scale.init, loss_scale.max: need 0 < min ({}) <= init ({}) <= max ({})", scale.min,
-        scale.init, scale.max);
+        "options loss_scale.min, loss_scale.init, loss_scale.max: need 0 < min ({}) <= init ({}) <= max ({})",
+        scale.min, scale.init, scale.max);
   }
   return Status::Ok();
 }
