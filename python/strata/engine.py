@@ -61,6 +61,20 @@ def initialize(model, config=None, weights=None):
 
 _LOAD_FAILED = "a checkpoint load failed part way"
 
+# Set on every module of a model an engine took: its parameters are then
+# placeholders whose values live in that engine's chunks.
+_HELD = "_strata_held"
+
+
+def _refuse_held(model):
+    for name, module in model.named_modules():
+        if module.__dict__.get(_HELD, False):
+            where = f"its module '{name}'" if name else "it"
+            raise ValueError(
+                f"strata.initialize: the model is already held by a strata engine ({where} was given to "
+                "strata.initialize before): its parameters are placeholders whose values live in that engine's "
+                "chunks. Train it through that engine (engine.state_dict() gives the values), or build a fresh model")
+
 
 @dataclass
 class _Progress:
@@ -77,6 +91,7 @@ class TrainingEngine:
     def __init__(self, model, config=None, weights=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
+        _refuse_held(model)
         self.config = load_config(config)
         self.module = model
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
@@ -100,6 +115,8 @@ class TrainingEngine:
         if weights is None:
             self._weights.write(self._weights.model_values())
         self._hooks.take_storage(model)
+        for module in model.modules():  # its parameters are placeholders from here on
+            module.__dict__[_HELD] = True
         self._weights.place_buffers()
         self._grad_sync.start()
         self._hooks.install(model)

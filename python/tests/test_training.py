@@ -247,6 +247,21 @@ def test_a_model_that_is_not_a_module():
         strata.initialize(lambda x: x, {})
 
 
+def test_a_model_an_engine_holds_is_refused_by_name(tmp_path):
+    model, _ = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    with pytest.raises(ValueError, match="already held by a strata engine"):
+        strata.initialize(model)
+    child = next(iter(model.children()))
+    with pytest.raises(ValueError, match="already held by a strata engine"):
+        strata.initialize(child)
+    parent = torch.nn.Sequential(model)  # a model that holds it
+    with pytest.raises(ValueError, match="its module '0'"):
+        strata.initialize(parent)
+    strata_losses(engine, batches(2))  # the engine that holds it trains on
+    assert engine.stats()["steps"] == 2
+
+
 def test_a_corrupt_nvme_slot_is_an_exception_naming_the_chunk(tmp_path):
     model, _ = pair()
     engine = strata.initialize(model, three_tiers(tmp_path))
