@@ -12,6 +12,7 @@ packages=(
   libgtest-dev libgmock-dev libbenchmark-dev
   fio  # the reference of `strata bench io --compare-fio`
   python3-dev pybind11-dev python3-pytest  # the Python package (python/) and its tests
+  python3-hypothesis  # the differential tests against plain PyTorch (python/tests/test_differential.py)
   python3-torch python3-tqdm python3-matplotlib  # the PyTorch adapter and the demo (examples/finetune.py)
   libopenmpi-dev openmpi-bin  # the MPI communicator and the multi-rank tests (mpirun)
   libopenblas0-pthread  # an optimized BLAS for python3-torch (the default reference BLAS is 12x slower)

@@ -1,0 +1,422 @@
+"""Differential testing against plain PyTorch: random models from the building blocks real models use,
+trained through strata and through torch.optim, and compared.
+
+A `Case` is everything one example draws: the model (its blocks and what its
+forward does with them), the budgets, the precision, the optimizer and the
+training loop. `build_model(case)` makes the model (the same one for a seed);
+`run_case(case)` trains it both ways and raises AssertionError naming what
+differs, with the case to reproduce it:
+
+    PYTHONPATH=build/python python3 -c "import sys; sys.path.insert(0, 'python/tests'); \\
+        from differential import *; run_case(Case(...))"
+
+test_differential.py draws cases with hypothesis and holds the issue's cases as fixed examples.
+"""
+
+import copy
+import dataclasses
+import math
+import tempfile
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+import strata
+
+BLOCK_KINDS = ("linear", "mlp", "conv", "norm", "batchnorm", "attention")
+OUTPUT_KINDS = ("tensor", "tuple", "dict", "dataclass")
+
+
+def _half_kernels():
+    """Whether this torch computes a linear layer in fp16 on the CPU (2.x does; 1.13 does not)."""
+    try:
+        torch.nn.functional.linear(torch.ones(1, 2, dtype=torch.float16), torch.ones(2, 2, dtype=torch.float16))
+        return True
+    except RuntimeError:
+        return False
+
+
+def _mixed_batchnorm():
+    """Whether this torch normalizes bf16 activations with fp32 running statistics on the CPU."""
+    norm = torch.nn.BatchNorm1d(2)
+    for p in norm.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    try:
+        norm(torch.ones(2, 2, dtype=torch.bfloat16))
+        return True
+    except RuntimeError:
+        return False
+
+
+HALF_KERNELS = _half_kernels()
+MIXED_BATCHNORM = _mixed_batchnorm()
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    kind: str = "linear"
+    output: str = "tensor"        # what the block returns: a tensor, a tuple, a dict or a dataclass
+    skip: float = 0.0             # the chance the forward skips the block in a micro-batch (LayerDrop)
+    frozen: bool = False          # requires_grad False on its parameters
+    inplace: bool = False         # its activation is ReLU(inplace=True)
+    checkpoint: str = ""          # "", "reentrant" or "non_reentrant": torch.utils.checkpoint around it
+
+
+@dataclass(frozen=True)
+class Case:
+    seed: int = 0
+    width: int = 16
+    tokens: bool = False          # input: tokens through an embedding (else features through a linear)
+    tied: bool = False            # tokens: the output head is the embedding's weight
+    blocks: tuple = (BlockSpec(),)
+    reuse: int = -1               # a block called again after the last one (-1: none)
+    parent_param: bool = False    # a parameter of the root module, used in its own forward
+    sometimes: bool = False       # a head used only in every other micro-batch
+    precision: str = "fp32"
+    optimizer: str = "adamw"
+    lr: float = 1e-2
+    weight_decay: float = 0.01
+    accumulation: int = 1
+    clipping: float = 0.0
+    steps: int = 4
+    device_fraction: float = 4.0  # device.budget as a fraction of the parameters' bytes
+    host_fraction: float = 4.0    # host.budget as a fraction of the masters' and states' bytes
+    chunk_elems: int = 1024       # chunk.size_elems; 0: no chunk setting (the engine chooses)
+    nvme_capacity: bool = True    # nvme.capacity set (else the engine's default)
+    measured: bool = False        # non_model_memory "measured" (else 0)
+    upcast: bool = False          # linear layers compute in fp32 from their parameters (what a torch without
+                                  # fp16 CPU kernels trains fp16 parameters with); linear blocks only
+
+
+# --- the model -------------------------------------------------------------------
+
+
+@dataclass
+class Hidden:
+    """A block's output as a dataclass."""
+    h: torch.Tensor
+
+
+class UpcastLinear(torch.nn.Linear):
+    """A linear layer that computes in fp32 whatever its parameters' dtype."""
+
+    def forward(self, x):
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(x.float(), self.weight.float(), bias)
+
+
+def _act(spec):
+    return torch.nn.ReLU(inplace=True) if spec.inplace else torch.nn.Tanh()
+
+
+class Block(torch.nn.Module):
+    """One building block on hidden states (batch, seq, width), residual where it computes a new value."""
+
+    def __init__(self, spec, width, upcast):
+        super().__init__()
+        self.spec = spec
+        Linear = UpcastLinear if upcast else torch.nn.Linear
+        if spec.kind == "linear":
+            self.fc = Linear(width, width)
+            self.act = _act(spec)
+        elif spec.kind == "mlp":  # an odd hidden width: chunk-sized and odd-sized parameters
+            self.up = Linear(width, 3 * width + 5)
+            self.act = _act(spec)
+            self.down = Linear(3 * width + 5, width)
+        elif spec.kind == "conv":
+            self.conv = torch.nn.Conv1d(width, width, kernel_size=3, padding=1)
+        elif spec.kind == "norm":
+            self.norm = torch.nn.LayerNorm(width)
+        elif spec.kind == "batchnorm":  # running statistics: buffers that change in every training forward
+            self.norm = torch.nn.BatchNorm1d(width)
+        elif spec.kind == "attention":  # no bias: the softmax cancels a key bias (its gradient is rounding noise)
+            self.qkv = Linear(width, 3 * width, bias=False)
+            self.proj = Linear(width, width, bias=False)
+        if spec.frozen:
+            for p in self.parameters():
+                p.requires_grad_(False)
+
+    def compute(self, x):
+        # Residual and nonlinear after a bias, so that no bias gets a gradient that is zero but for
+        # rounding (a normalization right after a bias cancels it), which Adam would turn into full steps.
+        kind = self.spec.kind
+        if kind == "linear":
+            return x + 0.5 * self.act(self.fc(x))
+        if kind == "mlp":
+            return x + self.down(self.act(self.up(x)))
+        if kind == "conv":
+            return x + torch.tanh(self.conv(x.transpose(1, 2)).transpose(1, 2))
+        if kind == "norm":
+            return self.norm(x)
+        if kind == "batchnorm":
+            return x + torch.tanh(self.norm(x.reshape(-1, x.shape[-1])).reshape(x.shape))
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        weights = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(q.shape[-1]), dim=-1)
+        return x + self.proj(weights @ v)
+
+    def forward(self, x):
+        y = self.compute(x)
+        if self.spec.output == "tuple":
+            return y, y.detach().sum()
+        if self.spec.output == "dict":
+            return {"h": y}
+        if self.spec.output == "dataclass":
+            return Hidden(y)
+        return y
+
+
+def _hidden(output):
+    if isinstance(output, tuple):
+        return output[0]
+    if isinstance(output, dict):
+        return output["h"]
+    if isinstance(output, Hidden):
+        return output.h
+    return output
+
+
+class Net(torch.nn.Module):
+    """The drawn model. `position` (set before each forward) picks the micro-batch's skip mask."""
+
+    def __init__(self, case):
+        super().__init__()
+        self.case, self.position = case, 0
+        w = case.width
+        self.vocab = 2 * w + 3
+        Linear = UpcastLinear if case.upcast else torch.nn.Linear
+        if case.tokens:
+            self.embed = torch.nn.Embedding(self.vocab, w)
+            self.head = Linear(w, self.vocab, bias=not case.tied)
+            if case.tied:
+                self.head.weight = self.embed.weight
+        else:
+            self.embed = Linear(5, w)
+            self.head = Linear(w, 2)
+        self.blocks = torch.nn.ModuleList(Block(spec, w, case.upcast) for spec in case.blocks)
+        if case.parent_param:
+            self.scale = torch.nn.Parameter(torch.ones(w) + 0.1 * torch.randn(w))
+        if case.sometimes:
+            self.aux = Linear(w, w)
+        generator = torch.Generator().manual_seed(case.seed + 1)
+        draws = torch.rand(case.steps * case.accumulation, len(case.blocks), generator=generator)
+        self.keep = [[draw >= spec.skip for draw, spec in zip(row.tolist(), case.blocks)] for row in draws]
+
+    def run_block(self, block, x):
+        if block.spec.checkpoint and torch.is_grad_enabled():
+            reentrant = block.spec.checkpoint == "reentrant"
+            if reentrant:  # tensors only through the reentrant form
+                return torch.utils.checkpoint.checkpoint(lambda h: _hidden(block(h)), x, use_reentrant=True)
+            return _hidden(torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False))
+        return _hidden(block(x))
+
+    def forward(self, inputs, targets):
+        x = self.embed(inputs)
+        if self.case.upcast:
+            x = x.float()
+        keep = self.keep[self.position % len(self.keep)] if self.training else [True] * len(self.blocks)
+        for block, kept in zip(self.blocks, keep):
+            if kept:
+                x = self.run_block(block, x)
+        if self.case.reuse >= 0:
+            x = self.run_block(self.blocks[self.case.reuse], x)
+        if self.case.parent_param:
+            x = x * self.scale
+        if self.case.sometimes and self.position % 2 == 0:
+            x = x + torch.tanh(self.aux(x))
+        out = self.head(x).float()
+        if self.case.tokens:
+            return F.cross_entropy(out.reshape(-1, self.vocab), targets.reshape(-1))
+        return ((out - targets) ** 2).mean()
+
+
+def build_model(case):
+    torch.manual_seed(case.seed)
+    return Net(case)
+
+
+def batches(case, count):
+    """`count` micro-batches: (inputs, targets), the inputs in the dtype the model computes in."""
+    generator = torch.Generator().manual_seed(case.seed + 2)
+    dtype = torch.float32 if case.upcast else DTYPES[case.precision]
+    out = []
+    for _ in range(count):
+        if case.tokens:
+            tokens = torch.randint(0, 2 * case.width + 3, (3, 7), generator=generator)
+            out.append((tokens[:, :-1], tokens[:, 1:]))
+        else:
+            inputs = torch.randn(3, 6, 5, generator=generator).to(dtype)
+            out.append((inputs, torch.randn(3, 6, 2, generator=generator)))
+    return out
+
+
+# --- the two trainings --------------------------------------------------------------
+
+
+def _optimizer(case, params):
+    if case.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=case.lr, weight_decay=case.weight_decay)
+    if case.optimizer == "adam":
+        return torch.optim.Adam(params, lr=case.lr, weight_decay=case.weight_decay)
+    return torch.optim.SGD(params, lr=case.lr, momentum=0.9, weight_decay=case.weight_decay)
+
+
+LOSS_SCALE = 2.0 ** 10  # fp16: the loss scale of both trainings (it grows on neither within a run)
+
+
+def torch_training(case, model, data):
+    """Plain PyTorch: torch.optim on the model (fp32), or on fp32 masters of a bf16/fp16 model that computes
+    (the mixed-precision recipe; fp16 with a fixed loss scale, a step with inf/NaN gradients skipped).
+    Returns the micro-batch losses and the model's parameters after (the masters under bf16/fp16)."""
+    dtype = DTYPES[case.precision]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if dtype == torch.float32:
+        masters = trainable
+    else:
+        masters = [p.detach().clone().float().requires_grad_() for p in trainable]
+        for p in model.parameters():
+            p.data = p.data.to(dtype)
+    opt = _optimizer(case, masters)
+    scale = LOSS_SCALE if case.precision == "fp16" else 1.0
+    losses = []
+    for i, (inputs, targets) in enumerate(data):
+        model.position = i
+        loss = model(inputs, targets)
+        losses.append(loss.item())
+        (loss * (scale / case.accumulation)).backward()
+        if (i + 1) % case.accumulation:
+            continue
+        if dtype != torch.float32:
+            for master, p in zip(masters, trainable):
+                master.grad = None if p.grad is None else p.grad.float() / scale
+                p.grad = None
+        grads = [m.grad for m in masters if m.grad is not None]
+        if all(torch.isfinite(g).all() for g in grads):
+            if case.clipping:
+                torch.nn.utils.clip_grad_norm_(masters, case.clipping)
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dtype != torch.float32:
+            with torch.no_grad():
+                for master, p in zip(masters, trainable):
+                    p.copy_(master)
+    names = [name for name, p in model.named_parameters() if p.requires_grad]
+    return losses, dict(zip(names, [m.detach() for m in masters]))
+
+
+def param_bytes(model, case):
+    width = 4 if case.precision == "fp32" else 2
+    return sum(p.numel() for p in model.parameters()) * width
+
+
+def state_bytes(model, case):
+    """Masters (bf16/fp16) and optimizer states, fp32."""
+    per = {"adamw": 2, "adam": 2, "sgd": 1}[case.optimizer] + (case.precision != "fp32")
+    return sum(p.numel() for p in model.parameters() if p.requires_grad) * 4 * per
+
+
+def config_of(case, model, nvme_dir):
+    config = {
+        "precision": case.precision,
+        "optimizer": {"type": case.optimizer, "lr": case.lr, "weight_decay": case.weight_decay,
+                      "momentum": 0.9 if case.optimizer == "sgd" else 0.0},
+        "device": {"backend": "emulated", "budget": max(4096, int(case.device_fraction * param_bytes(model, case)))},
+        "host": {"budget": max(4096, int(case.host_fraction * state_bytes(model, case)))},
+        "nvme": {"dirs": [nvme_dir]},
+        "gradient_accumulation_steps": case.accumulation,
+        "gradient_clipping": case.clipping,
+        "non_model_memory": "measured" if case.measured else 0,
+        "log": {"level": "error"},
+    }
+    if case.nvme_capacity:
+        config["nvme"]["capacity"] = "64MiB"
+    if case.chunk_elems:
+        config["chunk"] = {"size_elems": case.chunk_elems}
+    if case.precision == "fp16":
+        config["loss_scale"] = {"mode": "dynamic", "init": LOSS_SCALE, "growth_interval": 1000}
+    return config
+
+
+class Refused(Exception):
+    """The engine refused the case's budgets (at initialize or in the first micro-batch), with its reason."""
+
+
+def _refusal(error):
+    """Whether `error` refuses the budgets: a ValueError or MemoryError naming the setting to raise."""
+    text = str(error)
+    return isinstance(error, (ValueError, MemoryError)) and any(
+        key in text for key in ("device.budget", "host.budget", "nvme.capacity"))
+
+
+def strata_training(case, model, data, nvme_dir):
+    """The same training through strata. Returns the losses, the parameters (masters under bf16/fp16), the
+    engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
+    the first micro-batch (naming the setting to raise)."""
+    config = config_of(case, model, nvme_dir)
+    try:
+        engine = strata.initialize(model, config)
+    except (ValueError, MemoryError) as error:
+        if _refusal(error):
+            raise Refused(str(error)) from error
+        raise
+    losses = []
+    for i, (inputs, targets) in enumerate(data):
+        model.position = i
+        try:
+            loss = engine(inputs, targets)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        except MemoryError as error:
+            if i == 0 and _refusal(error):
+                raise Refused(str(error)) from error
+            raise
+    state = engine.state_dict(master=case.precision != "fp32")
+    return losses, state, engine.stats(), config
+
+
+# Relative tolerances of losses and parameters: fp32 is PyTorch's arithmetic; bf16/fp16 compute in 8/11
+# significant bits, where one rounding of a sum taken in another order moves the next step's values.
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2, "fp16": 5e-3}
+
+
+def _close(a, b, rtol):
+    return abs(a - b) <= rtol * max(abs(b), 1e-3)
+
+
+def run_case(case, refusal_ok=False):
+    """Trains `case` both ways and asserts the same losses and parameters, and peaks within the budgets.
+    Returns the engine's stats after, or None when `refusal_ok` and the engine refused the budgets at
+    initialize (else that is a failure too)."""
+    data = batches(case, case.steps * case.accumulation)
+    model = build_model(case)
+    reference = copy.deepcopy(model)
+    with tempfile.TemporaryDirectory() as nvme_dir:
+        try:
+            ours, state, stats, config = strata_training(case, model, data, nvme_dir)
+        except Refused as error:
+            if refusal_ok:
+                return None
+            raise AssertionError(f"refused at initialize: {error}\nreproduce: run_case({case!r})") from error
+        except Exception as error:
+            raise AssertionError(f"{type(error).__name__}: {error}\nreproduce: run_case({case!r})") from error
+    theirs, params = torch_training(case, reference, data)
+    rtol = TOLERANCE[case.precision]
+    where = f"\nreproduce: run_case({case!r})"
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        assert _close(a, b, rtol), f"loss {i}: strata {a!r}, torch {b!r} (relative tolerance {rtol}){where}"
+    for name, value in params.items():
+        mine = state[name].float()
+        error = (mine - value.float()).abs() - rtol * value.float().abs()
+        assert error.max().item() <= rtol * 1e-1, \
+            f"parameter {name}: differs by up to {(mine - value).abs().max().item():.3g}{where}"
+    for tier in ("device", "host"):
+        peak, budget = stats["tiers"][tier]["peak_bytes"], config[tier]["budget"]
+        assert peak <= budget, f"{tier} peak {peak} over its budget {budget}{where}"
+    return stats
+
+
+def replace(case, **changes):
+    return dataclasses.replace(case, **changes)
