@@ -269,7 +269,8 @@ LOSS_SCALE = 2.0 ** 10  # fp16: the loss scale of both trainings (it grows on ne
 def torch_training(case, model, data):
     """Plain PyTorch: torch.optim on the model (fp32), or on fp32 masters of a bf16/fp16 model that computes
     (the mixed-precision recipe; fp16 with a fixed loss scale, a step with inf/NaN gradients skipped).
-    Returns the micro-batch losses and the model's parameters after (the masters under bf16/fp16)."""
+    Returns the micro-batch losses and an evaluation's after, and the model's parameters after (the masters
+    under bf16/fp16)."""
     dtype = DTYPES[case.precision]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if dtype == torch.float32:
@@ -302,8 +303,19 @@ def torch_training(case, model, data):
             with torch.no_grad():
                 for master, p in zip(masters, trainable):
                     p.copy_(master)
+    losses.append(evaluation(model, model, data[0]))
     names = [name for name, p in model.named_parameters() if p.requires_grad]
     return losses, dict(zip(names, [m.detach() for m in masters]))
+
+
+def evaluation(run, model, batch):
+    """The loss of `batch` in eval mode without autograd (BatchNorm's running statistics at work), last of the
+    losses compared."""
+    run.eval()
+    with torch.no_grad():
+        loss = run(*batch).item()
+    run.train()
+    return loss
 
 
 def param_bytes(model, case):
@@ -351,7 +363,7 @@ def _refusal(error):
 
 
 def strata_training(case, model, data, nvme_dir):
-    """The same training through strata. Returns the losses, the parameters (masters under bf16/fp16), the
+    """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters under bf16/fp16), the
     engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
     the first micro-batch (naming the setting to raise)."""
     config = config_of(case, model, nvme_dir)
@@ -373,6 +385,7 @@ def strata_training(case, model, data, nvme_dir):
             if i == 0 and _refusal(error):
                 raise Refused(str(error)) from error
             raise
+    losses.append(evaluation(engine, model, data[0]))
     state = engine.state_dict(master=case.precision != "fp32")
     return losses, state, engine.stats(), config
 
