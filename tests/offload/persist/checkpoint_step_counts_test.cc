@@ -43,13 +43,12 @@ void Train(Model& model, int from, int to) {
   }
 }
 
-void Initialize(Model& model) {
+// `model` from its initial parameters through `steps` steps, saved under `root`.
+void TrainAndSave(Model& model, int steps, const std::string& root) {
   std::mt19937 rng(17);
   for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kParam, Random(rng, 0.5f));
-}
-
-fs::path ManifestOf(const ScratchDir& dir, int step) {
-  return fs::path(dir.path()) / fmt::format("step-{:08}", step) / "manifest.json";
+  Train(model, 0, steps);
+  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, root).status());
 }
 
 // 3 steps with layers left out, save, 3 more: a fresh engine that loads the
@@ -57,9 +56,7 @@ fs::path ManifestOf(const ScratchDir& dir, int step) {
 TEST(CheckpointStepCountsTest, EachTensorsCountIsSavedAndRestored) {
   ScratchDir dir("ckpt");
   Model first;
-  Initialize(first);
-  Train(first, 0, 3);
-  ASSERT_OK(SaveCheckpoint(*first.engine, *first.optimizer, dir.path()).status());
+  TrainAndSave(first, 3, dir.path());
   const std::vector<int64_t> counts = first.optimizer->AllTensorSteps(kLayers + 1);
   EXPECT_EQ(counts, (std::vector<int64_t>{3, 3, 2, 3, 1, 3, 3}));
   ASSERT_OK_AND_ASSIGN(std::string described, DescribeCheckpoint(dir.path()));
@@ -83,10 +80,8 @@ TEST(CheckpointStepCountsTest, EachTensorsCountIsSavedAndRestored) {
 TEST(CheckpointStepCountsTest, AManifestWithoutCountsLoadsEveryTensorAtTheStepsTaken) {
   ScratchDir dir("ckpt");
   Model model;
-  Initialize(model);
-  Train(model, 0, 2);
-  ASSERT_OK(SaveCheckpoint(*model.engine, *model.optimizer, dir.path()).status());
-  const fs::path path = ManifestOf(dir, 2);
+  TrainAndSave(model, 2, dir.path());
+  const fs::path path = fs::path(dir.path()) / "step-00000002" / "manifest.json";
   const nlohmann::json manifest = nlohmann::json::parse(std::ifstream(path));
   const auto rewrite = [&](const nlohmann::json& changed) { std::ofstream(path) << changed.dump(); };
 
