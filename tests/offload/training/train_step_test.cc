@@ -237,6 +237,38 @@ TEST(TrainStepTest, ChunkMatesWithDifferentStepCountsAreUpdatedWithTheirOwn) {
   }
 }
 
+// Data parallel, every rank leaves out the same tensors (the adapter agrees
+// on them): the counts stay the same on every rank, and each rank's range
+// is updated as its tensor's own step, as one rank stepping alone does.
+TEST(TrainStepTest, DataParallelRanksLeavingOutTheSameTensorsKeepTheSameCounts) {
+  const auto train = [](Model& model, Communicator* comm) -> Status {
+    std::mt19937 rng(11);
+    for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kParam, Random(rng, 1.0f));
+    for (int step = 0; step < 3; ++step) {
+      model.skip.assign(kLayers + 1, false);
+      model.skip[2] = step == 1;
+      for (int l = 0; l < kLayers; ++l) {
+        // The same gradients on every rank: their mean is exactly them.
+        if (!model.skip[l]) model.Write(l, ChunkKind::kGrad, RankGrad(0, l, step));
+      }
+      STRATA_RETURN_IF_ERROR(model.Iteration(comm).status());
+    }
+    return Status::Ok();
+  };
+  Model single;
+  ASSERT_OK(train(single, nullptr));
+  std::vector<std::vector<float>> expected;
+  for (int l = 0; l < kLayers; ++l) expected.push_back(single.Read(l, ChunkKind::kParam));
+  const std::vector<int64_t> counts = single.optimizer->AllTensorSteps(kLayers + 1);
+  EXPECT_EQ(counts[2], 2);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm);
+    ASSERT_OK(train(rank, &comm));
+    EXPECT_EQ(rank.optimizer->AllTensorSteps(kLayers + 1), counts) << "rank " << r;
+    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(rank.Read(l, ChunkKind::kParam), expected[l]) << "rank " << r;
+  });
+}
+
 // `world` ranks (threads) with their own gradients against one rank
 // stepping their mean: the same parameters on every rank, bit for bit
 // without clipping.
