@@ -33,10 +33,10 @@ namespace strata::offload {
 // left as torch.optim leaves a parameter whose .grad is None: its weight
 // decay, moments and step count included; the others of its chunk are
 // updated, each run of tensors with the same step count in one range (Note
-// [Step counts per tensor] in optim/optimizer.cc). An error (a failed or corrupt NVMe read of a
-// state chunk) ends the step with it; groups updated before it keep their
-// update, the step is not counted, and the engine keeps every chunk (nothing
-// is freed).
+// [Step counts per tensor] in optim/optimizer.cc). An error (a failed or
+// corrupt NVMe read of a state chunk) ends the step with it; groups updated
+// before it keep their update, the step is not counted, and the engine keeps
+// every chunk (nothing is freed).
 //
 // Note [Data-parallel step]
 // With a communicator (more than one rank; every rank steps with the same
