@@ -1,5 +1,6 @@
 #include "optim/optimizer.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "optim/cpu/cpu_kernels.h"
@@ -29,12 +30,26 @@ namespace strata::optim {
 // Note [Optimizer kinds]
 // AdamW (decoupled weight decay), Adam (L2 weight decay in the gradient), SGD
 // with momentum (optionally Nesterov, dampening); each is the formula of the
-// torch.optim class of the same name (one difference: SGD's momentum buffer
-// starts as the gradient at step 1 for every chunk, where torch starts each
-// parameter's at that parameter's first step; the same unless parameters join
-// after training began). A new optimizer adds a kind, its per-element update
+// torch.optim class of the same name, step counts included (Note [Step counts
+// per tensor]). A new optimizer adds a kind, its per-element update
 // in optim/cpu/cpu_kernels_impl.h and the scalar reference in
 // optim/cpu/cpu_reference.cc, and says how many fp32 states it keeps.
+//
+// Note [Step counts per tensor]
+// torch.optim keeps state['step'] per parameter and leaves a parameter whose
+// .grad is None out of a step entirely: no moment decay, no weight decay, no
+// count. Its later updates use its own count: Adam's bias corrections
+// 1 - beta^t, and SGD's momentum buffer starting as the gradient on the
+// parameter's own first update. So the optimizer counts steps per tensor:
+// FinishStep counts the step for every tensor but those the caller left out,
+// and an update of a tensor's range uses TensorStep (its count + 1), so a
+// chunk whose tensors have different counts is updated in one range per run
+// of equal counts. The counts are kept as the steps each tensor missed, so
+// that a tensor no step left out (every one, usually) costs nothing and
+// reads as the global count, as does every tensor of arrays updated without
+// tensors (Step, UpdateChunk without a step). A plan skipped for inf/NaN
+// gradients counts no one's step. Data parallel, every rank must leave out
+// the same tensors (the caller agrees on them), so the counts stay the same.
 
 std::string_view OptimizerKindName(OptimizerKind kind) {
   switch (kind) {
@@ -149,8 +164,30 @@ Result<StepPlan> Optimizer::PlanStep(GradStats local) const {
   return plan;
 }
 
-Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler) {
+int64_t Optimizer::tensor_steps(TensorId id) const {
+  return steps_taken_ - (id.value() < steps_missed_.size() ? steps_missed_[id.value()] : 0);
+}
+
+int64_t Optimizer::TensorStep(const StepPlan& plan, TensorId id) const {
+  return plan.step - (id.value() < steps_missed_.size() ? steps_missed_[id.value()] : 0);
+}
+
+std::vector<int64_t> Optimizer::AllTensorSteps(size_t n) const {
+  std::vector<int64_t> counts(n);
+  for (size_t id = 0; id < n; ++id) counts[id] = tensor_steps(TensorId(static_cast<uint32_t>(id)));
+  return counts;
+}
+
+Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler,
+                          std::span<const int64_t> tensor_steps) {
   if (steps_taken < 0) return InvalidArgument("optimizer: cannot restore {} steps taken", steps_taken);
+  for (size_t id = 0; id < tensor_steps.size(); ++id) {
+    if (tensor_steps[id] < 0 || tensor_steps[id] > steps_taken) {
+      return InvalidArgument("optimizer: tensor {} has taken {} steps: a count in [0, {}] (the steps taken) was "
+                             "expected",
+                             id, tensor_steps[id], steps_taken);
+    }
+  }
   if (scaler.has_value() != scaler_.has_value()) {
     return InvalidArgument("optimizer: the state to restore {} a loss scaler and this optimizer {} (loss_scale.mode "
                            "must match the saved run's)",
@@ -158,10 +195,12 @@ Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler
   }
   if (scaler) STRATA_RETURN_IF_ERROR(scaler_->Restore(scaler->scale, scaler->good_steps, scaler->overflows));
   steps_taken_ = steps_taken;
+  steps_missed_.assign(tensor_steps.size(), 0);
+  for (size_t id = 0; id < tensor_steps.size(); ++id) steps_missed_[id] = steps_taken - tensor_steps[id];
   return Status::Ok();
 }
 
-Status Optimizer::FinishStep(const StepPlan& plan) {
+Status Optimizer::FinishStep(const StepPlan& plan, std::span<const TensorId> left_out) {
   if (plan.skip) {
     if (scaler_) scaler_->Update(/*found_non_finite=*/true);
     return Status::Ok();
@@ -172,6 +211,13 @@ Status Optimizer::FinishStep(const StepPlan& plan) {
                            plan.step, steps_taken_);
   }
   steps_taken_ = plan.step;
+  std::vector<TensorId> missed(left_out.begin(), left_out.end());
+  std::sort(missed.begin(), missed.end());
+  missed.erase(std::unique(missed.begin(), missed.end()), missed.end());  // listed twice, missed once
+  if (!missed.empty() && missed.back().value() >= steps_missed_.size()) {
+    steps_missed_.resize(missed.back().value() + 1, 0);
+  }
+  for (TensorId id : missed) steps_missed_[id.value()]++;
   if (scaler_) scaler_->Update(/*found_non_finite=*/false);
   return Status::Ok();
 }
@@ -198,23 +244,28 @@ Status CheckChunk(const OptimizerConfig& config, const ChunkTensors& t) {
   return Status::Ok();
 }
 
-Status CheckPlan(const StepPlan& plan) {
+Status CheckPlan(const StepPlan& plan, int64_t step = 0) {
   if (plan.skip) return Status::Ok();
   if (plan.step < 1 || !std::isfinite(plan.grad_multiplier)) {
     return InvalidArgument("optimizer: a plan for step {} with gradient multiplier {}: steps count from 1 and the "
                            "multiplier is finite (PlanStep makes plans)",
                            plan.step, plan.grad_multiplier);
   }
+  if (step < 0 || step > plan.step) {
+    return InvalidArgument("optimizer: an update as step {} in a plan for step {}: a tensor's step is in [1, the "
+                           "plan's] (Optimizer::TensorStep), or 0 for the plan's",
+                           step, plan.step);
+  }
   return Status::Ok();
 }
 
 }  // namespace
 
-Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const {
-  STRATA_RETURN_IF_ERROR(CheckPlan(plan));
+Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step) const {
+  STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
   STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
-  UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunk);
+  UpdateParallel(MakeUpdateConstants(config_, step == 0 ? plan.step : step, plan.grad_multiplier), chunk);
   return Status::Ok();
 }
 

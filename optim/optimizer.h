@@ -5,6 +5,10 @@
 // Adam (L2) and SGD with momentum, each the formula of the torch.optim class
 // of the same name (Note [Optimizer kinds]).
 //
+// Step counts are per tensor, as torch.optim keeps state['step'] per
+// parameter: a tensor a step leaves out keeps its count (Note [Step counts
+// per tensor]).
+//
 // Ownership: the optimizer owns no model memory; ChunkTensors point at the
 // caller's arrays (host memory for the CPU kernels) for the duration of a
 // call. Thread-safety: PlanStep, FinishStep and Step are called from one
@@ -18,6 +22,7 @@
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "optim/loss_scaler.h"
 #include "strata/options.h"
@@ -86,7 +91,7 @@ struct GradStats {
 // What one step does, decided once from the global gradient statistics.
 struct StepPlan {
   bool skip = false;            // inf/NaN gradients: nothing is updated
-  int64_t step = 0;             // the 1-based step the update uses (bias correction, SGD's first step)
+  int64_t step = 0;             // the 1-based global step; a tensor's update uses its own (Optimizer::TensorStep)
   float loss_scale = 1.0f;      // the scale the gradients carry
   double grad_norm = 0;         // global L2 norm of the unscaled gradients (inf/NaN when skipped)
   float clip_coefficient = 1.0f;
@@ -109,6 +114,13 @@ class Optimizer {
   int num_states() const { return NumStates(config_); }
   // Completed (not skipped) steps so far.
   int64_t steps_taken() const { return steps_taken_; }
+  // Of them, those that updated tensor `id` (torch.optim's state['step'] of
+  // a parameter): fewer when steps left it out (FinishStep's `left_out`).
+  int64_t tensor_steps(TensorId id) const;
+  // The step number tensor `id`'s update in `plan` uses: tensor_steps + 1.
+  int64_t TensorStep(const StepPlan& plan, TensorId id) const;
+  // tensor_steps of ids 0 .. n-1 (a checkpoint's).
+  std::vector<int64_t> AllTensorSteps(size_t n) const;
   // The scale the next backward pass multiplies the loss by (1 without a scaler).
   float loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
   const LossScaler* scaler() const { return scaler_ ? &*scaler_ : nullptr; }
@@ -116,26 +128,34 @@ class Optimizer {
   // Phase 1: the all-reduce, the norm, the clip coefficient and the skip
   // decision, for step steps_taken() + 1. Changes nothing.
   Result<StepPlan> PlanStep(GradStats local) const;
-  // Phase 2: one chunk, in one fused pass (no-op when the plan skips).
+  // Phase 2: one chunk, in one fused pass (no-op when the plan skips), as
+  // update number `step` of its tensors (their TensorStep; 0: plan.step).
   // InvalidArgument when the chunk's arrays do not fit this optimizer (a
   // missing state, a null grad) or the plan is not one (a step below 1, a
-  // non-finite multiplier).
-  Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk) const;
+  // non-finite multiplier), or `step` is above plan.step.
+  Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step = 0) const;
   // The same for many chunks at once, spread over oneTBB's threads across
   // and within chunks; every chunk is checked before any is changed.
   Status UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const;
   // Phase 3: the plan's chunks are all updated (or it skips): count the step
-  // and update the loss scaler (back off on a skip, else count a good step).
-  // InvalidArgument for a plan of another step than steps_taken() + 1.
-  Status FinishStep(const StepPlan& plan);
-  // A saved step count and loss-scaler state back. InvalidArgument for a negative count, or a scaler state this optimizer
-  // has no scaler for (or lacks one it has), changing nothing.
+  // for every tensor but those in `left_out` (its update left them as they
+  // were) and update the loss scaler (back off on a skip, else count a good
+  // step). A skipped plan counts no tensor's step. InvalidArgument for a plan
+  // of another step than steps_taken() + 1.
+  Status FinishStep(const StepPlan& plan, std::span<const TensorId> left_out = {});
+  // A saved step count and loss-scaler state back; `tensor_steps[id]`: tensor
+  // id's count, each in [0, steps_taken] (tensors past its end: steps_taken,
+  // as a checkpoint saved before counts were per tensor means).
+  // InvalidArgument for a negative count, a tensor count out of range, or a
+  // scaler state this optimizer has no scaler for (or lacks one it has),
+  // changing nothing.
   struct ScalerState {
     float scale = 1.0f;
     int64_t good_steps = 0;
     int64_t overflows = 0;
   };
-  Status Restore(int64_t steps_taken, std::optional<ScalerState> scaler);
+  Status Restore(int64_t steps_taken, std::optional<ScalerState> scaler,
+                 std::span<const int64_t> tensor_steps = {});
   // All three phases over all chunks.
   Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
 
@@ -146,6 +166,9 @@ class Optimizer {
   std::optional<LossScaler> scaler_;
   AllReduceHook all_reduce_;
   int64_t steps_taken_ = 0;
+  // steps_missed_[id]: the finished steps tensor `id` was left out of; ids
+  // past the end missed none. See Note [Step counts per tensor].
+  std::vector<int64_t> steps_missed_;
 };
 
 }  // namespace strata::optim

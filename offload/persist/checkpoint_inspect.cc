@@ -1,7 +1,9 @@
 // What `strata checkpoint inspect` shows of a checkpoint: its manifest, as
 // JSON or described.
 
+#include <algorithm>
 #include <map>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -36,7 +38,13 @@ std::string Describe(const fs::path& dir, const json& manifest) {
   std::string out = fmt::format("checkpoint {}\n", dir.string());
   out += fmt::format("  step {}, saved by {} rank(s), {} of version {}\n", manifest.at("step").get<int64_t>(),
                      manifest.at("world_size").get<int>(), checkpoint::kFormat, checkpoint::kVersion);
-  out += fmt::format("  optimizer: {} steps taken", state.at("steps_taken").get<int64_t>());
+  const int64_t taken = state.at("steps_taken").get<int64_t>();
+  out += fmt::format("  optimizer: {} steps taken", taken);
+  if (state.contains("tensor_steps")) {
+    const auto counts = state.at("tensor_steps").get<std::vector<int64_t>>();
+    const auto behind = std::count_if(counts.begin(), counts.end(), [&](int64_t c) { return c < taken; });
+    if (behind > 0) out += fmt::format(" ({} tensor(s) left out of some)", behind);
+  }
   if (state.at("loss_scaler").is_null()) {
     out += ", no loss scaler\n";
   } else {

@@ -128,6 +128,27 @@ Result<CheckpointSummary> VerifyFiles(FileSystem& files, const fs::path& dir, co
   return summary;
 }
 
+// Corruption unless the optimizer state's per-tensor step counts, when
+// saved (Note [Checkpoint layout on disk]), are one per registered tensor,
+// each within the steps taken.
+Status CheckTensorSteps(const json& manifest, const std::string& where) {
+  const json& state = manifest.at("optimizer");
+  if (!state.contains("tensor_steps")) return Status::Ok();
+  const auto counts = state.at("tensor_steps").get<std::vector<int64_t>>();
+  const int64_t taken = state.at("steps_taken").get<int64_t>();
+  const json& tensors = manifest.at("tensors");
+  if (counts.size() != tensors.size()) {
+    return Corruption("checkpoint {}: {} tensor step counts for {} tensors", where, counts.size(), tensors.size());
+  }
+  for (size_t id = 0; id < counts.size(); ++id) {
+    if (counts[id] < 0 || counts[id] > taken) {
+      return Corruption("checkpoint {}: tensor '{}' has taken {} steps, outside [0, {}] (the steps taken)", where,
+                        tensors[id].at("name").get<std::string>(), counts[id], taken);
+    }
+  }
+  return Status::Ok();
+}
+
 // InvalidArgument unless the checkpoint holds `engine`'s model (the same
 // registered tensors) and `optimizer` can take its state.
 Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
@@ -143,7 +164,7 @@ Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine
     return InvalidArgument("checkpoint {} was saved {} a loss scaler and this optimizer has {} (loss_scale.mode)",
                            where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
   }
-  return Status::Ok();
+  return CheckTensorSteps(manifest, where);
 }
 
 using FilesByGroup = std::map<std::pair<uint32_t, std::string>, std::vector<const json*>>;  // (group, kind) -> files
@@ -285,7 +306,10 @@ Status RestoreOptimizer(const json& manifest, optim::Optimizer& optimizer) {
                                            state.at("loss_scaler").at("good_steps").get<int64_t>(),
                                            state.at("loss_scaler").at("overflows").get<int64_t>()};
   }
-  return optimizer.Restore(state.at("steps_taken").get<int64_t>(), scaler);
+  // A checkpoint saved before step counts were per tensor: every tensor at the global count.
+  const std::vector<int64_t> tensor_steps =
+      state.contains("tensor_steps") ? state.at("tensor_steps").get<std::vector<int64_t>>() : std::vector<int64_t>{};
+  return optimizer.Restore(state.at("steps_taken").get<int64_t>(), scaler, tensor_steps);
 }
 
 // Loads this rank's part of the checkpoint at `dir`.

@@ -20,11 +20,14 @@ namespace strata::offload::checkpoint {
 //   .spare/                          chunk files of removed checkpoints (Note [Recycled chunk files])
 // A checkpoint holds every chunk but the gradients and the transient
 // (gathered) param chunks: the parameters, the fp32 masters and the
-// optimizer moments, with the optimizer's step count and the loss scaler's
+// optimizer moments, with the optimizer's step counts and the loss scaler's
 // state. Data parallel, each rank writes its shards into rank<r>/, rank 0
 // the whole chunks too (every rank holds the same). The manifest (JSON)
 // names the format and version, the step, the world size, the optimizer
-// state, the options, the registered tensors (name, shape, dtype,
+// state (steps taken, each tensor's own count by tensor id -- Note [Step
+// counts per tensor] in optim/optimizer.cc; a manifest saved before counts
+// were per tensor has none, and loads every tensor at the steps taken -- and
+// the loss scaler), the options, the registered tensors (name, shape, dtype,
 // trainable), and for every file its chunk (id, kind, dtype, group, rank,
 // shard offset), size and CRC32C. Every file it lists lies in a rank's
 // directory of the checkpoint: a manifest that names another path is
@@ -61,7 +64,10 @@ json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
           {"version", kVersion},
           {"step", optimizer.steps_taken()},
           {"world_size", engine.world_size()},
-          {"optimizer", {{"steps_taken", optimizer.steps_taken()}, {"loss_scaler", scaler}}},
+          {"optimizer",
+           {{"steps_taken", optimizer.steps_taken()},
+            {"tensor_steps", optimizer.AllTensorSteps(engine.tensors().size())},
+            {"loss_scaler", scaler}}},
           {"options", described},
           {"tensors", TensorsJson(engine.tensors())}};
 }

@@ -31,10 +31,12 @@ namespace strata::offload {
 //   3. Optimizer::FinishStep.
 // A step the plan skips (inf/NaN) still zeroes the grads. A skipped tensor is
 // left as torch.optim leaves a parameter whose .grad is None: its weight
-// decay and moments included. An error (a failed or corrupt NVMe read of a
-// state chunk) ends the step with it; groups updated before it keep their
-// update, the step is not counted, and the engine keeps every chunk (nothing
-// is freed).
+// decay, moments and step count included; the others of its chunk are
+// updated, each run of tensors with the same step count in one range (Note
+// [Step counts per tensor] in optim/optimizer.cc). An error (a failed or
+// corrupt NVMe read of a state chunk) ends the step with it; groups updated
+// before it keep their update, the step is not counted, and the engine keeps
+// every chunk (nothing is freed).
 //
 // Note [Data-parallel step]
 // With a communicator (more than one rank; every rank steps with the same
@@ -169,7 +171,7 @@ class TrainStep {
     for (size_t k = 0; k < groups_.size(); ++k) STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
     report_.update_seconds = SecondsSince(start);
     for (std::vector<float>& shard : reduced_) reducer_->Recycle(std::move(shard));
-    STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan));
+    STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan, LeftOut()));
     return std::move(report_);
   }
 
@@ -262,8 +264,9 @@ class TrainStep {
   Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced,
                      std::array<ChunkAccess, kNumChunkKinds>& held) {
     STRATA_RETURN_IF_ERROR(AccessGroup(g, held));
-    for (const auto& [a, b] : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
-      STRATA_RETURN_IF_ERROR(optimizer_.UpdateChunk(report_.plan, TensorsOf(g, held, lo, a, b, reduced)));
+    for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
+      STRATA_RETURN_IF_ERROR(
+          optimizer_.UpdateChunk(report_.plan, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step));
     }
     std::memset(held[static_cast<int>(ChunkKind::kGrad)].data(), 0, g[ChunkKind::kGrad].used_bytes);
     return Status::Ok();
@@ -286,20 +289,49 @@ class TrainStep {
     return Status::Ok();
   }
 
-  // The element ranges to update: [lo, hi), less the skipped tensors.
-  std::vector<std::pair<size_t, size_t>> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const {
-    const std::vector<bool>& skip = options_.skip;
-    std::vector<std::pair<size_t, size_t>> ranges;
-    const auto skipped = [&](TensorId id) { return id.value() < skip.size() && skip[id.value()]; };
-    if (std::none_of(param.tensors.begin(), param.tensors.end(), skipped)) {
-      ranges.emplace_back(lo, hi);
-      return ranges;
+  // Elements [begin, end) of a group, updated as step `step` of their tensors.
+  struct Range {
+    size_t begin = 0, end = 0;
+    int64_t step = 0;
+  };
+
+  bool Skipped(TensorId id) const { return id.value() < options_.skip.size() && options_.skip[id.value()]; }
+
+  // The tensors the step leaves out, for their step counts.
+  std::vector<TensorId> LeftOut() const {
+    std::vector<TensorId> ids;
+    for (uint32_t id = 0; id < options_.skip.size(); ++id) {
+      if (options_.skip[id]) ids.emplace_back(id);
     }
-    for (size_t i = 0; i < param.tensors.size(); ++i) {
-      if (skipped(param.tensors[i])) continue;
+    return ids;
+  }
+
+  // The element ranges to update: [lo, hi), less the skipped tensors, split
+  // where the tensors' step counts differ (consecutive tensors of the same
+  // count share a range, the padding between them included).
+  std::vector<Range> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const {
+    const std::vector<TensorId>& tensors = param.tensors;
+    const auto step = [&](TensorId id) { return optimizer_.TensorStep(report_.plan, id); };
+    const bool uniform = std::all_of(tensors.begin(), tensors.end(), [&](TensorId id) {
+      return !Skipped(id) && step(id) == step(tensors.front());
+    });
+    if (tensors.empty() || uniform) return {Range{lo, hi, tensors.empty() ? 0 : step(tensors.front())}};
+    std::vector<Range> ranges;
+    bool extends = false;  // whether the last range ends at the tensor before this one
+    for (size_t i = 0; i < tensors.size(); ++i) {
       const size_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
-      const size_t end = at + static_cast<size_t>(engine_.tensors()[param.tensors[i].value()].num_elements());
-      if (std::max(at, lo) < std::min(end, hi)) ranges.emplace_back(std::max(at, lo), std::min(end, hi));
+      const size_t end = at + static_cast<size_t>(engine_.tensors()[tensors[i].value()].num_elements());
+      const size_t a = std::max(at, lo), b = std::min(end, hi);
+      if (Skipped(tensors[i]) || a >= b) {
+        extends = false;
+        continue;
+      }
+      if (extends && ranges.back().step == step(tensors[i])) {
+        ranges.back().end = b;
+      } else {
+        ranges.push_back(Range{a, b, step(tensors[i])});
+      }
+      extends = true;
     }
     return ranges;
   }

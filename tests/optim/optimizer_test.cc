@@ -212,6 +212,52 @@ TEST(OptimizerTest, ManyChunksAtOnceEqualOneAtATimeBitForBit) {
   EXPECT_FALSE(SameBits(together, before));  // the update did change them
 }
 
+// Step counts are per tensor (torch.optim's state['step']): a tensor left
+// out of a finished step keeps its count, a skipped (inf/NaN) plan counts
+// no one's, and an update as a tensor's own step is that step's update.
+TEST(OptimizerTest, StepCountsArePerTensorAndAnUpdateUsesTheTensorsOwn) {
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({.weight_decay = 0.01}, LossScalerConfig{}));
+  ASSERT_OK_AND_ASSIGN(StepPlan first, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
+  const TensorId left_out[] = {TensorId(3), TensorId(1), TensorId(3)};  // listed twice: left out once
+  ASSERT_OK(optimizer->FinishStep(first, left_out));
+  EXPECT_EQ(optimizer->AllTensorSteps(5), (std::vector<int64_t>{1, 0, 1, 0, 1}));
+  EXPECT_EQ(optimizer->tensor_steps(TensorId(900)), 1);  // never left out: the global count
+  ASSERT_OK_AND_ASSIGN(StepPlan skipped,
+                       optimizer->PlanStep(GradStats{.sum_squares = std::numeric_limits<double>::infinity()}));
+  const TensorId all_of_them[] = {TensorId(0), TensorId(2)};
+  ASSERT_OK(optimizer->FinishStep(skipped, all_of_them));
+  EXPECT_EQ(optimizer->AllTensorSteps(5), (std::vector<int64_t>{1, 0, 1, 0, 1}));
+  ASSERT_OK_AND_ASSIGN(StepPlan second, optimizer->PlanStep(GradStats{.sum_squares = 4.0}));
+  EXPECT_EQ(optimizer->TensorStep(second, TensorId(0)), 2);
+  EXPECT_EQ(optimizer->TensorStep(second, TensorId(1)), 1);
+
+  // Tensor 1's update in step 2 is its first: the update a fresh optimizer's step 1 makes.
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kSgd}) {
+    const OptimizerConfig config{.kind = kind, .weight_decay = 0.01, .momentum = 0.9, .dampening = 0.5};
+    ASSERT_OK_AND_ASSIGN(auto counted, Optimizer::Create(config));
+    ASSERT_OK_AND_ASSIGN(auto fresh, Optimizer::Create(config));
+    std::vector<ChunkArrays> own = RandomModel(rng, DType::kFloat32), reference = own;
+    ASSERT_OK(counted->FinishStep(StepPlan{.step = 1}, std::span(&left_out[1], 1)));
+    const StepPlan plan{.step = 2, .loss_scale = 1.0f};
+    for (ChunkArrays& a : own) ASSERT_OK(counted->UpdateChunk(plan, a.view(), counted->TensorStep(plan, TensorId(1))));
+    for (ChunkArrays& a : reference) ASSERT_OK(fresh->UpdateChunk(StepPlan{.step = 1}, a.view()));
+    EXPECT_TRUE(SameBits(own, reference)) << OptimizerKindName(kind);
+    // No tensor's step is past the plan's.
+    EXPECT_EQ(counted->UpdateChunk(plan, own[0].view(), 3).code(), StatusCode::kInvalidArgument);
+  }
+
+  // Restored: each tensor's count within the steps taken, and tensors past the list at the steps taken.
+  const int64_t restored[] = {5, 2};
+  ASSERT_OK(optimizer->Restore(5, Optimizer::ScalerState{}, restored));
+  EXPECT_EQ(optimizer->AllTensorSteps(4), (std::vector<int64_t>{5, 2, 5, 5}));
+  const int64_t ahead[] = {6};
+  const Status refused = optimizer->Restore(5, Optimizer::ScalerState{}, ahead);
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument) << refused.ToString();
+  EXPECT_NE(refused.message().find("tensor 0 has taken 6 steps"), std::string::npos) << refused.ToString();
+  EXPECT_EQ(optimizer->AllTensorSteps(2), (std::vector<int64_t>{5, 2}));  // unchanged
+}
+
 TEST(OptimizerTest, BadConfigsNameTheField) {
   struct Bad {
     OptimizerConfig config;

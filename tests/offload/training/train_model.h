@@ -32,6 +32,7 @@ struct Model {
   std::unique_ptr<Pipeline> pipeline;
   std::unique_ptr<optim::Optimizer> optimizer;
   UpdateFence* fence = nullptr;  // the updates' (an asynchronous checkpoint)
+  std::vector<bool> skip;        // the steps' TrainStepOptions::skip: tensors left out
 
   // With `comm`, one rank of its group (the states sharded across them).
   // With `shard_params`, the params too (option comm.shard_params).
@@ -120,8 +121,10 @@ struct Model {
         backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
       }
     }
-    Result<TrainStepReport> report = backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, {.comm = comm, .reducer = reducer, .fence = fence})
-                                                   : Result<TrainStepReport>(backward);
+    Result<TrainStepReport> report =
+        backward.ok()
+            ? RunTrainStep(*engine, *pipeline, *optimizer, {.skip = skip, .comm = comm, .reducer = reducer, .fence = fence})
+            : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
     STRATA_RETURN_IF_ERROR(ended);

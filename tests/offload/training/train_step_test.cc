@@ -125,6 +125,150 @@ namespace strata::offload {
 namespace {
 
 
+// torch.optim counts steps per parameter: a tensor left out of step 2 takes
+// its third step as its second (Adam's bias corrections), in every later
+// update, as a fresh optimizer stepping that tensor alone in the steps that
+// update it does.
+TEST(TrainStepTest, ATensorLeftOutOfAStepKeepsItsStepCountForItsLaterUpdates) {
+  Model model;
+  std::mt19937 rng(9);
+  std::vector<std::vector<float>> w(kLayers), m(kLayers), v(kLayers);
+  std::vector<std::unique_ptr<optim::Optimizer>> alone(kLayers);
+  for (int l = 0; l < kLayers; ++l) {
+    w[l] = Random(rng, 1.0f);
+    model.Write(l, ChunkKind::kParam, w[l]);
+    m[l].assign(kChunkElems, 0.0f);
+    v[l].assign(kChunkElems, 0.0f);
+    ASSERT_OK_AND_ASSIGN(alone[l], optim::Optimizer::Create(model.optimizer->config()));
+  }
+  for (int step = 1; step <= 4; ++step) {
+    model.skip.assign(kLayers + 1, false);
+    model.skip[2] = step == 2;
+    for (int l = 0; l < kLayers; ++l) {
+      if (model.skip[l]) continue;  // no gradient reached it: its grad chunk stays zero
+      std::vector<float> grad = Random(rng, 0.1f);
+      model.Write(l, ChunkKind::kGrad, grad);
+      const optim::ChunkTensors arrays{.n = kChunkElems, .master = w[l].data(), .grad = grad.data(),
+                                       .state = {m[l].data(), v[l].data()}};
+      ASSERT_OK(alone[l]->Step(std::span(&arrays, 1)).status());
+    }
+    ASSERT_OK(model.Iteration().status());
+  }
+  for (int l = 0; l < kLayers; ++l) {
+    EXPECT_EQ(model.Read(l, ChunkKind::kParam), w[l]) << "layer " << l;
+    EXPECT_EQ(model.Read(l, ChunkKind::kExpAvg), m[l]) << "layer " << l;
+    EXPECT_EQ(model.Read(l, ChunkKind::kExpAvgSq), v[l]) << "layer " << l;
+    EXPECT_EQ(model.optimizer->tensor_steps(TensorId(l)), l == 2 ? 3 : 4) << "layer " << l;
+  }
+  EXPECT_EQ(model.optimizer->steps_taken(), 4);
+}
+
+// Four tensors in one chunk (sizes multiples of 16, so every range's vector
+// lanes fall as in the reference: bit for bit), left out of different steps:
+// each updated with its own count, runs of equal counts together.
+TEST(TrainStepTest, ChunkMatesWithDifferentStepCountsAreUpdatedWithTheirOwn) {
+  constexpr int64_t kSizes[] = {1024, 1008, 992, 1024};
+  constexpr int kTensors = 4;
+  const std::vector<std::vector<int>> left_out = {{1}, {2}, {}, {0}, {1, 3}};
+  for (const char* kind : {"adamw", "adam", "sgd"}) {
+    SCOPED_TRACE(kind);
+    Options options;
+    options.device.backend = DeviceBackendKind::kEmulated;
+    options.host.budget_bytes = 32 * kChunkElems * 4;
+    options.chunk.size_elems = kChunkElems;
+    options.log_level = LogLevel::kWarning;
+    ASSERT_OK(SetOption(options, "optimizer.kind", kind));
+    options.optimizer.weight_decay = 0.01;
+    options.optimizer.momentum = 0.9;
+    options.optimizer.dampening = 0.5;  // SGD's first update of a tensor (buffer = gradient) differs from a later one
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Engine> engine, Engine::Create(options));
+    for (int t = 0; t < kTensors; ++t) {
+      ASSERT_OK(engine->RegisterTensor({"t" + std::to_string(t), {kSizes[t]}, DType::kFloat32, true, "m"}).status());
+    }
+    ASSERT_OK(engine->Finalize());
+    ASSERT_EQ(engine->chunks()[engine->ChunkOf(TensorId(3), ChunkKind::kParam)->value()].tensors.size(), 4u);
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Pipeline> pipeline, Pipeline::Create(*engine, {}));
+    ASSERT_OK_AND_ASSIGN(const optim::OptimizerConfig config, optim::OptimizerConfigFromOptions(options));
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<optim::Optimizer> optimizer, optim::Optimizer::Create(config));
+    const auto tensor = [&](int t, ChunkKind k) {
+      auto access = engine->Access(TensorId(t), k, Tier::kHost);
+      STRATA_CHECK(access.ok(), "{}", access.status().ToString());
+      return std::move(access).value();
+    };
+    std::mt19937 rng(13);
+    std::vector<std::vector<float>> w(kTensors), m(kTensors), v(kTensors);
+    std::vector<std::unique_ptr<optim::Optimizer>> alone(kTensors);
+    for (int t = 0; t < kTensors; ++t) {
+      w[t] = Random(rng, 1.0f);
+      w[t].resize(kSizes[t]);
+      std::memcpy(tensor(t, ChunkKind::kParam).data(), w[t].data(), kSizes[t] * sizeof(float));
+      m[t].assign(kSizes[t], 0.0f);
+      v[t].assign(kSizes[t], 0.0f);
+      ASSERT_OK_AND_ASSIGN(alone[t], optim::Optimizer::Create(config));
+    }
+    for (const std::vector<int>& out : left_out) {
+      std::vector<bool> skip(kTensors, false);
+      for (int t : out) skip[t] = true;
+      for (int t = 0; t < kTensors; ++t) {
+        if (skip[t]) continue;
+        std::vector<float> grad = Random(rng, 0.1f);
+        grad.resize(kSizes[t]);
+        std::memcpy(tensor(t, ChunkKind::kGrad).data(), grad.data(), kSizes[t] * sizeof(float));
+        const optim::ChunkTensors arrays{.n = static_cast<size_t>(kSizes[t]), .master = w[t].data(),
+                                         .grad = grad.data(), .state = {m[t].data(), v[t].data()}};
+        ASSERT_OK(alone[t]->Step(std::span(&arrays, 1)).status());
+      }
+      ASSERT_OK(pipeline->BeginIteration());
+      ASSERT_OK(RunTrainStep(*engine, *pipeline, *optimizer, {.skip = skip}).status());
+      ASSERT_OK(pipeline->EndIteration());
+    }
+    for (int t = 0; t < kTensors; ++t) {
+      const auto values = [&](ChunkKind k) {
+        const float* data = static_cast<const float*>(tensor(t, k).data());
+        return std::vector<float>(data, data + kSizes[t]);
+      };
+      EXPECT_EQ(values(ChunkKind::kParam), w[t]) << "tensor " << t;
+      EXPECT_EQ(values(ChunkKind::kExpAvg), m[t]) << "tensor " << t;
+      if (std::string(kind) != "sgd") {
+        EXPECT_EQ(values(ChunkKind::kExpAvgSq), v[t]) << "tensor " << t;
+      }
+      EXPECT_EQ(optimizer->tensor_steps(TensorId(t)), alone[t]->steps_taken()) << "tensor " << t;
+    }
+  }
+}
+
+// Data parallel, every rank leaves out the same tensors (the adapter agrees
+// on them): the counts stay the same on every rank, and each rank's range
+// is updated as its tensor's own step, as one rank stepping alone does.
+TEST(TrainStepTest, DataParallelRanksLeavingOutTheSameTensorsKeepTheSameCounts) {
+  const auto train = [](Model& model, Communicator* comm) -> Status {
+    std::mt19937 rng(11);
+    for (int l = 0; l < kLayers; ++l) model.Write(l, ChunkKind::kParam, Random(rng, 1.0f));
+    for (int step = 0; step < 3; ++step) {
+      model.skip.assign(kLayers + 1, false);
+      model.skip[2] = step == 1;
+      for (int l = 0; l < kLayers; ++l) {
+        // The same gradients on every rank: their mean is exactly them.
+        if (!model.skip[l]) model.Write(l, ChunkKind::kGrad, RankGrad(0, l, step));
+      }
+      STRATA_RETURN_IF_ERROR(model.Iteration(comm).status());
+    }
+    return Status::Ok();
+  };
+  Model single;
+  ASSERT_OK(train(single, nullptr));
+  std::vector<std::vector<float>> expected;
+  for (int l = 0; l < kLayers; ++l) expected.push_back(single.Read(l, ChunkKind::kParam));
+  const std::vector<int64_t> counts = single.optimizer->AllTensorSteps(kLayers + 1);
+  EXPECT_EQ(counts[2], 2);
+  OnRanks(2, [&](int r, Communicator& comm) {
+    Model rank(0.0, &comm);
+    ASSERT_OK(train(rank, &comm));
+    EXPECT_EQ(rank.optimizer->AllTensorSteps(kLayers + 1), counts) << "rank " << r;
+    for (int l = 0; l < kLayers; ++l) EXPECT_EQ(rank.Read(l, ChunkKind::kParam), expected[l]) << "rank " << r;
+  });
+}
+
 // `world` ranks (threads) with their own gradients against one rank
 // stepping their mean: the same parameters on every rank, bit for bit
 // without clipping.
