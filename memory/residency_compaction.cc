@@ -189,10 +189,11 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 namespace {
 
 // Whether a pinned chunk (or an end of the tier) lies at `offset`, reading
-// `pinned_ends`: the begin and end offsets of the chunks pinned.
-bool AgainstPins(const std::vector<uint64_t>& pinned_ends, uint64_t capacity, uint64_t offset) {
-  return offset == 0 || offset == capacity ||
-         std::find(pinned_ends.begin(), pinned_ends.end(), offset) != pinned_ends.end();
+// `pinned`: the chunks pinned.
+bool AgainstPins(const std::vector<Extent>& pinned, uint64_t capacity, uint64_t offset) {
+  return offset == 0 || offset == capacity || std::any_of(pinned.begin(), pinned.end(), [&](const Extent& e) {
+           return e.offset == offset || e.offset + e.size_bytes == offset;
+         });
 }
 
 }  // namespace
@@ -202,22 +203,19 @@ Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, uint32_t id) {
   const Chunk& chunk = chunks_[id];
   const uint64_t capacity = device->usage().capacity_bytes;
   const uint64_t size = chunk.extent.size_bytes;
-  std::vector<uint64_t> pinned_ends;
+  std::vector<Extent> pinned;
   for (const Chunk& c : chunks_) {
-    if (c.tier != Tier::kDevice || c.refs == 0) continue;
-    pinned_ends.push_back(c.extent.offset);
-    pinned_ends.push_back(c.extent.offset + c.extent.size_bytes);
+    if (c.tier == Tier::kDevice && c.refs > 0) pinned.push_back(c.extent);
   }
-  if (AgainstPins(pinned_ends, capacity, chunk.extent.offset) ||
-      AgainstPins(pinned_ends, capacity, chunk.extent.offset + size)) {
+  if (AgainstPins(pinned, capacity, chunk.extent.offset) || AgainstPins(pinned, capacity, chunk.extent.offset + size)) {
     return false;
   }
   std::optional<uint64_t> place;
   for (Extent free : device->FreeExtents()) {  // by offset: the first place found is the lowest
     if (free.size_bytes < size) continue;
-    if (AgainstPins(pinned_ends, capacity, free.offset)) {
+    if (AgainstPins(pinned, capacity, free.offset)) {
       place = free.offset;
-    } else if (AgainstPins(pinned_ends, capacity, free.offset + free.size_bytes)) {
+    } else if (AgainstPins(pinned, capacity, free.offset + free.size_bytes)) {
       place = free.offset + free.size_bytes - size;
     }
     if (place) break;

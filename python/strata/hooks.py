@@ -100,6 +100,7 @@ class Hooks:
         self._backward_params = []   # records pinned for backward
         self._backward_pending = set()  # forward calls whose outputs wait for their backward
         self._calls_left = {}        # module index -> its calls in _backward_pending
+        self._began = set()          # module indices whose backward moment has begun in this backward
         self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
 
@@ -273,19 +274,22 @@ class Hooks:
             return  # another output of the same call: its moment has begun
         self._backward_pending.discard(call)
         self._calls_left[index] -= 1
+        self._began.add(index)
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self._moments.begin_moment()
         # Parameters whose gradient is in, frozen ones of modules done, and
-        # those of a module with a call still to come (which pins them again) are let go.
+        # those of a module called again (its backward has begun and a call's
+        # is still to come, which pins them again) are let go.
         own = self._module_params[index]
         keep = []
         for record in self._backward_params:
             mine = record in own
             done = record.grad_arrived if record.trainable else not mine
             if not done and not mine:
-                done = any(self._calls_left.get(m, 0) > 0 for m in self._owners.get(record.tensor_id, ()))
+                done = any(m in self._began and self._calls_left.get(m, 0) > 0
+                           for m in self._owners.get(record.tensor_id, ()))
             if done:
                 record.for_backward = False
                 self._moments.release(record)
@@ -319,4 +323,5 @@ class Hooks:
         self._backward_params = []
         self._backward_pending.clear()
         self._calls_left.clear()
+        self._began.clear()
         self._moments.saved_bytes = 0
