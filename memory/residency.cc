@@ -160,6 +160,10 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
   for (;;) {
     STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
     if (chunk.tier == tier) {
+      if (tier == Tier::kDevice && chunk.refs == 0) {
+        STRATA_ASSIGN_OR_RETURN(bool moved, PlaceAgainstPins(lock, id.value()));
+        if (moved) continue;  // the lock was let go: look again
+      }
       chunk.refs++;
       chunk.last_use = ++clock_;
       return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes, chunk.generation);
@@ -494,7 +498,7 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
       if (!victim || better(c, chunks_[*victim])) victim = i;
     }
     if (!victim) {
-      if (!any_leaving) return target->OutOfMemoryError(size_bytes, "every chunk on it is in use or moving");
+      if (!any_leaving) return NoRoomError(tier, size_bytes);
       // A move off this tier may free room: wait for it, within the deadline.
       if (moved_.wait_until(lock, deadline) == std::cv_status::timeout) {
         return Timeout("{} tier: no room for {} bytes after waiting {} ms for moves in flight", TierName(tier),
@@ -518,157 +522,6 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
     if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
     stats_.evictions++;
   }
-}
-
-// Note [Compaction]
-// Chunks differ in size (a parameter larger than the chunk size has a chunk
-// of its own), so a memory tier can have the free bytes for a chunk in
-// pieces none of which holds it. Evicting until a piece is large enough
-// would evict chunks the plan keeps (and count bytes the planner, which
-// counts bytes, never predicted). Instead: find the window of the tier's
-// address space, as long as the request, made only of free pieces and chunks
-// in hold, whose chunks are the fewest bytes; claim its free pieces so
-// nothing else lands there; move each of its chunks to a free slot outside
-// it (device to device: the device's own bandwidth, not the host link); then
-// give the window back and allocate. Where the chunks of the window would not
-// all find a slot outside it, nothing moves; if one is taken meanwhile, or
-// its slot is taken, the window is given back as it is; either way the caller
-// evicts instead. A failed copy is an error (the chunk keeps its slot). Every
-// step leaves each chunk whole in one slot.
-
-namespace {
-
-// A piece of a memory tier's address space: a free extent or a chunk's slot.
-struct Piece {
-  uint64_t offset = 0, size_bytes = 0;
-  std::optional<uint32_t> chunk;  // nullopt: free
-  bool movable = true;
-};
-
-// Pieces [first, last], spanning [begin, end), whose chunks hold chunk_bytes.
-struct Window {
-  size_t first = 0, last = 0;
-  uint64_t begin = 0, end = 0;
-  uint64_t chunk_bytes = 0;
-};
-
-// The window of least chunk bytes: contiguous pieces, all movable, whose span
-// reaches `size` (a slot reserved for a chunk arriving is in no piece: the
-// gap ends the window). `pieces` are sorted by offset.
-std::optional<Window> CheapestWindow(const std::vector<Piece>& pieces, uint64_t size) {
-  std::optional<Window> best;
-  for (size_t first = 0; first < pieces.size(); ++first) {
-    uint64_t cost = 0;
-    for (size_t last = first; last < pieces.size(); ++last) {
-      const Piece& p = pieces[last];
-      if (!p.movable || (last > first && p.offset != pieces[last - 1].offset + pieces[last - 1].size_bytes)) break;
-      if (p.chunk) cost += p.size_bytes;
-      if (best && cost >= best->chunk_bytes) break;
-      if (p.offset + p.size_bytes - pieces[first].offset >= size) {
-        best = Window{first, last, pieces[first].offset, p.offset + p.size_bytes, cost};
-        break;
-      }
-    }
-  }
-  return best;
-}
-
-// Whether every chunk of `window` has a free slot outside it (first fit, as
-// the allocator will place them).
-bool ChunksFitOutside(const std::vector<Piece>& pieces, const Window& window) {
-  std::vector<Extent> outside;
-  for (const Piece& p : pieces) {
-    if (!p.chunk && (p.offset + p.size_bytes <= window.begin || p.offset >= window.end)) {
-      outside.push_back({p.offset, p.size_bytes});
-    }
-  }
-  for (size_t k = window.first; k <= window.last; ++k) {
-    if (!pieces[k].chunk) continue;
-    auto fit = std::find_if(outside.begin(), outside.end(),
-                            [&](const Extent& e) { return e.size_bytes >= pieces[k].size_bytes; });
-    if (fit == outside.end()) return false;
-    fit->offset += pieces[k].size_bytes;
-    fit->size_bytes -= pieces[k].size_bytes;
-  }
-  return true;
-}
-
-}  // namespace
-
-Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, uint64_t size_bytes) {
-  TierPool* target = pool(tier);
-  const uint64_t size = RoundUp(size_bytes, kSlotAlignmentBytes);
-  TierUsage usage = target->usage();
-  if (usage.capacity_bytes - usage.used_bytes < size) return std::optional<Extent>();
-
-  std::vector<Piece> pieces;
-  for (Extent free : target->FreeExtents()) pieces.push_back({free.offset, free.size_bytes});
-  for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    const Chunk& c = chunks_[i];
-    if (c.tier != tier) continue;
-    pieces.push_back({c.extent.offset, c.extent.size_bytes, i, !c.in_flight && c.refs == 0 && !c.arriving});
-  }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
-  const std::optional<Window> window = CheapestWindow(pieces, size);
-  if (!window || window->chunk_bytes == 0 || !ChunksFitOutside(pieces, *window)) return std::optional<Extent>();
-
-  std::vector<Extent> claimed = target->ClaimFree(window->begin, window->end);
-  auto give_back = [&] {
-    for (Extent e : claimed) target->Free(e);
-  };
-  for (size_t k = window->first; k <= window->last; ++k) {
-    if (!pieces[k].chunk) continue;
-    Result<std::optional<Extent>> vacated = MoveWithinTier(lock, tier, *pieces[k].chunk, pieces[k].offset);
-    if (vacated.ok() && vacated.value()) {
-      claimed.push_back(*vacated.value());
-      continue;
-    }
-    give_back();  // a failed copy, or the chunk was taken or moved while an earlier one was copied
-    if (!vacated.ok()) return vacated.status();
-    return std::optional<Extent>();
-  }
-  give_back();
-  return target->Allocate(size_bytes);
-}
-
-Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier tier, uint32_t id,
-                                                               uint64_t expected_offset) {
-  TierPool* target = pool(tier);
-  Chunk& chunk = chunks_[id];
-  if (chunk.tier != tier || chunk.in_flight || chunk.refs > 0 || chunk.arriving ||
-      chunk.extent.offset != expected_offset) {
-    return std::optional<Extent>();
-  }
-  std::optional<Extent> dst = target->Allocate(chunk.size_bytes);
-  if (!dst) return std::optional<Extent>();
-  const Extent src = chunk.extent;
-  chunk.in_flight = true;
-  lock.unlock();
-  Status copied = Status::Ok();
-  if (tier == Tier::kDevice) {
-    copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
-  } else {
-    std::memcpy(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
-  }
-  lock.lock();
-  chunk.in_flight = false;
-  moved_.notify_all();
-  if (!copied.ok()) {
-    // The chunk keeps its slot. A copy that timed out may still be
-    // writing its destination: that slot is never handed out again.
-    if (copied.code() == StatusCode::kTimeout) {
-      STRATA_LOG_ERROR("chunk {}: a copy within the {} tier timed out; its {} destination is quarantined", id,
-                       TierName(tier), FormatSize(dst->size_bytes));
-    } else {
-      target->Free(*dst);
-    }
-    return copied.WithContext(fmt::format("compacting the {} tier: moving chunk {} within it", TierName(tier), id));
-  }
-  chunk.extent = *dst;
-  chunk.generation++;
-  stats_.compactions++;
-  stats_.compacted_bytes += chunk.size_bytes;
-  return std::optional<Extent>(src);
 }
 
 Result<Buffer> ResidencyManager::AcquireStaging() {

@@ -142,10 +142,21 @@ class ResidencyManager final : public AccessOwner {
   // by moving chunks in hold within the tier (Note [Compaction]); nullopt
   // when no such move makes one.
   Result<std::optional<Extent>> Compact(Lock& lock, Tier tier, uint64_t size_bytes);
-  // Moves chunk `id`, in hold at `expected_offset` on `tier`, to a free slot
-  // of the tier; returns the slot it left, or nullopt when the chunk is no
-  // longer there so or the tier has no slot for it (nothing moved).
-  Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset);
+  // Moves chunk `id`, in hold at `expected_offset` on `tier`, to `dst` (a
+  // slot the caller allocated, of the chunk's slot size) or else to a free
+  // slot of the tier; returns the slot it left, or nullopt when the chunk is
+  // no longer there so or the tier has no slot for it (nothing moved; `dst`
+  // is still the caller's).
+  Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset,
+                                               std::optional<Extent> dst = std::nullopt);
+  // Before chunk `id`, in hold on the device, is pinned there: moves it
+  // against a pinned chunk or an end of the tier if it lies against neither
+  // and free room there holds it (Note [Pins against pins]). True when it
+  // moved (the lock was let go meanwhile).
+  Result<bool> PlaceAgainstPins(Lock& lock, uint32_t id);
+  // The OutOfMemory error of a tier whose every chunk is in use or moving,
+  // with what the chunks in use hold.
+  Status NoRoomError(Tier tier, uint64_t size_bytes) const;
   // Copies bytes between slots; runs without the lock.
   Status Transfer(std::optional<Tier> from, Extent src, Tier to, Extent dst, uint64_t size_bytes);
   std::byte* Address(Tier tier, Extent extent) const;

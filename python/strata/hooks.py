@@ -11,7 +11,10 @@ recovery) stays out of them.
   released when the module returns.
 - Backward: the module's outputs carry an identity autograd function whose
   backward begins the module's backward moment and pins its parameters again
-  (torch 1.13 has no module backward pre-hook). Tensors autograd saves that
+  (torch 1.13 has no module backward pre-hook); a module called twice in one
+  forward begins a backward moment for each call, and between them its
+  parameters are let go (its next call pins them again), so reusing a module
+  pins no more at once than calling it once. Tensors autograd saves that
   are parameters or views of them are saved as (parameter, shape, strides,
   offset) and rebuilt on the chunk's current address when backward unpacks
   them, pinning it on demand if it is not; a chunk may move between forward
@@ -29,16 +32,17 @@ class _PreBackward(torch.autograd.Function):
     """Identity on a module's output; its backward begins the module's backward moment."""
 
     @staticmethod
-    def forward(ctx, hooks, module_index, tensor):
+    def forward(ctx, hooks, module_index, call, tensor):
         ctx.hooks = hooks
         ctx.module_index = module_index
+        ctx.call = call
         # Not a view: the caller may change the output in place (ReLU(inplace=True)).
         return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.hooks.pre_backward(ctx.module_index)
-        return None, None, grad
+        ctx.hooks.pre_backward(ctx.module_index, ctx.call)
+        return None, None, None, grad
 
 
 def _map_tensors(value, fn):
@@ -88,12 +92,16 @@ class Hooks:
         self._grad_sync = grad_sync
         self._check_usable = check_usable  # raises when training cannot go on (the engine's)
         self._module_params = []     # module index -> records of its own parameters (modules that have some)
+        self._owners = {}            # tensor id -> indices of the modules whose own parameter it is
         self._handles = []           # the torch hook handles
         self._accumulators = []      # AccumulateGrad nodes, kept alive so that their hooks stay
         self._active = []            # forward: stack of module indices running
         self._saved_hooks = []       # (module index, saved_tensors_hooks context) entered by running modules
         self._backward_params = []   # records pinned for backward
-        self._backward_pending = set()  # module indices whose outputs wait for their backward
+        self._backward_pending = set()  # forward calls whose outputs wait for their backward
+        self._calls_left = {}        # module index -> its calls in _backward_pending
+        self._began = set()          # module indices whose backward moment has begun in this backward
+        self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
 
     # --- set-up ----------------------------------------------------------------
@@ -137,6 +145,8 @@ class Hooks:
                 continue
             index = len(self._module_params)
             self._module_params.append(own)
+            for record in own:
+                self._owners.setdefault(record.tensor_id, []).append(index)
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(index)))
         self._handles.append(model.register_forward_hook(self._root_post_hook))
@@ -212,11 +222,14 @@ class Hooks:
                 self._saved_hooks.pop()[1].__exit__(None, None, None)
             if moments.direct or not torch.is_grad_enabled():
                 return output
-            self._backward_pending.add(index)
+            self._calls += 1
+            call = self._calls
+            self._backward_pending.add(call)
+            self._calls_left[index] = self._calls_left.get(index, 0) + 1
 
             def wrap(t):
                 if t.requires_grad and t.is_floating_point():
-                    return _PreBackward.apply(self, index, t)
+                    return _PreBackward.apply(self, index, call, t)
                 return t
             return _map_tensors(output, wrap)
         return hook
@@ -255,20 +268,28 @@ class Hooks:
         record.grad_arrived = False
         self._backward_params.append(record)
 
-    def pre_backward(self, index):
-        """A module's backward begins (the first of its outputs' gradients): its moment, and its parameters."""
-        if index not in self._backward_pending:
-            return  # another output of the same module: its moment has begun
-        self._backward_pending.discard(index)
+    def pre_backward(self, index, call):
+        """A module call's backward begins (the first of its outputs' gradients): its moment, and its parameters."""
+        if call not in self._backward_pending:
+            return  # another output of the same call: its moment has begun
+        self._backward_pending.discard(call)
+        self._calls_left[index] -= 1
+        self._began.add(index)
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
         self._moments.begin_moment()
-        # Parameters whose gradient is in, or frozen ones of modules done, are let go.
+        # Parameters whose gradient is in, frozen ones of modules done, and
+        # those of a module called again (its backward has begun and a call's
+        # is still to come, which pins them again) are let go.
         own = self._module_params[index]
         keep = []
         for record in self._backward_params:
-            done = record.grad_arrived if record.trainable else record not in own
+            mine = record in own
+            done = record.grad_arrived if record.trainable else not mine
+            if not done and not mine:
+                done = any(m in self._began and self._calls_left.get(m, 0) > 0
+                           for m in self._owners.get(record.tensor_id, ()))
             if done:
                 record.for_backward = False
                 self._moments.release(record)
@@ -301,4 +322,6 @@ class Hooks:
             self._moments.release(record)
         self._backward_params = []
         self._backward_pending.clear()
+        self._calls_left.clear()
+        self._began.clear()
         self._moments.saved_bytes = 0

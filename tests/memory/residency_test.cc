@@ -433,10 +433,12 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
   ASSERT_OK(FragmentDevice(s));
   ASSERT_EQ(s.device_pool->largest_free_bytes(), s.config.chunk_bytes);
   {
-    // Chunk 1 is in use: the window is chunk 3's slot and the free one below it.
-    ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(1), Tier::kDevice));
+    // Chunk 3 is in use (against the tier's end, it stays there): the window
+    // is chunk 1's slot and a free one beside it.
+    ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, s.residency->Access(ChunkId(3), Tier::kDevice));
+    EXPECT_EQ(pinned.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));
     ASSERT_OK(s.residency->Access(ChunkId(4), Tier::kDevice).status());
-    EXPECT_EQ(pinned.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));  // not moved
+    EXPECT_EQ(pinned.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));  // not moved
   }
   for (uint32_t id : {1u, 3u, 4u}) EXPECT_EQ(s.residency->tier(ChunkId(id)), Tier::kDevice) << id;
   MemoryStats stats = s.residency->stats();
@@ -448,16 +450,53 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
 
 TEST(ResidencyTest, PiecesThatCannotBeJoinedAreOutOfMemoryAndLoseNothing) {
   ResidencyStack s(FragmentedDevice());
-  ASSERT_OK(FragmentDevice(s));
+  for (uint32_t id = 0; id < 5; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(10 + id)));
+  for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
   {
+    // Pinned while the tier is full, chunk 1 has no free place against a pin
+    // and stays between the slots that chunks 0 and 2 then leave.
     ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
     ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+    for (uint32_t id : {0u, 2u}) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kHost));
     Result<ChunkAccess> big = s.residency->Access(ChunkId(4), Tier::kDevice);
     EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().ToString();
+    EXPECT_NE(big.status().message().find("(2 in use hold 128KiB)"), std::string::npos) << big.status().ToString();
     EXPECT_EQ(s.residency->stats().compactions, 0u);
   }
   EXPECT_EQ(s.residency->tier(ChunkId(4)), Tier::kHost);
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+// Issue 22: pins scattered over the tier split its room. A chunk pinned away
+// from the pins moves against them first (Note [Pins against pins]), so the
+// room left stays in one piece.
+TEST(ResidencyTest, AChunkPinnedLiesAgainstPinsSoThatPinsDoNotSplitTheRoom) {
+  ResidencyStack s(FragmentedDevice());
+  ASSERT_OK(FragmentDevice(s));  // chunks 1 and 3 in hold at slots 1 and 3; slots 0 and 2 free
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+    EXPECT_EQ(one.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));  // at the end: stays
+    EXPECT_EQ(three.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
+    EXPECT_EQ(big.data(), s.device_pool->Address({s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
+  }
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.evictions, 0u);
+  EXPECT_EQ(stats.compactions, 1u);
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+TEST(ResidencyTest, AMomentThatCannotFitTheTierIsOutOfMemoryNamingWhatItNeedsAndTheOption) {
+  ResidencyStack s({.device_chunks = 2, .host_chunks = 4});
+  ASSERT_OK_AND_ASSIGN(ChunkAccess zero, s.residency->Access(ChunkId(0), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+  Result<ChunkAccess> two = s.residency->Access(ChunkId(2), Tier::kDevice);
+  ASSERT_EQ(two.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(two.status().message().find("need 192KiB of the tier's 128KiB; raise device.budget to at least 192KiB or "
+                                        "lower chunk.size_elems"),
+            std::string::npos)
+      << two.status().ToString();
 }
 
 TEST(ResidencyTest, ChunkMovedOnRequestCountsAsRecentlyUsed) {
