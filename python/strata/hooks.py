@@ -184,7 +184,12 @@ class Hooks:
     def recover(self):
         """Lets go of every pin of forwards that did not return, and of their saved-tensor hooks."""
         while self._saved_hooks:
-            self._saved_hooks.pop()[1].__exit__(None, None, None)
+            try:
+                self._saved_hooks.pop()[1].__exit__(None, None, None)
+            except RuntimeError:
+                # Entered by a forward that ran inside backward (activation checkpointing's recomputation):
+                # autograd ran it on a copy of this thread's state, gone with that backward.
+                pass
         self._active = []
         self._moments.direct = False
         for record in self._table.records:

@@ -349,6 +349,25 @@ def test_an_exception_in_forward_leaves_nothing_behind(tmp_path):
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
 
 
+def test_an_exception_in_a_recomputation_in_backward_is_raised_as_it_is(tmp_path):
+    model, _ = pair(checkpoint=True)  # reentrant: each block's forward runs again inside backward
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    tokens = batches(1)[0]
+    calls = []
+
+    def fail_in_backward(module, args):
+        calls.append(torch.is_grad_enabled())
+        if len(calls) > 1:  # the recomputation
+            raise KeyError("from a user hook, in backward")
+    model.blocks[1].ln2.register_forward_pre_hook(fail_in_backward)
+    loss = engine(tokens[:, :-1], tokens[:, 1:])
+    with pytest.raises(KeyError, match="in backward"):
+        engine.backward(loss)
+    assert len(calls) == 2
+    with pytest.raises(RuntimeError, match="a backward failed part way"):
+        engine.step()
+
+
 def test_a_configuration_refused_at_initialize_leaves_the_model_as_it_was(tmp_path):
     model, _ = pair()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
