@@ -251,6 +251,33 @@ def test_a_non_model_memory_size_reaches_the_planner(tmp_path):
     assert "non-model memory" in engine.stats()["pipeline"]["plan_error"]
 
 
+def test_a_small_model_under_only_a_small_device_budget_trains_without_chunk_settings():
+    model, reference = pair()
+    engine = strata.initialize(model, {
+        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+        "device": {"backend": "emulated", "budget": DEVICE_BUDGET},
+        "log": {"level": "error"},
+    })
+    assert max(c["size_bytes"] for c in engine.engine.chunks()) <= DEVICE_BUDGET // 4
+    data = batches(6)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+    assert engine.stats()["pipeline"]["planned_iterations"] >= 4
+
+
+def test_nvme_dirs_without_a_capacity_get_what_the_states_homed_there_need(tmp_path):
+    model, reference = pair()
+    config = three_tiers(tmp_path)
+    del config["nvme"]["capacity"]
+    engine = strata.initialize(model, config)
+    chunks = engine.engine.chunks()
+    homed = sum(chunk["size_bytes"] for chunk in chunks if chunk["home"] == "nvme")
+    assert homed > 0
+    largest = max(c["size_bytes"] for c in chunks)
+    assert engine.stats()["tiers"]["nvme"]["capacity_bytes"] == homed + -(-homed // 8 // 4096) * 4096 + 3 * largest
+    data = batches(6)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+
+
 @pytest.mark.parametrize("config, named", [
     ({"optimizer": {"type": "lamb"}}, "optimizer.kind"),
     ({"precision": "fp8"}, "precision"),
