@@ -445,9 +445,12 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
 }
 
 // The engine's options before the budgets: the emulated device throttled to
-// --pcie-gbps, bf16 compute.
+// --pcie-gbps, bf16 compute, the chunk size searched within fixed bounds (the
+// budgets are sized from the layout).
 Options ReplayOptions(const ReplayBenchConfig& config) {
   Options options;
+  options.chunk.search_min_elems = memory::kWidestSearchMinElems;
+  options.chunk.search_max_elems = memory::kWidestSearchMaxElems;
   options.device.backend = DeviceBackendKind::kEmulated;
   options.compute_dtype = DType::kBFloat16;
   options.device.emulated_bandwidth_gbps = config.pcie_gbps;

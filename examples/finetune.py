@@ -186,13 +186,10 @@ def strata_config(args, sizes, nvme_dir):
         "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
         "device": {"backend": args.device, "budget": sizes.device_budget},
         "host": {"budget": sizes.host_budget},
-        "nvme": {"dirs": [nvme_dir], "capacity": max(4 * sizes.states, 64 << 20)},
-        # Chunks small enough that the device holds a dozen fp32 ones or more
-        # (the size with the least padding is searched below that).
-        "chunk": {"search_min_elems": sizes.device_budget // 256, "search_max_elems": sizes.device_budget // 48},
-        # The emulated device holds chunks only: activations stay in process
-        # memory, outside its budget. On a GPU the adapter measures them.
-        "non_model_memory": 0 if args.device == "emulated" else "measured",
+        # The chunk size, the NVMe capacity and the device memory activations
+        # take are strata's defaults: derived from the budgets and the model,
+        # and measured (on the emulated device activations stay in process memory).
+        "nvme": {"dirs": [nvme_dir]},
         "log": {"level": "warning"},
         "comm": {"shard_params": args.shard_params, "backend": args.comm_backend},
     }

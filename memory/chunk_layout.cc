@@ -16,6 +16,24 @@
 // The chunk size (in elements) is given, or searched between two bounds for
 // the least padding waste; sizes within one percentage point of the least
 // waste count as equal, and the largest of them wins (fewer transfers).
+//
+// Note [Chunk size bounds]
+// A bound the user does not give is derived from the budgets and the model,
+// so that a small model under a small budget gets small chunks unasked. A
+// moment touches the param chunks of one module (two where it straddles a
+// chunk boundary) and, in backward, their grad chunks; the plan wants as
+// many again arriving while it computes, and the tier some slack for chunks
+// of differing sizes: so the device tier must hold kDeviceChunksPerKind
+// param and grad chunks. A tensor larger than such a chunk gets a chunk of
+// its own, and its moment needs its param and grad beside the others: their
+// bytes come off the device budget first. The host tier must hold
+// kHostChunkGroups whole groups (every kind): about as many as the staging
+// of NVMe-homed states reads ahead (Note [Host reserve] in placement.cc).
+// The largest size is the least of these and kWidestSearchMaxElems; the
+// smallest is a 64th of it (the widest bounds' ratio), at most
+// kWidestSearchMinElems and at most the model (a model smaller than that is
+// one chunk). On the default budgets (1GiB device, 4GiB host) the largest is
+// 21Mi elements for fp32 and 43Mi for bf16.
 
 #include "memory/chunk_layout.h"
 
@@ -151,7 +169,44 @@ Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_
   return chosen;
 }
 
+// See Note [Chunk size bounds].
+constexpr uint64_t kDeviceChunksPerKind = 6;
+constexpr uint64_t kHostChunkGroups = 4;
+
 }  // namespace
+
+SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBounds given, uint64_t device_bytes,
+                             uint64_t host_bytes) {
+  const uint64_t fp32_bytes = DTypeSizeBytes(DType::kFloat32);
+  uint64_t device_elem_bytes = 1;  // param and grad, of the widest class
+  uint64_t host_elem_bytes = 1;    // every kind of a group, of the widest class
+  uint64_t largest_elems = 0;
+  uint64_t total_elems = 0;
+  for (const TensorSpec& t : tensors) {
+    const uint64_t param_bytes = DTypeSizeBytes(t.dtype);
+    const uint64_t master_bytes = t.dtype == DType::kFloat32 ? 0 : fp32_bytes;
+    device_elem_bytes = std::max(device_elem_bytes, t.trainable ? 2 * param_bytes : param_bytes);
+    host_elem_bytes =
+        std::max(host_elem_bytes, t.trainable ? 2 * param_bytes + master_bytes + 2 * fp32_bytes : param_bytes);
+    largest_elems = std::max(largest_elems, static_cast<uint64_t>(t.num_elements()));
+    total_elems += static_cast<uint64_t>(t.num_elements());
+  }
+  uint64_t device_max = device_bytes / (kDeviceChunksPerKind * device_elem_bytes);
+  if (largest_elems > device_max && largest_elems * device_elem_bytes < device_bytes) {
+    device_max = (device_bytes - largest_elems * device_elem_bytes) / (kDeviceChunksPerKind * device_elem_bytes);
+  }
+  const uint64_t host_max = host_bytes / (kHostChunkGroups * host_elem_bytes);
+  const uint64_t max_elems =
+      std::max(kTensorAlignmentElems, std::min({kWidestSearchMaxElems, device_max, host_max}) /
+                                          kTensorAlignmentElems * kTensorAlignmentElems);
+  constexpr uint64_t kWidestRatio = kWidestSearchMaxElems / kWidestSearchMinElems;
+  const uint64_t min_elems =
+      AlignElems(std::max<uint64_t>(1, std::min({kWidestSearchMinElems, max_elems / kWidestRatio, total_elems})));
+  SearchBounds bounds;
+  bounds.max_elems = given.max_elems > 0 ? given.max_elems : std::max(max_elems, given.min_elems);
+  bounds.min_elems = given.min_elems > 0 ? given.min_elems : std::min(min_elems, bounds.max_elems);
+  return bounds;
+}
 
 DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
   return IsOptimizerState(kind) ? DType::kFloat32 : param_dtype;

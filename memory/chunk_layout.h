@@ -18,7 +18,8 @@
 // Note [Sharded layout] in chunk_layout.cc.
 //
 // The chunk size is given, or searched between two bounds for the least
-// padding waste (Note [Chunk size search]).
+// padding waste (Note [Chunk size search]); bounds not given are derived from
+// the tier budgets and the tensors (Note [Chunk size bounds]).
 //
 // Immutable once built; thread-safe to read.
 #pragma once
@@ -107,6 +108,24 @@ struct LayoutReport {
   uint64_t total_bytes = 0;  // all chunks of all kinds, as stored (transient param chunks are not)
   std::array<uint64_t, kNumChunkKinds> chunks_of_kind{};
 };
+
+// Bounds of the chunk size search, in elements; 0: not given.
+struct SearchBounds {
+  uint64_t min_elems = 0;
+  uint64_t max_elems = 0;
+};
+
+// The widest bounds a derived search takes (the search's fixed bounds
+// before they were derived).
+inline constexpr uint64_t kWidestSearchMinElems = uint64_t{1} << 20;
+inline constexpr uint64_t kWidestSearchMaxElems = uint64_t{1} << 26;
+
+// `given`'s bounds where set; the others derived so that the device tier of
+// `device_bytes` holds several chunks of each kind compute touches (beside
+// the largest tensor when it gets a chunk of its own) and the host tier of
+// `host_bytes` several chunk groups. Never min > max.
+SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBounds given, uint64_t device_bytes,
+                             uint64_t host_bytes);
 
 class ChunkLayout {
  public:

@@ -1,6 +1,7 @@
 #include "strata/engine.h"
 
 #include <filesystem>
+#include <limits>
 #include <optional>
 #include <string>
 #include <unordered_set>
@@ -48,6 +49,43 @@ struct Engine::Impl {
   std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
   uint64_t host_staging_bytes = 0;                      // set by Finalize
   Communicator* comm = nullptr;                         // the data-parallel group, or null
+  std::vector<std::string> nvme_dirs;                   // this rank's nvme.dirs
+  FileSystem* files = nullptr;                          // where their free space is read
+
+  // io_uring storage over nvme_dirs, `capacity_bytes` in all.
+  Result<std::unique_ptr<Storage>> OpenNvme(uint64_t capacity_bytes) const {
+    UringStorageOptions storage_options;
+    storage_options.dirs = nvme_dirs;
+    storage_options.capacity_bytes = capacity_bytes;
+    storage_options.block_size_bytes = options.nvme.block_size_bytes;
+    storage_options.queue_depth = options.nvme.queue_depth;
+    storage_options.allow_buffered_io = options.nvme.allow_buffered_io;
+    storage_options.io_timeout_ms = options.nvme.io_timeout_ms;
+    storage_options.sqpoll = options.nvme.sqpoll;
+    return CreateUringStorage(storage_options, *files);
+  }
+  // The NVMe tier over `storage`; host <-> NVMe moves read and write the
+  // host arena: let the kernel keep it mapped.
+  Status AttachNvme() {
+    nvme_pool = std::make_unique<memory::NvmeTierPool>(*storage);
+    const Buffer& arena = host_pool->arena();
+    return storage->RegisterBuffer(arena.data(), arena.size_bytes());
+  }
+  // nvme.capacity unset: the NVMe tier, sized to what the chunks homed as
+  // `homes` need there (Note [NVMe capacity by default] in memory/placement.cc).
+  Status SizeNvme(const std::vector<memory::ChunkDesc>& chunks, const std::vector<Tier>& homes) {
+    const uint64_t capacity = memory::NvmeBytesNeeded(chunks, homes);
+    Result<std::unique_ptr<Storage>> opened = OpenNvme(capacity);
+    if (!opened.ok()) {
+      return opened.status().WithContext(fmt::format(
+          "nvme.capacity is not set, so the NVMe tier is sized to what the model states need there, {} (the chunks "
+          "homed on NVMe and room to move the largest ones); free space there, add nvme.dirs on other drives, "
+          "raise host.budget or set nvme.capacity",
+          FormatSize(capacity)));
+    }
+    storage = std::move(opened).value();
+    return AttachNvme();
+  }
 
   Status CheckFinalized(std::string_view what) const {
     if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
@@ -127,20 +165,23 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->comm = seams.comm;
-  std::vector<std::string> nvme_dirs = options.nvme.dirs;
-  if (seams.comm != nullptr && seams.comm->world_size() > 1) {
-    STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
-    for (std::string& dir : nvme_dirs) {
-      // Only the rank's own level is created: a drive that is not mounted
-      // stays an error, not a directory on whatever is below it.
-      if (!std::filesystem::is_directory(dir)) {
-        return IoError("nvme.dirs: {} is not a directory: create it (a directory on the drive) first", dir);
-      }
-      dir = (std::filesystem::path(dir) / fmt::format("rank{}", seams.comm->rank())).string();
-      std::error_code error;
-      std::filesystem::create_directory(dir, error);
-      if (error) return IoError("nvme.dirs: cannot create this rank's directory {}: {}", dir, error.message());
+  std::vector<std::string>& nvme_dirs = impl->nvme_dirs;
+  nvme_dirs = options.nvme.dirs;
+  impl->files = seams.files != nullptr ? seams.files : &PosixFileSystem();
+  const bool ranks = seams.comm != nullptr && seams.comm->world_size() > 1;
+  if (ranks) STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
+  for (std::string& dir : nvme_dirs) {
+    // Checked now, though the tier may be sized only at Finalize. Only the
+    // rank's own level is created: a drive that is not mounted stays an
+    // error, not a directory on whatever is below it.
+    if (!std::filesystem::is_directory(dir)) {
+      return IoError("nvme.dirs: {} is not a directory: create it (a directory on the drive) first", dir);
     }
+    if (!ranks) continue;
+    dir = (std::filesystem::path(dir) / fmt::format("rank{}", seams.comm->rank())).string();
+    std::error_code error;
+    std::filesystem::create_directory(dir, error);
+    if (error) return IoError("nvme.dirs: cannot create this rank's directory {}: {}", dir, error.message());
   }
 
   if (seams.device) {
@@ -150,17 +191,9 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   }
   if (seams.storage) {
     impl->storage = std::move(seams.storage);
-  } else if (!options.nvme.dirs.empty()) {
-    UringStorageOptions storage_options;
-    storage_options.dirs = nvme_dirs;
-    storage_options.capacity_bytes = options.nvme.capacity_bytes;
-    storage_options.block_size_bytes = options.nvme.block_size_bytes;
-    storage_options.queue_depth = options.nvme.queue_depth;
-    storage_options.allow_buffered_io = options.nvme.allow_buffered_io;
-    storage_options.io_timeout_ms = options.nvme.io_timeout_ms;
-    storage_options.sqpoll = options.nvme.sqpoll;
-    STRATA_ASSIGN_OR_RETURN(impl->storage, CreateUringStorage(storage_options));
-  }
+  } else if (!nvme_dirs.empty() && options.nvme.capacity_bytes > 0) {
+    STRATA_ASSIGN_OR_RETURN(impl->storage, impl->OpenNvme(options.nvme.capacity_bytes));
+  }  // else with nvme.dirs: Finalize sizes the tier
 
   STRATA_ASSIGN_OR_RETURN(impl->device_pool,
                           memory::MemoryTierPool::CreateDevice(*impl->device, options.device.budget_bytes));
@@ -169,12 +202,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   int numa_node = options.host.numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
   STRATA_ASSIGN_OR_RETURN(impl->host_pool,
                           memory::MemoryTierPool::CreateHost(*impl->device, options.host.budget_bytes, numa_node));
-  if (impl->storage) {
-    impl->nvme_pool = std::make_unique<memory::NvmeTierPool>(*impl->storage);
-    // Host <-> NVMe moves read and write the host arena: let the kernel keep it mapped.
-    const Buffer& arena = impl->host_pool->arena();
-    STRATA_RETURN_IF_ERROR(impl->storage->RegisterBuffer(arena.data(), arena.size_bytes()));
-  }
+  if (impl->storage) STRATA_RETURN_IF_ERROR(impl->AttachNvme());
 
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
   STRATA_LOG_DEBUG("engine created: {}", engine->DescribeBackends());
@@ -207,11 +235,20 @@ Status Engine::Finalize() {
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;
   STRATA_RETURN_IF_ERROR(impl_->CheckSameModelOnAllRanks());
+  memory::TierCapacities capacities = impl_->Capacities();
+  const bool size_nvme = impl_->nvme_pool == nullptr && !impl_->nvme_dirs.empty();
+  if (size_nvme) {  // homes first, with NVMe unbounded; the tier is sized to them below
+    capacities.nvme_bytes = std::numeric_limits<uint64_t>::max();
+    capacities.has_nvme = true;
+  }
+  const memory::SearchBounds bounds = memory::SearchBoundsFor(
+      impl_->tensors, {o.chunk.search_min_elems, o.chunk.search_max_elems}, capacities.device_bytes,
+      capacities.host_bytes);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, o.chunk.search_min_elems,
-                                                     o.chunk.search_max_elems,
-                                                     {rank(), world_size(), o.comm.shard_params}));
-  STRATA_ASSIGN_OR_RETURN(memory::Placement placement, memory::PlaceChunks(layout, impl_->Capacities(), o));
+                          memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, bounds.min_elems,
+                                                     bounds.max_elems, {rank(), world_size(), o.comm.shard_params}));
+  STRATA_ASSIGN_OR_RETURN(memory::Placement placement, memory::PlaceChunks(layout, capacities, o));
+  if (size_nvme) STRATA_RETURN_IF_ERROR(impl_->SizeNvme(layout.chunks(), placement.homes));
   impl_->host_staging_bytes = placement.host_staging_bytes;
   impl_->residency = impl_->MakeResidency(layout, placement.homes);
   impl_->layout = std::move(layout);
@@ -372,7 +409,9 @@ Device& Engine::device() { return *impl_->device; }
 std::string Engine::DescribeBackends() const {
   return fmt::format("device: {}; host: {} pinned; nvme: {}{}", impl_->device->Describe(),
                      FormatSize(impl_->host_pool->usage().capacity_bytes),
-                     impl_->storage ? impl_->storage->Describe() : "none (option nvme.dirs)",
+                     impl_->storage             ? impl_->storage->Describe()
+                     : impl_->nvme_dirs.empty() ? std::string("none (option nvme.dirs)")
+                                                : fmt::format("in {}, sized at Finalize", fmt::join(impl_->nvme_dirs, ", ")),
                      impl_->comm != nullptr ? "; " + impl_->comm->Describe() : "");
 }
 

@@ -24,6 +24,26 @@
 // typical group, not the largest: an embedding's group may be many times the
 // others.
 
+//
+// Note [NVMe capacity by default]
+// With nvme.dirs but no nvme.capacity, the engine homes the chunks with the
+// NVMe tier unbounded, then sizes it to what they need there: the chunks
+// homed on NVMe, an eighth more, and kSpareNvmeChunks of the largest chunk.
+// The eighth is for fragmentation: NVMe slots are never compacted, and first
+// fit leaves free pieces between slots of differing sizes (param and state
+// chunks, tensors with chunks of their own) too small for the larger ones;
+// the demo's GPT (141MiB homed on NVMe in 1.8 and 2.25MiB chunks) needed 9%
+// beyond its homed bytes. Of the spare chunks, two are for chunks homed
+// elsewhere that land on NVMe: the host tier, full, pushes its least
+// recently used chunk down. Full, it holds all but less than a chunk of its
+// budget, and the host-homed chunks take no more than the budget (less the
+// reserve), so before a push less than a chunk's worth of them is off the
+// host beyond what NVMe-homed chunks visiting it left free on NVMe; the push
+// adds one. The third is for a chunk written in place on NVMe, which takes a
+// fresh slot before it frees its old one (ResidencyManager::WriteChunk). The
+// space is preallocated, so a default of every chunk (or the whole drive)
+// would take space the run never uses.
+
 #include "memory/placement.h"
 
 #include <algorithm>
@@ -31,10 +51,16 @@
 
 #include <fmt/format.h>
 
+#include "memory/tier_pool.h"
+#include "src/base/alignment.h"
 #include "strata/engine.h"
 
 namespace strata::memory {
 namespace {
+
+// See Note [NVMe capacity by default].
+constexpr uint64_t kFragmentationShare = 8;  // an eighth more
+constexpr uint64_t kSpareNvmeChunks = 3;
 
 struct StateTotals {
   uint64_t bytes = 0;
@@ -133,6 +159,17 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
     }
   }
   return homes;
+}
+
+// See Note [NVMe capacity by default].
+uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes) {
+  uint64_t homed = 0;
+  uint64_t largest = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (homes[i] == Tier::kNvme) homed += chunks[i].size_bytes();
+    largest = std::max(largest, chunks[i].size_bytes());
+  }
+  return homed + RoundUp(homed / kFragmentationShare, kSlotAlignmentBytes) + kSpareNvmeChunks * largest;
 }
 
 // See Note [Host reserve].

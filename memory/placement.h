@@ -47,6 +47,11 @@ struct Placement {
   uint64_t host_staging_bytes = 0;  // HostReserve::staging_bytes
 };
 
+// NVMe space the chunks need when homed as `homes` (one per chunk): those
+// homed on NVMe, an eighth more, and room for three of the largest chunks. See Note [NVMe
+// capacity by default].
+uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes);
+
 // The homes of every chunk of `layout` under options.placement (adaptive:
 // the host while it has room; static: at most placement.host_states of the
 // optimizer states on the host), beside the host reserve. OutOfMemory, naming

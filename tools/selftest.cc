@@ -138,9 +138,12 @@ Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options
   std::vector<TensorSpec> specs = offload::GptTensorSpecs(GptShapeOf(config), options.compute_dtype);
 
   // Size the budgets from the exact footprint of the layout the engine will build.
+  const memory::SearchBounds bounds =
+      memory::SearchBoundsFor(specs, {options.chunk.search_min_elems, options.chunk.search_max_elems},
+                              options.device.budget_bytes, options.host.budget_bytes);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
-                                                     options.chunk.search_max_elems));
+                          memory::ChunkLayout::Build(specs, options.chunk.size_elems, bounds.min_elems,
+                                                     bounds.max_elems));
   uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());

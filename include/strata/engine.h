@@ -11,7 +11,8 @@
 // The engine owns the device backend, the storage backend, the three tier
 // pools and the residency manager. Create() fails early on bad options, a
 // device budget the device cannot give, NVMe directories without enough free
-// space or refusing O_DIRECT. Thread-safety: RegisterTensor and Finalize
+// space or refusing O_DIRECT (with nvme.capacity unset, Finalize sizes the
+// NVMe tier and checks the free space). Thread-safety: RegisterTensor and Finalize
 // from one thread before anything else; after Finalize, Access, MoveChunk
 // and stats may be called from any thread.
 #pragma once
@@ -39,6 +40,7 @@ namespace strata {
 struct EngineSeams {
   std::unique_ptr<Device> device;    // null: CreateDevice(options)
   std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme.dirs (if any)
+  FileSystem* files = nullptr;       // the NVMe dirs' free space is read through it (null: PosixFileSystem())
   // The data-parallel group this engine is one rank of (borrowed: it must
   // outlive the engine; null: a single rank). Every rank must have the same
   // options and register the same tensors (else InvalidArgument on every
@@ -95,7 +97,8 @@ class Engine {
   // Registers a tensor (before Finalize). Names must be unique.
   Result<TensorId> RegisterTensor(const TensorSpec& spec);
   // Packs the registered tensors into chunks and sets each chunk's home tier
-  // (host while it has room, then NVMe: Note [Homes] in memory/placement.cc).
+  // (host while it has room, then NVMe: Note [Homes] in memory/placement.cc);
+  // with nvme.capacity unset, sizes the NVMe tier to what they need there.
   // OutOfMemory, naming the options to change, when the chunks do not fit.
   Status Finalize();
   bool finalized() const;

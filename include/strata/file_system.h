@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -83,6 +84,8 @@ class FileSystem {
   virtual Status RemoveAll(const std::string& path) = 0;
   // The directory's entries (a rename, a new file) durable.
   virtual Status SyncDirectory(const std::string& path) = 0;
+  // Bytes an unprivileged writer may still put on the file system holding `path` (statvfs).
+  virtual Result<uint64_t> FreeBytes(const std::string& path) = 0;
 };
 
 // The machine's file system through POSIX calls. Lives as long as the process.
@@ -124,6 +127,8 @@ class FaultInjectingFileSystem final : public FileSystem {
   // Called with the path before each Open for writing (a point in the
   // caller's work, for a test to act at); an error fails the Open.
   void SetOpenHook(std::function<Status(const std::string& path)> hook);
+  // FreeBytes answers this for every path (a nearly full drive); nullopt: the base's answer.
+  void SetFreeBytes(std::optional<uint64_t> free_bytes);
 
   int reads() const;
   int writes() const;
@@ -137,6 +142,7 @@ class FaultInjectingFileSystem final : public FileSystem {
   Status Exchange(const std::string& a, const std::string& b) override;
   Status RemoveAll(const std::string& path) override;
   Status SyncDirectory(const std::string& path) override;
+  Result<uint64_t> FreeBytes(const std::string& path) override;
 
   struct State;  // shared with the files it opened
 

@@ -46,7 +46,7 @@ struct HostOptions {
 
 struct NvmeOptions {
   std::vector<std::string> dirs;              // nvme.dirs: one per drive, striped; empty = no NVMe tier
-  size_t capacity_bytes = size_t{8} << 30;    // nvme.capacity, all dirs together
+  size_t capacity_bytes = 0;                  // nvme.capacity, all dirs together; 0 = what the model states need
   size_t block_size_bytes = size_t{1} << 20;  // nvme.block_size: one I/O request
   uint32_t queue_depth = 32;                  // nvme.queue_depth
   bool allow_buffered_io = false;             // nvme.allow_buffered_io
@@ -56,8 +56,8 @@ struct NvmeOptions {
 
 struct ChunkOptions {
   size_t size_elems = 0;                       // chunk.size_elems; 0 = search
-  size_t search_min_elems = size_t{1} << 20;   // chunk.search_min_elems
-  size_t search_max_elems = size_t{1} << 26;   // chunk.search_max_elems
+  size_t search_min_elems = 0;                 // chunk.search_min_elems; 0 = from the budgets and the model
+  size_t search_max_elems = 0;                 // chunk.search_max_elems; 0 = from the budgets and the model
 };
 
 struct OptimizerOptions {

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "strata/file_system.h"
 #include "strata/status.h"
 
 namespace strata {
@@ -69,9 +70,11 @@ struct UringStorageOptions {
 
 // Creates (or reuses) and preallocates the backing files. Fails early:
 // a directory that does not exist or is not writable (IoError), too little
-// free space (OutOfMemory with needed and free bytes per directory), a
-// filesystem that refuses O_DIRECT (NotSupported unless allow_buffered_io).
-Result<std::unique_ptr<Storage>> CreateUringStorage(const UringStorageOptions& options);
+// free space (OutOfMemory with needed and free bytes per directory, as
+// `free_space` reports it), a filesystem that refuses O_DIRECT (NotSupported
+// unless allow_buffered_io).
+Result<std::unique_ptr<Storage>> CreateUringStorage(const UringStorageOptions& options,
+                                                    FileSystem& free_space = PosixFileSystem());
 
 // Wraps a Storage and injects failures on demand. Each Fail*/Corrupt*/Short*
 // call arms the fault for the next `count` matching operations.

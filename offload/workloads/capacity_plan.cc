@@ -185,10 +185,9 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   plan.model = model;
   plan.machine = machine;
   const std::vector<TensorSpec> specs = GptTensorSpecs(model, DType::kBFloat16);
-  const Options defaults;
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
-                          memory::ChunkLayout::Build(specs, 0, defaults.chunk.search_min_elems,
-                                                     defaults.chunk.search_max_elems));
+                          memory::ChunkLayout::Build(specs, 0, memory::kWidestSearchMinElems,
+                                                     memory::kWidestSearchMaxElems));
   for (const TensorSpec& spec : specs) {
     if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
   }

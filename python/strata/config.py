@@ -9,8 +9,9 @@ keys both work) plus the adapter's own:
 - ``gradient_clipping``: the global norm gradients are clipped to (0: none);
 - ``non_model_memory``: device memory each moment uses besides chunks, for the
   planner: ``"measured"`` (default: ``torch.cuda.memory_allocated()`` on a GPU;
-  on the host-emulated device the bytes autograd holds for backward), or a
-  size (bytes, or a string like ``"64MiB"``) taken as the same at every moment.
+  0 on the host-emulated device, whose tier holds chunks only: activations stay
+  in process memory), or a size (bytes, or a string like ``"64MiB"``) taken as
+  the same at every moment.
 
 An unknown key or a bad value raises ValueError naming the key and what is allowed.
 """

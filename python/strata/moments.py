@@ -40,7 +40,9 @@ class Moments:
     def _non_model_bytes(self):
         if self._non_model_memory is not None:
             return self._non_model_memory
-        if not self._runtime.emulated and torch.cuda.is_available():
+        if self._runtime.emulated:
+            return 0  # activations live in process memory: the emulated device's tier holds chunks only
+        if torch.cuda.is_available():
             return torch.cuda.memory_allocated()
         return self.saved_bytes
 

@@ -217,14 +217,65 @@ def test_stats_and_timeline(tmp_path):
         c["size_bytes"] for c in engine.engine.chunks() if c["kind"] == "param")
 
 
-def test_measured_non_model_memory_reaches_the_planner(tmp_path):
+def saved_activation_bytes(model, tokens):
+    """The most bytes autograd holds for backward during one forward of plain PyTorch."""
+    held = []
+
+    def pack(tensor):
+        held.append(tensor.numel() * tensor.element_size())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(tokens[:, :-1], tokens[:, 1:])
+    return sum(held)
+
+
+def test_activations_beyond_the_emulated_device_still_get_a_plan(tmp_path):
     model, reference = pair()
     config = three_tiers(tmp_path)
-    del config["non_model_memory"]  # measured: autograd's saved activations outgrow the 96KiB device
+    del config["non_model_memory"]  # measured: none on the emulated device, whose tier holds chunks only
+    data = batches(4)
+    assert saved_activation_bytes(copy.deepcopy(reference), data[0]) > DEVICE_BUDGET
     engine = strata.initialize(model, config)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+    pipeline = engine.stats()["pipeline"]
+    assert "plan_error" not in pipeline and pipeline["plan_failures"] == 0
+    assert pipeline["planned_iterations"] >= 2
+
+
+def test_a_non_model_memory_size_reaches_the_planner(tmp_path):
+    model, reference = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path, non_model_memory=DEVICE_BUDGET))
     data = batches(3)
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
     assert "non-model memory" in engine.stats()["pipeline"]["plan_error"]
+
+
+def test_a_small_model_under_only_a_small_device_budget_trains_without_chunk_settings():
+    model, reference = pair()
+    engine = strata.initialize(model, {
+        "optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
+        "device": {"backend": "emulated", "budget": DEVICE_BUDGET},
+        "log": {"level": "error"},
+    })
+    assert max(c["size_bytes"] for c in engine.engine.chunks()) <= DEVICE_BUDGET // 4
+    data = batches(6)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+    assert engine.stats()["pipeline"]["planned_iterations"] >= 4
+
+
+def test_nvme_dirs_without_a_capacity_get_what_the_states_homed_there_need(tmp_path):
+    model, reference = pair()
+    config = three_tiers(tmp_path)
+    del config["nvme"]["capacity"]
+    engine = strata.initialize(model, config)
+    chunks = engine.engine.chunks()
+    homed = sum(chunk["size_bytes"] for chunk in chunks if chunk["home"] == "nvme")
+    assert homed > 0
+    largest = max(c["size_bytes"] for c in chunks)
+    assert engine.stats()["tiers"]["nvme"]["capacity_bytes"] == homed + -(-homed // 8 // 4096) * 4096 + 3 * largest
+    data = batches(6)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
 
 
 @pytest.mark.parametrize("config, named", [

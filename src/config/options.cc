@@ -196,7 +196,10 @@ void AddNvmeAndChunkKeys(Table& t) {
                  return Status::Ok();
                },
                [dirs](const Options& o) { return JoinDirs(dirs(o)); }});
-  t.push_back(SizeEntry("nvme.capacity", "bytes of NVMe space for chunks, all directories together",
+  t.push_back(SizeEntry("nvme.capacity",
+                        "bytes of NVMe space for chunks, all directories together (preallocated; the free space is "
+                        "checked); 0 = what the model states need there: those homed on NVMe, an eighth more and three "
+                        "of the largest chunks",
                         In(&Options::nvme, &NvmeOptions::capacity_bytes)));
   t.push_back(SizeEntry("nvme.block_size", "bytes per NVMe I/O request and stripe unit; a multiple of 4KiB",
                         In(&Options::nvme, &NvmeOptions::block_size_bytes)));
@@ -213,10 +216,14 @@ void AddNvmeAndChunkKeys(Table& t) {
                        In(&Options::nvme, &NvmeOptions::io_timeout_ms), 1, 86'400'000));
   t.push_back(IntEntry("chunk.size_elems", "elements per chunk; 0 = search for least padding waste",
                        In(&Options::chunk, &ChunkOptions::size_elems), 0, uint64_t{1} << 34));
-  t.push_back(IntEntry("chunk.search_min_elems", "smallest chunk size the search tries, in elements",
-                       In(&Options::chunk, &ChunkOptions::search_min_elems), 1, uint64_t{1} << 34));
-  t.push_back(IntEntry("chunk.search_max_elems", "largest chunk size the search tries, in elements",
-                       In(&Options::chunk, &ChunkOptions::search_max_elems), 1, uint64_t{1} << 34));
+  t.push_back(IntEntry("chunk.search_min_elems",
+                       "smallest chunk size the search tries, in elements; 0 = a 64th of the largest, at most 1Mi "
+                       "and at most the model",
+                       In(&Options::chunk, &ChunkOptions::search_min_elems), 0, uint64_t{1} << 34));
+  t.push_back(IntEntry("chunk.search_max_elems",
+                       "largest chunk size the search tries, in elements; 0 = what lets device.budget hold six param "
+                       "and grad chunks (beside the largest tensor's) and host.budget four chunk groups, at most 64Mi",
+                       In(&Options::chunk, &ChunkOptions::search_max_elems), 0, uint64_t{1} << 34));
   const Field<DType> precision = In(&Options::compute_dtype);
   t.push_back({{"precision", "enum", "fp32", "compute dtype of param and grad chunks: fp32, bf16 or fp16"},
                [precision](Options& o, std::string_view text) -> Status {
@@ -390,12 +397,9 @@ Status CheckTierRelations(const Options& options) {
   if (options.device.budget_bytes == 0) {
     return InvalidArgument("option device.budget: 0 is not allowed: the device tier needs room for at least one chunk");
   }
-  if (options.chunk.search_min_elems > options.chunk.search_max_elems) {
+  if (options.chunk.search_max_elems > 0 && options.chunk.search_min_elems > options.chunk.search_max_elems) {
     return InvalidArgument("option chunk.search_min_elems: {} exceeds chunk.search_max_elems {}",
                            options.chunk.search_min_elems, options.chunk.search_max_elems);
-  }
-  if (!options.nvme.dirs.empty() && options.nvme.capacity_bytes == 0) {
-    return InvalidArgument("option nvme.capacity: 0 is not allowed when nvme.dirs is set");
   }
   if (options.optimizer.stream_ring_bytes == 0) {
     return InvalidArgument("option optimizer.stream_ring: 0 is not allowed: the ring holds at least two chunk groups");

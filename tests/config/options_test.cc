@@ -130,6 +130,19 @@ TEST(OptionsTest, ValidateChecksRelationsBetweenKeys) {
   ExpectInvalid(ValidateOptions(options), "device.budget");
 }
 
+TEST(OptionsTest, ChunkBoundsAndNvmeCapacityLeftUnsetAreDerivedNotRefused) {
+  Options options;
+  EXPECT_EQ(options.chunk.search_min_elems, 0u);  // derived from the budgets and the model at Finalize
+  EXPECT_EQ(options.chunk.search_max_elems, 0u);
+  EXPECT_EQ(options.nvme.capacity_bytes, 0u);     // what the model states need on NVMe
+  ASSERT_OK(SetOption(options, "nvme.dirs", "/mnt/nvme0"));
+  EXPECT_OK(ValidateOptions(options));
+  ASSERT_OK(SetOption(options, "chunk.search_min_elems", "4096"));  // one bound given, the other derived
+  EXPECT_OK(ValidateOptions(options));
+  ASSERT_OK(SetOption(options, "chunk.search_max_elems", "0"));
+  EXPECT_OK(ValidateOptions(options));
+}
+
 TEST(OptionsTest, ValidateChecksFieldsSetDirectlyAgainstTheirKeysRanges) {
   const double nan = std::numeric_limits<double>::quiet_NaN();
   const double inf = std::numeric_limits<double>::infinity();

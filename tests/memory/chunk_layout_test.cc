@@ -82,6 +82,70 @@ TEST(ChunkLayoutTest, SearchFindsLeastWaste) {
   EXPECT_GT(fixed.report().waste_fraction(), 0.2);
 }
 
+// Layers of 64 x 64 and a bias: 130 KiB of fp32 params.
+std::vector<TensorSpec> SmallMlp(DType dtype = DType::kFloat32) {
+  std::vector<TensorSpec> tensors;
+  for (int l = 0; l < 8; ++l) {
+    const std::string module = "fc" + std::to_string(l);
+    tensors.push_back(T(module + ".weight", {64, 64}, module, dtype));
+    tensors.push_back(T(module + ".bias", {64}, module, dtype));
+  }
+  return tensors;
+}
+
+constexpr uint64_t kGiB = uint64_t{1} << 30;
+
+TEST(ChunkSearchBoundsTest, DerivedBoundsLetTheDeviceHoldSixParamAndGradChunks) {
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    const uint64_t device_bytes = 256 << 10;
+    const SearchBounds bounds = SearchBoundsFor(SmallMlp(dtype), {}, device_bytes, 4 * kGiB);
+    const uint64_t pair_bytes = 2 * DTypeSizeBytes(dtype);  // param and grad
+    EXPECT_LE(6 * bounds.max_elems * pair_bytes, device_bytes) << DTypeName(dtype);
+    EXPECT_GT(6 * (bounds.max_elems + kTensorAlignmentElems) * pair_bytes, device_bytes) << DTypeName(dtype);
+    // A 64th of it, aligned up.
+    EXPECT_EQ(bounds.min_elems,
+              (bounds.max_elems / 64 + kTensorAlignmentElems - 1) / kTensorAlignmentElems * kTensorAlignmentElems);
+    ASSERT_OK_AND_ASSIGN(ChunkLayout layout,
+                         ChunkLayout::Build(SmallMlp(dtype), 0, bounds.min_elems, bounds.max_elems));
+    EXPECT_LE(layout.report().chunk_size_elems, bounds.max_elems);
+  }
+}
+
+TEST(ChunkSearchBoundsTest, ATensorLargerThanAChunkIsSetAsideFirst) {
+  std::vector<TensorSpec> tensors = SmallMlp();
+  tensors.push_back(T("embedding.weight", {20000}, "embedding"));  // 80 KB: larger than a 256 KiB device's sixth
+  const uint64_t device_bytes = 256 << 10;
+  const SearchBounds bounds = SearchBoundsFor(tensors, {}, device_bytes, 4 * kGiB);
+  EXPECT_EQ(bounds.max_elems, (device_bytes - 20000 * 8) / 48 / kTensorAlignmentElems * kTensorAlignmentElems);
+}
+
+TEST(ChunkSearchBoundsTest, TheHostHoldsFourGroupsAndTheWidestBoundsCap) {
+  // fp32: param, grad, exp_avg and exp_avg_sq: 16 bytes an element.
+  EXPECT_EQ(SearchBoundsFor(SmallMlp(), {}, kGiB, 1 << 20).max_elems, (1u << 20) / 64);
+  const SearchBounds wide = SearchBoundsFor({T("huge", {1 << 30}, "m")}, {}, 1024 * kGiB, 1024 * kGiB);
+  EXPECT_EQ(wide.max_elems, kWidestSearchMaxElems);
+  EXPECT_EQ(wide.min_elems, kWidestSearchMinElems);
+}
+
+TEST(ChunkSearchBoundsTest, ASmallModelIsOneChunkUnderLargeBudgets) {
+  const SearchBounds bounds = SearchBoundsFor(SmallMlp(), {}, kGiB, 4 * kGiB);
+  EXPECT_EQ(bounds.min_elems, 8u * (4096 + 64));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(SmallMlp(), 0, bounds.min_elems, bounds.max_elems));
+  EXPECT_EQ(layout.groups().size(), 1u);
+}
+
+TEST(ChunkSearchBoundsTest, GivenBoundsAreKeptAndTheOtherNeverCrossesThem) {
+  const SearchBounds both = SearchBoundsFor(SmallMlp(), {1000, 3000}, 256 << 10, 4 * kGiB);
+  EXPECT_EQ(both.min_elems, 1000u);
+  EXPECT_EQ(both.max_elems, 3000u);
+  const SearchBounds large_min = SearchBoundsFor(SmallMlp(), {1 << 20, 0}, 256 << 10, 4 * kGiB);
+  EXPECT_EQ(large_min.min_elems, 1u << 20);
+  EXPECT_EQ(large_min.max_elems, 1u << 20);
+  const SearchBounds small_max = SearchBoundsFor(SmallMlp(), {0, 64}, kGiB, 4 * kGiB);
+  EXPECT_EQ(small_max.max_elems, 64u);
+  EXPECT_LE(small_max.min_elems, 64u);
+}
+
 TEST(ChunkLayoutTest, RejectsBadTensors) {
   EXPECT_EQ(ChunkLayout::Build({}, 1024, 0, 0).status().code(), StatusCode::kInvalidArgument);
   Status dup = ChunkLayout::Build({T("x", {4}, "m"), T("x", {4}, "m")}, 1024, 0, 0).status();

@@ -64,6 +64,95 @@ TEST(EngineTest, ChunkLargerThanDeviceFailsFinalize) {
   EXPECT_NE(status.message().find("device.budget"), std::string::npos) << status.ToString();
 }
 
+// A small MLP: eight trainable fp32 layers of 64 x 64 and a bias (130 KiB of params).
+Status RegisterSmallMlp(Engine& engine) {
+  for (int l = 0; l < 8; ++l) {
+    const std::string module = "fc" + std::to_string(l);
+    STRATA_RETURN_IF_ERROR(engine.RegisterTensor({module + ".weight", {64, 64}, DType::kFloat32, true, module}).status());
+    STRATA_RETURN_IF_ERROR(engine.RegisterTensor({module + ".bias", {64}, DType::kFloat32, true, module}).status());
+  }
+  return Status::Ok();
+}
+
+TEST(EngineTest, SmallModelUnderASmallDeviceBudgetGetsChunksThatFitWithoutChunkOptions) {
+  Options options;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 256 << 10;
+  options.log_level = LogLevel::kWarning;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  ASSERT_OK(engine->Finalize());
+  // Six param and six grad chunks fit on the device.
+  EXPECT_LE(12 * engine->layout().chunk_size_elems * sizeof(float), options.device.budget_bytes);
+  EXPECT_TRUE(engine->layout().chunk_size_searched);
+}
+
+TEST(EngineTest, ExplicitChunkOptionsAreKeptAndTooLargeOnesRefusedByName) {
+  Options options;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 256 << 10;
+  options.log_level = LogLevel::kWarning;
+  options.chunk.search_min_elems = 4096;
+  options.chunk.search_max_elems = 4096;
+  ASSERT_OK_AND_ASSIGN(auto kept, Engine::Create(options));
+  ASSERT_OK(RegisterSmallMlp(*kept));
+  ASSERT_OK(kept->Finalize());
+  EXPECT_EQ(kept->layout().chunk_size_elems, 4096u);
+  options.chunk.search_min_elems = options.chunk.search_max_elems = 0;
+  options.chunk.size_elems = 1 << 20;
+  ASSERT_OK_AND_ASSIGN(auto refused, Engine::Create(options));
+  ASSERT_OK(RegisterSmallMlp(*refused));
+  Status status = refused->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory);
+  EXPECT_NE(status.message().find("chunk.size_elems"), std::string::npos) << status.ToString();
+}
+
+// nvme.dirs without nvme.capacity: host room for the params and grads only.
+Options NvmeWithoutCapacity(const std::string& dir) {
+  Options options;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 256 << 10;
+  options.host.budget_bytes = 512 << 10;
+  options.nvme.dirs = {dir};
+  options.log_level = LogLevel::kWarning;
+  return options;
+}
+
+TEST(EngineTest, NvmeCapacityDefaultsToWhatTheStatesHomedThereNeed) {
+  testing::ScratchDir dir("nvme-default");
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(NvmeWithoutCapacity(dir.path())));
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  ASSERT_OK(engine->Finalize());
+  uint64_t homed = 0, largest = 0;
+  for (const ChunkInfo& chunk : engine->chunks()) {
+    ASSERT_OK_AND_ASSIGN(Tier home, engine->ChunkHome(chunk.id));
+    if (home == Tier::kNvme) homed += chunk.size_bytes;
+    largest = std::max(largest, chunk.size_bytes);
+  }
+  EXPECT_GT(homed, 0u);
+  EXPECT_EQ(engine->stats().tiers[static_cast<int>(Tier::kNvme)].capacity_bytes,
+            homed + (homed / 8 + 4095) / 4096 * 4096 + 3 * largest);  // an eighth more, in whole 4KiB slots
+  // The tier works: every chunk goes home and comes back.
+  ASSERT_OK(engine->OffloadAll());
+  for (const ChunkInfo& chunk : engine->chunks()) ASSERT_OK(engine->AccessChunk(chunk.id, Tier::kHost).status());
+}
+
+TEST(EngineTest, DefaultNvmeCapacityBeyondTheFreeSpaceIsRefusedWithTheFigures) {
+  testing::ScratchDir dir("nvme-default-full");
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.SetFreeBytes(64 << 10);
+  EngineSeams seams;
+  seams.files = &files;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(NvmeWithoutCapacity(dir.path()), std::move(seams)));
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  Status status = engine->Finalize();
+  EXPECT_EQ(status.code(), StatusCode::kOutOfMemory) << status.ToString();
+  for (const char* figure : {"nvme.capacity is not set", "what the model states need there", "free 64KiB"}) {
+    EXPECT_NE(status.message().find(figure), std::string::npos) << figure << " in " << status.ToString();
+  }
+  EXPECT_FALSE(engine->finalized());
+}
+
 // Four trainable fp32 layers of one 64 KiB chunk each: per layer a param, a
 // grad, exp_avg and exp_avg_sq chunk (1 MiB in all), with an NVMe tier.
 Result<std::unique_ptr<Engine>> FourLayers(Options options) {

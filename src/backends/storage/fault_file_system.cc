@@ -21,9 +21,10 @@ using storage::FaultOp;
 
 struct FaultInjectingFileSystem::State {
   storage::FaultPlan plan;
-  std::mutex mu;  // guards the two below
+  std::mutex mu;  // guards the three below
   bool refuse_exchange = false;
   std::function<Status(const std::string&)> open_hook;
+  std::optional<uint64_t> free_bytes;
 };
 
 namespace {
@@ -134,6 +135,11 @@ void FaultInjectingFileSystem::SetOpenHook(std::function<Status(const std::strin
   state_->open_hook = std::move(hook);
 }
 
+void FaultInjectingFileSystem::SetFreeBytes(std::optional<uint64_t> free_bytes) {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  state_->free_bytes = free_bytes;
+}
+
 int FaultInjectingFileSystem::reads() const { return state_->plan.count(FaultOp::kRead); }
 int FaultInjectingFileSystem::writes() const { return state_->plan.count(FaultOp::kWrite); }
 
@@ -178,6 +184,14 @@ Status FaultInjectingFileSystem::SyncDirectory(const std::string& path) {
     return storage::InjectedFault(fmt::format("flushing the directory {}", path), 0, taken.error_number);
   }
   return base_.SyncDirectory(path);
+}
+
+Result<uint64_t> FaultInjectingFileSystem::FreeBytes(const std::string& path) {
+  {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    if (state_->free_bytes) return *state_->free_bytes;
+  }
+  return base_.FreeBytes(path);
 }
 
 }  // namespace strata

@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <stdio.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -128,6 +129,11 @@ class Posix final : public FileSystem {
     if (!fd) return ErrnoError("opening the directory", path);
     if (::fsync(fd.get()) != 0) return ErrnoError("flushing the directory", path);
     return Status::Ok();
+  }
+  Result<uint64_t> FreeBytes(const std::string& path) override {
+    struct statvfs vfs {};
+    if (::statvfs(path.c_str(), &vfs) != 0) return ErrnoError("reading the free space of", path);
+    return static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
   }
 };
 

@@ -16,6 +16,7 @@
 #include <string>
 
 #include "src/base/posix_file.h"
+#include "strata/file_system.h"
 #include "strata/status.h"
 #include "strata/storage.h"
 
@@ -56,7 +57,7 @@ using OpenFileFn = std::function<int(const char* path, int flags, mode_t mode)>;
 
 // CreateUringStorage with `open_file` in place of ::open. Defined in
 // uring_storage.cc.
-Result<std::unique_ptr<Storage>> CreateUringStorageWithOpen(const UringStorageOptions& options,
-                                                            OpenFileFn open_file);
+Result<std::unique_ptr<Storage>> CreateUringStorageWithOpen(const UringStorageOptions& options, OpenFileFn open_file,
+                                                            FileSystem& free_space = PosixFileSystem());
 
 }  // namespace strata::storage

@@ -10,7 +10,6 @@
 
 #include <fcntl.h>
 #include <sys/stat.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -65,7 +64,7 @@ Status CheckDirectories(const std::vector<std::string>& dirs, std::vector<struct
 // directories' backing files. Directories on one filesystem share its free
 // space, so needs are summed per filesystem.
 Status CheckFreeSpace(const UringStorageOptions& options, const std::vector<struct stat>& dir_stats,
-                      uint64_t file_size_bytes) {
+                      uint64_t file_size_bytes, FileSystem& files) {
   struct Filesystem {
     uint64_t needed_bytes = 0;
     uint64_t free_bytes = 0;
@@ -74,10 +73,8 @@ Status CheckFreeSpace(const UringStorageOptions& options, const std::vector<stru
   std::map<dev_t, Filesystem> filesystems;
   for (size_t i = 0; i < options.dirs.size(); ++i) {
     const std::string& dir = options.dirs[i];
-    struct statvfs vfs {};
-    STRATA_SYSCALL_CHECK(::statvfs(dir.c_str(), &vfs), dir, 0);
     Filesystem& fs = filesystems[dir_stats[i].st_dev];
-    fs.free_bytes = static_cast<uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    STRATA_ASSIGN_OR_RETURN(fs.free_bytes, files.FreeBytes(dir));
     fs.dirs.push_back(dir);
     // Space an existing backing file already holds counts as available.
     uint64_t held_bytes = 0;
@@ -201,7 +198,7 @@ Status ValidateUringOptions(const UringStorageOptions& options) {
 }
 
 Result<std::vector<BackingFile>> OpenBackingFiles(const UringStorageOptions& options, const OpenFileFn& open_file,
-                                                  CreatedFilesGuard& created) {
+                                                  FileSystem& files, CreatedFilesGuard& created) {
   const uint64_t num_dirs = options.dirs.size();
   // See Note [Backing files].
   const uint64_t share_bytes = (options.capacity_bytes + num_dirs - 1) / num_dirs;
@@ -209,12 +206,12 @@ Result<std::vector<BackingFile>> OpenBackingFiles(const UringStorageOptions& opt
 
   std::vector<struct stat> dir_stats;
   STRATA_RETURN_IF_ERROR(CheckDirectories(options.dirs, dir_stats));
-  STRATA_RETURN_IF_ERROR(CheckFreeSpace(options, dir_stats, file_size_bytes));
-  std::vector<BackingFile> files(options.dirs.size());
+  STRATA_RETURN_IF_ERROR(CheckFreeSpace(options, dir_stats, file_size_bytes, files));
+  std::vector<BackingFile> backing(options.dirs.size());
   for (size_t i = 0; i < options.dirs.size(); ++i) {
-    STRATA_RETURN_IF_ERROR(OpenBackingFile(options, options.dirs[i], file_size_bytes, open_file, created, files[i]));
+    STRATA_RETURN_IF_ERROR(OpenBackingFile(options, options.dirs[i], file_size_bytes, open_file, created, backing[i]));
   }
-  return files;
+  return backing;
 }
 
 }  // namespace strata::storage::uring

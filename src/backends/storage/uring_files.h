@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "src/backends/storage/storage_util.h"
+#include "strata/file_system.h"
 #include "strata/status.h"
 #include "strata/storage.h"
 
@@ -46,11 +47,12 @@ class CreatedFilesGuard {
 Status ValidateUringOptions(const UringStorageOptions& options);
 
 // One open, preallocated file per directory of `options` (validated), in
-// order; files it creates are added to `created`. IoError for a directory
+// order, the free space read through `files`; files it creates are added to
+// `created`. IoError for a directory
 // that is missing, not writable or listed twice; OutOfMemory when a
 // filesystem lacks the space; NotSupported when O_DIRECT is refused and
 // buffered I/O is not allowed.
 Result<std::vector<BackingFile>> OpenBackingFiles(const UringStorageOptions& options, const OpenFileFn& open_file,
-                                                  CreatedFilesGuard& created);
+                                                  FileSystem& files, CreatedFilesGuard& created);
 
 }  // namespace strata::storage::uring

@@ -504,11 +504,12 @@ void UringStorage::CancelAndDrain(Ring& ring, uint32_t in_flight, uint32_t prepa
 }  // namespace
 }  // namespace uring
 
-Result<std::unique_ptr<Storage>> CreateUringStorageWithOpen(const UringStorageOptions& options,
-                                                            OpenFileFn open_file) {
+Result<std::unique_ptr<Storage>> CreateUringStorageWithOpen(const UringStorageOptions& options, OpenFileFn open_file,
+                                                            FileSystem& free_space) {
   STRATA_RETURN_IF_ERROR(uring::ValidateUringOptions(options));
   uring::CreatedFilesGuard created;
-  STRATA_ASSIGN_OR_RETURN(std::vector<uring::BackingFile> files, uring::OpenBackingFiles(options, open_file, created));
+  STRATA_ASSIGN_OR_RETURN(std::vector<uring::BackingFile> files,
+                          uring::OpenBackingFiles(options, open_file, free_space, created));
   std::vector<int> fds;
   for (const uring::BackingFile& file : files) fds.push_back(file.fd.get());
   auto storage = std::make_unique<uring::UringStorage>(options, std::move(files), std::move(fds));
@@ -525,9 +526,9 @@ Result<std::unique_ptr<Storage>> CreateUringStorageWithOpen(const UringStorageOp
 
 }  // namespace storage
 
-Result<std::unique_ptr<Storage>> CreateUringStorage(const UringStorageOptions& options) {
+Result<std::unique_ptr<Storage>> CreateUringStorage(const UringStorageOptions& options, FileSystem& free_space) {
   return storage::CreateUringStorageWithOpen(
-      options, [](const char* path, int flags, mode_t mode) { return ::open(path, flags, mode); });
+      options, [](const char* path, int flags, mode_t mode) { return ::open(path, flags, mode); }, free_space);
 }
 
 }  // namespace strata

@@ -121,6 +121,17 @@ TEST_F(FileSystemTest, PosixDirectoriesRenameExchangeListAndRemove) {
   EXPECT_FALSE(files.Exists(Path("d")));
 }
 
+TEST_F(FileSystemTest, FreeBytesIsTheDrivesOrTheOneSet) {
+  ASSERT_OK_AND_ASSIGN(uint64_t free_bytes, PosixFileSystem().FreeBytes(dir_.path()));
+  EXPECT_GT(free_bytes, 0u);
+  EXPECT_EQ(PosixFileSystem().FreeBytes(Path("missing/dir")).status().code(), StatusCode::kIoError);
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.SetFreeBytes(12345);
+  EXPECT_EQ(files.FreeBytes(dir_.path()).value(), 12345u);
+  files.SetFreeBytes(std::nullopt);
+  EXPECT_GT(files.FreeBytes(dir_.path()).value(), 0u);
+}
+
 TEST_F(FileSystemTest, PosixFailuresNameThePathAndErrno) {
   FileSystem& files = PosixFileSystem();
   Result<std::unique_ptr<File>> missing = files.Open(Path("no/such"), OpenMode::kRead);

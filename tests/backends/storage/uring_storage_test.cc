@@ -22,11 +22,13 @@
 #include <thread>
 #include <vector>
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "src/backends/storage/storage_util.h"
 #include "strata/buffer.h"
 #include "strata/storage.h"
+#include "strata/types.h"
 #include "test_util.h"
 
 namespace strata {
@@ -358,6 +360,19 @@ TEST(UringStorageTest, CapacityBeyondFreeSpaceIsOutOfMemoryWithNeededAndFree) {
   // Failing early means before any backing file was made.
   EXPECT_FALSE(std::filesystem::exists(dirs.file(0)));
   EXPECT_FALSE(std::filesystem::exists(dirs.file(1)));
+}
+
+TEST(UringStorageTest, FreeSpaceIsReadThroughTheFileSystemSeam) {
+  Dirs dirs(1);
+  FaultInjectingFileSystem files(PosixFileSystem());
+  files.SetFreeBytes(dirs.options().capacity_bytes - kBlock);  // a drive nearly full
+  Result<std::unique_ptr<Storage>> storage = CreateUringStorage(dirs.options(), files);
+  EXPECT_EQ(storage.status().code(), StatusCode::kOutOfMemory);
+  EXPECT_CONTAINS(storage.status().message(),
+                  fmt::format("free {} ({} bytes)", FormatSize(dirs.options().capacity_bytes - kBlock),
+                              dirs.options().capacity_bytes - kBlock));
+  files.SetFreeBytes(std::nullopt);
+  EXPECT_OK(CreateUringStorage(dirs.options(), files).status());
 }
 
 TEST(UringStorageTest, MisalignedOrOutOfBoundsRangesAreInvalidArgument) {
