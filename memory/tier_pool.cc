@@ -52,8 +52,24 @@ Status TierPool::OutOfMemoryError(uint64_t size_bytes, std::string_view why) con
 MemoryTierPool::MemoryTierPool(Tier tier, Buffer arena)
     : TierPool(arena.size_bytes()), tier_(tier), arena_(std::move(arena)) {}
 
+namespace {
+
+// The arena of a tier of `capacity_bytes`: whole slots. OutOfMemory naming
+// `option` when it holds none.
+Result<uint64_t> ArenaBytes(uint64_t capacity_bytes, std::string_view option) {
+  const uint64_t size = capacity_bytes / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  if (size == 0) {
+    return OutOfMemory("{} {} holds no slot: the tier is allocated in slots of {}; raise {} to at least {}", option,
+                       FormatSize(capacity_bytes), FormatSize(kSlotAlignmentBytes), option,
+                       FormatSize(kSlotAlignmentBytes));
+  }
+  return size;
+}
+
+}  // namespace
+
 Result<std::unique_ptr<MemoryTierPool>> MemoryTierPool::CreateDevice(Device& device, uint64_t capacity_bytes) {
-  uint64_t size = capacity_bytes / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  STRATA_ASSIGN_OR_RETURN(const uint64_t size, ArenaBytes(capacity_bytes, "device.budget"));
   Result<Buffer> arena = device.Allocate(size);
   if (!arena.ok()) return arena.status().WithContext("device tier: allocating its arena (option device.budget)");
   return std::unique_ptr<MemoryTierPool>(new MemoryTierPool(Tier::kDevice, std::move(arena).value()));
@@ -61,7 +77,7 @@ Result<std::unique_ptr<MemoryTierPool>> MemoryTierPool::CreateDevice(Device& dev
 
 Result<std::unique_ptr<MemoryTierPool>> MemoryTierPool::CreateHost(Device& device, uint64_t capacity_bytes,
                                                                    int numa_node) {
-  uint64_t size = capacity_bytes / kSlotAlignmentBytes * kSlotAlignmentBytes;
+  STRATA_ASSIGN_OR_RETURN(const uint64_t size, ArenaBytes(capacity_bytes, "host.budget"));
   Result<Buffer> arena = device.AllocatePinnedHost(size, numa_node);
   if (!arena.ok()) return arena.status().WithContext("host tier: allocating its pinned arena (option host.budget)");
   return std::unique_ptr<MemoryTierPool>(new MemoryTierPool(Tier::kHost, std::move(arena).value()));

@@ -53,6 +53,20 @@ TEST(MemoryTierPoolTest, DeviceAllocationFailureIsReportedWithTheOption) {
   EXPECT_NE(pool.status().message().find("device.budget"), std::string::npos) << pool.status().ToString();
 }
 
+TEST(MemoryTierPoolTest, ABudgetBelowOneSlotIsRefusedNamingTheOptionAndTheSlot) {
+  auto device = Emulated(1 << 20);
+  const std::pair<Result<std::unique_ptr<MemoryTierPool>>, const char*> pools[] = {
+      {MemoryTierPool::CreateDevice(*device, 409), "device.budget"},
+      {MemoryTierPool::CreateHost(*device, kSlotAlignmentBytes - 1, -1), "host.budget"}};
+  for (const auto& [pool, option] : pools) {
+    ASSERT_FALSE(pool.ok()) << option;
+    EXPECT_EQ(pool.status().code(), StatusCode::kOutOfMemory);
+    for (const char* part : {option, "no slot", "4KiB"}) {
+      EXPECT_NE(pool.status().message().find(part), std::string::npos) << part << " not in " << pool.status().ToString();
+    }
+  }
+}
+
 TEST(MemoryTierPoolTest, OutOfMemoryErrorNamesTierRequestUseAndCapacity) {
   auto device = Emulated(1 << 20);
   ASSERT_OK_AND_ASSIGN(auto pool, MemoryTierPool::CreateHost(*device, 64 << 10, -1));
