@@ -105,6 +105,22 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
 
 size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
 
+// The kinds of `g`'s chunks its update reads or writes, in one host moment.
+// A transient param chunk (parameters sharded) is not written: the master
+// shard is the parameters, gathered again when compute needs them.
+std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states) {
+  std::vector<ChunkKind> kinds;
+  for (ChunkKind kind :
+       {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+    const bool used = kind == ChunkKind::kExpAvg     ? num_states >= 1
+                      : kind == ChunkKind::kExpAvgSq ? num_states >= 2
+                      : kind == ChunkKind::kParam    ? !g[kind].transient
+                                                     : g.has(kind);
+    if (used) kinds.push_back(kind);
+  }
+  return kinds;
+}
+
 // This rank's range of a group of n elements: the range its sharded state
 // chunks hold.
 memory::ShardRange RankShard(size_t n, const Communicator& comm) {
@@ -162,6 +178,7 @@ class TrainStep {
 
   Result<TrainStepReport> Run() {
     STRATA_RETURN_IF_ERROR(CheckSeams());
+    STRATA_RETURN_IF_ERROR(CheckStepRoom(engine_, optimizer_));
     Clock::time_point start = Clock::now();
     STRATA_RETURN_IF_ERROR(PlanFromGradients());
     report_.stats_seconds = SecondsSince(start);
@@ -274,17 +291,8 @@ class TrainStep {
 
   // Pins the chunks of `g` the update reads or writes into `held`.
   Status AccessGroup(const Group& g, std::array<ChunkAccess, kNumChunkKinds>& held) {
-    for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg,
-                           ChunkKind::kExpAvgSq}) {
-      // A transient param chunk (parameters sharded) is not written: the
-      // master shard is the parameters, gathered again when compute needs them.
-      const bool used = kind == ChunkKind::kExpAvg     ? optimizer_.num_states() >= 1
-                        : kind == ChunkKind::kExpAvgSq ? optimizer_.num_states() >= 2
-                        : kind == ChunkKind::kParam    ? !g[kind].transient
-                                                       : g.has(kind);
-      if (used) {
-        STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline_.Access(g[kind].id));
-      }
+    for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
+      STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline_.Access(g[kind].id));
     }
     return Status::Ok();
   }
@@ -394,6 +402,27 @@ class TrainStep {
 };
 
 }  // namespace
+
+Status CheckStepRoom(const Engine& engine, const optim::Optimizer& optimizer) {
+  const MemoryStats stats = engine.stats();
+  const uint64_t host_bytes = stats.tiers[static_cast<int>(Tier::kHost)].capacity_bytes;
+  uint64_t largest = 0;
+  std::optional<uint32_t> largest_group;
+  for (const Group& g : TrainableGroups(engine)) {
+    uint64_t bytes = 0;
+    for (ChunkKind kind : UpdatedKinds(g, optimizer.num_states())) bytes += g[kind].size_bytes;
+    if (bytes > largest) {
+      largest = bytes;
+      largest_group = g[ChunkKind::kGrad].group;
+    }
+  }
+  if (!largest_group || largest <= host_bytes) return Status::Ok();
+  return OutOfMemory(
+      "host tier: a step updates each chunk group's gradients, parameters and optimizer states together in host "
+      "memory, and chunk group {} needs {} of them at once but host.budget gives the tier {}: raise host.budget to "
+      "at least {} or lower chunk.size_elems",
+      *largest_group, FormatSize(largest), FormatSize(host_bytes), FormatSize(largest));
+}
 
 Result<TrainStepReport> RunTrainStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
                                      const TrainStepOptions& options) {

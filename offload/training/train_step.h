@@ -41,8 +41,12 @@ struct TrainStepOptions {
   UpdateFence* fence = nullptr;
 };
 
+// OutOfMemory, naming host.budget and the figures, when the host tier cannot
+// hold one trainable chunk group's chunks at once, as its update needs them.
+Status CheckStepRoom(const Engine& engine, const optim::Optimizer& optimizer);
+
 // Needs an open pipeline iteration and no open moment; leaves the iteration
-// open. InvalidArgument when `comm` is not the engine's (or missing for a
+// open. OutOfMemory as CheckStepRoom says, before anything changes. InvalidArgument when `comm` is not the engine's (or missing for a
 // sharded engine), or parameters are sharded and no reducer is given. Any
 // other error (a failed NVMe read of a state chunk) ends the step with it:
 // groups updated before keep their update, the step is not counted.

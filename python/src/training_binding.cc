@@ -108,6 +108,14 @@ void BindPipeline(py::module_& m) {
 
 void BindTrainStep(py::module_& m) {
   m.def(
+      "check_step_room",
+      [](const Engine& engine, const optim::Optimizer& optimizer) {
+        ThrowIfError(offload::CheckStepRoom(engine, optimizer));
+      },
+      py::arg("engine"), py::arg("optimizer"),
+      "MemoryError, naming host.budget, when the host tier cannot hold one chunk group's chunks at once, as the "
+      "step's update needs them");
+  m.def(
       "train_step",
       [](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
          const std::vector<uint32_t>& skip_tensors, Communicator* comm, PyGradReducer* reducer,

@@ -102,6 +102,7 @@ class TrainingEngine:
         # Everything that can refuse the configuration before the model is touched.
         self._pipeline = _strata.Pipeline(runtime.engine)
         self._optimizer = _strata.Optimizer(self.config.options)
+        _strata.check_step_room(runtime.engine, self._optimizer)
         self._progress = _Progress()
         self._grad_sync = GradSync(runtime, table)
         self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)

@@ -429,6 +429,20 @@ def test_a_configuration_refused_at_initialize_leaves_the_model_as_it_was(tmp_pa
         assert torch.equal(p, before[name]), name
 
 
+def test_a_host_budget_below_one_groups_update_is_refused_at_initialize(tmp_path):
+    model, reference = pair()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # A group's update holds its gradients, parameters and two Adam states in host memory at once: 64KiB for
+    # the group of a 16KiB parameter.
+    with pytest.raises(MemoryError, match=r"host.budget to at least 64KiB"):
+        strata.initialize(model, three_tiers(tmp_path, host={"budget": "48KiB"}))
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name
+    engine = strata.initialize(model, three_tiers(tmp_path, host={"budget": "96KiB"}))
+    data = batches(3)
+    assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
+
+
 def test_an_engine_is_freed_with_its_model(tmp_path):
     import gc
     import weakref

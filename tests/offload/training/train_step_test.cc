@@ -59,6 +59,39 @@ TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) 
   EXPECT_GT(model.engine->stats().links[static_cast<int>(Tier::kNvme)][static_cast<int>(Tier::kHost)].bytes, 0u);
 }
 
+// An engine of one trainable tensor of one 4096-element fp32 chunk, whose
+// host tier holds `host_chunks` chunks.
+std::unique_ptr<Engine> OneGroupEngine(uint64_t host_chunks) {
+  Options options;
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 4 * kChunkElems * 4;
+  options.host.budget_bytes = host_chunks * kChunkElems * 4;
+  options.chunk.size_elems = kChunkElems;
+  options.nvme.capacity_bytes = uint64_t{16} << 20;
+  auto storage = CreateMemoryStorage(uint64_t{16} << 20);
+  STRATA_CHECK(storage.ok());
+  auto engine = Engine::Create(options, {.storage = std::move(storage).value()});
+  STRATA_CHECK(engine.ok(), "{}", engine.status().ToString());
+  STRATA_CHECK((*engine)->RegisterTensor({"w", {static_cast<int64_t>(kChunkElems)}, DType::kFloat32, true, "w"}).ok());
+  STRATA_CHECK((*engine)->Finalize().ok());
+  return std::move(engine).value();
+}
+
+TEST(TrainStepTest, AHostTierThatCannotHoldOneGroupsUpdateIsRefusedWithTheFigures) {
+  auto config = optim::OptimizerConfigFromOptions(Options{});  // AdamW: grad, param and two states per group
+  ASSERT_OK(config.status());
+  ASSERT_OK_AND_ASSIGN(auto optimizer, optim::Optimizer::Create(*config));
+  Status refused = CheckStepRoom(*OneGroupEngine(3), *optimizer);
+  ASSERT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
+  for (const char* part : {"host.budget", "64KiB", "48KiB"}) {
+    EXPECT_NE(refused.message().find(part), std::string::npos) << part << " not in " << refused.ToString();
+  }
+  EXPECT_OK(CheckStepRoom(*OneGroupEngine(4), *optimizer));
+  config->kind = OptimizerKind::kSgd;  // no momentum: grad and param only
+  ASSERT_OK_AND_ASSIGN(auto sgd, optim::Optimizer::Create(*config));
+  EXPECT_OK(CheckStepRoom(*OneGroupEngine(3), *sgd));
+}
+
 TEST(TrainStepTest, ACorruptStateOnNvmeEndsTheStepUncountedAndNamesTheChunk) {
   Model model;
   std::mt19937 rng(3);
