@@ -92,11 +92,17 @@ def open_runtime(config):
     # reduction buffers.
     parallel = comm is not None and (world_size > 1 or on_nccl)
     engine = _strata.Engine(config.options, comm)
-    emulated = "emulated" in engine.describe_backends()
+    emulated = is_emulated(engine.describe_backends())
     device = torch.device("cpu") if emulated else torch.device("cuda", int(config.options.describe()["device.index"]))
     return Runtime(engine=engine, comm=comm, bootstrap=bootstrap, parallel=parallel, rank=rank,
                    world_size=world_size, precision=precision, dtype=TORCH_DTYPES[precision], device=device,
                    emulated=emulated)
+
+
+def is_emulated(backends):
+    """Whether the engine's device is the host-emulated one, from Engine.describe_backends() (its device part:
+    the NVMe directories' names come later and may hold any word)."""
+    return backends.startswith("device: emulated")
 
 
 def _follow_local_rank(config, options, world_size):

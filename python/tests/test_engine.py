@@ -43,3 +43,12 @@ def test_errors_are_the_engines_as_python_exceptions():
     big.register_tensor("big", [1 << 20], "fp32")
     with pytest.raises(MemoryError, match="host.budget"):
         big.finalize()
+
+
+def test_the_emulated_device_is_told_by_the_device_not_by_an_nvme_directory_name(tmp_path):
+    from strata.runtime import is_emulated
+    nvme = tmp_path / "emulated-runs"
+    nvme.mkdir()
+    engine = strata.Engine(small_options(**{"nvme.dirs": str(nvme), "nvme.capacity": "1MiB"}), None)
+    assert is_emulated(engine.describe_backends())
+    assert not is_emulated(f"device: cuda:0 (H100, 80GiB); host: 4GiB pinned; nvme: io_uring O_DIRECT, 1 dir ({nvme})")
