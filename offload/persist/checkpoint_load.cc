@@ -150,7 +150,8 @@ Status CheckTensorSteps(const json& manifest, const std::string& where) {
 }
 
 // InvalidArgument unless the checkpoint holds `engine`'s model (the same
-// registered tensors) and `optimizer` can take its state.
+// registered tensors, in chunks of the same size) and `optimizer` can take
+// its state.
 Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine, const optim::Optimizer& optimizer) {
   const std::string where = dir.string();
   if (manifest.at("tensors") != TensorsJson(engine.tensors())) {
@@ -158,6 +159,14 @@ Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine
         "checkpoint {} holds another model: its registered tensors (name, shape, dtype, trainable) differ from this "
         "engine's",
         where);
+  }
+  const uint64_t chunk_elems = engine.layout().chunk_size_elems;
+  if (manifest.contains("layout") && manifest.at("layout").at("chunk_size_elems") != chunk_elems) {
+    const json& saved = manifest.at("layout").at("chunk_size_elems");
+    return InvalidArgument(
+        "checkpoint {} was saved with chunks of {} elements and this engine's hold {} (chunk.size_elems {}; unset, "
+        "the size is searched from the budgets): set chunk.size_elems to {} to load it",
+        where, saved.dump(), chunk_elems, engine.options().chunk.size_elems, saved.dump());
   }
   const bool saved_scaler = !manifest.at("optimizer").at("loss_scaler").is_null();
   if (saved_scaler != (optimizer.scaler() != nullptr)) {

@@ -27,8 +27,9 @@ namespace strata::offload::checkpoint {
 // state (steps taken, each tensor's own count by tensor id -- Note [Step
 // counts per tensor] in optim/optimizer.cc; a manifest saved before counts
 // were per tensor has none, and loads every tensor at the steps taken -- and
-// the loss scaler), the options, the registered tensors (name, shape, dtype,
-// trainable), and for every file its chunk (id, kind, dtype, group, rank,
+// the loss scaler), the options, the layout's chunk size (searched from the
+// budgets unless chunk.size_elems is set; absent from older manifests), the
+// registered tensors (name, shape, dtype, trainable), and for every file its chunk (id, kind, dtype, group, rank,
 // shard offset), size and CRC32C. Every file it lists lies in a rank's
 // directory of the checkpoint: a manifest that names another path is
 // Corruption. Hidden names (a leading dot) are a save's temporaries:
@@ -69,6 +70,7 @@ json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
             {"tensor_steps", optimizer.AllTensorSteps(engine.tensors().size())},
             {"loss_scaler", scaler}}},
           {"options", described},
+          {"layout", {{"chunk_size_elems", engine.layout().chunk_size_elems}}},
           {"tensors", TensorsJson(engine.tensors())}};
 }
 

@@ -1,6 +1,7 @@
 """Checkpoints from the adapter: resuming is exact with states on NVMe, damage is named, and the CLI reads them."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -188,3 +189,28 @@ def test_two_ranks_resume_exactly_and_one_process_loads_their_checkpoint(tmp_pat
     assert max(relative_errors(alone["losses"], saved["losses"])) <= 1e-5, (alone["losses"], saved["losses"])
     assert all(torch.allclose(value, alone["final"][name], rtol=1e-4, atol=1e-6)
                for name, value in saved["final"].items())
+
+
+def test_a_checkpoint_saved_with_other_searched_chunks_names_the_size_to_set(tmp_path):
+    """With chunk.size_elems unset the chunk size is searched from the budgets: a checkpoint taken under other
+    budgets holds other chunks, and the load says which size to set."""
+    def engine(name, seed, **extra):
+        (tmp_path / name).mkdir()
+        torch.manual_seed(seed)
+        config = three_tiers(tmp_path / name, **extra)
+        if "chunk" not in extra:
+            del config["chunk"]
+        return strata.initialize(TinyGPT(), config)
+
+    data = list(batches(4))
+    first = engine("first", 0, device={"budget": "96KiB"})
+    strata_losses(first, data[:2])
+    first.save_checkpoint(tmp_path / "ckpt")
+    other = engine("other", 1, device={"budget": "1MiB"}, host={"budget": "4MiB"})
+    with pytest.raises(ValueError, match=r"set chunk.size_elems to \d+ to load it") as refused:
+        other.load_checkpoint(tmp_path / "ckpt")
+    size = int(re.search(r"set chunk.size_elems to (\d+)", str(refused.value)).group(1))
+    same = engine("same", 1, device={"budget": "1MiB"}, host={"budget": "4MiB"}, chunk={"size_elems": size})
+    same.load_checkpoint(tmp_path / "ckpt")
+    expected = strata_losses(first, data[2:])
+    assert strata_losses(same, data[2:]) == expected
