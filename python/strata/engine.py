@@ -144,6 +144,7 @@ class TrainingEngine:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
         self._grad_sync.begin_backward(self._progress.micro_steps + 1 >= self.gradient_accumulation_steps)
+        self._moments.pin_error = None
         try:
             (loss if scale == 1.0 else loss * scale).backward()
         except BaseException as error:
@@ -151,6 +152,9 @@ class TrainingEngine:
             self._hooks.end_backward()
             self._progress.broken = (f"a backward failed part way ({type(error).__name__}: {error}); the "
                                      "gradients are partial")
+            pinning = self._moments.pin_error
+            if isinstance(error, RuntimeError) and pinning is not None and str(pinning) in str(error):
+                raise pinning from error  # as raised, not as the RuntimeError autograd made of it
             raise
         self._hooks.end_backward()
         self._progress.micro_steps += 1

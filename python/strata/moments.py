@@ -32,6 +32,7 @@ class Moments:
         self.in_moment = False
         self.direct = False       # an evaluation forward: chunks pinned outside the pipeline
         self.saved_bytes = 0      # activations autograd holds (non-model memory estimate)
+        self.pin_error = None     # the last MemoryError pinning a chunk in backward (engine.backward re-raises it)
         self.timeline = []        # tier bytes at each moment of the current iteration
         self.last_timeline = []   # the same, of the last iteration a step ended
 
@@ -93,7 +94,11 @@ class Moments:
         else:
             if not self.in_moment:
                 self.begin_moment()
-            access = self._table.checked(self._pipeline.access, self._runtime.engine, chunk)
+            try:
+                access = self._table.checked(self._pipeline.access, self._runtime.engine, chunk)
+            except MemoryError as error:
+                self.pin_error = error  # autograd may pass it on as a RuntimeError (a saved tensor's unpack hook)
+                raise
         if self._table.chunk_info[chunk]["transient"]:
             # Parameters sharded: the whole chunk from every rank's shard. The
             # ranks pin chunks in the same order (the same modules run), so

@@ -132,3 +132,13 @@ def test_activations_do_not_count_against_the_emulated_device():
 def test_a_small_model_trains_with_no_chunk_or_capacity_setting():
     run_case(Case(seed=17, tokens=True, tied=True, blocks=(BlockSpec("attention"), BlockSpec("mlp")),
                   chunk_elems=0, nvme_capacity=False, device_fraction=2.0, host_fraction=0.5))
+
+
+def test_a_device_too_small_for_a_recomputation_is_refused_as_a_memory_error():
+    # The non-reentrant checkpoint recomputes the conv block inside autograd's unpack hook, which passes a
+    # failed pin on as a RuntimeError; the engine raises the MemoryError naming device.budget.
+    case = Case(seed=11009, width=12, tokens=True, tied=True,
+                blocks=(BlockSpec("conv", output="dataclass", inplace=True, checkpoint="non_reentrant"),
+                        BlockSpec("mlp", output="tuple", skip=0.3, frozen=True), BlockSpec("norm", inplace=True)),
+                reuse=1, optimizer="adam", lr=1e-3, weight_decay=0.1, device_fraction=1.0, chunk_elems=0, measured=True)
+    assert run_case(case, refusal_ok=True) is None
