@@ -16,6 +16,8 @@ test_differential.py draws cases with hypothesis and holds the issue's cases as 
 import copy
 import dataclasses
 import math
+import os
+import re
 import tempfile
 from dataclasses import dataclass
 
@@ -24,6 +26,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import strata
+from strata._strata import parse_size
 
 BLOCK_KINDS = ("linear", "mlp", "conv", "norm", "batchnorm", "attention")
 OUTPUT_KINDS = ("tensor", "tuple", "dict", "dataclass")
@@ -82,8 +85,10 @@ class Case:
     accumulation: int = 1
     clipping: float = 0.0
     steps: int = 4
-    device_fraction: float = 2.0  # device.budget as a fraction of the param chunks' bytes
-    host_fraction: float = 2.0    # host.budget as a fraction of the other chunks' bytes (gradients, masters, states)
+    device_fraction: float = 1.0  # device.budget from the least accepted (0) to room for all (1): budgets_of
+    host_fraction: float = 1.0    # host.budget the same way
+    device_budget: int = 0        # device.budget in bytes instead of the fraction's
+    host_budget: int = 0          # host.budget in bytes instead of the fraction's
     chunk_elems: int = 1024       # chunk.size_elems; 0: no chunk setting (the engine chooses)
     nvme_capacity: bool = True    # nvme.capacity set (else the engine's default)
     measured: bool = False        # non_model_memory "measured" (else 0)
@@ -318,13 +323,21 @@ def evaluation(run, model, batch):
     return loss
 
 
-def chunk_bytes(case, model, nvme_dir):
-    """(bytes of the param chunks, bytes of the others) of the case's layout: an engine made for a copy of
-    `model` with room for everything, then let go. The budgets are fractions of these."""
+def budgets_of(case, model, nvme_dir):
+    """(device.budget, host.budget) of the case: each from the least the engine's checks at initialize take
+    (fraction 0: the largest param or grad chunk on the device, the largest group's chunks on the host) to
+    room for all it could hold there (fraction 1), read from the layout of an engine made for a copy of
+    `model` with room for everything (then let go). `case.device_budget` and `case.host_budget`, when set,
+    are the budgets instead."""
     config = config_of(case, model, nvme_dir, budgets=None)
     chunks = strata.initialize(copy.deepcopy(model), config).engine.chunks()
-    params = sum(c["size_bytes"] for c in chunks if c["kind"] == "param")
-    return params, sum(c["size_bytes"] for c in chunks) - params
+    on_device = [c["size_bytes"] for c in chunks if c["kind"] in ("param", "grad")]
+    groups = {}
+    for c in chunks:
+        groups[c["group"]] = groups.get(c["group"], 0) + c["size_bytes"]
+    device = max(on_device) + case.device_fraction * (sum(on_device) - max(on_device))
+    host = max(groups.values()) + case.host_fraction * (sum(groups.values()) - max(groups.values()))
+    return case.device_budget or int(device), case.host_budget or int(host)
 
 
 def config_of(case, model, nvme_dir, budgets):
@@ -368,8 +381,7 @@ def strata_training(case, model, data, nvme_dir):
     """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters under bf16/fp16), the
     engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
     the first iteration (naming the setting to raise)."""
-    params, others = chunk_bytes(case, model, nvme_dir)
-    config = config_of(case, model, nvme_dir, (int(case.device_fraction * params), int(case.host_fraction * others)))
+    config = config_of(case, model, nvme_dir, budgets_of(case, model, nvme_dir))
     try:
         engine = strata.initialize(model, config)
     except (ValueError, MemoryError) as error:
@@ -410,20 +422,39 @@ def _close(a, b, rtol):
     return abs(a - b) <= rtol * max(abs(b), 1e-3)
 
 
-def run_case(case, refusal_ok=False):
+_LEAST = re.compile(r"raise (device|host)\.budget to at least ([0-9.]+ ?[KMGT]?i?B)")
+
+
+def _train_at_the_least(case, data, nvme_dir, tries):
+    """strata's training of `case` (see strata_training), and the case it trained. A refusal that names the
+    least budget that would do is tried again at that budget (so the tightest budget the engine accepts is
+    trained at), up to `tries` times in all; then its Refused is raised."""
+    for attempt in range(tries):
+        try:
+            attempt_dir = os.path.join(nvme_dir, str(attempt))
+            os.mkdir(attempt_dir)
+            return case, strata_training(case, build_model(case), data, attempt_dir)
+        except Refused as error:
+            least = _LEAST.search(str(error))
+            if least is None or attempt == tries - 1:
+                raise
+            case = replace(case, **{f"{least.group(1)}_budget": parse_size(least.group(2).replace(" ", ""))})
+    raise AssertionError("unreachable")
+
+
+def run_case(case, refusal_ok=False, at_the_least=True):
     """Trains `case` both ways and asserts the same losses and parameters, and peaks within the budgets.
-    Returns the engine's stats after, or None when `refusal_ok` and the engine refused the budgets at
-    initialize (else that is a failure too)."""
+    Returns the engine's stats after, or None when `refusal_ok` and the engine refused the budgets (else that
+    is a failure too). `at_the_least`: a refusal naming the least budget that would do is tried again there."""
     data = batches(case, case.steps * case.accumulation)
-    model = build_model(case)
-    reference = copy.deepcopy(model)
+    reference = build_model(case)
     with tempfile.TemporaryDirectory() as nvme_dir:
         try:
-            ours, state, stats, config = strata_training(case, model, data, nvme_dir)
+            case, (ours, state, stats, config) = _train_at_the_least(case, data, nvme_dir, 4 if at_the_least else 1)
         except Refused as error:
             if refusal_ok:
                 return None
-            raise AssertionError(f"refused at initialize: {error}\nreproduce: run_case({case!r})") from error
+            raise AssertionError(f"refused: {error}\nreproduce: run_case({case!r})") from error
         except Exception as error:
             raise AssertionError(f"{type(error).__name__}: {error}\nreproduce: run_case({case!r})") from error
     theirs, params = torch_training(case, reference, data)

@@ -1,7 +1,7 @@
 """strata against plain PyTorch on random models (see differential.py): the same losses and parameters,
 peaks within the budgets.
 
-Hypothesis draws the cases: a fixed, derandomized set of STRATA_DIFF_EXAMPLES (default 25) in
+Hypothesis draws the cases: a fixed, derandomized set of STRATA_DIFF_EXAMPLES (default 100) in
 scripts/test.sh; a long run draws more, from a seed of its own:
 
     STRATA_DIFF_EXAMPLES=2000 STRATA_DIFF_SEED=1 PYTHONPATH=build/python \\
@@ -16,9 +16,9 @@ import os
 import pytest
 from hypothesis import HealthCheck, event, given, seed, settings, strategies as st
 
-from differential import HALF_KERNELS, MIXED_BATCHNORM, BlockSpec, Case, replace, run_case
+from differential import HALF_KERNELS, MIXED_BATCHNORM, BlockSpec, Case, build_model, replace, run_case
 
-EXAMPLES = int(os.environ.get("STRATA_DIFF_EXAMPLES", "25"))
+EXAMPLES = int(os.environ.get("STRATA_DIFF_EXAMPLES", "100"))
 SEED = os.environ.get("STRATA_DIFF_SEED")
 
 
@@ -60,8 +60,8 @@ def cases(draw):
         clipping=draw(st.sampled_from([0.0, 0.0, 0.5, 10.0])),
         steps=draw(st.integers(2, 5)),
         # From everything fits down to below what the engine accepts (it must refuse those at initialize).
-        device_fraction=draw(st.sampled_from([0.1, 0.25, 0.4, 0.6, 0.8, 1.0, 2.0])),
-        host_fraction=draw(st.sampled_from([0.1, 0.25, 0.5, 0.75, 1.0, 2.0])),
+        device_fraction=draw(st.sampled_from([0.0, 0.05, 0.1, 0.2, 0.35, 0.5, 1.0, 1.5])),
+        host_fraction=draw(st.sampled_from([0.0, 0.1, 0.25, 0.5, 1.0])),
         chunk_elems=draw(st.sampled_from([0, 64, 256, 1024, 4096])),
         nvme_capacity=draw(st.booleans()),
         measured=draw(st.booleans()))
@@ -78,7 +78,7 @@ def drawn(test):
 @given(case=cases())
 def test_random_models_train_as_in_torch(case):
     stats = run_case(case, refusal_ok=True)
-    event("refused at initialize" if stats is None else "trained")
+    event("refused" if stats is None else "trained")
 
 
 # --- the cases of issue 22 ------------------------------------------------------------
@@ -97,29 +97,18 @@ def test_a_sometimes_used_head_and_frozen_blocks_train_as_in_torch():
                   parent_param=True, sometimes=True, accumulation=2, steps=4))
 
 
-def _trains(case):
-    try:
-        run_case(case)
-        return True
-    except AssertionError as error:
-        if "OutOfMemory" in str(error) or "refused" in str(error):
-            return False
-        raise
-
-
 def test_a_module_called_twice_needs_no_more_device_memory():
     once = Case(seed=7, width=24, blocks=(BlockSpec("mlp"), BlockSpec("linear"), BlockSpec("mlp")), chunk_elems=512,
-                host_fraction=1.0)
-    fractions = [f for f in (0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.7, 1.0) if _trains(replace(once, device_fraction=f))]
-    assert fractions, "the model trains within none of the budgets"
-    run_case(replace(once, reuse=0, device_fraction=fractions[0]))
+                device_fraction=0.0, host_fraction=1.0)
+    least = run_case(once)["tiers"]["device"]["capacity_bytes"]  # tried again at the least the engine names
+    run_case(replace(once, reuse=0, device_budget=least), at_the_least=False)
 
 
 def test_odd_sized_chunks_train_within_30_percent_of_the_model_states():
-    # Every linear weight (84 x 84) exceeds the 4096-element chunk: a chunk of its own, of an odd size. The
-    # model states are 4 x the param chunks (parameters, gradients, two Adam states).
-    run_case(Case(seed=11, width=84, blocks=(BlockSpec("linear"),) * 5, chunk_elems=4096, device_fraction=4 * 0.3,
-                  host_fraction=1.0))
+    # Every linear weight (84 x 84) exceeds the 4096-element chunk: a chunk of its own, of an odd size.
+    case = Case(seed=11, width=84, blocks=(BlockSpec("linear"),) * 5, chunk_elems=4096)
+    model_states = 4 * 4 * sum(p.numel() for p in build_model(case).parameters())  # fp32: params, grads, 2 states
+    run_case(replace(case, device_budget=int(0.3 * model_states)))
 
 
 def test_activations_do_not_count_against_the_emulated_device():
@@ -140,5 +129,5 @@ def test_a_device_too_small_for_a_recomputation_is_refused_as_a_memory_error():
     case = Case(seed=11009, width=12, tokens=True, tied=True,
                 blocks=(BlockSpec("conv", output="dataclass", inplace=True, checkpoint="non_reentrant"),
                         BlockSpec("mlp", output="tuple", skip=0.3, frozen=True), BlockSpec("norm", inplace=True)),
-                reuse=1, optimizer="adam", lr=1e-3, weight_decay=0.1, device_fraction=1.0, chunk_elems=0, measured=True)
-    assert run_case(case, refusal_ok=True) is None
+                reuse=1, optimizer="adam", lr=1e-3, weight_decay=0.1, device_budget=16 << 10, chunk_elems=0, measured=True)
+    assert run_case(case, refusal_ok=True, at_the_least=False) is None
