@@ -136,7 +136,8 @@ class ResidencyManager final : public AccessOwner {
   // `chain`: the chunks whose moves are waiting, in this thread, for this one
   // (see Note [Waiting for room] in residency.cc). `dst`: a slot on `to` the
   // caller allocated, of the chunk's slot size, into which the chunk is
-  // copied (never dropped); it is the chunk's, or freed, afterwards.
+  // copied (never dropped); afterwards it is the chunk's, or freed, or
+  // quarantined after a copy that timed out.
   Status MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain,
                      std::optional<Extent> dst = std::nullopt);
   // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
@@ -155,14 +156,16 @@ class ResidencyManager final : public AccessOwner {
   // is still the caller's).
   Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset,
                                                std::optional<Extent> dst = std::nullopt);
-  // Before chunk `id`, in hold on the device, is pinned there: moves it
-  // against a pinned chunk or an end of the tier if it lies against neither:
+  // Before chunk `id`, in hold on the device, is pinned there: where it
+  // lies it would split the room left (Note [Pins against pins]), moves it
+  // against a pinned chunk or an end of the tier where it keeps the room:
   // into free room there, or else, with `make_room`, into room made there by
-  // moving or evicting chunks in hold (Note [Pins against pins]). True when
-  // the lock was let go meanwhile (the caller looks at the chunk again).
+  // moving or evicting chunks in hold. True when the lock was let go
+  // meanwhile (the caller looks at the chunk again).
   Result<bool> PlaceAgainstPins(Lock& lock, uint32_t id, bool make_room);
   // A free slot of `size_bytes` on the device against a pinned chunk or an
-  // end of the tier, allocated, or nullopt when free room there holds none.
+  // end of the tier where a chunk pinned keeps the room, allocated, or
+  // nullopt when free room there holds none.
   std::optional<Extent> AllocateAgainstPins(uint64_t size_bytes);
   // Clears `window`, a device slot against the pins, of chunks in hold and
   // moves chunk `id` there; leaves things as they are where that cannot be

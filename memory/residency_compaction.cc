@@ -203,60 +203,68 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // computes with its address), so pins scattered over the device tier can
 // split its room into pieces none of which holds the next chunk, with room
 // enough in total: with odd-sized chunks, a tight tier failed so although
-// the chunks pinned at once fit it (issue 22). So a chunk pinned on the
-// device lies against a pinned chunk or an end of the tier. Its place is one
-// of its size that begins or ends at a pin or an end of the tier and holds
-// only free room and chunks in hold: one its own slot does not overlap if
-// any, then the one with the fewest bytes of chunks, then the lowest.
+// the chunks pinned at once fit it (issue 22). So a chunk is pinned on the
+// device only where it keeps room: where, with it and the chunks pinned,
+// one unpinned piece of the tier (free room, chunks in hold or on their way)
+// holds the largest chunk, or all the room left where that is less. One
+// that lies elsewhere first moves to such a place against a pinned chunk or
+// an end of the tier (a place there splits no piece), made only of free room
+// and chunks in hold: one its own slot does not overlap if any, then the one
+// with the fewest bytes of chunks, then the lowest. Chunks of one size
+// always keep room, and stay where they are.
 //
-// A chunk that arrives to be pinned is put there when free room there holds
-// it. One in hold on the device lying against neither moves there, device
-// to device; if chunks lie there (the tier has no free room at the pins),
-// room is made first: each moves within the device to a free slot outside
-// the place, or, with none, is evicted one tier down (Note [Eviction]). A
-// chunk whose own slot overlaps its place (copies within the device must not
-// overlap) leaves for a free slot elsewhere on the device first, or, with
-// none, goes through the host. So the cost is nothing where the tier has
-// free room at the pins as the chunk arrives, one copy within the device
-// where it has the room when the chunk is pinned, and moves or evictions of
-// chunks in hold only where it has not. Where no place can be cleared (each
-// holds a chunk pinned or in flight, or the tiers below are full), or a
-// chunk there is taken meanwhile, the chunk is pinned where it is; room is
-// made once per access.
+// A chunk that arrives to be pinned is put in such a place when free room
+// there holds it. One in hold on the device moves there device to device;
+// if chunks lie there (the tier has no free room there), room is made
+// first: each moves within the device to a free slot outside the place, or,
+// with none, is evicted one tier down (Note [Eviction]). A chunk whose own
+// slot overlaps its place (copies within the device must not overlap)
+// leaves for a free slot elsewhere on the device first, or, with none, goes
+// through the host. So the cost is nothing where the chunk keeps room where
+// it lies or arrives, one copy within the device where the tier has free
+// room for it, and moves or evictions of chunks in hold only where it has
+// not. Where no place can be cleared (each holds a chunk pinned or in
+// flight, or the tiers below are full), or a chunk there is taken
+// meanwhile, the chunk is pinned where it is; room is made once per access.
 //
-// The guarantee. Each pin lies against another or an end of the tier, so
-// the pins form two runs, one from each end, and what lies between the runs
-// (free room and chunks in hold) is one piece, which compaction and
-// eviction clear for any chunk no larger than it. A run has gaps (holes)
-// only where a chunk was released while one pinned after it, further in,
-// stays pinned: the hole stays until that one is released (a later pin
-// that fits may go there). So:
-//  - pins released last in, first out: no holes, and every chunk fits whose
-//    size plus the bytes pinned is within the capacity, however the free
-//    room lay before;
-//  - otherwise every chunk fits whose size plus the bytes pinned plus the
-//    bytes in holes is within the capacity.
-// Both hold for chunks pinned where a place could be cleared (above); one
-// pinned where it is splits the room until it is released. Where the sum is
-// over the capacity, the OutOfMemory error says so with the figures and the
-// option to raise; where the room is in holes, it says that.
+// The guarantee. Which pieces the tier has depends only on where the pinned
+// chunks lie. Released last in, first out, pins go back through layouts the
+// tier had before, each of which kept room; so every chunk fits whose size
+// plus the bytes pinned is within the capacity, however the free room lay
+// before (compaction and eviction clear the piece). Released out of order, a
+// pin can leave the room in pieces that the pins still held keep apart (a
+// chunk released while one pinned beside it stays pinned: a hole), until
+// they are released; a chunk then fits if a piece holds it. Where the chunks
+// pinned and the request are over the capacity, the OutOfMemory error says
+// so with the figures and the option to raise; where the room left is in
+// pieces, it says that.
 //
 // The adapter releases last in, first out: a module's chunks as it returns,
 // a parent's after its children's, a moment's gradient chunks before its
 // parameters', an update group's chunks all together. The exception is a
 // parameter whose gradient is still to come when the next module's backward
-// begins (a weight tied with a module earlier in the forward): if its chunk
-// was pinned in its module's backward moment after a chunk let go at the
-// next one, that chunk's room is a hole until the gradient arrives.
+// begins (a weight tied with a module earlier in the forward, as an output
+// head tied to the embedding): it stays pinned through the backward moments
+// up to that module's, and a chunk pinned before it and let go meanwhile (a
+// parameter of the root module, used after the blocks) leaves a hole of its
+// size until the gradient arrives.
 
 namespace {
 
-// Whether a pinned chunk (or an end of the tier) lies at `offset`, reading
-// `pinned`: the chunks pinned.
-bool AgainstPins(const std::vector<Extent>& pinned, uint64_t capacity, uint64_t offset) {
-  return offset == 0 || offset == capacity || std::any_of(pinned.begin(), pinned.end(), [&](const Extent& e) {
-           return e.offset == offset || e.offset + e.size_bytes == offset;
-         });
+// Whether pinning `place` besides `pinned` leaves an unpinned piece of the
+// tier that holds any chunk that could still be pinned with them: one of
+// `largest_chunk` bytes, or all the room left where that is less.
+bool KeepsRoom(std::vector<Extent> pinned, uint64_t capacity, Extent place, uint64_t largest_chunk) {
+  pinned.push_back(place);
+  std::sort(pinned.begin(), pinned.end(), [](const Extent& a, const Extent& b) { return a.offset < b.offset; });
+  uint64_t pinned_bytes = 0, largest_piece = 0, at = 0;
+  for (Extent e : pinned) {
+    pinned_bytes += e.size_bytes;
+    largest_piece = std::max(largest_piece, e.offset > at ? e.offset - at : 0);
+    at = std::max(at, e.offset + e.size_bytes);
+  }
+  largest_piece = std::max(largest_piece, capacity > at ? capacity - at : 0);
+  return pinned_bytes > capacity || largest_piece >= std::min(largest_chunk, capacity - pinned_bytes);
 }
 
 // A place of a chunk's slot size against pins.
@@ -289,10 +297,12 @@ std::optional<Place> PlaceAt(const std::vector<Piece>& pieces, uint64_t begin, u
   return place;
 }
 
-// The best place of `size` bytes against `pinned` or an end of the tier, by
-// Note [Pins against pins].
+// The best place of `size` bytes against `pinned` or an end of the tier
+// that keeps room for chunks of up to `largest_chunk` bytes, by Note [Pins
+// against pins].
 std::optional<Place> BestPlaceAgainstPins(const std::vector<Piece>& pieces, const std::vector<Extent>& pinned,
-                                          uint64_t capacity, uint64_t size, std::optional<uint32_t> own) {
+                                          uint64_t capacity, uint64_t size, std::optional<uint32_t> own,
+                                          uint64_t largest_chunk) {
   if (size > capacity) return std::nullopt;
   std::vector<uint64_t> starts{0, capacity - size};
   for (Extent e : pinned) {
@@ -303,7 +313,8 @@ std::optional<Place> BestPlaceAgainstPins(const std::vector<Piece>& pieces, cons
   std::optional<Place> best;
   for (uint64_t begin : starts) {
     std::optional<Place> place = PlaceAt(pieces, begin, size, own);
-    if (place && (!best || key(*place) < key(*best))) best = place;
+    if (!place || !KeepsRoom(pinned, capacity, {begin, size}, largest_chunk)) continue;
+    if (!best || key(*place) < key(*best)) best = place;
   }
   return best;
 }
@@ -322,7 +333,8 @@ std::optional<Extent> ResidencyManager::AllocateAgainstPins(uint64_t size_bytes)
   TierPool* device = pool(Tier::kDevice);
   const std::optional<Place> place =
       BestPlaceAgainstPins(PiecesOf(*device, chunks_), PinnedExtents(Tier::kDevice), device->usage().capacity_bytes,
-                           RoundUp(size_bytes, kSlotAlignmentBytes), std::nullopt);
+                           RoundUp(size_bytes, kSlotAlignmentBytes), std::nullopt,
+                           RoundUp(max_chunk_bytes_, kSlotAlignmentBytes));
   if (!place || place->chunk_bytes > 0) return std::nullopt;
   return ClaimWhole(*device, {place->offset, RoundUp(size_bytes, kSlotAlignmentBytes)});
 }
@@ -333,11 +345,10 @@ Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, uint32_t id, bool ma
   const uint64_t capacity = device->usage().capacity_bytes;
   const Extent slot = chunk.extent;
   const std::vector<Extent> pinned = PinnedExtents(Tier::kDevice);
-  if (AgainstPins(pinned, capacity, slot.offset) || AgainstPins(pinned, capacity, slot.offset + slot.size_bytes)) {
-    return false;
-  }
+  const uint64_t largest_chunk = RoundUp(max_chunk_bytes_, kSlotAlignmentBytes);
+  if (KeepsRoom(pinned, capacity, slot, largest_chunk)) return false;
   const std::optional<Place> place =
-      BestPlaceAgainstPins(PiecesOf(*device, chunks_), pinned, capacity, slot.size_bytes, id);
+      BestPlaceAgainstPins(PiecesOf(*device, chunks_), pinned, capacity, slot.size_bytes, id, largest_chunk);
   if (!place) return false;
   const Extent window{place->offset, slot.size_bytes};
   if (place->chunk_bytes > 0 || place->overlaps_own) {

@@ -448,28 +448,42 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
 }
 
-// Issue 22: pinned while the tier is full, chunk 1 has no free place against
-// a pin; room is made there (chunk 0 evicted), so the slots chunks 0 and 2
-// leave are one piece, and chunk 4 fits beside the pins.
-TEST(ResidencyTest, AChunkPinnedWithoutFreeRoomAgainstThePinsGetsRoomMadeThere) {
+// Issue 22: pinned while the tier is full, chunk 3 at the tier's end and
+// chunk 1 beside the start would split the rest in two slots; no free room
+// lies where chunk 3 keeps it whole, so room is made there (chunk 0
+// evicted), and chunk 4 fits beside the pins once chunk 2 leaves.
+TEST(ResidencyTest, AChunkPinnedWithoutFreeRoomWhereItKeepsTheRoomWholeGetsRoomMadeThere) {
   ResidencyStack s(FragmentedDevice());
   const uint64_t slot = s.config.chunk_bytes;
   for (uint32_t id = 0; id < 5; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(10 + id)));
   for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
   {
     ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
-    EXPECT_EQ(one.data(), s.device_pool->Address({0, slot}));  // where chunk 0 was
-    EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+    EXPECT_EQ(one.data(), s.device_pool->Address({slot, slot}));  // slots 2 and 3 hold chunk 4: stays
     ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
-    EXPECT_EQ(three.data(), s.device_pool->Address({3 * slot, slot}));  // at the tier's end: stays
+    EXPECT_EQ(three.data(), s.device_pool->Address({0, slot}));  // where chunk 0 was
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
     ASSERT_OK(s.residency->Move(ChunkId(2), Tier::kHost));
     ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
-    EXPECT_EQ(big.data(), s.device_pool->Address({slot, 2 * slot}));
+    EXPECT_EQ(big.data(), s.device_pool->Address({2 * slot, 2 * slot}));
   }
   MemoryStats stats = s.residency->stats();
-  EXPECT_EQ(stats.evictions, 1u);    // chunk 0, for chunk 1's place
-  EXPECT_EQ(stats.compactions, 1u);  // chunk 1 into it
+  EXPECT_EQ(stats.evictions, 1u);    // chunk 0, for chunk 3's place
+  EXPECT_EQ(stats.compactions, 1u);  // chunk 3 into it
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+// Chunks of one size never split the room for each other: a chunk pinned
+// anywhere stays there, and nothing moves.
+TEST(ResidencyTest, ChunksOfOneSizeArePinnedWhereTheyLie) {
+  ResidencyStack s({.device_chunks = 4, .host_chunks = 8});
+  for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess two, s.residency->Access(ChunkId(2), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+  EXPECT_EQ(two.data(), s.device_pool->Address({2 * s.config.chunk_bytes, s.config.chunk_bytes}));
+  EXPECT_EQ(one.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.compactions + stats.evictions, 0u);
 }
 
 // A chunk whose own slot overlaps every place against the pins leaves it
@@ -534,19 +548,19 @@ TEST(ResidencyTest, APinReleasedOutOfOrderLeavesAHoleThatOnlyAChunkItHoldsFills)
   EXPECT_EQ(three.data(), s.device_pool->Address({slot, slot}));
 }
 
-// Issue 22: pins scattered over the tier split its room. A chunk pinned away
-// from the pins moves against them first (Note [Pins against pins]), so the
-// room left stays in one piece.
+// Issue 22: pins scattered over the tier split its room. A chunk whose pin
+// would leave no piece for the largest chunk moves into free room against
+// the pins first (Note [Pins against pins]).
 TEST(ResidencyTest, AChunkPinnedLiesAgainstPinsSoThatPinsDoNotSplitTheRoom) {
   ResidencyStack s(FragmentedDevice());
   ASSERT_OK(FragmentDevice(s));  // chunks 1 and 3 in hold at slots 1 and 3; slots 0 and 2 free
   {
-    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
-    EXPECT_EQ(one.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
-    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));  // at the end: stays
-    EXPECT_EQ(three.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));  // keeps 2-3: stays
+    EXPECT_EQ(one.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+    EXPECT_EQ(three.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
     ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
-    EXPECT_EQ(big.data(), s.device_pool->Address({s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
+    EXPECT_EQ(big.data(), s.device_pool->Address({2 * s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
   }
   MemoryStats stats = s.residency->stats();
   EXPECT_EQ(stats.evictions, 0u);
