@@ -157,12 +157,16 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
   }
   Lock lock(mu_);
   Chunk& chunk = chunks_[id.value()];
+  bool make_room = true;  // once per access (Note [Pins against pins])
   for (;;) {
     STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
     if (chunk.tier == tier) {
       if (tier == Tier::kDevice && chunk.refs == 0) {
-        STRATA_ASSIGN_OR_RETURN(bool moved, PlaceAgainstPins(lock, id.value()));
-        if (moved) continue;  // the lock was let go: look again
+        STRATA_ASSIGN_OR_RETURN(bool let_go, PlaceAgainstPins(lock, id.value(), make_room));
+        if (let_go) {
+          make_room = false;
+          continue;  // look again
+        }
       }
       chunk.refs++;
       chunk.last_use = ++clock_;
@@ -174,7 +178,9 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
     }
     chunk.in_flight = true;
     std::vector<ChunkId> chain;
-    STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain));
+    const std::optional<Extent> dst =
+        tier == Tier::kDevice ? AllocateAgainstPins(chunk.size_bytes) : std::optional<Extent>();
+    STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain, dst));
   }
 }
 
@@ -388,7 +394,8 @@ Status ResidencyManager::MoveAllHome() {
   return Status::Ok();
 }
 
-Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain) {
+Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain,
+                                     std::optional<Extent> dst) {
   Chunk& chunk = chunks_[id.value()];
   STRATA_DCHECK(chunk.in_flight, "MoveFlagged of chunk {} that is not marked in flight", id.value());
   auto finish = [&](Status status) {
@@ -398,17 +405,22 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
     return status;
   };
 
-  if (chunk.transient && chunk.tier && to > *chunk.tier) {  // dropped, not copied down
+  if (!dst && chunk.transient && chunk.tier && to > *chunk.tier) {  // dropped, not copied down
     pool(*chunk.tier)->Free(chunk.extent);
     chunk.tier.reset();
     chunk.generation++;
     stats_.drops++;
     return finish(Status::Ok());
   }
-  chain.push_back(id);
-  Result<Extent> dst = Reserve(lock, to, chunk.size_bytes, chain);
-  chain.pop_back();
-  if (!dst.ok()) return finish(dst.status().WithContext(fmt::format("moving chunk {} to {}", id.value(), TierName(to))));
+  if (!dst) {
+    chain.push_back(id);
+    Result<Extent> reserved = Reserve(lock, to, chunk.size_bytes, chain);
+    chain.pop_back();
+    if (!reserved.ok()) {
+      return finish(reserved.status().WithContext(fmt::format("moving chunk {} to {}", id.value(), TierName(to))));
+    }
+    dst = *reserved;
+  }
 
   std::optional<Tier> from = chunk.tier;
   Extent src = chunk.extent;
@@ -506,22 +518,28 @@ Result<Extent> ResidencyManager::Reserve(Lock& lock, Tier tier, uint64_t size_by
       }
       continue;
     }
-    chunks_[*victim].in_flight = true;
-    Status evicted = MoveFlagged(lock, ChunkId(*victim), *below, chain);
-    // The tier below may have no slot for it: full of chunks in use, or its
-    // free space in pieces too small (slots differ in size). Then the victim
-    // goes one tier further down, as it would after a second eviction there
-    // (device -> NVMe through a bounce buffer), if it is still here and free.
-    const std::optional<Tier> further = TierBelow(*below);
-    const Chunk& after = chunks_[*victim];
-    if (evicted.code() == StatusCode::kOutOfMemory && further && after.tier == tier && !after.in_flight &&
-        after.refs == 0) {
-      chunks_[*victim].in_flight = true;
-      evicted = MoveFlagged(lock, ChunkId(*victim), *further, chain);
-    }
-    if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
-    stats_.evictions++;
+    STRATA_RETURN_IF_ERROR(Evict(lock, tier, *victim, chain));
   }
+}
+
+Status ResidencyManager::Evict(Lock& lock, Tier tier, uint32_t victim, std::vector<ChunkId>& chain) {
+  const Tier below = TierBelow(tier).value();
+  chunks_[victim].in_flight = true;
+  Status evicted = MoveFlagged(lock, ChunkId(victim), below, chain);
+  // The tier below may have no slot for it: full of chunks in use, or its
+  // free space in pieces too small (slots differ in size). Then the victim
+  // goes one tier further down, as it would after a second eviction there
+  // (device -> NVMe through a bounce buffer), if it is still here and free.
+  const std::optional<Tier> further = TierBelow(below);
+  const Chunk& after = chunks_[victim];
+  if (evicted.code() == StatusCode::kOutOfMemory && further && after.tier == tier && !after.in_flight &&
+      after.refs == 0) {
+    chunks_[victim].in_flight = true;
+    evicted = MoveFlagged(lock, ChunkId(victim), *further, chain);
+  }
+  if (!evicted.ok()) return evicted.WithContext(fmt::format("evicting from the {} tier", TierName(tier)));
+  stats_.evictions++;
+  return Status::Ok();
 }
 
 Result<Buffer> ResidencyManager::AcquireStaging() {

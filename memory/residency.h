@@ -134,10 +134,17 @@ class ResidencyManager final : public AccessOwner {
   Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned, std::optional<Tier> only_from = std::nullopt);
   // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.
   // `chain`: the chunks whose moves are waiting, in this thread, for this one
-  // (see Note [Waiting for room] in residency.cc).
-  Status MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain);
+  // (see Note [Waiting for room] in residency.cc). `dst`: a slot on `to` the
+  // caller allocated, of the chunk's slot size, into which the chunk is
+  // copied (never dropped); afterwards it is the chunk's, or freed, or
+  // quarantined after a copy that timed out.
+  Status MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vector<ChunkId>& chain,
+                     std::optional<Extent> dst = std::nullopt);
   // A slot on `tier`, evicting chunks in hold there (LRU) as needed.
   Result<Extent> Reserve(Lock& lock, Tier tier, uint64_t size_bytes, std::vector<ChunkId>& chain);
+  // Evicts chunk `victim`, in hold on `tier`, one tier down (or two, where
+  // the tier below has no slot for it).
+  Status Evict(Lock& lock, Tier tier, uint32_t victim, std::vector<ChunkId>& chain);
   // A slot on a memory tier whose free bytes suffice but are in pieces, made
   // by moving chunks in hold within the tier (Note [Compaction]); nullopt
   // when no such move makes one.
@@ -149,11 +156,31 @@ class ResidencyManager final : public AccessOwner {
   // is still the caller's).
   Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset,
                                                std::optional<Extent> dst = std::nullopt);
-  // Before chunk `id`, in hold on the device, is pinned there: moves it
-  // against a pinned chunk or an end of the tier if it lies against neither
-  // and free room there holds it (Note [Pins against pins]). True when it
-  // moved (the lock was let go meanwhile).
-  Result<bool> PlaceAgainstPins(Lock& lock, uint32_t id);
+  // Before chunk `id`, in hold on the device, is pinned there: where it
+  // lies it would split the room left (Note [Pins against pins]), moves it
+  // against a pinned chunk or an end of the tier where it keeps the room:
+  // into free room there, or else, with `make_room`, into room made there by
+  // moving or evicting chunks in hold. True when the lock was let go
+  // meanwhile (the caller looks at the chunk again).
+  Result<bool> PlaceAgainstPins(Lock& lock, uint32_t id, bool make_room);
+  // A free slot of `size_bytes` on the device against a pinned chunk or an
+  // end of the tier where a chunk pinned keeps the room, allocated, or
+  // nullopt when free room there holds none.
+  std::optional<Extent> AllocateAgainstPins(uint64_t size_bytes);
+  // Clears `window`, a device slot against the pins, of chunks in hold and
+  // moves chunk `id` there; leaves things as they are where that cannot be
+  // done (the lock was let go meanwhile).
+  Status MakeRoomAgainstPins(Lock& lock, uint32_t id, Extent window);
+  // Moves chunk `id`, in hold on the device at `offset`, out of it: to a
+  // free device slot, else, with `keep`, to the host (copied, never
+  // dropped), or else evicted. False when it did not move (it is no longer
+  // there so, or nothing holds it).
+  Result<bool> MoveOutOfPlace(Lock& lock, uint32_t id, uint64_t offset, bool keep);
+  // Whether chunk `id` is in hold on `tier` (not pinned, in flight or
+  // arriving), at `offset` if given.
+  bool InHoldAt(Tier tier, uint32_t id, std::optional<uint64_t> offset = std::nullopt) const;
+  // The slots of the chunks pinned on `tier`.
+  std::vector<Extent> PinnedExtents(Tier tier) const;
   // The OutOfMemory error of a tier whose every chunk is in use or moving,
   // with what the chunks in use hold.
   Status NoRoomError(Tier tier, uint64_t size_bytes) const;

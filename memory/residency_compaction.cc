@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <tuple>
 
 #include "memory/residency.h"
 #include "src/base/alignment.h"
@@ -65,6 +66,55 @@ std::optional<Window> CheapestWindow(const std::vector<Piece>& pieces, uint64_t 
   return best;
 }
 
+// The pieces of `pool`'s tier, by offset: its free extents and the slots of
+// the chunks on it (a table of ResidencyManager::Chunk). A chunk in hold can
+// move; one pinned, in flight or arriving cannot.
+template <typename Chunks>
+std::vector<Piece> PiecesOf(const TierPool& pool, const Chunks& chunks) {
+  std::vector<Piece> pieces;
+  for (Extent free : pool.FreeExtents()) pieces.push_back({free.offset, free.size_bytes});
+  for (uint32_t i = 0; i < chunks.size(); ++i) {
+    const auto& c = chunks[i];
+    if (c.tier != pool.tier()) continue;
+    pieces.push_back({c.extent.offset, c.extent.size_bytes, i, !c.in_flight && c.refs == 0 && !c.arriving});
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  return pieces;
+}
+
+// The room of [begin, end) a pool holds aside, allocated, while the chunks
+// there move out: what is free there is claimed at once and by each Take;
+// everything held is given back by GiveBack or when this goes.
+class HeldRoom {
+ public:
+  HeldRoom(TierPool& pool, uint64_t begin, uint64_t end) : pool_(pool), begin_(begin), end_(end) { Take(); }
+  ~HeldRoom() { GiveBack(); }
+  HeldRoom(const HeldRoom&) = delete;
+  HeldRoom& operator=(const HeldRoom&) = delete;
+
+  void Take() {
+    for (Extent e : pool_.ClaimFree(begin_, end_)) held_.push_back(e);
+  }
+  void Add(Extent extent) { held_.push_back(extent); }
+  void GiveBack() {
+    for (Extent e : held_) pool_.Free(e);
+    held_.clear();
+  }
+
+ private:
+  TierPool& pool_;
+  uint64_t begin_, end_;
+  std::vector<Extent> held_;
+};
+
+// Allocates `place`, which must be free and whole.
+Extent ClaimWhole(TierPool& pool, Extent place) {
+  std::vector<Extent> claimed = pool.ClaimFree(place.offset, place.offset + place.size_bytes);
+  STRATA_CHECK(claimed.size() == 1 && claimed[0] == place, "the {} tier's free place at {} (+{}) is in pieces",
+               TierName(pool.tier()), place.offset, place.size_bytes);
+  return claimed[0];
+}
+
 // Whether every chunk of `window` has a free slot outside it (first fit, as
 // the allocator will place them).
 bool ChunksFitOutside(const std::vector<Piece>& pieces, const Window& window) {
@@ -93,33 +143,21 @@ Result<std::optional<Extent>> ResidencyManager::Compact(Lock& lock, Tier tier, u
   TierUsage usage = target->usage();
   if (usage.capacity_bytes - usage.used_bytes < size) return std::optional<Extent>();
 
-  std::vector<Piece> pieces;
-  for (Extent free : target->FreeExtents()) pieces.push_back({free.offset, free.size_bytes});
-  for (uint32_t i = 0; i < chunks_.size(); ++i) {
-    const Chunk& c = chunks_[i];
-    if (c.tier != tier) continue;
-    pieces.push_back({c.extent.offset, c.extent.size_bytes, i, !c.in_flight && c.refs == 0 && !c.arriving});
-  }
-  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.offset < b.offset; });
+  const std::vector<Piece> pieces = PiecesOf(*target, chunks_);
   const std::optional<Window> window = CheapestWindow(pieces, size);
   if (!window || window->chunk_bytes == 0 || !ChunksFitOutside(pieces, *window)) return std::optional<Extent>();
 
-  std::vector<Extent> claimed = target->ClaimFree(window->begin, window->end);
-  auto give_back = [&] {
-    for (Extent e : claimed) target->Free(e);
-  };
+  // Given back on every return: after a failed copy, or when a chunk was
+  // taken or moved while an earlier one was copied, as it is.
+  HeldRoom held(*target, window->begin, window->end);
   for (size_t k = window->first; k <= window->last; ++k) {
     if (!pieces[k].chunk) continue;
-    Result<std::optional<Extent>> vacated = MoveWithinTier(lock, tier, *pieces[k].chunk, pieces[k].offset);
-    if (vacated.ok() && vacated.value()) {
-      claimed.push_back(*vacated.value());
-      continue;
-    }
-    give_back();  // a failed copy, or the chunk was taken or moved while an earlier one was copied
-    if (!vacated.ok()) return vacated.status();
-    return std::optional<Extent>();
+    STRATA_ASSIGN_OR_RETURN(std::optional<Extent> vacated,
+                            MoveWithinTier(lock, tier, *pieces[k].chunk, pieces[k].offset));
+    if (!vacated) return std::optional<Extent>();
+    held.Add(*vacated);
   }
-  give_back();
+  held.GiveBack();
   return target->Allocate(size_bytes);
 }
 
@@ -127,10 +165,7 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
                                                                uint64_t expected_offset, std::optional<Extent> dst) {
   TierPool* target = pool(tier);
   Chunk& chunk = chunks_[id];
-  if (chunk.tier != tier || chunk.in_flight || chunk.refs > 0 || chunk.arriving ||
-      chunk.extent.offset != expected_offset) {
-    return std::optional<Extent>();
-  }
+  if (!InHoldAt(tier, id, expected_offset)) return std::optional<Extent>();
   if (!dst) dst = target->Allocate(chunk.size_bytes);
   if (!dst) return std::optional<Extent>();
   const Extent src = chunk.extent;
@@ -168,82 +203,252 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // computes with its address), so pins scattered over the device tier can
 // split its room into pieces none of which holds the next chunk, with room
 // enough in total: with odd-sized chunks, a tight tier failed so although
-// the chunks pinned at once fit it (issue 22). So a chunk lies against a
-// pinned chunk or an end of the tier when it is pinned there: one that lies
-// against neither moves first (device to device) into a free piece, at the
-// piece's end that touches a pinned chunk or the tier's end, the lowest such
-// place that holds it. Only free room is used, never an eviction, so this
-// costs one copy within the device, and only for a chunk that arrived away
-// from the pins.
+// the chunks pinned at once fit it (issue 22). So a chunk is pinned on the
+// device only where it keeps room: where, with it and the chunks pinned,
+// one unpinned piece of the tier (free room, chunks in hold or on their way)
+// holds the largest chunk, or all the room left where that is less. One
+// that lies elsewhere first moves to such a place against a pinned chunk or
+// an end of the tier (a place there splits no piece), made only of free room
+// and chunks in hold: one its own slot does not overlap if any, then the one
+// with the fewest bytes of chunks, then the lowest. Chunks of one size
+// always keep room, and stay where they are.
 //
-// The guarantee: pins then never split the unpinned part of the tier (free
-// room and chunks in hold) into more pieces than the pins released out of
-// order leave behind. When pins are released last in, first out — a
-// moment's chunks before those pinned across it, as the adapter's moments do
-// — and the tier had free room for each such move, the unpinned part is one
-// piece, which compaction and eviction clear: every chunk fits whose size
-// plus the bytes pinned is within the capacity. Where that sum is over the
-// capacity, the OutOfMemory error says so with the figures and the option
-// to raise. A pinned chunk that found no free place stays where it is.
+// A chunk that arrives to be pinned is put in such a place when free room
+// there holds it. One in hold on the device moves there device to device;
+// if chunks lie there (the tier has no free room there), room is made
+// first: each moves within the device to a free slot outside the place, or,
+// with none, is evicted one tier down (Note [Eviction]). A chunk whose own
+// slot overlaps its place (copies within the device must not overlap)
+// leaves for a free slot elsewhere on the device first, or, with none, goes
+// through the host. So the cost is nothing where the chunk keeps room where
+// it lies or arrives, one copy within the device where the tier has free
+// room for it, and moves or evictions of chunks in hold only where it has
+// not. Where no place can be cleared (each holds a chunk pinned or in
+// flight, or the tiers below are full), or a chunk there is taken
+// meanwhile, the chunk is pinned where it is; room is made once per access.
+//
+// The guarantee. Which pieces the tier has depends only on where the pinned
+// chunks lie. Released last in, first out, pins go back through layouts the
+// tier had before, each of which kept room; so every chunk fits whose size
+// plus the bytes pinned is within the capacity, however the free room lay
+// before (compaction and eviction clear the piece). Released out of order, a
+// pin can leave the room in pieces that the pins still held keep apart (a
+// chunk released while one pinned beside it stays pinned: a hole), until
+// they are released; a chunk then fits if a piece holds it. Where the chunks
+// pinned and the request are over the capacity, the OutOfMemory error says
+// so with the figures and the option to raise; where the room left is in
+// pieces, it says that.
+//
+// The adapter releases last in, first out: a module's chunks as it returns,
+// a parent's after its children's, a moment's gradient chunks before its
+// parameters', an update group's chunks all together. The exception is a
+// parameter whose gradient is still to come when the next module's backward
+// begins (a weight tied with a module earlier in the forward, as an output
+// head tied to the embedding): it stays pinned through the backward moments
+// up to that module's, and a chunk pinned before it and let go meanwhile (a
+// parameter of the root module, used after the blocks) leaves a hole of its
+// size until the gradient arrives.
 
 namespace {
 
-// Whether a pinned chunk (or an end of the tier) lies at `offset`, reading
-// `pinned`: the chunks pinned.
-bool AgainstPins(const std::vector<Extent>& pinned, uint64_t capacity, uint64_t offset) {
-  return offset == 0 || offset == capacity || std::any_of(pinned.begin(), pinned.end(), [&](const Extent& e) {
-           return e.offset == offset || e.offset + e.size_bytes == offset;
-         });
+// Whether pinning `place` besides `pinned` leaves an unpinned piece of the
+// tier that holds any chunk that could still be pinned with them: one of
+// `largest_chunk` bytes, or all the room left where that is less.
+bool KeepsRoom(std::vector<Extent> pinned, uint64_t capacity, Extent place, uint64_t largest_chunk) {
+  pinned.push_back(place);
+  std::sort(pinned.begin(), pinned.end(), [](const Extent& a, const Extent& b) { return a.offset < b.offset; });
+  uint64_t pinned_bytes = 0, largest_piece = 0, at = 0;
+  for (Extent e : pinned) {
+    pinned_bytes += e.size_bytes;
+    largest_piece = std::max(largest_piece, e.offset > at ? e.offset - at : 0);
+    at = std::max(at, e.offset + e.size_bytes);
+  }
+  largest_piece = std::max(largest_piece, capacity > at ? capacity - at : 0);
+  return pinned_bytes > capacity || largest_piece >= std::min(largest_chunk, capacity - pinned_bytes);
+}
+
+// A place of a chunk's slot size against pins.
+struct Place {
+  uint64_t offset = 0;
+  uint64_t chunk_bytes = 0;  // of the chunks there but the one placed
+  bool overlaps_own = false;  // the placed chunk's own slot is partly there
+};
+
+// The place [begin, begin + size), or nullopt where a gap (a slot reserved
+// for a chunk arriving) or a chunk that cannot move lies in it; `own`: the
+// chunk placed, when it is on the tier. `pieces` are sorted by offset.
+std::optional<Place> PlaceAt(const std::vector<Piece>& pieces, uint64_t begin, uint64_t size,
+                             std::optional<uint32_t> own) {
+  const uint64_t end = begin + size;
+  Place place{begin};
+  uint64_t covered = begin;  // up to here, made of pieces that can move
+  for (const Piece& p : pieces) {
+    if (p.offset + p.size_bytes <= begin) continue;
+    if (p.offset >= end || std::max(p.offset, begin) != covered || !p.movable) break;
+    covered = p.offset + p.size_bytes;
+    if (!p.chunk) continue;
+    if (p.chunk == own) {
+      place.overlaps_own = true;
+    } else {
+      place.chunk_bytes += p.size_bytes;
+    }
+  }
+  if (covered < end) return std::nullopt;
+  return place;
+}
+
+// The best place of `size` bytes against `pinned` or an end of the tier
+// that keeps room for chunks of up to `largest_chunk` bytes, by Note [Pins
+// against pins].
+std::optional<Place> BestPlaceAgainstPins(const std::vector<Piece>& pieces, const std::vector<Extent>& pinned,
+                                          uint64_t capacity, uint64_t size, std::optional<uint32_t> own,
+                                          uint64_t largest_chunk) {
+  if (size > capacity) return std::nullopt;
+  std::vector<uint64_t> starts{0, capacity - size};
+  for (Extent e : pinned) {
+    if (e.offset + e.size_bytes + size <= capacity) starts.push_back(e.offset + e.size_bytes);
+    if (e.offset >= size) starts.push_back(e.offset - size);
+  }
+  const auto key = [](const Place& p) { return std::tuple(p.overlaps_own, p.chunk_bytes, p.offset); };
+  std::optional<Place> best;
+  for (uint64_t begin : starts) {
+    std::optional<Place> place = PlaceAt(pieces, begin, size, own);
+    if (!place || !KeepsRoom(pinned, capacity, {begin, size}, largest_chunk)) continue;
+    if (!best || key(*place) < key(*best)) best = place;
+  }
+  return best;
 }
 
 }  // namespace
 
-Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, uint32_t id) {
+std::vector<Extent> ResidencyManager::PinnedExtents(Tier tier) const {
+  std::vector<Extent> pinned;
+  for (const Chunk& c : chunks_) {
+    if (c.tier == tier && c.refs > 0) pinned.push_back(c.extent);
+  }
+  return pinned;
+}
+
+std::optional<Extent> ResidencyManager::AllocateAgainstPins(uint64_t size_bytes) {
+  TierPool* device = pool(Tier::kDevice);
+  const std::optional<Place> place =
+      BestPlaceAgainstPins(PiecesOf(*device, chunks_), PinnedExtents(Tier::kDevice), device->usage().capacity_bytes,
+                           RoundUp(size_bytes, kSlotAlignmentBytes), std::nullopt,
+                           RoundUp(max_chunk_bytes_, kSlotAlignmentBytes));
+  if (!place || place->chunk_bytes > 0) return std::nullopt;
+  return ClaimWhole(*device, {place->offset, RoundUp(size_bytes, kSlotAlignmentBytes)});
+}
+
+Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, uint32_t id, bool make_room) {
   TierPool* device = pool(Tier::kDevice);
   const Chunk& chunk = chunks_[id];
   const uint64_t capacity = device->usage().capacity_bytes;
-  const uint64_t size = chunk.extent.size_bytes;
-  std::vector<Extent> pinned;
-  for (const Chunk& c : chunks_) {
-    if (c.tier == Tier::kDevice && c.refs > 0) pinned.push_back(c.extent);
-  }
-  if (AgainstPins(pinned, capacity, chunk.extent.offset) || AgainstPins(pinned, capacity, chunk.extent.offset + size)) {
-    return false;
-  }
-  std::optional<uint64_t> place;
-  for (Extent free : device->FreeExtents()) {  // by offset: the first place found is the lowest
-    if (free.size_bytes < size) continue;
-    if (AgainstPins(pinned, capacity, free.offset)) {
-      place = free.offset;
-    } else if (AgainstPins(pinned, capacity, free.offset + free.size_bytes)) {
-      place = free.offset + free.size_bytes - size;
-    }
-    if (place) break;
-  }
+  const Extent slot = chunk.extent;
+  const std::vector<Extent> pinned = PinnedExtents(Tier::kDevice);
+  const uint64_t largest_chunk = RoundUp(max_chunk_bytes_, kSlotAlignmentBytes);
+  if (KeepsRoom(pinned, capacity, slot, largest_chunk)) return false;
+  const std::optional<Place> place =
+      BestPlaceAgainstPins(PiecesOf(*device, chunks_), pinned, capacity, slot.size_bytes, id, largest_chunk);
   if (!place) return false;
-  std::vector<Extent> claimed = device->ClaimFree(*place, *place + size);
-  STRATA_CHECK(claimed.size() == 1 && claimed[0].size_bytes == size, "the free place at {} for chunk {} is in pieces",
-               *place, id);
-  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left,
-                          MoveWithinTier(lock, Tier::kDevice, id, chunk.extent.offset, claimed[0]));
-  device->Free(left ? *left : claimed[0]);
+  const Extent window{place->offset, slot.size_bytes};
+  if (place->chunk_bytes > 0 || place->overlaps_own) {
+    if (!make_room) return false;
+    STRATA_RETURN_IF_ERROR(MakeRoomAgainstPins(lock, id, window));
+    return true;
+  }
+  const Extent dst = ClaimWhole(*device, window);
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, Tier::kDevice, id, slot.offset, dst));
+  device->Free(left ? *left : dst);
   return left.has_value();
 }
 
-Status ResidencyManager::NoRoomError(Tier tier, uint64_t size_bytes) const {
-  uint64_t pinned_bytes = 0;
-  uint32_t pinned = 0;
-  for (const Chunk& c : chunks_) {
-    if (c.tier != tier || c.refs == 0) continue;
-    pinned_bytes += c.extent.size_bytes;
-    pinned++;
+Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, uint32_t id, Extent window) {
+  TierPool* device = pool(Tier::kDevice);
+  const uint64_t end = window.offset + window.size_bytes;
+  std::vector<Piece> there;  // the other chunks in hold there, as they lie now
+  std::optional<uint64_t> own_offset;  // chunk `id`'s, when its slot overlaps the place
+  for (const Piece& p : PiecesOf(*device, chunks_)) {
+    if (!p.chunk || p.offset >= end || p.offset + p.size_bytes <= window.offset) continue;
+    if (*p.chunk == id) {
+      own_offset = p.offset;
+    } else {
+      there.push_back(p);
+    }
   }
+  // Where a chunk is taken or moved while an earlier one moves, or nothing
+  // holds one, the room held is given back and the chunk stays.
+  HeldRoom held(*device, window.offset, end);
+  for (const Piece& p : there) {
+    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, *p.chunk, p.offset, /*keep=*/false));
+    if (!moved) return Status::Ok();
+    held.Take();
+  }
+  // The chunk leaves its place last, so that the chunks there do not lose
+  // the free slots outside it to it; from then on the lock is held.
+  if (own_offset) {
+    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, id, *own_offset, /*keep=*/true));
+    if (!moved) return Status::Ok();
+    held.Take();
+  }
+  held.GiveBack();
+  const Extent dst = ClaimWhole(*device, window);
+  Chunk& chunk = chunks_[id];
+  if (InHoldAt(Tier::kHost, id)) {  // out through the host
+    chunk.in_flight = true;
+    std::vector<ChunkId> chain;
+    return MoveFlagged(lock, ChunkId(id), Tier::kDevice, chain, dst);
+  }
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, Tier::kDevice, id, chunk.extent.offset, dst));
+  device->Free(left ? *left : dst);
+  return Status::Ok();
+}
+
+Result<bool> ResidencyManager::MoveOutOfPlace(Lock& lock, uint32_t id, uint64_t offset, bool keep) {
+  if (!InHoldAt(Tier::kDevice, id, offset)) return false;
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> vacated, MoveWithinTier(lock, Tier::kDevice, id, offset));
+  if (vacated) {
+    pool(Tier::kDevice)->Free(*vacated);
+    return true;
+  }
+  // No free slot of the device holds it (the lock was held throughout).
+  std::vector<ChunkId> chain;
+  if (!keep) {
+    Status evicted = Evict(lock, Tier::kDevice, id, chain);
+    if (evicted.code() == StatusCode::kOutOfMemory) return false;
+    STRATA_RETURN_IF_ERROR(evicted);
+    return true;
+  }
+  Result<Extent> slot = Reserve(lock, Tier::kHost, chunks_[id].size_bytes, chain);
+  if (slot.status().code() == StatusCode::kOutOfMemory) return false;
+  STRATA_RETURN_IF_ERROR(slot.status());
+  if (!InHoldAt(Tier::kDevice, id, offset)) {  // taken while room was made on the host
+    pool(Tier::kHost)->Free(*slot);
+    return false;
+  }
+  chunks_[id].in_flight = true;
+  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, ChunkId(id), Tier::kHost, chain, *slot));
+  return true;
+}
+
+bool ResidencyManager::InHoldAt(Tier tier, uint32_t id, std::optional<uint64_t> offset) const {
+  const Chunk& c = chunks_[id];
+  return c.tier == tier && !c.in_flight && c.refs == 0 && !c.arriving && (!offset || c.extent.offset == *offset);
+}
+
+Status ResidencyManager::NoRoomError(Tier tier, uint64_t size_bytes) const {
+  const std::vector<Extent> pins = PinnedExtents(tier);
+  uint64_t pinned_bytes = 0;
+  for (Extent e : pins) pinned_bytes += e.size_bytes;
+  const size_t pinned = pins.size();
   TierPool* target = pool(tier);
-  const uint64_t capacity = target->usage().capacity_bytes;
+  const TierUsage usage = target->usage();
+  const uint64_t capacity = usage.capacity_bytes;
   const uint64_t needed = pinned_bytes + RoundUp(size_bytes, kSlotAlignmentBytes);
   std::string why = fmt::format("every chunk on it is in use or moving ({} in use hold {})", pinned,
                                 FormatSize(pinned_bytes));
-  if (needed > capacity) {
+  if (capacity - usage.used_bytes >= size_bytes) {  // Note [Pins against pins]: holes between pins
+    why += fmt::format(", its {} free in pieces between them", FormatSize(capacity - usage.used_bytes));
+  } else if (needed > capacity) {
     why += fmt::format(": the chunks one moment uses at once need {} of the tier's {}; raise {}.budget to at least "
                        "{} or lower chunk.size_elems",
                        FormatSize(needed), FormatSize(capacity), TierName(tier), FormatSize(needed));

@@ -448,38 +448,119 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
 }
 
-TEST(ResidencyTest, PiecesThatCannotBeJoinedAreOutOfMemoryAndLoseNothing) {
+// Issue 22: pinned while the tier is full, chunk 3 at the tier's end and
+// chunk 1 beside the start would split the rest in two slots; no free room
+// lies where chunk 3 keeps it whole, so room is made there (chunk 0
+// evicted), and chunk 4 fits beside the pins once chunk 2 leaves.
+TEST(ResidencyTest, AChunkPinnedWithoutFreeRoomWhereItKeepsTheRoomWholeGetsRoomMadeThere) {
   ResidencyStack s(FragmentedDevice());
+  const uint64_t slot = s.config.chunk_bytes;
   for (uint32_t id = 0; id < 5; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(10 + id)));
   for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
   {
-    // Pinned while the tier is full, chunk 1 has no free place against a pin
-    // and stays between the slots that chunks 0 and 2 then leave.
     ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+    EXPECT_EQ(one.data(), s.device_pool->Address({slot, slot}));  // slots 2 and 3 hold chunk 4: stays
     ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
-    for (uint32_t id : {0u, 2u}) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kHost));
-    Result<ChunkAccess> big = s.residency->Access(ChunkId(4), Tier::kDevice);
-    EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().ToString();
-    EXPECT_NE(big.status().message().find("(2 in use hold 128KiB)"), std::string::npos) << big.status().ToString();
-    EXPECT_EQ(s.residency->stats().compactions, 0u);
+    EXPECT_EQ(three.data(), s.device_pool->Address({0, slot}));  // where chunk 0 was
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+    ASSERT_OK(s.residency->Move(ChunkId(2), Tier::kHost));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
+    EXPECT_EQ(big.data(), s.device_pool->Address({2 * slot, 2 * slot}));
   }
-  EXPECT_EQ(s.residency->tier(ChunkId(4)), Tier::kHost);
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.evictions, 1u);    // chunk 0, for chunk 3's place
+  EXPECT_EQ(stats.compactions, 1u);  // chunk 3 into it
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
 }
 
-// Issue 22: pins scattered over the tier split its room. A chunk pinned away
-// from the pins moves against them first (Note [Pins against pins]), so the
-// room left stays in one piece.
+// Chunks of one size never split the room for each other: a chunk pinned
+// anywhere stays there, and nothing moves.
+TEST(ResidencyTest, ChunksOfOneSizeArePinnedWhereTheyLie) {
+  ResidencyStack s({.device_chunks = 4, .host_chunks = 8});
+  for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess two, s.residency->Access(ChunkId(2), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+  EXPECT_EQ(two.data(), s.device_pool->Address({2 * s.config.chunk_bytes, s.config.chunk_bytes}));
+  EXPECT_EQ(one.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.compactions + stats.evictions, 0u);
+}
+
+// A chunk whose own slot overlaps every place against the pins leaves it
+// through the host (copies within the device must not overlap), a
+// transient one too (copied, not dropped); a chunk that then needs the
+// rest of the tier fits.
+TEST(ResidencyTest, AChunkOverlappingItsPlaceAgainstThePinsGoesThroughTheHost) {
+  const uint64_t k32 = 32 << 10;
+  ResidencyStack s({.chunk_bytes = k32, .device_chunks = 8, .host_chunks = 16, .chunk_sizes = {4 * k32, 2 * k32, k32,
+                    k32, 2 * k32}, .transient_chunks = 1});
+  for (uint32_t id = 0; id < 5; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(20 + id)));
+  for (uint32_t id : {1u, 2u, 0u, 3u}) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  ASSERT_EQ(s.device_pool->usage().used_bytes, 8 * k32);  // 1 | 2 | 0 0 0 0 | 3
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+    ASSERT_EQ(one.data(), s.device_pool->Address({0, 2 * k32}));
+    const MemoryStats before = s.residency->stats();
+    ASSERT_OK_AND_ASSIGN(ChunkAccess zero, s.residency->Access(ChunkId(0), Tier::kDevice));
+    EXPECT_EQ(zero.data(), s.device_pool->Address({2 * k32, 4 * k32}));  // against chunk 1
+    EXPECT_EQ(s.residency->tier(ChunkId(2)), Tier::kHost);
+    MemoryStats stats = s.residency->stats();
+    EXPECT_EQ(stats.links[0][1].moves - before.links[0][1].moves, 2u);  // chunks 2 and 0
+    EXPECT_EQ(stats.links[1][0].moves - before.links[1][0].moves, 1u);  // chunk 0 back
+    EXPECT_EQ(stats.drops, 0u);
+    ASSERT_OK_AND_ASSIGN(ChunkAccess four, s.residency->Access(ChunkId(4), Tier::kDevice));  // 256KiB of 256KiB pinned
+    EXPECT_EQ(four.data(), s.device_pool->Address({6 * k32, 2 * k32}));
+  }
+  EXPECT_TRUE(s.Holds(0, 20, Tier::kDevice));
+  for (uint32_t id = 1; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(20 + id), Tier::kHost)) << id;
+}
+
+// A chunk that arrives to be pinned goes straight to free room against the
+// pins, not first to the lowest free slot and then there.
+TEST(ResidencyTest, AChunkArrivingToBePinnedLandsAgainstThePinsWithoutAMoveWithinTheTier) {
+  ResidencyStack s(FragmentedDevice());
+  const uint64_t slot = s.config.chunk_bytes;
+  for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+  for (uint32_t id : {1u, 2u}) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kHost));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+  EXPECT_EQ(one.data(), s.device_pool->Address({2 * slot, slot}));  // against chunk 3, not in slot 1
+  EXPECT_EQ(s.residency->stats().compactions, 0u);
+}
+
+// Pins released out of order leave a hole between pins that a larger chunk
+// cannot use: the limit Note [Pins against pins] states. The next chunk that
+// fits the hole fills it.
+TEST(ResidencyTest, APinReleasedOutOfOrderLeavesAHoleThatOnlyAChunkItHoldsFills) {
+  ResidencyStack s(FragmentedDevice());
+  const uint64_t slot = s.config.chunk_bytes;
+  ASSERT_OK_AND_ASSIGN(ChunkAccess zero, s.residency->Access(ChunkId(0), Tier::kDevice));
+  std::optional<ChunkAccess> one(s.residency->Access(ChunkId(1), Tier::kDevice).value());
+  ASSERT_OK_AND_ASSIGN(ChunkAccess two, s.residency->Access(ChunkId(2), Tier::kDevice));
+  one.reset();  // before chunk 2, pinned after it
+  ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kHost));
+  Result<ChunkAccess> big = s.residency->Access(ChunkId(4), Tier::kDevice);
+  EXPECT_EQ(big.status().code(), StatusCode::kOutOfMemory) << big.status().ToString();
+  EXPECT_NE(big.status().message().find("(2 in use hold 128KiB), its 128KiB free in pieces between them"),
+            std::string::npos)
+      << big.status().ToString();
+  ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+  EXPECT_EQ(three.data(), s.device_pool->Address({slot, slot}));
+}
+
+// Issue 22: pins scattered over the tier split its room. A chunk whose pin
+// would leave no piece for the largest chunk moves into free room against
+// the pins first (Note [Pins against pins]).
 TEST(ResidencyTest, AChunkPinnedLiesAgainstPinsSoThatPinsDoNotSplitTheRoom) {
   ResidencyStack s(FragmentedDevice());
   ASSERT_OK(FragmentDevice(s));  // chunks 1 and 3 in hold at slots 1 and 3; slots 0 and 2 free
   {
-    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
-    EXPECT_EQ(one.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
-    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));  // at the end: stays
-    EXPECT_EQ(three.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));  // keeps 2-3: stays
+    EXPECT_EQ(one.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+    EXPECT_EQ(three.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
     ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
-    EXPECT_EQ(big.data(), s.device_pool->Address({s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
+    EXPECT_EQ(big.data(), s.device_pool->Address({2 * s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
   }
   MemoryStats stats = s.residency->stats();
   EXPECT_EQ(stats.evictions, 0u);
