@@ -112,13 +112,17 @@ Status CheckStaticShare(const std::vector<ChunkDesc>& chunks, const std::vector<
                                  : std::string());
 }
 
-// The device must hold the largest chunk and, params sharded, the gathered
-// param chunks kept pinned after their gather and a moment's own.
+// The device must hold the largest param or grad chunk (what compute pins
+// there; masters and optimizer states are updated in host memory) and,
+// params sharded, the gathered param chunks kept pinned after their gather
+// and a moment's own.
 Status CheckDeviceRoom(const std::vector<ChunkDesc>& chunks, uint64_t device_bytes) {
   uint64_t largest_chunk = 0;
   uint64_t largest_transient = 0;
   for (const ChunkDesc& chunk : chunks) {
-    largest_chunk = std::max(largest_chunk, chunk.size_bytes());
+    if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) {
+      largest_chunk = std::max(largest_chunk, chunk.size_bytes());
+    }
     if (chunk.transient) largest_transient = std::max(largest_transient, chunk.size_bytes());
   }
   if ((kKeptGatheredChunks + 2) * largest_transient > device_bytes) {
@@ -129,9 +133,9 @@ Status CheckDeviceRoom(const std::vector<ChunkDesc>& chunks, uint64_t device_byt
         FormatSize(device_bytes), kKeptGatheredChunks + 2, FormatSize(largest_transient), kKeptGatheredChunks);
   }
   if (largest_chunk > device_bytes) {
-    return OutOfMemory("the largest chunk is {} but the device tier holds {} (device.budget): raise device.budget "
-                       "or lower chunk.size_elems / chunk.search_max_elems",
-                       FormatSize(largest_chunk), FormatSize(device_bytes));
+    return OutOfMemory("the largest param or grad chunk is {} but the device tier holds {} (device.budget): raise "
+                       "device.budget to at least {} or lower chunk.size_elems / chunk.search_max_elems",
+                       FormatSize(largest_chunk), FormatSize(device_bytes), FormatSize(largest_chunk));
   }
   return Status::Ok();
 }

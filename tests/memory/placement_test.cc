@@ -107,8 +107,26 @@ TEST(PlacementTest, DeviceSmallerThanTheLargestChunkIsOutOfMemory) {
   const ChunkLayout layout = EightGroups();
   Result<Placement> placement = PlaceChunks(layout, Capacities(kMiB, kMiB, 2 * kKiB), Options{});
   ASSERT_EQ(placement.status().code(), StatusCode::kOutOfMemory);
-  EXPECT_NE(placement.status().message().find("the largest chunk is 4KiB"), std::string::npos)
+  EXPECT_NE(placement.status().message().find("the largest param or grad chunk is 4KiB"), std::string::npos)
       << placement.status().ToString();
+}
+
+TEST(PlacementTest, TheDeviceNeedsRoomForParamAndGradChunksNotTheLargerMasters) {
+  // bf16: 4KiB param and grad chunks, 8KiB fp32 masters and states; only the former go to the device.
+  std::vector<TensorSpec> tensors;
+  for (int i = 0; i < 4; ++i) tensors.push_back({"w" + std::to_string(i), {2048}, DType::kBFloat16, true, "w"});
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 2048, 0, 0, {}));
+  uint64_t largest = 0, largest_on_device = 0;
+  for (const ChunkDesc& chunk : layout.chunks()) {
+    largest = std::max(largest, chunk.size_bytes());
+    if (chunk.kind == ChunkKind::kParam || chunk.kind == ChunkKind::kGrad) {
+      largest_on_device = std::max(largest_on_device, chunk.size_bytes());
+    }
+  }
+  ASSERT_LT(largest_on_device, largest);
+  ASSERT_OK(PlaceChunks(layout, Capacities(kMiB, kMiB, largest_on_device), Options{}).status());
+  Result<Placement> refused = PlaceChunks(layout, Capacities(kMiB, kMiB, largest_on_device - 1), Options{});
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory) << refused.status().ToString();
 }
 
 TEST(PlacementTest, ShardedParamsNeedDeviceRoomForTheGatheredChunksKept) {
