@@ -65,6 +65,7 @@ ResidencyManager::ResidencyManager(const ResidencyConfig& config, const std::vec
     chunks_[i].size_bytes = chunks[i].size_bytes();
     chunks_[i].transient = chunks[i].transient;
     max_chunk_bytes_ = std::max(max_chunk_bytes_, chunks_[i].size_bytes);
+    min_chunk_bytes_ = i == 0 ? chunks_[i].size_bytes : std::min(min_chunk_bytes_, chunks_[i].size_bytes);
   }
   stats_.tier_present = {true, true, config.nvme_pool != nullptr};
   workers_ = std::make_unique<TaskQueue>(std::max<uint32_t>(1, config.transfer_workers));
@@ -161,8 +162,8 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
   for (;;) {
     STRATA_RETURN_IF_ERROR(WaitNotInFlight(lock, id));
     if (chunk.tier == tier) {
-      if (tier == Tier::kDevice && chunk.refs == 0) {
-        STRATA_ASSIGN_OR_RETURN(bool let_go, PlaceAgainstPins(lock, id.value(), make_room));
+      if (chunk.refs == 0) {
+        STRATA_ASSIGN_OR_RETURN(bool let_go, PlaceAgainstPins(lock, tier, id.value(), make_room));
         if (let_go) {
           make_room = false;
           continue;  // look again
@@ -179,7 +180,7 @@ Result<ChunkAccess> ResidencyManager::Access(ChunkId id, Tier tier) {
     chunk.in_flight = true;
     std::vector<ChunkId> chain;
     const std::optional<Extent> dst =
-        tier == Tier::kDevice ? AllocateAgainstPins(chunk.size_bytes) : std::optional<Extent>();
+        DroppedBy(chunk, tier) ? std::optional<Extent>() : AllocateAgainstPins(tier, chunk.size_bytes);
     STRATA_RETURN_IF_ERROR(MoveFlagged(lock, id, tier, chain, dst));
   }
 }
@@ -405,7 +406,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
     return status;
   };
 
-  if (!dst && chunk.transient && chunk.tier && to > *chunk.tier) {  // dropped, not copied down
+  if (!dst && DroppedBy(chunk, to)) {
     pool(*chunk.tier)->Free(chunk.extent);
     chunk.tier.reset();
     chunk.generation++;

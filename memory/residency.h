@@ -128,6 +128,9 @@ class ResidencyManager final : public AccessOwner {
   using Lock = std::unique_lock<std::mutex>;
 
   TierPool* pool(Tier tier) const;
+  // Whether a move of `chunk` to `to` drops it rather than copying it (a
+  // transient chunk going down: Note [Eviction]).
+  static bool DroppedBy(const Chunk& chunk, Tier to) { return chunk.transient && chunk.tier && to > *chunk.tier; }
   std::optional<Tier> TierBelow(Tier tier) const;
   Status WaitNotInFlight(Lock& lock, ChunkId id);
   // Move(), but a chunk pinned meanwhile is skipped rather than an error.
@@ -156,29 +159,40 @@ class ResidencyManager final : public AccessOwner {
   // is still the caller's).
   Result<std::optional<Extent>> MoveWithinTier(Lock& lock, Tier tier, uint32_t id, uint64_t expected_offset,
                                                std::optional<Extent> dst = std::nullopt);
-  // Before chunk `id`, in hold on the device, is pinned there: where it
-  // lies it would split the room left (Note [Pins against pins]), moves it
+  // Before chunk `id`, in hold on memory tier `tier`, is pinned there: where
+  // it lies it would split the room left (Note [Pins against pins]), moves it
   // against a pinned chunk or an end of the tier where it keeps the room:
   // into free room there, or else, with `make_room`, into room made there by
   // moving or evicting chunks in hold. True when the lock was let go
   // meanwhile (the caller looks at the chunk again).
-  Result<bool> PlaceAgainstPins(Lock& lock, uint32_t id, bool make_room);
-  // A free slot of `size_bytes` on the device against a pinned chunk or an
-  // end of the tier where a chunk pinned keeps the room, allocated, or
+  Result<bool> PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id, bool make_room);
+  // A free slot of `size_bytes` on memory tier `tier` against a pinned chunk
+  // or an end of the tier where a chunk pinned keeps the room, allocated, or
   // nullopt when free room there holds none.
-  std::optional<Extent> AllocateAgainstPins(uint64_t size_bytes);
-  // Clears `window`, a device slot against the pins, of chunks in hold and
+  std::optional<Extent> AllocateAgainstPins(Tier tier, uint64_t size_bytes);
+  // Clears `window`, a slot of `tier` against the pins, of chunks in hold and
   // moves chunk `id` there; leaves things as they are where that cannot be
   // done (the lock was let go meanwhile).
-  Status MakeRoomAgainstPins(Lock& lock, uint32_t id, Extent window);
-  // Moves chunk `id`, in hold on the device at `offset`, out of it: to a
-  // free device slot, else, with `keep`, to the host (copied, never
+  Status MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id, Extent window);
+  // Moves chunk `id`, in hold on `tier` at `offset`, out of it: to a free
+  // slot of the tier, else, with `keep`, to the tier below (copied, never
   // dropped), or else evicted. False when it did not move (it is no longer
   // there so, or nothing holds it).
-  Result<bool> MoveOutOfPlace(Lock& lock, uint32_t id, uint64_t offset, bool keep);
+  Result<bool> MoveOutOfPlace(Lock& lock, Tier tier, uint32_t id, uint64_t offset, bool keep);
+  // Moves chunk `id`, in hold on `tier` or the tier below, into `dst`, a
+  // slot of `tier` the caller allocated, of its slot size.
+  Status MoveIntoPlace(Lock& lock, Tier tier, uint32_t id, Extent dst);
+  // Moves chunk `id`, in hold on the host, to `window`, which its own slot
+  // overlaps and whose rest the caller holds allocated for it (copies
+  // within host memory may overlap); frees what its slot leaves.
+  void SlideWithinHost(Lock& lock, uint32_t id, Extent window);
   // Whether chunk `id` is in hold on `tier` (not pinned, in flight or
   // arriving), at `offset` if given.
   bool InHoldAt(Tier tier, uint32_t id, std::optional<uint64_t> offset = std::nullopt) const;
+  // The bytes of the unpinned piece pins on memory tier `tier` keep whole
+  // (Note [Pins against pins]): the largest chunk's slot, or the capacity
+  // (all the room left) on a tight tier of chunks of several sizes.
+  uint64_t RoomToKeep(Tier tier) const;
   // The slots of the chunks pinned on `tier`.
   std::vector<Extent> PinnedExtents(Tier tier) const;
   // The OutOfMemory error of a tier whose every chunk is in use or moving,
@@ -194,6 +208,7 @@ class ResidencyManager final : public AccessOwner {
 
   ResidencyConfig config_;
   uint64_t max_chunk_bytes_ = 0;
+  uint64_t min_chunk_bytes_ = 0;
 
   mutable std::mutex mu_;         // guards everything below up to the workers
   std::condition_variable moved_;  // signalled whenever a chunk leaves the in-flight state

@@ -1,5 +1,5 @@
 // The placement of chunks within a memory tier: compaction (Note
-// [Compaction]) and where a chunk pinned on the device lies (Note [Pins
+// [Compaction]) and where a chunk pinned on a memory tier lies (Note [Pins
 // against pins]). Part of ResidencyManager (memory/residency.h).
 
 #include <algorithm>
@@ -96,6 +96,8 @@ class HeldRoom {
     for (Extent e : pool_.ClaimFree(begin_, end_)) held_.push_back(e);
   }
   void Add(Extent extent) { held_.push_back(extent); }
+  // Keeps what is held allocated for good: its owner has taken it.
+  void Keep() { held_.clear(); }
   void GiveBack() {
     for (Extent e : held_) pool_.Free(e);
     held_.clear();
@@ -200,44 +202,63 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 
 // Note [Pins against pins]
 // Compaction moves chunks in hold; a pinned chunk cannot move (the framework
-// computes with its address), so pins scattered over the device tier can
-// split its room into pieces none of which holds the next chunk, with room
-// enough in total: with odd-sized chunks, a tight tier failed so although
-// the chunks pinned at once fit it (issue 22). So a chunk is pinned on the
-// device only where it keeps room: where, with it and the chunks pinned,
-// one unpinned piece of the tier (free room, chunks in hold or on their way)
-// holds the largest chunk, or all the room left where that is less. One
-// that lies elsewhere first moves to such a place against a pinned chunk or
-// an end of the tier (a place there splits no piece), made only of free room
-// and chunks in hold: one its own slot does not overlap if any, then the one
-// with the fewest bytes of chunks, then the lowest. Chunks of one size
-// always keep room, and stay where they are.
+// computes with its address, the CPU optimizer with its host bytes), so pins
+// scattered over a memory tier can split its room into pieces none of which
+// holds the next chunk, with room enough in total: with odd-sized chunks, a
+// tight device tier failed so although the chunks pinned at once fit it, and
+// a tight host tier likewise in an optimizer step, which pins a group's
+// gradient, parameter and state chunks on the host together (issue 22). So
+// a chunk is pinned on a memory tier (device or host) only where it keeps
+// room: where, with it and the chunks pinned, one unpinned piece of the tier
+// (free room, chunks in hold or on their way) holds the room to keep, or all
+// the room left where that is less. One that lies elsewhere first moves to
+// such a place against a pinned chunk or an end of the tier (a place there
+// splits no piece), made only of free room and chunks in hold: one its own
+// slot does not overlap if any, then the one with the fewest bytes of
+// chunks, then the lowest.
+//
+// The room to keep is the largest chunk's slot, but on a tight tier of
+// chunks of several sizes (fewer than kTightTierChunks of its largest
+// chunks: a moment may fill it) it is all the room left: pins keep it in
+// one piece. A piece for the largest chunk is not enough there: one pin can
+// leave a piece too small for the chunks that still come while another
+// holds the next one, and the one after finds the room in two pieces (a
+// 32KiB host, an 8KiB chunk pinned 4KiB from its start: the group's fourth
+// chunk had 8KiB free in two pieces). On a larger tier that split costs
+// nothing a moment needs but room it leaves spare, and pins stay where they
+// lie (no copy where the tier has room); chunks of one size lie in slots of
+// their size, whose pieces hold whole chunks, and stay where they are too.
 //
 // A chunk that arrives to be pinned is put in such a place when free room
-// there holds it. One in hold on the device moves there device to device;
-// if chunks lie there (the tier has no free room there), room is made
-// first: each moves within the device to a free slot outside the place, or,
-// with none, is evicted one tier down (Note [Eviction]). A chunk whose own
-// slot overlaps its place (copies within the device must not overlap)
-// leaves for a free slot elsewhere on the device first, or, with none, goes
+// there holds it. One in hold on the tier moves there within it; if chunks
+// lie there (the tier has no free room there), room is made first: each
+// moves within the tier to a free slot outside the place, or, with none, is
+// evicted one tier down (Note [Eviction]: device to host, host to NVMe; on
+// a host without NVMe it stays, and the chunk with it). A chunk whose own
+// slot overlaps its place slides into it on the host (copies within host
+// memory may overlap); on the device (copies within it must not) it leaves
+// for a free slot elsewhere on the device first, or, with none, goes
 // through the host. So the cost is nothing where the chunk keeps room where
-// it lies or arrives, one copy within the device where the tier has free
-// room for it, and moves or evictions of chunks in hold only where it has
-// not. Where no place can be cleared (each holds a chunk pinned or in
-// flight, or the tiers below are full), or a chunk there is taken
-// meanwhile, the chunk is pinned where it is; room is made once per access.
+// it lies or arrives, one copy within the tier where the tier has free room
+// for it, and moves or evictions of chunks in hold only where it has not
+// (NVMe-homed states read ahead into the host's staging room, Note [Host
+// reserve] in placement.cc, move within the host before any is evicted).
+// Where no place can be cleared (each holds a chunk pinned or in flight, or
+// the tiers below are full), or a chunk there is taken meanwhile, the chunk
+// is pinned where it is; room is made once per access.
 //
 // The guarantee. Which pieces the tier has depends only on where the pinned
 // chunks lie. Released last in, first out, pins go back through layouts the
-// tier had before, each of which kept room; so every chunk fits whose size
-// plus the bytes pinned is within the capacity, however the free room lay
-// before (compaction and eviction clear the piece). Released out of order, a
-// pin can leave the room in pieces that the pins still held keep apart (a
-// chunk released while one pinned beside it stays pinned: a hole), until
-// they are released; a chunk then fits if a piece holds it. Where the chunks
-// pinned and the request are over the capacity, the OutOfMemory error says
-// so with the figures and the option to raise; where the room left is in
-// pieces, it says that.
+// tier had before, each of which kept room; so on a tight tier every chunk
+// fits whose size plus the bytes pinned is within the capacity, however the
+// free room lay before (compaction and eviction clear the piece), and on a
+// larger one every chunk fits that a piece of the room to keep holds.
+// Released out of order, a pin can leave the room in pieces that the pins
+// still held keep apart (a chunk released while one pinned beside it stays
+// pinned: a hole), until they are released; a chunk then fits if a piece
+// holds it. Where the chunks pinned and the request are over the capacity,
+// the OutOfMemory error says so with the figures and the option to raise;
+// where the room left is in pieces, it says that.
 //
 // The adapter releases last in, first out: a module's chunks as it returns,
 // a parent's after its children's, a moment's gradient chunks before its
@@ -251,10 +272,13 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 
 namespace {
 
+// A memory tier of fewer of its largest chunks than this is tight: a moment
+// may fill it, so pins keep its room in one piece (Note [Pins against pins]).
+constexpr uint64_t kTightTierChunks = 8;
+
 // Whether pinning `place` besides `pinned` leaves an unpinned piece of the
-// tier that holds any chunk that could still be pinned with them: one of
-// `largest_chunk` bytes, or all the room left where that is less.
-bool KeepsRoom(std::vector<Extent> pinned, uint64_t capacity, Extent place, uint64_t largest_chunk) {
+// tier of `keep` bytes, or all the room left where that is less.
+bool KeepsRoom(std::vector<Extent> pinned, uint64_t capacity, Extent place, uint64_t keep) {
   pinned.push_back(place);
   std::sort(pinned.begin(), pinned.end(), [](const Extent& a, const Extent& b) { return a.offset < b.offset; });
   uint64_t pinned_bytes = 0, largest_piece = 0, at = 0;
@@ -264,7 +288,7 @@ bool KeepsRoom(std::vector<Extent> pinned, uint64_t capacity, Extent place, uint
     at = std::max(at, e.offset + e.size_bytes);
   }
   largest_piece = std::max(largest_piece, capacity > at ? capacity - at : 0);
-  return pinned_bytes > capacity || largest_piece >= std::min(largest_chunk, capacity - pinned_bytes);
+  return pinned_bytes > capacity || largest_piece >= std::min(keep, capacity - pinned_bytes);
 }
 
 // A place of a chunk's slot size against pins.
@@ -298,11 +322,10 @@ std::optional<Place> PlaceAt(const std::vector<Piece>& pieces, uint64_t begin, u
 }
 
 // The best place of `size` bytes against `pinned` or an end of the tier
-// that keeps room for chunks of up to `largest_chunk` bytes, by Note [Pins
-// against pins].
+// that keeps a piece of `keep` bytes, by Note [Pins against pins].
 std::optional<Place> BestPlaceAgainstPins(const std::vector<Piece>& pieces, const std::vector<Extent>& pinned,
                                           uint64_t capacity, uint64_t size, std::optional<uint32_t> own,
-                                          uint64_t largest_chunk) {
+                                          uint64_t keep) {
   if (size > capacity) return std::nullopt;
   std::vector<uint64_t> starts{0, capacity - size};
   for (Extent e : pinned) {
@@ -313,13 +336,20 @@ std::optional<Place> BestPlaceAgainstPins(const std::vector<Piece>& pieces, cons
   std::optional<Place> best;
   for (uint64_t begin : starts) {
     std::optional<Place> place = PlaceAt(pieces, begin, size, own);
-    if (!place || !KeepsRoom(pinned, capacity, {begin, size}, largest_chunk)) continue;
+    if (!place || !KeepsRoom(pinned, capacity, {begin, size}, keep)) continue;
     if (!best || key(*place) < key(*best)) best = place;
   }
   return best;
 }
 
 }  // namespace
+
+uint64_t ResidencyManager::RoomToKeep(Tier tier) const {
+  const uint64_t capacity = pool(tier)->usage().capacity_bytes;
+  const uint64_t largest = RoundUp(max_chunk_bytes_, kSlotAlignmentBytes);
+  const bool one_size = RoundUp(min_chunk_bytes_, kSlotAlignmentBytes) == largest;
+  return !one_size && capacity < kTightTierChunks * largest ? capacity : largest;
+}
 
 std::vector<Extent> ResidencyManager::PinnedExtents(Tier tier) const {
   std::vector<Extent> pinned;
@@ -329,45 +359,44 @@ std::vector<Extent> ResidencyManager::PinnedExtents(Tier tier) const {
   return pinned;
 }
 
-std::optional<Extent> ResidencyManager::AllocateAgainstPins(uint64_t size_bytes) {
-  TierPool* device = pool(Tier::kDevice);
+std::optional<Extent> ResidencyManager::AllocateAgainstPins(Tier tier, uint64_t size_bytes) {
+  TierPool* target = pool(tier);
   const std::optional<Place> place =
-      BestPlaceAgainstPins(PiecesOf(*device, chunks_), PinnedExtents(Tier::kDevice), device->usage().capacity_bytes,
-                           RoundUp(size_bytes, kSlotAlignmentBytes), std::nullopt,
-                           RoundUp(max_chunk_bytes_, kSlotAlignmentBytes));
+      BestPlaceAgainstPins(PiecesOf(*target, chunks_), PinnedExtents(tier), target->usage().capacity_bytes,
+                           RoundUp(size_bytes, kSlotAlignmentBytes), std::nullopt, RoomToKeep(tier));
   if (!place || place->chunk_bytes > 0) return std::nullopt;
-  return ClaimWhole(*device, {place->offset, RoundUp(size_bytes, kSlotAlignmentBytes)});
+  return ClaimWhole(*target, {place->offset, RoundUp(size_bytes, kSlotAlignmentBytes)});
 }
 
-Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, uint32_t id, bool make_room) {
-  TierPool* device = pool(Tier::kDevice);
+Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id, bool make_room) {
+  TierPool* target = pool(tier);
   const Chunk& chunk = chunks_[id];
-  const uint64_t capacity = device->usage().capacity_bytes;
+  const uint64_t capacity = target->usage().capacity_bytes;
   const Extent slot = chunk.extent;
-  const std::vector<Extent> pinned = PinnedExtents(Tier::kDevice);
-  const uint64_t largest_chunk = RoundUp(max_chunk_bytes_, kSlotAlignmentBytes);
-  if (KeepsRoom(pinned, capacity, slot, largest_chunk)) return false;
+  const std::vector<Extent> pinned = PinnedExtents(tier);
+  const uint64_t keep = RoomToKeep(tier);
+  if (KeepsRoom(pinned, capacity, slot, keep)) return false;
   const std::optional<Place> place =
-      BestPlaceAgainstPins(PiecesOf(*device, chunks_), pinned, capacity, slot.size_bytes, id, largest_chunk);
+      BestPlaceAgainstPins(PiecesOf(*target, chunks_), pinned, capacity, slot.size_bytes, id, keep);
   if (!place) return false;
   const Extent window{place->offset, slot.size_bytes};
   if (place->chunk_bytes > 0 || place->overlaps_own) {
     if (!make_room) return false;
-    STRATA_RETURN_IF_ERROR(MakeRoomAgainstPins(lock, id, window));
+    STRATA_RETURN_IF_ERROR(MakeRoomAgainstPins(lock, tier, id, window));
     return true;
   }
-  const Extent dst = ClaimWhole(*device, window);
-  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, Tier::kDevice, id, slot.offset, dst));
-  device->Free(left ? *left : dst);
+  const Extent dst = ClaimWhole(*target, window);
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, tier, id, slot.offset, dst));
+  target->Free(left ? *left : dst);
   return left.has_value();
 }
 
-Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, uint32_t id, Extent window) {
-  TierPool* device = pool(Tier::kDevice);
+Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id, Extent window) {
+  TierPool* target = pool(tier);
   const uint64_t end = window.offset + window.size_bytes;
   std::vector<Piece> there;  // the other chunks in hold there, as they lie now
   std::optional<uint64_t> own_offset;  // chunk `id`'s, when its slot overlaps the place
-  for (const Piece& p : PiecesOf(*device, chunks_)) {
+  for (const Piece& p : PiecesOf(*target, chunks_)) {
     if (!p.chunk || p.offset >= end || p.offset + p.size_bytes <= window.offset) continue;
     if (*p.chunk == id) {
       own_offset = p.offset;
@@ -377,56 +406,87 @@ Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, uint32_t id, Extent win
   }
   // Where a chunk is taken or moved while an earlier one moves, or nothing
   // holds one, the room held is given back and the chunk stays.
-  HeldRoom held(*device, window.offset, end);
+  HeldRoom held(*target, window.offset, end);
   for (const Piece& p : there) {
-    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, *p.chunk, p.offset, /*keep=*/false));
+    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, *p.chunk, p.offset, /*keep=*/false));
     if (!moved) return Status::Ok();
     held.Take();
+  }
+  if (own_offset && tier == Tier::kHost) {  // slides into its place, the rest of which is held
+    if (!InHoldAt(tier, id, *own_offset)) return Status::Ok();
+    held.Take();
+    held.Keep();
+    SlideWithinHost(lock, id, window);
+    return Status::Ok();
   }
   // The chunk leaves its place last, so that the chunks there do not lose
   // the free slots outside it to it; from then on the lock is held.
   if (own_offset) {
-    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, id, *own_offset, /*keep=*/true));
+    STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, id, *own_offset, /*keep=*/true));
     if (!moved) return Status::Ok();
     held.Take();
   }
   held.GiveBack();
-  const Extent dst = ClaimWhole(*device, window);
+  return MoveIntoPlace(lock, tier, id, ClaimWhole(*target, window));
+}
+
+Status ResidencyManager::MoveIntoPlace(Lock& lock, Tier tier, uint32_t id, Extent dst) {
   Chunk& chunk = chunks_[id];
-  if (InHoldAt(Tier::kHost, id)) {  // out through the host
+  if (const std::optional<Tier> below = TierBelow(tier); below && InHoldAt(*below, id)) {  // out through the tier below
     chunk.in_flight = true;
     std::vector<ChunkId> chain;
-    return MoveFlagged(lock, ChunkId(id), Tier::kDevice, chain, dst);
+    return MoveFlagged(lock, ChunkId(id), tier, chain, dst);
   }
-  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, Tier::kDevice, id, chunk.extent.offset, dst));
-  device->Free(left ? *left : dst);
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, tier, id, chunk.extent.offset, dst));
+  pool(tier)->Free(left ? *left : dst);
   return Status::Ok();
 }
 
-Result<bool> ResidencyManager::MoveOutOfPlace(Lock& lock, uint32_t id, uint64_t offset, bool keep) {
-  if (!InHoldAt(Tier::kDevice, id, offset)) return false;
-  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> vacated, MoveWithinTier(lock, Tier::kDevice, id, offset));
+void ResidencyManager::SlideWithinHost(Lock& lock, uint32_t id, Extent window) {
+  TierPool* host = pool(Tier::kHost);
+  Chunk& chunk = chunks_[id];
+  const Extent src = chunk.extent;
+  chunk.in_flight = true;
+  lock.unlock();
+  std::memmove(Address(Tier::kHost, window), Address(Tier::kHost, src), chunk.size_bytes);
+  lock.lock();
+  chunk.in_flight = false;
+  moved_.notify_all();
+  // The slots are of one size and overlap: what the old one leaves lies on one side.
+  if (src.offset < window.offset) host->Free({src.offset, window.offset - src.offset});
+  if (src.offset > window.offset) host->Free({window.offset + window.size_bytes, src.offset - window.offset});
+  chunk.extent = window;
+  chunk.generation++;
+  stats_.compactions++;
+  stats_.compacted_bytes += chunk.size_bytes;
+}
+
+Result<bool> ResidencyManager::MoveOutOfPlace(Lock& lock, Tier tier, uint32_t id, uint64_t offset, bool keep) {
+  if (!InHoldAt(tier, id, offset)) return false;
+  STRATA_ASSIGN_OR_RETURN(std::optional<Extent> vacated, MoveWithinTier(lock, tier, id, offset));
   if (vacated) {
-    pool(Tier::kDevice)->Free(*vacated);
+    pool(tier)->Free(*vacated);
     return true;
   }
-  // No free slot of the device holds it (the lock was held throughout).
+  // No free slot of the tier holds it (the lock was held throughout).
+  const std::optional<Tier> below = TierBelow(tier);
+  if (!below) return false;
   std::vector<ChunkId> chain;
   if (!keep) {
-    Status evicted = Evict(lock, Tier::kDevice, id, chain);
+    Status evicted = Evict(lock, tier, id, chain);
     if (evicted.code() == StatusCode::kOutOfMemory) return false;
     STRATA_RETURN_IF_ERROR(evicted);
     return true;
   }
-  Result<Extent> slot = Reserve(lock, Tier::kHost, chunks_[id].size_bytes, chain);
+  Result<Extent> slot = Reserve(lock, *below, chunks_[id].size_bytes, chain);
   if (slot.status().code() == StatusCode::kOutOfMemory) return false;
   STRATA_RETURN_IF_ERROR(slot.status());
-  if (!InHoldAt(Tier::kDevice, id, offset)) {  // taken while room was made on the host
-    pool(Tier::kHost)->Free(*slot);
+  if (!InHoldAt(tier, id, offset)) {  // taken while room was made below
+    pool(*below)->Free(*slot);
     return false;
   }
   chunks_[id].in_flight = true;
-  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, ChunkId(id), Tier::kHost, chain, *slot));
+  STRATA_RETURN_IF_ERROR(MoveFlagged(lock, ChunkId(id), *below, chain, *slot));
   return true;
 }
 

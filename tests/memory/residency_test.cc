@@ -432,6 +432,7 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
   ResidencyStack s(FragmentedDevice());
   ASSERT_OK(FragmentDevice(s));
   ASSERT_EQ(s.device_pool->largest_free_bytes(), s.config.chunk_bytes);
+  const MemoryStats before = s.residency->stats();
   {
     // Chunk 3 is in use (against the tier's end, it stays there): the window
     // is chunk 1's slot and a free one beside it.
@@ -442,34 +443,35 @@ TEST(ResidencyTest, FreeSpaceInPiecesIsJoinedByMovingChunksWithinTheTierNotByEvi
   }
   for (uint32_t id : {1u, 3u, 4u}) EXPECT_EQ(s.residency->tier(ChunkId(id)), Tier::kDevice) << id;
   MemoryStats stats = s.residency->stats();
-  EXPECT_EQ(stats.evictions, 0u);
-  EXPECT_EQ(stats.compactions, 1u);
-  EXPECT_EQ(stats.compacted_bytes, s.config.chunk_bytes);
+  EXPECT_EQ(stats.evictions - before.evictions, 0u);
+  EXPECT_EQ(stats.compactions - before.compactions, 1u);
+  EXPECT_EQ(stats.compacted_bytes - before.compacted_bytes, s.config.chunk_bytes);
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
 }
 
-// Issue 22: pinned while the tier is full, chunk 3 at the tier's end and
-// chunk 1 beside the start would split the rest in two slots; no free room
-// lies where chunk 3 keeps it whole, so room is made there (chunk 0
-// evicted), and chunk 4 fits beside the pins once chunk 2 leaves.
+// Issue 22: pinned while the tier is full, chunk 1 would split the room of
+// this tight tier (two of its largest chunks) in two slots; no free room
+// lies against an end, so room is made there (chunk 0 evicted), and chunk 4
+// fits beside the pins once chunk 2 leaves.
 TEST(ResidencyTest, AChunkPinnedWithoutFreeRoomWhereItKeepsTheRoomWholeGetsRoomMadeThere) {
   ResidencyStack s(FragmentedDevice());
   const uint64_t slot = s.config.chunk_bytes;
   for (uint32_t id = 0; id < 5; ++id) ASSERT_OK(s.Fill(id, static_cast<uint8_t>(10 + id)));
   for (uint32_t id = 0; id < 4; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  const MemoryStats before = s.residency->stats();
   {
     ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
-    EXPECT_EQ(one.data(), s.device_pool->Address({slot, slot}));  // slots 2 and 3 hold chunk 4: stays
-    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
-    EXPECT_EQ(three.data(), s.device_pool->Address({0, slot}));  // where chunk 0 was
+    EXPECT_EQ(one.data(), s.device_pool->Address({0, slot}));  // where chunk 0 was
     EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
+    EXPECT_EQ(three.data(), s.device_pool->Address({3 * slot, slot}));  // at the tier's end: stays
     ASSERT_OK(s.residency->Move(ChunkId(2), Tier::kHost));
     ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
-    EXPECT_EQ(big.data(), s.device_pool->Address({2 * slot, 2 * slot}));
+    EXPECT_EQ(big.data(), s.device_pool->Address({slot, 2 * slot}));
   }
   MemoryStats stats = s.residency->stats();
-  EXPECT_EQ(stats.evictions, 1u);    // chunk 0, for chunk 3's place
-  EXPECT_EQ(stats.compactions, 1u);  // chunk 3 into it
+  EXPECT_EQ(stats.evictions - before.evictions, 1u);    // chunk 0, for chunk 1's place
+  EXPECT_EQ(stats.compactions - before.compactions, 1u);  // chunk 1 into it
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
 }
 
@@ -548,24 +550,126 @@ TEST(ResidencyTest, APinReleasedOutOfOrderLeavesAHoleThatOnlyAChunkItHoldsFills)
   EXPECT_EQ(three.data(), s.device_pool->Address({slot, slot}));
 }
 
-// Issue 22: pins scattered over the tier split its room. A chunk whose pin
-// would leave no piece for the largest chunk moves into free room against
-// the pins first (Note [Pins against pins]).
+// Issue 22: pins scattered over the tier split its room. On this tight tier
+// (two of its largest chunks) a chunk whose pin would leave the room in
+// pieces moves into free room against the pins or an end first (Note [Pins
+// against pins]).
 TEST(ResidencyTest, AChunkPinnedLiesAgainstPinsSoThatPinsDoNotSplitTheRoom) {
   ResidencyStack s(FragmentedDevice());
   ASSERT_OK(FragmentDevice(s));  // chunks 1 and 3 in hold at slots 1 and 3; slots 0 and 2 free
+  const MemoryStats before = s.residency->stats();
   {
-    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));  // keeps 2-3: stays
-    EXPECT_EQ(one.data(), s.device_pool->Address({s.config.chunk_bytes, s.config.chunk_bytes}));
-    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));
-    EXPECT_EQ(three.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+    EXPECT_EQ(one.data(), s.device_pool->Address({0, s.config.chunk_bytes}));  // moved to the tier's start
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kDevice));  // at the end: stays
+    EXPECT_EQ(three.data(), s.device_pool->Address({3 * s.config.chunk_bytes, s.config.chunk_bytes}));
     ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kDevice));
-    EXPECT_EQ(big.data(), s.device_pool->Address({2 * s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
+    EXPECT_EQ(big.data(), s.device_pool->Address({s.config.chunk_bytes, 2 * s.config.chunk_bytes}));
   }
   MemoryStats stats = s.residency->stats();
-  EXPECT_EQ(stats.evictions, 0u);
-  EXPECT_EQ(stats.compactions, 1u);
+  EXPECT_EQ(stats.evictions - before.evictions, 0u);
+  EXPECT_EQ(stats.compactions - before.compactions, 1u);
   for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+// On a tier of many of its largest chunks, a pin that keeps a piece for the
+// largest chunk stays where it lies, with room in pieces: no copy where the
+// tier has room.
+TEST(ResidencyTest, OnARoomyTierAChunkIsPinnedWhereItLiesWhileAPieceHoldsTheLargestChunk) {
+  const uint64_t small = 64 << 10;
+  ResidencyStack s({.chunk_bytes = small, .device_chunks = 16, .host_chunks = 32,
+                    .chunk_sizes = {small, small, small, 2 * small}});
+  for (uint32_t id = 0; id < 3; ++id) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kDevice));
+  ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kDevice));
+  EXPECT_EQ(one.data(), s.device_pool->Address({small, small}));
+  EXPECT_EQ(s.residency->stats().compactions + s.residency->stats().evictions, 0u);
+}
+
+// Host of four small slots holding chunks 0 to 3 in hold, in that order;
+// chunk 4, of twice the size, on NVMe.
+ResidencyStack::Config FragmentedHost() {
+  const uint64_t small = 64 << 10;
+  return {.chunk_bytes = small, .device_chunks = 2, .host_chunks = 4,
+          .chunk_sizes = {small, small, small, small, 2 * small}};
+}
+
+// Fills every chunk (with Fill(id, first + id)), sends them all to NVMe and
+// brings `order` back to the host, in that order: each to the lowest free
+// slot.
+Status LayOnHost(ResidencyStack& s, uint8_t first, const std::vector<uint32_t>& order) {
+  for (uint32_t id = 0; id < s.config.num_chunks; ++id) {
+    STRATA_RETURN_IF_ERROR(s.Fill(id, static_cast<uint8_t>(first + id)));
+    STRATA_RETURN_IF_ERROR(s.residency->Move(ChunkId(id), Tier::kNvme));
+  }
+  for (uint32_t id : order) STRATA_RETURN_IF_ERROR(s.residency->Move(ChunkId(id), Tier::kHost));
+  return Status::Ok();
+}
+
+// Issue 22, the host tier: an optimizer step pins a group's chunks on the
+// host together, and a tight host (two of its largest chunks) must hold
+// them all. Chunk 1 pinned where it lies would leave the room in two slots
+// apart; it moves to the tier's start within the host instead, so the chunk
+// that needs the rest of the tier fits.
+TEST(ResidencyTest, AChunkPinnedOnTheHostLiesAgainstPinsSoThatPinsDoNotSplitTheRoom) {
+  ResidencyStack s(FragmentedHost());
+  const uint64_t slot = s.config.chunk_bytes;
+  ASSERT_OK(LayOnHost(s, 10, {0, 1, 2, 3}));
+  for (uint32_t id : {0u, 2u}) ASSERT_OK(s.residency->Move(ChunkId(id), Tier::kNvme));
+  const MemoryStats before = s.residency->stats();
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kHost));
+    EXPECT_EQ(one.data(), s.host_pool->Address({0, slot}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kHost));  // at the end: stays
+    EXPECT_EQ(three.data(), s.host_pool->Address({3 * slot, slot}));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kHost));  // 256KiB of 256KiB pinned
+    EXPECT_EQ(big.data(), s.host_pool->Address({slot, 2 * slot}));
+  }
+  MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.evictions - before.evictions, 0u);
+  EXPECT_EQ(stats.compactions - before.compactions, 1u);  // chunk 1, host to host
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+// With the host full of chunks in hold, room against the pins is made by
+// evicting one to NVMe, and the largest chunk then fits beside the pins.
+TEST(ResidencyTest, AChunkPinnedOnAFullHostGetsRoomMadeAgainstThePinsByEvictingToNvme) {
+  ResidencyStack s(FragmentedHost());
+  const uint64_t slot = s.config.chunk_bytes;
+  ASSERT_OK(LayOnHost(s, 10, {0, 1, 2, 3}));
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kHost));
+    EXPECT_EQ(one.data(), s.host_pool->Address({0, slot}));  // where chunk 0 was
+    EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kNvme);
+    ASSERT_OK_AND_ASSIGN(ChunkAccess three, s.residency->Access(ChunkId(3), Tier::kHost));
+    ASSERT_OK_AND_ASSIGN(ChunkAccess big, s.residency->Access(ChunkId(4), Tier::kHost));
+    EXPECT_EQ(big.data(), s.host_pool->Address({slot, 2 * slot}));
+    EXPECT_EQ(s.residency->tier(ChunkId(2)), Tier::kNvme);
+  }
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(10 + id), Tier::kHost)) << id;
+}
+
+// On the host a chunk whose own slot overlaps its place slides into it
+// (copies within host memory may overlap): no round trip through NVMe.
+TEST(ResidencyTest, AChunkOverlappingItsPlaceOnTheHostSlidesIntoIt) {
+  const uint64_t k32 = 32 << 10;
+  ResidencyStack s({.chunk_bytes = k32, .device_chunks = 8, .host_chunks = 8,
+                    .chunk_sizes = {4 * k32, 2 * k32, k32, k32, 2 * k32}});
+  ASSERT_OK(LayOnHost(s, 20, {1, 2, 0, 3}));
+  ASSERT_EQ(s.host_pool->usage().used_bytes, 8 * k32);  // 1 1 | 2 | 0 0 0 0 | 3
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess one, s.residency->Access(ChunkId(1), Tier::kHost));
+    ASSERT_EQ(one.data(), s.host_pool->Address({0, 2 * k32}));
+    const MemoryStats before = s.residency->stats();
+    ASSERT_OK_AND_ASSIGN(ChunkAccess zero, s.residency->Access(ChunkId(0), Tier::kHost));
+    EXPECT_EQ(zero.data(), s.host_pool->Address({2 * k32, 4 * k32}));  // against chunk 1
+    MemoryStats stats = s.residency->stats();
+    EXPECT_EQ(stats.links[1][2].moves - before.links[1][2].moves, 1u);  // chunk 2, not chunk 0
+    EXPECT_EQ(stats.links[2][1].moves, before.links[2][1].moves);
+    EXPECT_EQ(stats.compactions - before.compactions, 1u);  // the slide
+    ASSERT_OK_AND_ASSIGN(ChunkAccess four, s.residency->Access(ChunkId(4), Tier::kHost));  // 256KiB of 256KiB pinned
+    EXPECT_EQ(four.data(), s.host_pool->Address({6 * k32, 2 * k32}));
+  }
+  for (uint32_t id = 0; id < 5; ++id) EXPECT_TRUE(s.Holds(id, static_cast<uint8_t>(20 + id), Tier::kHost)) << id;
 }
 
 TEST(ResidencyTest, AMomentThatCannotFitTheTierIsOutOfMemoryNamingWhatItNeedsAndTheOption) {
