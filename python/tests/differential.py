@@ -371,16 +371,23 @@ class Refused(Exception):
 
 
 def _refusal(error):
-    """Whether `error` refuses the budgets: a ValueError or MemoryError naming the setting to raise."""
+    """Whether `error` refuses the budgets: a ValueError or MemoryError naming the setting to raise (room in
+    pieces is no refusal: the pinned chunks fit the budget)."""
     text = str(error)
-    return isinstance(error, (ValueError, MemoryError)) and any(
+    return isinstance(error, (ValueError, MemoryError)) and "in pieces" not in text and any(
         key in text for key in ("device.budget", "host.budget", "nvme.capacity"))
 
 
+def dynamic(case):
+    """Whether the case's forwards differ between micro-batches (blocks skipped, a head used in some): a later
+    one may need more than the first, and a refusal then is the engine's first chance."""
+    return case.sometimes or any(spec.skip > 0 for spec in case.blocks)
+
+
 def strata_training(case, model, data, nvme_dir):
-    """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters under bf16/fp16), the
-    engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
-    the first iteration (naming the setting to raise)."""
+    """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters
+    under bf16/fp16), the engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
+    the first iteration (or any, for a dynamic case), naming the setting to raise."""
     config = config_of(case, model, nvme_dir, budgets_of(case, model, nvme_dir))
     try:
         engine = strata.initialize(model, config)
@@ -397,7 +404,7 @@ def strata_training(case, model, data, nvme_dir):
             engine.backward(loss)
             engine.step()
         except MemoryError as error:
-            if i < case.accumulation and _refusal(error):  # the first iteration, its step included
+            if (i < case.accumulation or dynamic(case)) and _refusal(error):  # the first iteration, its step included
                 raise Refused(str(error)) from error
             raise
     losses.append(evaluation(engine, model, data[0]))

@@ -129,5 +129,6 @@ def test_a_device_too_small_for_a_recomputation_is_refused_as_a_memory_error():
     case = Case(seed=11009, width=12, tokens=True, tied=True,
                 blocks=(BlockSpec("conv", output="dataclass", inplace=True, checkpoint="non_reentrant"),
                         BlockSpec("mlp", output="tuple", skip=0.3, frozen=True), BlockSpec("norm", inplace=True)),
-                reuse=1, optimizer="adam", lr=1e-3, weight_decay=0.1, device_budget=16 << 10, chunk_elems=0, measured=True)
+                reuse=1, optimizer="adam", lr=1e-3, weight_decay=0.1, device_budget=16 << 10, chunk_elems=0,
+                measured=True)
     assert run_case(case, refusal_ok=True, at_the_least=False) is None
