@@ -386,8 +386,8 @@ def dynamic(case):
 
 def strata_training(case, model, data, nvme_dir):
     """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters
-    under bf16/fp16), the engine's stats and its config. Raises Refused when the engine refuses the budgets at initialize or in
-    the first iteration (or any, for a dynamic case), naming the setting to raise."""
+    under bf16/fp16), the engine's stats and its config. Raises Refused when the engine refuses the budgets
+    at initialize or in the first iteration (or any, for a dynamic case), naming the setting to raise."""
     config = config_of(case, model, nvme_dir, budgets_of(case, model, nvme_dir))
     try:
         engine = strata.initialize(model, config)
