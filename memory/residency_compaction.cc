@@ -261,14 +261,10 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // where the room left is in pieces, it says that.
 //
 // The adapter releases last in, first out: a module's chunks as it returns,
-// a parent's after its children's, a moment's gradient chunks before its
-// parameters', an update group's chunks all together. The exception is a
-// parameter whose gradient is still to come when the next module's backward
-// begins (a weight tied with a module earlier in the forward, as an output
-// head tied to the embedding): it stays pinned through the backward moments
-// up to that module's, and a chunk pinned before it and let go meanwhile (a
-// parameter of the root module, used after the blocks) leaves a hole of its
-// size until the gradient arrives.
+// a parent's after its children's, a moment's gradient chunks with its
+// parameters', an update group's chunks all together; in backward a module
+// call lets go of every pin but those of its enclosing calls before it pins
+// its own (python/strata/hooks.py).
 
 namespace {
 

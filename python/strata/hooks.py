@@ -10,15 +10,22 @@ recovery) stays out of them.
   stay pinned through its children's moments, accessed again in each) and
   released when the module returns.
 - Backward: the module's outputs carry an identity autograd function whose
-  backward begins the module's backward moment and pins its parameters again
-  (torch 1.13 has no module backward pre-hook); a module called twice in one
-  forward begins a backward moment for each call, and between them its
-  parameters are let go (its next call pins them again), so reusing a module
+  backward begins the call's backward moment and pins its parameters again
+  (torch 1.13 has no module backward pre-hook). As in forward, the calls
+  enclosing it keep theirs pinned while their gradient is still to come
+  (frozen ones: through the enclosing call's backward), since a parent's
+  code between its children, or a checkpointed function recomputed, may
+  read them; every other pin of the backward is let go first. So the
+  device's pins are released last in, first out, and never leave room in
+  pieces between the pins held (Note [Pins against pins] in
+  memory/residency_compaction.cc); and a module called twice in one forward
   pins no more at once than calling it once. Tensors autograd saves that
   are parameters or views of them are saved as (parameter, shape, strides,
   offset) and rebuilt on the chunk's current address when backward unpacks
   them, pinning it on demand if it is not; a chunk may move between forward
-  and backward without a stale pointer anywhere.
+  and backward without a stale pointer anywhere. A parameter whose gradient
+  arrives after its call's moment (a weight tied to an earlier module's) is
+  pinned on demand too.
 - Gradients: when autograd has accumulated a parameter's gradient, it is
   added into the parameter's slot of its grad chunk and ``.grad`` is dropped.
 """
@@ -32,16 +39,16 @@ class _PreBackward(torch.autograd.Function):
     """Identity on a module's output; its backward begins the module's backward moment."""
 
     @staticmethod
-    def forward(ctx, hooks, module_index, call, tensor):
+    def forward(ctx, hooks, module_index, lineage, tensor):
         ctx.hooks = hooks
         ctx.module_index = module_index
-        ctx.call = call
+        ctx.lineage = lineage
         # Not a view: the caller may change the output in place (ReLU(inplace=True)).
         return tensor.detach()
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.hooks.pre_backward(ctx.module_index, ctx.call)
+        ctx.hooks.pre_backward(ctx.module_index, ctx.lineage)
         return None, None, None, grad
 
 
@@ -92,15 +99,13 @@ class Hooks:
         self._grad_sync = grad_sync
         self._check_usable = check_usable  # raises when training cannot go on (the engine's)
         self._module_params = []     # module index -> records of its own parameters (modules that have some)
-        self._owners = {}            # tensor id -> indices of the modules whose own parameter it is
         self._handles = []           # the torch hook handles
         self._accumulators = []      # AccumulateGrad nodes, kept alive so that their hooks stay
-        self._active = []            # forward: stack of module indices running
+        self._active = []            # forward: stack of (module index, lineage) of the calls running
         self._saved_hooks = []       # (module index, saved_tensors_hooks context) entered by running modules
-        self._backward_params = []   # records pinned for backward
+        self._backward_params = []   # (record, the call that pinned it as its own, or None: on demand)
         self._backward_pending = set()  # forward calls whose outputs wait for their backward
-        self._calls_left = {}        # module index -> its calls in _backward_pending
-        self._began = set()          # module indices whose backward moment has begun in this backward
+        self._lineage = ()           # the call whose backward moment is open, after its enclosing calls
         self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
 
@@ -145,8 +150,6 @@ class Hooks:
                 continue
             index = len(self._module_params)
             self._module_params.append(own)
-            for record in own:
-                self._owners.setdefault(record.tensor_id, []).append(index)
             self._handles.append(module.register_forward_pre_hook(self._pre_forward_hook(index)))
             self._handles.append(module.register_forward_hook(self._post_forward_hook(index)))
         self._handles.append(model.register_forward_hook(self._root_post_hook))
@@ -202,12 +205,22 @@ class Hooks:
 
         def hook(module, args):
             if not moments.direct:
-                moments.begin_moment()
+                if self._lineage:
+                    # A forward inside backward (a checkpointed function's
+                    # recomputation) may read the open call's parameters and
+                    # its enclosing calls'; the calls it makes are enclosed
+                    # by the latter only (a reentrant checkpoint recomputes
+                    # as the gradient of its output arrives, which may be
+                    # after the backward of the open call is over).
+                    self._next_moment(self._lineage)
+                else:
+                    moments.begin_moment()
                 if torch.is_grad_enabled():
                     context = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
                     context.__enter__()
                     self._saved_hooks.append((index, context))
-            self._active.append(index)
+            self._calls += 1
+            self._active.append((index, (self._active[-1][1] if self._active else self._lineage[:-1]) + (self._calls,)))
             for record in own:
                 moments.materialize(record)
         return hook
@@ -219,22 +232,22 @@ class Hooks:
             # A parameter, or a view of one, returned by the module outlives
             # it: copied while its chunk is still pinned.
             output = _map_tensors(output, self._unalias)
-            if self._active and self._active[-1] == index:
-                self._active.pop()
+            if self._active and self._active[-1][0] == index:
+                lineage = self._active.pop()[1]
+            else:  # its pre-hook's entry is gone (a forward that raised was recovered from)
+                self._calls += 1
+                lineage = (self._calls,)
             for record in own:
                 moments.release(record)
             if self._saved_hooks and self._saved_hooks[-1][0] == index:
                 self._saved_hooks.pop()[1].__exit__(None, None, None)
             if moments.direct or not torch.is_grad_enabled():
                 return output
-            self._calls += 1
-            call = self._calls
-            self._backward_pending.add(call)
-            self._calls_left[index] = self._calls_left.get(index, 0) + 1
+            self._backward_pending.add(lineage[-1])
 
             def wrap(t):
                 if t.requires_grad and t.is_floating_point():
-                    return _PreBackward.apply(self, index, call, t)
+                    return _PreBackward.apply(self, index, lineage, t)
                 return t
             return _map_tensors(output, wrap)
         return hook
@@ -265,44 +278,53 @@ class Hooks:
 
     # --- backward --------------------------------------------------------------------
 
-    def pin_for_backward(self, record):
+    def pin_for_backward(self, record, call=None):
+        """Pins `record` until the backward lets it go: as `call`'s own parameter, or on demand (None)."""
         if record.for_backward:
             return
         self._moments.materialize(record)
         record.for_backward = True
         record.grad_arrived = False
-        self._backward_params.append(record)
+        self._backward_params.append((record, call))
 
-    def pre_backward(self, index, call):
+    def _let_go(self, keep):
+        """Lets go of the backward's pins but the own parameters of the calls in `keep` whose gradient is still
+        to come (frozen ones: all), from the first that goes on, so that those left were pinned first. Returns
+        the kept ones after it, to be pinned again once the moment's gradient chunks are let go too."""
+        def kept(pin):
+            return pin[1] in keep and not pin[0].grad_arrived
+
+        pins = self._backward_params
+        first = 0
+        while first < len(pins) and kept(pins[first]):
+            first += 1
+        gone = pins[first:]
+        del pins[first:]
+        for record, _ in gone:
+            record.for_backward = False
+            self._moments.release(record)
+        return [pin for pin in gone if kept(pin)]
+
+    def _next_moment(self, keep):
+        """Begins the next moment in backward, with the pins `_let_go(keep)` keeps."""
+        again = self._let_go(keep)
+        self._moments.begin_moment()
+        for record, call in again:
+            self.pin_for_backward(record, call)
+
+    def pre_backward(self, index, lineage):
         """A module call's backward begins (the first of its outputs' gradients): its moment, and its parameters."""
+        call = lineage[-1]
         if call not in self._backward_pending:
             return  # another output of the same call: its moment has begun
         self._backward_pending.discard(call)
-        self._calls_left[index] -= 1
-        self._began.add(index)
         if not self._end_queued:
             self._end_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.end_backward)
-        self._moments.begin_moment()
-        # Parameters whose gradient is in, frozen ones of modules done, and
-        # those of a module called again (its backward has begun and a call's
-        # is still to come, which pins them again) are let go.
-        own = self._module_params[index]
-        keep = []
-        for record in self._backward_params:
-            mine = record in own
-            done = record.grad_arrived if record.trainable else not mine
-            if not done and not mine:
-                done = any(m in self._began and self._calls_left.get(m, 0) > 0
-                           for m in self._owners.get(record.tensor_id, ()))
-            if done:
-                record.for_backward = False
-                self._moments.release(record)
-            else:
-                keep.append(record)
-        self._backward_params = keep
-        for record in own:
-            self.pin_for_backward(record)
+        self._next_moment(lineage[:-1])
+        self._lineage = lineage
+        for record in self._module_params[index]:
+            self.pin_for_backward(record, call)
 
     def grad_ready(self, record):
         """Autograd accumulated `record`'s gradient: added into its slot of its grad chunk, .grad dropped."""
@@ -322,11 +344,7 @@ class Hooks:
     def end_backward(self):
         """Every pin backward holds is let go (autograd's callback as a backward ends, and before a step)."""
         self._end_queued = False
-        for record in self._backward_params:
-            record.for_backward = False
-            self._moments.release(record)
-        self._backward_params = []
+        self._let_go(())
+        self._lineage = ()
         self._backward_pending.clear()
-        self._calls_left.clear()
-        self._began.clear()
         self._moments.saved_bytes = 0
