@@ -163,9 +163,16 @@ class ResidencyManager final : public AccessOwner {
   // it lies it would split the room left (Note [Pins against pins]), moves it
   // against a pinned chunk or an end of the tier where it keeps the room:
   // into free room there, or else, with `make_room`, into room made there by
-  // moving or evicting chunks in hold. True when the lock was let go
-  // meanwhile (the caller looks at the chunk again).
-  Result<bool> PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id, bool make_room);
+  // moving or evicting chunks in hold. Where chunks in flight (arriving or
+  // leaving) stand in every such place, waits for one of them to land
+  // instead, counting in `waits` (Note [Waiting for a place]). kHere: pin it
+  // where it lies; else the lock was let go meanwhile and the caller looks
+  // at the chunk again (kMoved: room was made or it moved).
+  enum class PinPlace { kHere, kMoved, kWaited };
+  Result<PinPlace> PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id, bool make_room, int& waits);
+  // Waits for one of `moving` (chunks in flight on a tier) to land, unless
+  // `waits` reached its bound: kWaited, or kHere.
+  Result<PinPlace> WaitForAMove(Lock& lock, const std::vector<uint32_t>& moving, int& waits);
   // A free slot of `size_bytes` on memory tier `tier` against a pinned chunk
   // or an end of the tier where a chunk pinned keeps the room, allocated, or
   // nullopt when free room there holds none.

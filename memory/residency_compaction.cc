@@ -364,27 +364,34 @@ std::optional<Extent> ResidencyManager::AllocateAgainstPins(Tier tier, uint64_t 
   return ClaimWhole(*target, {place->offset, RoundUp(size_bytes, kSlotAlignmentBytes)});
 }
 
-Result<bool> ResidencyManager::PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id, bool make_room) {
+Result<ResidencyManager::PinPlace> ResidencyManager::PlaceAgainstPins(Lock& lock, Tier tier, uint32_t id,
+                                                                       bool make_room, int& waits) {
   TierPool* target = pool(tier);
   const Chunk& chunk = chunks_[id];
   const uint64_t capacity = target->usage().capacity_bytes;
   const Extent slot = chunk.extent;
   const std::vector<Extent> pinned = PinnedExtents(tier);
   const uint64_t keep = RoomToKeep(tier);
-  if (KeepsRoom(pinned, capacity, slot, keep)) return false;
-  const std::optional<Place> place =
-      BestPlaceAgainstPins(PiecesOf(*target, chunks_), pinned, capacity, slot.size_bytes, id, keep);
-  if (!place) return false;
+  if (KeepsRoom(pinned, capacity, slot, keep)) return PinPlace::kHere;
+  const std::vector<Piece> pieces = PiecesOf(*target, chunks_);
+  const std::optional<Place> place = BestPlaceAgainstPins(pieces, pinned, capacity, slot.size_bytes, id, keep);
+  if (!place) {
+    std::vector<uint32_t> moving;  // the chunks in flight on the tier, not pinned
+    for (const Piece& p : pieces) {
+      if (p.chunk && !p.movable && chunks_[*p.chunk].refs == 0) moving.push_back(*p.chunk);
+    }
+    return WaitForAMove(lock, moving, waits);
+  }
   const Extent window{place->offset, slot.size_bytes};
   if (place->chunk_bytes > 0 || place->overlaps_own) {
-    if (!make_room) return false;
+    if (!make_room) return PinPlace::kHere;
     STRATA_RETURN_IF_ERROR(MakeRoomAgainstPins(lock, tier, id, window));
-    return true;
+    return PinPlace::kMoved;
   }
   const Extent dst = ClaimWhole(*target, window);
   STRATA_ASSIGN_OR_RETURN(std::optional<Extent> left, MoveWithinTier(lock, tier, id, slot.offset, dst));
   target->Free(left ? *left : dst);
-  return left.has_value();
+  return left ? PinPlace::kMoved : PinPlace::kHere;
 }
 
 Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id, Extent window) {

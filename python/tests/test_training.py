@@ -438,7 +438,9 @@ def test_a_host_budget_below_one_groups_update_is_refused_at_initialize(tmp_path
         strata.initialize(model, three_tiers(tmp_path, host={"budget": "48KiB"}))
     for name, p in model.named_parameters():
         assert torch.equal(p, before[name]), name
-    engine = strata.initialize(model, three_tiers(tmp_path, host={"budget": "64KiB"}))
+    # A little over one group's update: at exactly 64KiB the pipeline's prefetches in flight can still leave
+    # the host's room in pieces (Note [Waiting for a place]).
+    engine = strata.initialize(model, three_tiers(tmp_path, host={"budget": "96KiB"}))
     data = batches(3)
     assert max(relative_errors(strata_losses(engine, data), torch_losses(reference, data))) <= 1e-5
 
