@@ -108,6 +108,8 @@ class Hooks:
         self._lineage = ()           # the call whose backward moment is open, after its enclosing calls
         self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
+        # Parameters sharded (comm.shard_params): a param chunk pinned again is gathered again.
+        self._sharded = any(chunk["transient"] for chunk in table.chunks if chunk["kind"] == "param")
 
     # --- set-up ----------------------------------------------------------------
 
@@ -287,23 +289,34 @@ class Hooks:
         record.grad_arrived = False
         self._backward_params.append((record, call))
 
-    def _let_go(self, keep):
+    def _let_go(self, keep, ending=False):
         """Lets go of the backward's pins but the own parameters of the calls in `keep` whose gradient is still
         to come (frozen ones: all), from the first that goes on, so that those left were pinned first. Returns
-        the kept ones after it, to be pinned again once the moment's gradient chunks are let go too."""
+        the kept ones after it, to be pinned again once the moment's gradient chunks are let go too.
+
+        Parameters sharded, pinning a parameter again gathers it from every rank again: until the backward is
+        `ending`, trainable parameters whose gradient is still to come are kept too (an output head tied to
+        the embedding, a weight whose gradient autograd accumulates after the next module's backward began),
+        and the pins kept stay as they are."""
+        sharded = self._sharded and not ending
+
         def kept(pin):
-            return pin[1] in keep and not pin[0].grad_arrived
+            record, call = pin
+            return not record.grad_arrived and (call in keep or (sharded and record.trainable))
 
         pins = self._backward_params
         first = 0
         while first < len(pins) and kept(pins[first]):
             first += 1
-        gone = pins[first:]
+        tail = pins[first:]
         del pins[first:]
+        gone = [pin for pin in tail if not (sharded and kept(pin))]
+        if sharded:
+            pins.extend(pin for pin in tail if kept(pin))
         for record, _ in gone:
             record.for_backward = False
             self._moments.release(record)
-        return [pin for pin in gone if kept(pin)]
+        return [] if sharded else [pin for pin in gone if kept(pin)]
 
     def _next_moment(self, keep):
         """Begins the next moment in backward, with the pins `_let_go(keep)` keeps."""
@@ -344,7 +357,7 @@ class Hooks:
     def end_backward(self):
         """Every pin backward holds is let go (autograd's callback as a backward ends, and before a step)."""
         self._end_queued = False
-        self._let_go(())
+        self._let_go((), ending=True)
         self._lineage = ()
         self._backward_pending.clear()
         self._moments.saved_bytes = 0
