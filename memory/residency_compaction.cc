@@ -376,9 +376,10 @@ Result<ResidencyManager::PinPlace> ResidencyManager::PlaceAgainstPins(Lock& lock
   const std::vector<Piece> pieces = PiecesOf(*target, chunks_);
   const std::optional<Place> place = BestPlaceAgainstPins(pieces, pinned, capacity, slot.size_bytes, id, keep);
   if (!place) {
-    std::vector<uint32_t> moving;  // the chunks in flight on the tier, not pinned
-    for (const Piece& p : pieces) {
-      if (p.chunk && !p.movable && chunks_[*p.chunk].refs == 0) moving.push_back(*p.chunk);
+    std::vector<uint32_t> moving;  // the chunks in flight on the tier or arriving on it, not pinned
+    for (uint32_t i = 0; i < chunks_.size(); ++i) {
+      const Chunk& c = chunks_[i];
+      if (c.refs == 0 && ((c.tier == tier && c.in_flight) || c.arriving == tier)) moving.push_back(i);
     }
     return WaitForAMove(lock, moving, waits);
   }

@@ -19,7 +19,9 @@ recovery) stays out of them.
   device's pins are released last in, first out, and never leave room in
   pieces between the pins held (Note [Pins against pins] in
   memory/residency_compaction.cc); and a module called twice in one forward
-  pins no more at once than calling it once. Tensors autograd saves that
+  pins no more at once than calling it once. Parameters sharded, a trainable
+  parameter stays pinned until its gradient arrives instead: pinned again,
+  it would be gathered from every rank again. Tensors autograd saves that
   are parameters or views of them are saved as (parameter, shape, strides,
   offset) and rebuilt on the chunk's current address when backward unpacks
   them, pinning it on demand if it is not; a chunk may move between forward

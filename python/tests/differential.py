@@ -329,7 +329,9 @@ def budgets_of(case, model, nvme_dir):
     room for all it could hold there (fraction 1), read from the layout of an engine made for a copy of
     `model` with room for everything (then let go). `case.device_budget` and `case.host_budget`, when set,
     are the budgets instead."""
-    config = config_of(case, model, nvme_dir, budgets=None)
+    probe_dir = os.path.join(nvme_dir, "probe")
+    os.mkdir(probe_dir)
+    config = config_of(case, model, probe_dir, budgets=None)
     chunks = strata.initialize(copy.deepcopy(model), config).engine.chunks()
     on_device = [c["size_bytes"] for c in chunks if c["kind"] in ("param", "grad")]
     groups = {}
@@ -469,6 +471,7 @@ def run_case(case, refusal_ok=False, at_the_least=True):
     theirs, params = torch_training(case, reference, data)
     rtol = TOLERANCE[case.precision]
     where = f"\nreproduce: run_case({case!r})"
+    assert len(ours) == len(theirs), f"{len(ours)} losses from strata, {len(theirs)} from torch{where}"
     for i, (a, b) in enumerate(zip(ours, theirs)):
         assert _close(a, b, rtol), f"loss {i}: strata {a!r}, torch {b!r} (relative tolerance {rtol}){where}"
     for name, value in params.items():
@@ -478,9 +481,9 @@ def run_case(case, refusal_ok=False, at_the_least=True):
         error = (mine - value).abs() - rtol * value.abs()
         assert error.max().item() <= param_atol(case), \
             f"parameter {name}: an element differs by {(mine - value).abs().max().item():.3g}{where}"
-    for tier in ("device", "host"):
-        peak, budget = stats["tiers"][tier]["peak_bytes"], config[tier]["budget"]
-        assert peak <= budget, f"{tier} peak {peak} over its budget {budget}{where}"
+    for tier in ("device", "host"):  # the tier's arena is its budget: nothing is held beside it
+        usage, budget = stats["tiers"][tier], config[tier]["budget"]
+        assert usage["peak_bytes"] <= usage["capacity_bytes"] <= budget, f"{tier}: {usage}, budget {budget}{where}"
     return stats
 
 
