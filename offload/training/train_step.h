@@ -42,7 +42,8 @@ struct TrainStepOptions {
 };
 
 // OutOfMemory, naming host.budget and the figures, when the host tier cannot
-// hold one trainable chunk group's chunks at once, as its update needs them.
+// hold one trainable chunk group's chunks at once, as its update needs them,
+// and one of them besides (Note [Room for a step]).
 Status CheckStepRoom(const Engine& engine, const optim::Optimizer& optimizer);
 
 // Needs an open pipeline iteration and no open moment; leaves the iteration

@@ -81,15 +81,17 @@ TEST(TrainStepTest, AHostTierThatCannotHoldOneGroupsUpdateIsRefusedWithTheFigure
   auto config = optim::OptimizerConfigFromOptions(Options{});  // AdamW: grad, param and two states per group
   ASSERT_OK(config.status());
   ASSERT_OK_AND_ASSIGN(auto optimizer, optim::Optimizer::Create(*config));
-  Status refused = CheckStepRoom(*OneGroupEngine(3), *optimizer);
+  // Four 16KiB chunks, and one besides for the next group's arriving (Note [Room for a step]).
+  Status refused = CheckStepRoom(*OneGroupEngine(4), *optimizer);
   ASSERT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
-  for (const char* part : {"host.budget", "64KiB", "48KiB"}) {
+  for (const char* part : {"host.budget", "80KiB", "64KiB"}) {
     EXPECT_NE(refused.message().find(part), std::string::npos) << part << " not in " << refused.ToString();
   }
-  EXPECT_OK(CheckStepRoom(*OneGroupEngine(4), *optimizer));
+  EXPECT_OK(CheckStepRoom(*OneGroupEngine(5), *optimizer));
   config->kind = OptimizerKind::kSgd;  // no momentum: grad and param only
   ASSERT_OK_AND_ASSIGN(auto sgd, optim::Optimizer::Create(*config));
   EXPECT_OK(CheckStepRoom(*OneGroupEngine(3), *sgd));
+  EXPECT_EQ(CheckStepRoom(*OneGroupEngine(2), *sgd).code(), StatusCode::kOutOfMemory);
 }
 
 TEST(TrainStepTest, ACorruptStateOnNvmeEndsTheStepUncountedAndNamesTheChunk) {
