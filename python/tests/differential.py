@@ -15,6 +15,7 @@ test_differential.py draws cases with hypothesis and holds the issue's cases as 
 
 import copy
 import dataclasses
+import gc
 import math
 import os
 import re
@@ -468,6 +469,8 @@ def run_case(case, refusal_ok=False, at_the_least=True):
             raise AssertionError(f"refused: {error}\nreproduce: run_case({case!r})") from error
         except Exception as error:
             raise AssertionError(f"{type(error).__name__}: {error}\nreproduce: run_case({case!r})") from error
+        finally:
+            gc.collect()  # the engines (the probe's too) hold their NVMe files open until they are collected
     theirs, params = torch_training(case, reference, data)
     rtol = TOLERANCE[case.precision]
     where = f"\nreproduce: run_case({case!r})"
