@@ -441,17 +441,20 @@ def _train_at_the_least(case, data, nvme_dir, tries):
     """strata's training of `case` (see strata_training), and the case it trained. A refusal that names the
     least budget that would do is tried again at that budget (so the tightest budget the engine accepts is
     trained at), up to `tries` times in all; then its Refused is raised."""
-    for attempt in range(tries):
+    def attempt(number, case):
+        attempt_dir = os.path.join(nvme_dir, str(number))
+        os.mkdir(attempt_dir)
+        return case, strata_training(case, build_model(case), data, attempt_dir)
+
+    for number in range(tries - 1):
         try:
-            attempt_dir = os.path.join(nvme_dir, str(attempt))
-            os.mkdir(attempt_dir)
-            return case, strata_training(case, build_model(case), data, attempt_dir)
+            return attempt(number, case)
         except Refused as error:
             least = _LEAST.search(str(error))
-            if least is None or attempt == tries - 1:
+            if least is None:
                 raise
             case = replace(case, **{f"{least.group(1)}_budget": parse_size(least.group(2).replace(" ", ""))})
-    raise AssertionError("unreachable")
+    return attempt(tries - 1, case)
 
 
 def run_case(case, refusal_ok=False, at_the_least=True):
