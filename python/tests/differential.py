@@ -390,7 +390,8 @@ def dynamic(case):
 def strata_training(case, model, data, nvme_dir):
     """The same training through strata. Returns the losses (an evaluation's last), the parameters (masters
     under bf16/fp16), the engine's stats and its config. Raises Refused when the engine refuses the budgets
-    at initialize or in the first iteration (or any, for a dynamic case), naming the setting to raise."""
+    at initialize or in the first iteration (or any, the evaluation's too, for a dynamic case), naming the
+    setting to raise."""
     config = config_of(case, model, nvme_dir, budgets_of(case, model, nvme_dir))
     try:
         engine = strata.initialize(model, config)
@@ -399,18 +400,26 @@ def strata_training(case, model, data, nvme_dir):
             raise Refused(str(error)) from error
         raise
     losses = []
-    for i, (inputs, targets) in enumerate(data):
-        model.position = i
+
+    def refusing(first, work):
         try:
-            loss = engine(inputs, targets)
-            losses.append(loss.item())
-            engine.backward(loss)
-            engine.step()
+            return work()
         except MemoryError as error:
-            if (i < case.accumulation or dynamic(case)) and _refusal(error):  # the first iteration, its step included
+            if (first or dynamic(case)) and _refusal(error):
                 raise Refused(str(error)) from error
             raise
-    losses.append(evaluation(engine, model, data[0]))
+
+    def iteration(inputs, targets):
+        loss = engine(inputs, targets)
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+
+    for i, (inputs, targets) in enumerate(data):
+        model.position = i
+        refusing(i < case.accumulation, lambda: iteration(inputs, targets))  # the first iteration, its step too
+    # The evaluation runs every block: a dynamic case's training may never have used some of them at once.
+    losses.append(refusing(False, lambda: evaluation(engine, model, data[0])))
     state = engine.state_dict(master=case.precision != "fp32")
     return losses, state, engine.stats(), config
 
