@@ -8,6 +8,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
+scripts/venv.sh   # .venv: PyTorch 2.13 and the other pinned Python packages; strata from build/python
 scripts/build.sh build
-export PYTHONPATH="$PWD/build/python${PYTHONPATH:+:$PYTHONPATH}"
-exec /usr/bin/python3 examples/finetune.py --out build/demo "$@"
+exec .venv/bin/python examples/finetune.py --out build/demo "$@"

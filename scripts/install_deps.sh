@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs what strata needs to build and test, from Debian packages.
+# Installs what strata needs to build and test, from Debian packages (the
+# Python packages, PyTorch among them, come from PyPI: scripts/venv.sh).
 # Idempotent and non-interactive; run as root (or with sudo available).
 # CUDA and NCCL are not installed here: they are used from /usr/local/cuda
 # when present, and the build goes on without them otherwise.
@@ -11,11 +12,8 @@ packages=(
   nlohmann-json3-dev libfmt-dev libcli11-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   fio  # the reference of `strata bench io --compare-fio`
-  python3-dev pybind11-dev python3-pytest  # the Python package (python/) and its tests
-  python3-hypothesis  # the differential tests against plain PyTorch (python/tests/test_differential.py)
-  python3-torch python3-tqdm python3-matplotlib  # the PyTorch adapter and the demo (examples/finetune.py)
+  python3-dev python3-venv  # the Python package's headers and its virtual environment (scripts/venv.sh)
   libopenmpi-dev openmpi-bin  # the MPI communicator and the multi-rank tests (mpirun)
-  libopenblas0-pthread  # an optimized BLAS for python3-torch (the default reference BLAS is 12x slower)
 )
 
 missing=()

@@ -6,6 +6,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
+scripts/venv.sh   # .venv: PyTorch 2.13 and the other pinned Python packages
 python3 scripts/check_layers.py  # every #include within its layer (docs/design.md, "Layers")
 
 build_dir=build
