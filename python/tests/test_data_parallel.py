@@ -144,8 +144,10 @@ def test_torchrun_ranks_that_never_close_their_engine_exit_cleanly(tmp_path):
     """A script that neither closes nor frees its engine under torchrun: the exit hook closes the reducer,
     whose last gathers run through gloo as the interpreter shuts down. If gloo's thread freed those
     collectives' tensors it would need the GIL, and Python stops such a thread inside the destructor
-    (std::terminate): before the communicator kept them, 4 runs of 12 aborted that way. Three runs."""
-    for attempt in range(3):
+    (std::terminate): before the communicator kept them, 4 runs of 12 aborted that way. And torch 2.x's gloo
+    aborts about one exit in six when the process groups are still alive at exit, unless the communicator
+    destroys them (its exit hook). Six runs."""
+    for attempt in range(6):
         (tmp_path / str(attempt)).mkdir()
         result = run_ranks(tmp_path / str(attempt), 2, 3, 8, launcher="torchrun", shard_params=True, close=False)
         assert len(result["losses"]) == 3
