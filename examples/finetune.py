@@ -1,7 +1,7 @@
 """Fine-tune a GPT-style decoder with strata, its states spread over device, host and NVMe.
 
-    /usr/bin/python3 examples/finetune.py [--steps 30] [--out build/demo] [--init state_dict.pt]
-    mpirun -np 2 /usr/bin/python3 examples/finetune.py     # data parallel: each rank a share of every batch
+    .venv/bin/python examples/finetune.py [--steps 30] [--out build/demo] [--init state_dict.pt]
+    mpirun -np 2 .venv/bin/python examples/finetune.py     # data parallel: each rank a share of every batch
 
 The model is plain PyTorch (examples/gpt.py); strata.initialize moves its
 parameters, gradients and AdamW states into chunks. By default the device

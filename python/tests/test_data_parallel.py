@@ -20,9 +20,8 @@ def launch(launcher, world, args, mpi_options=(), env=None):
     if launcher == "mpirun":
         command = [MPIRUN, "-np", str(world), "--oversubscribe", *mpi_options, sys.executable] + worker
     else:
-        # --redirects/--tee 1: Debian's torch 1.13 on Python 3.11 fails to parse their default of 0.
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(world),
-                   "--redirects", "1", "--tee", "1"] + worker
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+                   str(world)] + worker
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(env or {}))
     return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
 
