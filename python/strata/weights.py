@@ -3,6 +3,7 @@ safetensors file or a state dict (planned and checked before anything is set), c
 (state_dict), and the safetensors export."""
 
 import inspect
+import json
 import os
 from dataclasses import dataclass
 
@@ -25,6 +26,24 @@ def _read_safetensors_tensor(path, entry):
         f.seek(entry["offset"])
         raw = bytearray(f.read(entry["bytes"]))
     return torch.frombuffer(raw, dtype=_SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+
+
+def _checkpoint_files(directory):
+    """The weight files of a directory save_pretrained wrote: its safetensors file, its shards (by the
+    index), else its pytorch_model.bin."""
+    single = os.path.join(directory, "model.safetensors")
+    index = os.path.join(directory, "model.safetensors.index.json")
+    if os.path.isfile(single):
+        return [single]
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(directory, shard) for shard in shards]
+    if os.path.isfile(os.path.join(directory, "pytorch_model.bin")):
+        return [os.path.join(directory, "pytorch_model.bin")]
+    raise ValueError(f"strata: load_weights: the directory {directory} holds none of model.safetensors, "
+                     "model.safetensors.index.json (shards) or pytorch_model.bin: pass a weights file, or a "
+                     "directory that save_pretrained wrote")
 
 
 def _held_part(chunk, offset, numel, itemsize):
@@ -50,7 +69,7 @@ def _few(items):
 class WeightsPlan:
     """What a load of weights sets, every check made and every tensor the C++ import does not read, read."""
 
-    path: object         # the safetensors file the C++ import reads (those under their registered names), or None
+    files: list          # the safetensors files the C++ import reads (those under their registered names)
     values: dict         # record -> flat values to write
     buffer_values: dict  # buffer name -> its value
     buffers: dict        # buffer name -> (its module, its name there)
@@ -98,7 +117,8 @@ class Weights:
             if buffer.is_meta:
                 raise ValueError(f"strata.initialize: buffer {name} is on the meta device and the weights do not "
                                  "hold it (a buffer the model computes, such as rotary frequencies, must be made "
-                                 "on a real device)")
+                                 "on a real device: build the model under accelerate.init_empty_weights(), which "
+                                 "leaves buffers real, rather than torch.device('meta'))")
 
     def write(self, values):
         """Each record's flat values (any float dtype, on any device) into its param chunk and its master
@@ -170,22 +190,26 @@ class Weights:
         """A WeightsPlan for `source` (see TrainingEngine.load_weights); raises what load_weights refuses."""
         params, buffers = self._tensor_names()
         path = os.fspath(source) if isinstance(source, (str, os.PathLike)) else None
-        safetensors = path is not None and path.endswith(".safetensors")
+        files = _checkpoint_files(path) if path is not None and os.path.isdir(path) else [path]
+        safetensors = path is not None and all(file.endswith(".safetensors") for file in files)
         if safetensors:
-            index = self._table.checked(_strata.safetensors_index, path)
-            shapes = {name: tuple(entry["shape"]) for name, entry in index.items()}
+            index = {}  # name -> (its file, its entry there)
+            for file in files:
+                index.update((name, (file, entry))
+                             for name, entry in self._table.checked(_strata.safetensors_index, file).items())
+            shapes = {name: tuple(entry["shape"]) for name, (_, entry) in index.items()}
         else:
-            source = self._state_dict_of(source, path)
+            source = self._state_dict_of(source, files[0])
             shapes = {name: tuple(value.shape) for name, value in source.items()}
         chosen, result = self._fit(shapes, params, buffers, strict)
         if safetensors:  # a tied parameter under another of its names, and the buffers: read now
-            values = {record: _read_safetensors_tensor(path, index[name]).reshape(-1)
+            values = {record: _read_safetensors_tensor(*index[name]).reshape(-1)
                       for record, name in chosen.items() if name != record.name}
-            buffer_values = {name: _read_safetensors_tensor(path, index[name]) for name in shapes if name in buffers}
+            buffer_values = {name: _read_safetensors_tensor(*index[name]) for name in shapes if name in buffers}
         else:
             values = {record: source[name].detach().reshape(-1) for record, name in chosen.items()}
             buffer_values = {name: source[name] for name in shapes if name in buffers}
-        return WeightsPlan(path if safetensors else None, values, buffer_values, buffers, result)
+        return WeightsPlan(files if safetensors else [], values, buffer_values, buffers, result)
 
     @staticmethod
     def _state_dict_of(source, path):
@@ -215,6 +239,9 @@ class Weights:
         if wrong or (strict and (missing or unused)):
             parts = wrong + ([f"it lacks {_few(missing)}"] if strict and missing else [])
             parts += [f"it has {_few(unused)} that the model does not"] if strict and unused else []
+            if strict and missing and hasattr(self._model, "tie_weights"):
+                parts.append("(a Hugging Face model built under accelerate.init_empty_weights() has its tied "
+                             "weights untied: call model.tie_weights() before strata.initialize)")
             raise ValueError(f"strata: load_weights: the weights do not fit this model: {'; '.join(parts)}")
         return chosen, {"tensors": len(chosen), "missing": missing, "unused": unused}
 
@@ -239,8 +266,8 @@ class Weights:
 
     def apply(self, plan):
         """Sets what `plan` holds: the C++ import from its file, the values read, the buffers."""
-        if plan.path is not None:  # those under their registered names straight from the file
-            self._table.checked(_strata.import_safetensors, self._runtime.engine, plan.path, False)
+        for file in plan.files:  # those under their registered names straight from the files
+            self._table.checked(_strata.import_safetensors, self._runtime.engine, file, False)
         self.write(plan.values)
         with torch.no_grad():
             for name, value in plan.buffer_values.items():
