@@ -84,26 +84,31 @@ def _resolve_param(item, where, by_name, first_name):
                      "names")
 
 
+def _place(item, index, group_of, by_name, first_name):
+    """Parameter `item` of param_groups[index] into `group_of`, once."""
+    where = f"param_groups[{index}]"
+    p = _resolve_param(item, where, by_name, first_name)
+    name = first_name[id(p)]
+    if not p.requires_grad:
+        raise ValueError(f"strata.initialize: {where} holds '{name}', which is frozen (requires_grad=False): "
+                         "frozen parameters have no optimizer state and belong to no group; leave it out")
+    if group_of.get(id(p), index) != index:
+        raise ValueError(f"strata.initialize: '{name}' is in param_groups[{group_of[id(p)]}] and {where}: "
+                         "each trainable parameter belongs to exactly one group")
+    group_of[id(p)] = index
+
+
 def _given_groups(model, param_groups):
     """`param_groups` checked: each group's options (without params) and {id(parameter): group index}."""
     if not isinstance(param_groups, (list, tuple)) or not param_groups or \
             not all(isinstance(g, dict) and "params" in g for g in param_groups):
         raise ValueError("strata.initialize: param_groups must be a non-empty list of dicts, each with 'params' "
                          "(as torch.optim takes them: [{'params': [...], 'weight_decay': 0.0}, ...])")
-    by_name, first_name = _names(model)
+    names = _names(model)
     group_of, options = {}, []
     for index, group in enumerate(param_groups):
-        where = f"param_groups[{index}]"
         for item in _listed(group["params"]):
-            p = _resolve_param(item, where, by_name, first_name)
-            name = first_name[id(p)]
-            if not p.requires_grad:
-                raise ValueError(f"strata.initialize: {where} holds '{name}', which is frozen (requires_grad=False): "
-                                 "frozen parameters have no optimizer state and belong to no group; leave it out")
-            if group_of.get(id(p), index) != index:
-                raise ValueError(f"strata.initialize: '{name}' is in param_groups[{group_of[id(p)]}] and {where}: "
-                                 "each trainable parameter belongs to exactly one group")
-            group_of[id(p)] = index
+            _place(item, index, group_of, *names)
         options.append({key: value for key, value in group.items() if key != "params"})
     missing = [name for name, p in model.named_parameters() if p.requires_grad and id(p) not in group_of]
     if missing:
