@@ -85,15 +85,10 @@ void BindOptimizer(py::module_& m) {
           [](const optim::Optimizer& o, uint32_t group) {
             if (group >= o.num_groups()) throw py::index_error(fmt::format("no param group {}", group));
             const optim::GroupHyperparams g = o.group(group);
-            py::dict d;
-            d["lr"] = g.lr;
-            d["betas"] = py::make_tuple(g.beta1, g.beta2);
-            d["eps"] = g.eps;
-            d["weight_decay"] = g.weight_decay;
-            d["momentum"] = g.momentum;
-            d["dampening"] = g.dampening;
-            d["nesterov"] = g.nesterov;
-            return d;
+            return py::dict(py::arg("lr") = g.lr, py::arg("betas") = py::make_tuple(g.beta1, g.beta2),
+                            py::arg("eps") = g.eps, py::arg("weight_decay") = g.weight_decay,
+                            py::arg("momentum") = g.momentum, py::arg("dampening") = g.dampening,
+                            py::arg("nesterov") = g.nesterov);
           },
           py::arg("group"), "param group `group`'s hyperparameters: lr, betas, eps, weight_decay, momentum, ...")
       .def(
