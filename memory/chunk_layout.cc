@@ -51,9 +51,18 @@ uint64_t AlignElems(uint64_t elems) {
   return (elems + kTensorAlignmentElems - 1) / kTensorAlignmentElems * kTensorAlignmentElems;
 }
 
-struct PlannedChunk {
+// What tensors must share to share a chunk.
+struct ChunkClass {
   DType dtype;
   bool trainable;
+  uint32_t param_group;  // 0 for frozen tensors, which no optimizer updates
+  auto operator<=>(const ChunkClass&) const = default;
+};
+
+ChunkClass ClassOf(const TensorSpec& t) { return {t.dtype, t.trainable, t.trainable ? t.param_group : 0}; }
+
+struct PlannedChunk {
+  ChunkClass cls;
   uint64_t capacity_elems;
   uint64_t used_elems = 0;
   std::vector<std::pair<TensorId, uint64_t>> tensors;  // id, offset
@@ -62,7 +71,7 @@ struct PlannedChunk {
 // Packs tensors into param chunks of `chunk_elems` (see the header for the rules).
 std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t chunk_elems) {
   std::vector<PlannedChunk> chunks;
-  std::map<std::pair<DType, bool>, size_t> open_chunk;  // class -> index into chunks
+  std::map<ChunkClass, size_t> open_chunk;  // class -> index into chunks
 
   auto append = [&](size_t index, uint32_t tensor) {
     PlannedChunk& chunk = chunks[index];
@@ -70,8 +79,8 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
     chunk.tensors.emplace_back(TensorId(tensor), offset);
     chunk.used_elems = offset + static_cast<uint64_t>(tensors[tensor].num_elements());
   };
-  auto open_new = [&](std::pair<DType, bool> cls, uint64_t capacity) {
-    chunks.push_back({cls.first, cls.second, capacity});
+  auto open_new = [&](ChunkClass cls, uint64_t capacity) {
+    chunks.push_back({cls, capacity});
     return chunks.size() - 1;
   };
 
@@ -82,10 +91,8 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
     while (end < tensors.size() && !tensors[begin].module.empty() && tensors[end].module == tensors[begin].module) {
       ++end;
     }
-    std::map<std::pair<DType, bool>, std::vector<uint32_t>> by_class;
-    for (size_t i = begin; i < end; ++i) {
-      by_class[{tensors[i].dtype, tensors[i].trainable}].push_back(static_cast<uint32_t>(i));
-    }
+    std::map<ChunkClass, std::vector<uint32_t>> by_class;
+    for (size_t i = begin; i < end; ++i) by_class[ClassOf(tensors[i])].push_back(static_cast<uint32_t>(i));
     for (const auto& [cls, members] : by_class) {
       uint64_t run_elems = 0;
       for (uint32_t t : members) run_elems = AlignElems(run_elems) + static_cast<uint64_t>(tensors[t].num_elements());
@@ -251,8 +258,9 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
   for (uint32_t g = 0; g < planned.size(); ++g) {
     const PlannedChunk& p = planned[g];
     ChunkGroup group;
-    group.param_dtype = p.dtype;
-    group.trainable = p.trainable;
+    group.param_dtype = p.cls.dtype;
+    group.trainable = p.cls.trainable;
+    group.param_group = p.cls.param_group;
     for (const auto& [tensor, offset] : p.tensors) {
       group.tensors.push_back(tensor);
       layout.placements_[tensor.value()] = {g, offset, static_cast<uint64_t>(tensors[tensor.value()].num_elements())};
@@ -261,13 +269,14 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
       auto kind = static_cast<ChunkKind>(k);
       const bool params_sharded = shard.params && shard.world > 1;
       bool exists = kind == ChunkKind::kParam || (kind == ChunkKind::kMaster && params_sharded) ||
-                    (p.trainable && (kind != ChunkKind::kMaster || p.dtype != DType::kFloat32));
+                    (p.cls.trainable && (kind != ChunkKind::kMaster || p.cls.dtype != DType::kFloat32));
       if (!exists) continue;
-      const DType dtype = kind == ChunkKind::kMaster && !p.trainable ? p.dtype : ChunkKindDType(kind, p.dtype);
+      const DType dtype =
+          kind == ChunkKind::kMaster && !p.cls.trainable ? p.cls.dtype : ChunkKindDType(kind, p.cls.dtype);
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, dtype, g, p.capacity_elems,
                      p.used_elems};
       desc.transient = params_sharded && kind == ChunkKind::kParam;
-      desc.trainable = p.trainable;
+      desc.trainable = p.cls.trainable;
       if (shard.world > 1 && IsOptimizerState(kind)) {
         const ShardRange range = ShardOf(p.used_elems, shard.rank, shard.world);
         desc.capacity_elems = range.elems;

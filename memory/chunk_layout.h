@@ -2,7 +2,8 @@
 // for every chunk kind.
 //
 // Tensors are packed in registration order into param chunks of one class
-// (dtype, trainable): the tensors of one module go into one chunk where they
+// (dtype, trainable, and the param group of trainable ones, so that a chunk's
+// update uses one group's hyperparameters): the tensors of one module go into one chunk where they
 // fit, a module that does not fit starts a new chunk, and a tensor larger
 // than the chunk size gets a chunk of its own. Every param chunk of a
 // trainable class has a group of state chunks that mirror it — the same
@@ -92,6 +93,7 @@ inline bool IsStateChunk(const ChunkDesc& chunk) { return IsOptimizerState(chunk
 struct ChunkGroup {
   DType param_dtype = DType::kFloat32;
   bool trainable = true;
+  uint32_t param_group = 0;  // its tensors' TensorSpec::param_group (0 when frozen)
   std::vector<TensorId> tensors;  // in layout order
   // Chunk of each kind in this group; nullopt for kinds the group lacks.
   std::array<std::optional<ChunkId>, kNumChunkKinds> chunk_of_kind;

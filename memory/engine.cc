@@ -371,8 +371,9 @@ std::vector<ChunkInfo> Engine::chunks() const {
   if (!impl_->layout) return infos;
   for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
     size_t element = DTypeSizeBytes(c.dtype);
-    ChunkInfo info{c.id, c.kind, c.dtype, c.group, c.size_bytes(), c.used_elems * element,
-                   impl_->layout->groups()[c.group].tensors, {}, c.shard_begin_elems * element, c.sharded, c.transient};
+    const memory::ChunkGroup& group = impl_->layout->groups()[c.group];
+    ChunkInfo info{c.id,       c.kind, c.dtype, c.group, group.param_group, c.size_bytes(), c.used_elems * element,
+                   group.tensors, {},  c.shard_begin_elems * element, c.sharded, c.transient};
     for (TensorId tensor : info.tensors) {
       info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
     }

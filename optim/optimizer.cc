@@ -50,6 +50,21 @@ namespace strata::optim {
 // tensors (Step, UpdateChunk without a step). A plan skipped for inf/NaN
 // gradients counts no one's step. Data parallel, every rank must leave out
 // the same tensors (the caller agrees on them), so the counts stay the same.
+//
+// Note [Param groups]
+// As torch.optim's param_groups: every tensor belongs to one param group
+// (TensorSpec::param_group), and each group has its own lr, betas, eps,
+// weight decay and SGD momentum, dampening and nesterov, which may change
+// between steps (a learning-rate schedule). The chunk layout keeps groups in
+// separate chunks (memory/chunk_layout.h), so a chunk's fused update reads
+// one group's values: UpdateChunk turns them into the kernels' per-call
+// constants (MakeUpdateConstants) as it runs, and a value set before a step
+// is the one that step uses, as torch reads param_groups in step(). SetGroup
+// validates as the config is validated, naming the group. The number of
+// state arrays stays the optimizer's: an SGD group may have momentum only
+// when optimizer.momentum > 0 made the engine keep momentum buffers; a group
+// of momentum 0 is updated without its buffer (plain SGD, as torch), which
+// keeps what it held. The kind and max_grad_norm are the whole optimizer's.
 
 std::string_view OptimizerKindName(OptimizerKind kind) {
   switch (kind) {
@@ -93,6 +108,29 @@ Status ValidateOptimizerConfig(const OptimizerConfig& c) {
   return Status::Ok();
 }
 
+GroupHyperparams HyperparamsOf(const OptimizerConfig& c) {
+  return GroupHyperparams{.lr = c.lr,
+                          .beta1 = c.beta1,
+                          .beta2 = c.beta2,
+                          .eps = c.eps,
+                          .weight_decay = c.weight_decay,
+                          .momentum = c.momentum,
+                          .dampening = c.dampening,
+                          .nesterov = c.nesterov};
+}
+
+OptimizerConfig WithHyperparams(OptimizerConfig config, const GroupHyperparams& group) {
+  config.lr = group.lr;
+  config.beta1 = group.beta1;
+  config.beta2 = group.beta2;
+  config.eps = group.eps;
+  config.weight_decay = group.weight_decay;
+  config.momentum = group.momentum;
+  config.dampening = group.dampening;
+  config.nesterov = group.nesterov;
+  return config;
+}
+
 Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
   OptimizerConfig config;
   config.kind = options.optimizer.kind;
@@ -134,14 +172,42 @@ int NumStates(const OptimizerConfig& config) {
 }
 
 Result<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config,
-                                                     std::optional<LossScalerConfig> scaler) {
+                                                     std::optional<LossScalerConfig> scaler, uint32_t num_groups) {
   STRATA_RETURN_IF_ERROR(ValidateOptimizerConfig(config));
   if (scaler) STRATA_RETURN_IF_ERROR(ValidateLossScalerConfig(*scaler));
-  return std::unique_ptr<Optimizer>(new Optimizer(config, scaler));
+  if (num_groups == 0) return InvalidArgument("optimizer: 0 param groups: every tensor needs one, so at least 1");
+  return std::unique_ptr<Optimizer>(new Optimizer(config, scaler, num_groups));
 }
 
-Optimizer::Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler) : config_(config) {
+Optimizer::Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler, uint32_t num_groups)
+    : config_(config), groups_(num_groups, config) {
   if (scaler) scaler_.emplace(*scaler);
+}
+
+Result<OptimizerConfig> Optimizer::GroupConfig(uint32_t group, const GroupHyperparams& values) const {
+  if (group >= groups_.size()) {
+    return InvalidArgument("optimizer: param group {} does not exist: this optimizer has {} (0 to {})", group,
+                           groups_.size(), groups_.size() - 1);
+  }
+  const OptimizerConfig config = WithHyperparams(config_, values);
+  if (Status status = ValidateOptimizerConfig(config); !status.ok()) {
+    // "optimizer: lr -1 must be ..." names the field; say which group's.
+    std::string_view message = status.message();
+    if (message.starts_with("optimizer: ")) message.remove_prefix(11);
+    return InvalidArgument("optimizer param group {}: {}", group, message);
+  }
+  if (NumStates(config) > num_states()) {
+    return InvalidArgument("optimizer param group {}: momentum {} needs momentum buffers, kept only when the "
+                           "optimizer's momentum (option optimizer.momentum) is > 0: set it > 0 and give the groups "
+                           "without momentum 0",
+                           group, values.momentum);
+  }
+  return config;
+}
+
+Status Optimizer::SetGroup(uint32_t group, const GroupHyperparams& values) {
+  STRATA_ASSIGN_OR_RETURN(groups_[group], GroupConfig(group, values));
+  return Status::Ok();
 }
 
 Result<StepPlan> Optimizer::PlanStep(GradStats local) const {
@@ -179,7 +245,7 @@ std::vector<int64_t> Optimizer::AllTensorSteps(size_t n) const {
 }
 
 Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler,
-                          std::span<const int64_t> tensor_steps) {
+                          std::span<const int64_t> tensor_steps, std::span<const GroupHyperparams> groups) {
   if (steps_taken < 0) return InvalidArgument("optimizer: cannot restore {} steps taken", steps_taken);
   for (size_t id = 0; id < tensor_steps.size(); ++id) {
     if (tensor_steps[id] < 0 || tensor_steps[id] > steps_taken) {
@@ -193,7 +259,17 @@ Status Optimizer::Restore(int64_t steps_taken, std::optional<ScalerState> scaler
                            "must match the saved run's)",
                            scaler ? "has" : "has no", scaler_ ? "has one" : "has none");
   }
+  if (!groups.empty() && groups.size() != groups_.size()) {
+    return InvalidArgument("optimizer: the state to restore has {} param groups and this optimizer {}: the groups "
+                           "must be those of the saved run",
+                           groups.size(), groups_.size());
+  }
+  std::vector<OptimizerConfig> restored(groups_.size(), config_);  // no groups saved: the config's
+  for (uint32_t g = 0; g < groups.size(); ++g) {
+    STRATA_ASSIGN_OR_RETURN(restored[g], GroupConfig(g, groups[g]));
+  }
   if (scaler) STRATA_RETURN_IF_ERROR(scaler_->Restore(scaler->scale, scaler->good_steps, scaler->overflows));
+  groups_ = std::move(restored);
   steps_taken_ = steps_taken;
   steps_missed_.assign(tensor_steps.size(), 0);
   for (size_t id = 0; id < tensor_steps.size(); ++id) steps_missed_[id] = steps_taken - tensor_steps[id];
@@ -224,7 +300,12 @@ Status Optimizer::FinishStep(const StepPlan& plan, std::span<const TensorId> lef
 
 namespace {
 
-Status CheckChunk(const OptimizerConfig& config, const ChunkTensors& t) {
+Status CheckChunk(const OptimizerConfig& config, size_t num_groups, const ChunkTensors& t) {
+  if (t.param_group >= num_groups) {
+    return InvalidArgument("optimizer: a chunk of param group {}, and this optimizer has {} (Optimizer::Create's "
+                           "num_groups: one more than the largest TensorSpec::param_group)",
+                           t.param_group, num_groups);
+  }
   if (t.n == 0) return Status::Ok();
   if (t.master == nullptr || t.grad == nullptr) {
     return InvalidArgument("optimizer: a chunk of {} elements without {} array", t.n,
@@ -261,19 +342,31 @@ Status CheckPlan(const StepPlan& plan, int64_t step = 0) {
 
 }  // namespace
 
+ChunkTensors Optimizer::ForGroup(ChunkTensors chunk) const {
+  if (NumStates(groups_[chunk.param_group]) == 0) chunk.state[0] = nullptr;  // See Note [Param groups].
+  return chunk;
+}
+
 Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step) const {
   STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
-  STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+  STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
-  UpdateParallel(MakeUpdateConstants(config_, step == 0 ? plan.step : step, plan.grad_multiplier), chunk);
+  const OptimizerConfig& group = groups_[chunk.param_group];
+  UpdateParallel(MakeUpdateConstants(group, step == 0 ? plan.step : step, plan.grad_multiplier), ForGroup(chunk));
   return Status::Ok();
 }
 
 Status Optimizer::UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const {
   STRATA_RETURN_IF_ERROR(CheckPlan(plan));
-  for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+  for (const ChunkTensors& chunk : chunks) STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
   if (plan.skip) return Status::Ok();
-  UpdateParallel(MakeUpdateConstants(config_, plan.step, plan.grad_multiplier), chunks);
+  for (uint32_t g = 0; g < groups_.size(); ++g) {  // each group's chunks with its constants
+    std::vector<ChunkTensors> of_group;
+    for (const ChunkTensors& chunk : chunks) {
+      if (chunk.param_group == g) of_group.push_back(ForGroup(chunk));
+    }
+    if (!of_group.empty()) UpdateParallel(MakeUpdateConstants(groups_[g], plan.step, plan.grad_multiplier), of_group);
+  }
   return Status::Ok();
 }
 
@@ -281,7 +374,7 @@ Result<StepPlan> Optimizer::Step(std::span<const ChunkTensors> chunks) {
   // Every chunk is checked before any is changed.
   GradStats stats;
   for (const ChunkTensors& chunk : chunks) {
-    STRATA_RETURN_IF_ERROR(CheckChunk(config_, chunk));
+    STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
     stats.Add(chunk);
   }
   STRATA_ASSIGN_OR_RETURN(StepPlan plan, PlanStep(stats));

@@ -7,7 +7,8 @@
 //
 // Step counts are per tensor, as torch.optim keeps state['step'] per
 // parameter: a tensor a step leaves out keeps its count (Note [Step counts
-// per tensor]).
+// per tensor]). Hyperparameters are per param group, as torch.optim's
+// param_groups, and may change between steps (Note [Param groups]).
 //
 // Ownership: the optimizer owns no model memory; ChunkTensors point at the
 // caller's arrays (host memory for the CPU kernels) for the duration of a
@@ -54,6 +55,22 @@ struct OptimizerConfig {
 
 // InvalidArgument naming the field, its value and the allowed range.
 Status ValidateOptimizerConfig(const OptimizerConfig& config);
+
+// One param group's hyperparameters (the keys of a torch.optim param group);
+// the kind and max_grad_norm are the whole optimizer's.
+struct GroupHyperparams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  bool nesterov = false;
+};
+GroupHyperparams HyperparamsOf(const OptimizerConfig& config);
+// `config` with `group`'s hyperparameters.
+OptimizerConfig WithHyperparams(OptimizerConfig config, const GroupHyperparams& group);
 // The optimizer.* keys of `options`, validated (InvalidArgument naming the key).
 Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options);
 // The loss_scale.* keys: nullopt when scaling is off (mode off, or auto with
@@ -75,6 +92,7 @@ struct ChunkTensors {
   const void* grad = nullptr;
   DType grad_dtype = DType::kFloat32;
   float* state[2] = {nullptr, nullptr};  // exp_avg, exp_avg_sq (Adam); momentum_buffer (SGD)
+  uint32_t param_group = 0;              // whose hyperparameters update them
 };
 
 // The sum of squares of gradients as stored (still scaled by the loss
@@ -105,13 +123,23 @@ class Optimizer {
   using AllReduceHook = std::function<Status(GradStats&)>;
 
   // `scaler` is optional: without it gradients are taken as unscaled, and
-  // inf/NaN gradients still skip the step.
+  // inf/NaN gradients still skip the step. `num_groups` param groups (>= 1),
+  // each starting with `config`'s hyperparameters.
   static Result<std::unique_ptr<Optimizer>> Create(const OptimizerConfig& config,
-                                                   std::optional<LossScalerConfig> scaler = std::nullopt);
+                                                   std::optional<LossScalerConfig> scaler = std::nullopt,
+                                                   uint32_t num_groups = 1);
 
   void SetAllReduceHook(AllReduceHook hook) { all_reduce_ = std::move(hook); }
   const OptimizerConfig& config() const { return config_; }
   int num_states() const { return NumStates(config_); }
+  uint32_t num_groups() const { return static_cast<uint32_t>(groups_.size()); }
+  // Param group `group`'s hyperparameters now (group < num_groups()).
+  GroupHyperparams group(uint32_t group) const { return HyperparamsOf(groups_.at(group)); }
+  // Sets param group `group`'s hyperparameters, used from the next update on.
+  // InvalidArgument naming the group, the field and the allowed values (a
+  // group out of range; a value ValidateOptimizerConfig refuses; SGD momentum
+  // > 0 in an optimizer that keeps no momentum buffers), changing nothing.
+  Status SetGroup(uint32_t group, const GroupHyperparams& values);
   // Completed (not skipped) steps so far.
   int64_t steps_taken() const { return steps_taken_; }
   // Of them, those that updated tensor `id` (torch.optim's state['step'] of
@@ -145,24 +173,33 @@ class Optimizer {
   Status FinishStep(const StepPlan& plan, std::span<const TensorId> left_out = {});
   // A saved step count and loss-scaler state back; `tensor_steps[id]`: tensor
   // id's count, each in [0, steps_taken] (tensors past its end: steps_taken,
-  // as a checkpoint saved before counts were per tensor means).
-  // InvalidArgument for a negative count, a tensor count out of range, or a
-  // scaler state this optimizer has no scaler for (or lacks one it has),
-  // changing nothing.
+  // as a checkpoint saved before counts were per tensor means); `groups`:
+  // every param group's hyperparameters (empty: each group gets the config's,
+  // as a checkpoint saved before param groups means). InvalidArgument for a
+  // negative count, a tensor count out of range, a scaler state this
+  // optimizer has no scaler for (or lacks one it has), or groups SetGroup
+  // refuses or not num_groups() of them, changing nothing.
   struct ScalerState {
     float scale = 1.0f;
     int64_t good_steps = 0;
     int64_t overflows = 0;
   };
   Status Restore(int64_t steps_taken, std::optional<ScalerState> scaler,
-                 std::span<const int64_t> tensor_steps = {});
+                 std::span<const int64_t> tensor_steps = {}, std::span<const GroupHyperparams> groups = {});
   // All three phases over all chunks.
   Result<StepPlan> Step(std::span<const ChunkTensors> chunks);
 
  private:
-  Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler);
+  Optimizer(const OptimizerConfig& config, std::optional<LossScalerConfig> scaler, uint32_t num_groups);
+  // `values` as group `group`'s config, validated (SetGroup's errors).
+  Result<OptimizerConfig> GroupConfig(uint32_t group, const GroupHyperparams& values) const;
+  // `chunk` with the arrays its group's update uses (SGD: no momentum
+  // buffer for a group of momentum 0).
+  ChunkTensors ForGroup(ChunkTensors chunk) const;
 
   OptimizerConfig config_;
+  // groups_[g]: config_ with param group g's hyperparameters.
+  std::vector<OptimizerConfig> groups_;
   std::optional<LossScaler> scaler_;
   AllReduceHook all_reduce_;
   int64_t steps_taken_ = 0;

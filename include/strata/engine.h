@@ -55,6 +55,7 @@ struct ChunkInfo {
   ChunkKind kind = ChunkKind::kParam;
   DType dtype = DType::kFloat32;
   uint32_t group = 0;         // chunks of one group mirror one param chunk
+  uint32_t param_group = 0;   // the optimizer's param group of its tensors (TensorSpec::param_group; 0 when frozen)
   uint64_t size_bytes = 0;    // slot size
   uint64_t used_bytes = 0;    // up to the end of its last tensor
   std::vector<TensorId> tensors;             // in layout order

@@ -60,6 +60,13 @@ struct ChunkOptions {
   size_t search_max_elems = 0;                 // chunk.search_max_elems; 0 = from the budgets and the model
 };
 
+// Trainable parameters given no weight decay (a param group of their own):
+// biases, and norm layers' parameters (both: the Hugging Face Trainer's rule).
+struct NoDecayRules {
+  bool bias = false;
+  bool norm = false;
+};
+
 struct OptimizerOptions {
   OptimizerKind kind = OptimizerKind::kAdamW;  // optimizer.kind
   double lr = 1e-3;                            // optimizer.lr
@@ -71,6 +78,7 @@ struct OptimizerOptions {
   double dampening = 0.0;                      // optimizer.dampening (SGD)
   bool nesterov = false;                       // optimizer.nesterov (SGD)
   double max_grad_norm = 0.0;                  // optimizer.max_grad_norm; 0 = no clipping
+  NoDecayRules no_decay;                       // optimizer.no_decay: a list of bias, norm
   size_t stream_ring_bytes = size_t{512} << 20;  // optimizer.stream_ring: host ring NVMe states stream through
 };
 

@@ -16,6 +16,9 @@ struct TensorSpec {
   DType dtype = DType::kFloat32;  // dtype of the param and grad copies
   bool trainable = true;       // frozen tensors get no grad and no optimizer state
   std::string module;          // owning module, e.g. "layers.3.attn"; tensors of one module share a chunk where they fit
+  // The optimizer's param group of a trainable tensor (whose hyperparameters
+  // update it): chunks hold tensors of one group. Ignored for frozen tensors.
+  uint32_t param_group = 0;
 
   int64_t num_elements() const {
     int64_t n = 1;

@@ -108,6 +108,10 @@ std::optional<int64_t> StepOf(const std::string& name);
 // steps) nor a gathered param chunk (its group's masters are saved).
 bool Saved(const ChunkInfo& chunk);
 json TensorsJson(const std::vector<TensorSpec>& tensors);
+// A param group's hyperparameters in a manifest, and back (json exceptions
+// for a field missing or of the wrong type: see Guarded).
+json GroupJson(const optim::GroupHyperparams& group);
+optim::GroupHyperparams GroupOf(const json& saved);
 // What the manifest says besides its files, fixed as a save begins.
 json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer);
 // The manifest of the checkpoint at `dir`, its format and file paths checked.

@@ -23,6 +23,7 @@ using checkpoint::CheckNoSavePending;
 using checkpoint::CheckpointsUnder;
 using checkpoint::FileTransfer;
 using checkpoint::Guarded;
+using checkpoint::GroupOf;
 using checkpoint::json;
 using checkpoint::ReadManifest;
 using checkpoint::Resolve;
@@ -149,6 +150,24 @@ Status CheckTensorSteps(const json& manifest, const std::string& where) {
   return Status::Ok();
 }
 
+// InvalidArgument unless the param groups' hyperparameters, when saved, are
+// one set per group of `optimizer`; Corruption for values it would refuse.
+Status CheckParamGroups(const json& manifest, const std::string& where, const optim::Optimizer& optimizer) {
+  const json& state = manifest.at("optimizer");
+  if (!state.contains("param_groups")) return Status::Ok();
+  const json& groups = state.at("param_groups");
+  if (groups.size() != optimizer.num_groups()) {
+    return InvalidArgument("checkpoint {} was saved with {} optimizer param groups and this optimizer has {}: the "
+                           "groups must be those of the saved run",
+                           where, groups.size(), optimizer.num_groups());
+  }
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const Status valid = optim::ValidateOptimizerConfig(optim::WithHyperparams(optimizer.config(), GroupOf(groups[g])));
+    if (!valid.ok()) return Corruption("checkpoint {}: param group {}: {}", where, g, valid.message());
+  }
+  return Status::Ok();
+}
+
 // InvalidArgument unless the checkpoint holds `engine`'s model (the same
 // registered tensors, in chunks of the same size) and `optimizer` can take
 // its state.
@@ -156,8 +175,8 @@ Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine
   const std::string where = dir.string();
   if (manifest.at("tensors") != TensorsJson(engine.tensors())) {
     return InvalidArgument(
-        "checkpoint {} holds another model: its registered tensors (name, shape, dtype, trainable) differ from this "
-        "engine's",
+        "checkpoint {} holds another model: its registered tensors (name, shape, dtype, trainable, param group) "
+        "differ from this engine's",
         where);
   }
   const uint64_t chunk_elems = engine.layout().chunk_size_elems;
@@ -173,6 +192,7 @@ Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine
     return InvalidArgument("checkpoint {} was saved {} a loss scaler and this optimizer has {} (loss_scale.mode)",
                            where, saved_scaler ? "with" : "without", optimizer.scaler() ? "one" : "none");
   }
+  STRATA_RETURN_IF_ERROR(CheckParamGroups(manifest, where, optimizer));
   return CheckTensorSteps(manifest, where);
 }
 
@@ -318,7 +338,12 @@ Status RestoreOptimizer(const json& manifest, optim::Optimizer& optimizer) {
   // A checkpoint saved before step counts were per tensor: every tensor at the global count.
   const std::vector<int64_t> tensor_steps =
       state.contains("tensor_steps") ? state.at("tensor_steps").get<std::vector<int64_t>>() : std::vector<int64_t>{};
-  return optimizer.Restore(state.at("steps_taken").get<int64_t>(), scaler, tensor_steps);
+  // One saved before param groups: every group at the config's values.
+  std::vector<optim::GroupHyperparams> groups;
+  if (state.contains("param_groups")) {
+    for (const json& group : state.at("param_groups")) groups.push_back(GroupOf(group));
+  }
+  return optimizer.Restore(state.at("steps_taken").get<int64_t>(), scaler, tensor_steps, groups);
 }
 
 // Loads this rank's part of the checkpoint at `dir`.

@@ -27,9 +27,11 @@ namespace strata::offload::checkpoint {
 // state (steps taken, each tensor's own count by tensor id -- Note [Step
 // counts per tensor] in optim/optimizer.cc; a manifest saved before counts
 // were per tensor has none, and loads every tensor at the steps taken -- and
-// the loss scaler), the options, the layout's chunk size (searched from the
+// the loss scaler, and each param group's hyperparameters -- absent from
+// older manifests, which load with the config's), the options, the layout's chunk size (searched from the
 // budgets unless chunk.size_elems is set; absent from older manifests), the
-// registered tensors (name, shape, dtype, trainable), and for every file its chunk (id, kind, dtype, group, rank,
+// registered tensors (name, shape, dtype, trainable, and the param group
+// when not 0, so that older manifests read as all in group 0), and for every file its chunk (id, kind, dtype, group, rank,
 // shard offset), size and CRC32C. Every file it lists lies in a rank's
 // directory of the checkpoint: a manifest that names another path is
 // Corruption. Hidden names (a leading dot) are a save's temporaries:
@@ -49,9 +51,33 @@ bool Saved(const ChunkInfo& chunk) { return chunk.kind != ChunkKind::kGrad && !c
 json TensorsJson(const std::vector<TensorSpec>& tensors) {
   json out = json::array();
   for (const TensorSpec& t : tensors) {
-    out.push_back({{"name", t.name}, {"shape", t.shape}, {"dtype", DTypeName(t.dtype)}, {"trainable", t.trainable}});
+    json tensor = {{"name", t.name}, {"shape", t.shape}, {"dtype", DTypeName(t.dtype)}, {"trainable", t.trainable}};
+    if (t.trainable && t.param_group != 0) tensor["param_group"] = t.param_group;  // absent: group 0
+    out.push_back(std::move(tensor));
   }
   return out;
+}
+
+json GroupJson(const optim::GroupHyperparams& g) {
+  return {{"lr", g.lr},
+          {"beta1", g.beta1},
+          {"beta2", g.beta2},
+          {"eps", g.eps},
+          {"weight_decay", g.weight_decay},
+          {"momentum", g.momentum},
+          {"dampening", g.dampening},
+          {"nesterov", g.nesterov}};
+}
+
+optim::GroupHyperparams GroupOf(const json& saved) {
+  return {.lr = saved.at("lr").get<double>(),
+          .beta1 = saved.at("beta1").get<double>(),
+          .beta2 = saved.at("beta2").get<double>(),
+          .eps = saved.at("eps").get<double>(),
+          .weight_decay = saved.at("weight_decay").get<double>(),
+          .momentum = saved.at("momentum").get<double>(),
+          .dampening = saved.at("dampening").get<double>(),
+          .nesterov = saved.at("nesterov").get<bool>()};
 }
 
 json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
@@ -59,6 +85,8 @@ json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
   if (const optim::LossScaler* s = optimizer.scaler()) {
     scaler = {{"scale", s->scale()}, {"good_steps", s->good_steps()}, {"overflows", s->overflows()}};
   }
+  json groups = json::array();
+  for (uint32_t g = 0; g < optimizer.num_groups(); ++g) groups.push_back(GroupJson(optimizer.group(g)));
   json described = json::object();
   for (const auto& [key, value] : DescribeOptions(engine.options())) described[key] = value;
   return {{"format", kFormat},
@@ -68,6 +96,7 @@ json ManifestHead(const Engine& engine, const optim::Optimizer& optimizer) {
           {"optimizer",
            {{"steps_taken", optimizer.steps_taken()},
             {"tensor_steps", optimizer.AllTensorSteps(engine.tensors().size())},
+            {"param_groups", groups},
             {"loss_scaler", scaler}}},
           {"options", described},
           {"layout", {{"chunk_size_elems", engine.layout().chunk_size_elems}}},

@@ -357,6 +357,7 @@ class TrainStep {
     const ChunkInfo& param = g[ChunkKind::kParam];
     optim::ChunkTensors part;
     part.n = b - a;
+    part.param_group = param.param_group;
     // A transient param chunk gets no compute copy: the update is the master's alone.
     part.param_dtype = param.transient ? DType::kFloat32 : param.dtype;
     if (g.has(ChunkKind::kMaster)) {

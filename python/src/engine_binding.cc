@@ -63,6 +63,7 @@ py::list ChunksList(const Engine& engine) {
     d["kind"] = std::string(ChunkKindName(chunk.kind));
     d["dtype"] = std::string(DTypeName(chunk.dtype));
     d["group"] = chunk.group;
+    d["param_group"] = chunk.param_group;
     d["size_bytes"] = chunk.size_bytes;
     d["used_bytes"] = chunk.used_bytes;
     d["home"] = std::string(TierName(ValueOrThrow(engine.ChunkHome(chunk.id))));
@@ -92,12 +93,13 @@ void BindEngine(py::module_& m) {
       .def(
           "register_tensor",
           [](Engine& engine, const std::string& name, const std::vector<int64_t>& shape, const std::string& dtype,
-             bool trainable, const std::string& module) {
+             bool trainable, const std::string& module, uint32_t param_group) {
             const DType parsed = ValueOrThrow(ParseDType(dtype));
-            return ValueOrThrow(engine.RegisterTensor({name, shape, parsed, trainable, module})).value();
+            return ValueOrThrow(engine.RegisterTensor({name, shape, parsed, trainable, module, param_group})).value();
           },
           py::arg("name"), py::arg("shape"), py::arg("dtype") = "fp32", py::arg("trainable") = true,
-          py::arg("module") = "", "registers a tensor (model order); returns its id")
+          py::arg("module") = "", py::arg("param_group") = 0,
+          "registers a tensor (model order) in the optimizer's param group `param_group`; returns its id")
       .def(
           "finalize", [](Engine& engine) { ThrowIfError(engine.Finalize()); },
           "packs the registered tensors into chunks and gives each a home tier")

@@ -6,7 +6,10 @@
 #include <cstdint>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 #include <vector>
+
+#include <fmt/format.h>
 
 #include "strata/checkpoint.h"
 #include "offload/schedule/pipeline.h"
@@ -70,11 +73,41 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
 void BindOptimizer(py::module_& m) {
   py::class_<optim::Optimizer, std::unique_ptr<optim::Optimizer>>(
       m, "Optimizer", "strata's optimizer over chunk groups, from the optimizer.* and loss_scale.* keys")
-      .def(py::init([](const Options& options) {
+      .def(py::init([](const Options& options, uint32_t num_groups) {
              const optim::OptimizerConfig config = ValueOrThrow(optim::OptimizerConfigFromOptions(options));
-             return ValueOrThrow(optim::Optimizer::Create(config, optim::LossScalerConfigFromOptions(options)));
+             return ValueOrThrow(
+                 optim::Optimizer::Create(config, optim::LossScalerConfigFromOptions(options), num_groups));
            }),
-           py::arg("options"))
+           py::arg("options"), py::arg("num_groups") = 1)
+      .def_property_readonly("num_groups", &optim::Optimizer::num_groups)
+      .def(
+          "group",
+          [](const optim::Optimizer& o, uint32_t group) {
+            if (group >= o.num_groups()) throw py::index_error(fmt::format("no param group {}", group));
+            const optim::GroupHyperparams g = o.group(group);
+            return py::dict(py::arg("lr") = g.lr, py::arg("betas") = py::make_tuple(g.beta1, g.beta2),
+                            py::arg("eps") = g.eps, py::arg("weight_decay") = g.weight_decay,
+                            py::arg("momentum") = g.momentum, py::arg("dampening") = g.dampening,
+                            py::arg("nesterov") = g.nesterov);
+          },
+          py::arg("group"), "param group `group`'s hyperparameters: lr, betas, eps, weight_decay, momentum, ...")
+      .def(
+          "set_group",
+          [](optim::Optimizer& o, uint32_t group, double lr, std::pair<double, double> betas, double eps,
+             double weight_decay, double momentum, double dampening, bool nesterov) {
+            ThrowIfError(o.SetGroup(group, {.lr = lr,
+                                            .beta1 = betas.first,
+                                            .beta2 = betas.second,
+                                            .eps = eps,
+                                            .weight_decay = weight_decay,
+                                            .momentum = momentum,
+                                            .dampening = dampening,
+                                            .nesterov = nesterov}));
+          },
+          py::arg("group"), py::kw_only(), py::arg("lr"), py::arg("betas"), py::arg("eps"), py::arg("weight_decay"),
+          py::arg("momentum"), py::arg("dampening"), py::arg("nesterov"),
+          "sets param group `group`'s hyperparameters for the next updates; ValueError naming the group and the "
+          "field when one is out of range")
       .def_property_readonly("loss_scale", &optim::Optimizer::loss_scale)
       .def_property_readonly("steps_taken", &optim::Optimizer::steps_taken);
 }

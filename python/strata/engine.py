@@ -6,6 +6,10 @@ gradients and optimizer states live in strata's chunks.
     engine.backward(loss)
     engine.step()                 # optimizer step (every gradient_accumulation_steps micro-batches)
 
+engine.optimizer is that step as a torch.optim.Optimizer (strata.optimizer): its
+param_groups hold each group's lr, weight decay, ..., which a torch.optim.lr_scheduler
+may drive.
+
 How it works (one training iteration = forward and backward of every
 micro-batch, then the step, is one iteration of the engine's pipeline):
 
@@ -43,20 +47,25 @@ from .config import load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
 from .moments import Moments
+from .optimizer import Optimizer, param_groups_of
 from .params import ParamTable
 from .runtime import open_runtime
 from .weights import Weights
 
 
-def initialize(model, config=None, weights=None):
+def initialize(model, config=None, weights=None, param_groups=None):
     """Moves `model`'s parameters into strata's chunks and returns the Engine that trains it.
 
     `config`: a dict, the path of a JSON file, or None for the defaults (see strata.load_config).
     `weights`: the parameters' initial values instead of the model's own (engine.load_weights: a
     safetensors file, a PyTorch state dict or its file), streamed into the chunks; the model may then
     be built on the meta device (`with torch.device("meta"): model = Net()`), never materialized.
+    `param_groups`: the optimizer's param groups as torch.optim takes them (a list of dicts with 'params':
+    nn.Parameters or their names, and the group's own lr, weight_decay, ...; the config's optimizer.* for the
+    rest); every trainable parameter in exactly one. None: the config's optimizer.no_decay rule, or one group.
+    engine.optimizer is the torch.optim.Optimizer over them (strata.optimizer).
     """
-    return TrainingEngine(model, config, weights)
+    return TrainingEngine(model, config, weights, param_groups)
 
 
 _LOAD_FAILED = "a checkpoint load failed part way"
@@ -88,7 +97,7 @@ class _Progress:
 class TrainingEngine:
     """A model whose states live in strata's tiers: forward, backward, step, stats."""
 
-    def __init__(self, model, config=None, weights=None):
+    def __init__(self, model, config=None, weights=None, param_groups=None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         _refuse_held(model)
@@ -98,10 +107,12 @@ class TrainingEngine:
         runtime = self._runtime = open_runtime(self.config)
         self.precision, self.dtype, self.device = runtime.precision, runtime.dtype, runtime.device
         self.rank, self.world_size = runtime.rank, runtime.world_size
-        table = self._table = ParamTable(model, runtime.engine, runtime.precision)
+        group_options, group_of = param_groups_of(model, param_groups, self.config)
+        table = self._table = ParamTable(model, runtime.engine, runtime.precision, group_of)
+        in_group = [group_of.get(id(r.param), 0) for r in table.records]  # before _take replaces meta parameters
         # Everything that can refuse the configuration before the model is touched.
         self._pipeline = _strata.Pipeline(runtime.engine)
-        self._optimizer = _strata.Optimizer(self.config.options)
+        self._optimizer = _strata.Optimizer(self.config.options, len(group_options))
         _strata.check_step_room(runtime.engine, self._optimizer)
         self._progress = _Progress()
         self._grad_sync = GradSync(runtime, table)
@@ -110,6 +121,9 @@ class TrainingEngine:
         self._weights = Weights(runtime, table, model, self._grad_sync)
         self._checkpoints = Checkpoints(runtime, table, self._optimizer)
         self._take(model, weights)
+        groups = [{**options, "params": [r.param for r, g in zip(table.records, in_group) if r.trainable and g == i]}
+                  for i, options in enumerate(group_options)]
+        self.optimizer = Optimizer(self, groups, self._optimizer, self.config.options.describe()["optimizer.kind"])
 
     def _take(self, model, weights):
         """The model's values into the chunks (or the weights'), its storage dropped, its hooks set."""
@@ -167,6 +181,7 @@ class TrainingEngine:
             return False
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
+        self.optimizer.write_groups()  # the values param_groups holds now: a scheduler's, a user's
         start = time.perf_counter()
         self._runtime.synchronize()
         self._moments.end_moment()
@@ -348,6 +363,7 @@ class TrainingEngine:
         self._check_between_steps("save_checkpoint")
         self._grad_sync.drain()
         self.wait_checkpoint()
+        self.optimizer.write_groups()  # the values the next step would use are the ones saved
         return self._checkpoints.save(path, keep_last, asynchronous, recycle)
 
     def wait_checkpoint(self):
@@ -382,6 +398,7 @@ class TrainingEngine:
             raise
         finally:
             self._grad_sync.release_gathered()  # gathered parameters and gathers ahead are of the masters before
+        self.optimizer.read_groups()
         self._progress.broken = None
         return loaded
 

@@ -33,16 +33,16 @@ class ParamTable:
     """Every parameter of a model registered with the engine (shared ones once, frozen ones as frozen), in
     model order, and the engine's chunks once it has packed them."""
 
-    def __init__(self, model, engine, precision):
+    def __init__(self, model, engine, precision, group_of=None):
         self.records = []    # Param, in model order
         self.by_param = {}   # id(nn.Parameter) -> Param
-        self._register(model, engine, precision)
+        self._register(model, engine, precision, group_of or {})
         engine.finalize()
         self.chunks = engine.chunks()                                  # the engine's chunk dicts, by id
         self.chunk_info = {chunk["id"]: chunk for chunk in self.chunks}
         self._locate()
 
-    def _register(self, model, engine, precision):
+    def _register(self, model, engine, precision, group_of):
         owner = {}
         for module_name, module in model.named_modules():
             for name, p in module.named_parameters(recurse=False):
@@ -55,7 +55,8 @@ class ParamTable:
                 raise ValueError(f"strata.initialize: parameter {full_name} has dtype {p.dtype}; "
                                  "strata trains floating-point parameters only")
             shape = list(p.shape) if p.dim() > 0 else []
-            tensor_id = engine.register_tensor(full_name, shape, precision, p.requires_grad, module_name)
+            tensor_id = engine.register_tensor(full_name, shape, precision, p.requires_grad, module_name,
+                                               group_of.get(id(p), 0))
             record = Param(p, full_name, tensor_id)
             self.records.append(record)
             self.by_param[id(p)] = record

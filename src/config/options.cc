@@ -235,6 +235,35 @@ void AddNvmeAndChunkKeys(Table& t) {
                [precision](const Options& o) { return std::string(DTypeName(precision(o))); }});
 }
 
+OptionEntry NoDecayEntry(Field<NoDecayRules> rules) {
+  const auto describe = [](const NoDecayRules& r) {
+    return std::string(r.bias && r.norm ? "bias,norm" : r.bias ? "bias" : r.norm ? "norm" : "");
+  };
+  return {{"optimizer.no_decay", "list", "",
+           "trainable parameters put in a param group without weight decay, comma-separated (JSON: a list): bias "
+           "(names containing 'bias'), norm (parameters of LayerNorm modules, or named like layernorm, rmsnorm, "
+           "norm, _norm); both is the Hugging Face Trainer's rule; empty = every parameter decays"},
+          [rules](Options& o, std::string_view text) -> Status {
+            NoDecayRules parsed;
+            std::stringstream stream{std::string(text)};
+            std::string item;
+            while (std::getline(stream, item, ',')) {
+              item = Trim(item);
+              if (item == "bias") {
+                parsed.bias = true;
+              } else if (item == "norm") {
+                parsed.norm = true;
+              } else if (!item.empty()) {
+                return InvalidArgument("option optimizer.no_decay: '{}' is not allowed: expected a list of bias, norm",
+                                       item);
+              }
+            }
+            rules(o) = parsed;
+            return Status::Ok();
+          },
+          [rules, describe](const Options& o) { return describe(rules(o)); }};
+}
+
 void AddOptimizerKeys(Table& t) {
   const auto field = [](auto member) { return In(&Options::optimizer, member); };
   t.push_back(ChoiceEntry<OptimizerKind>(
@@ -261,6 +290,7 @@ void AddOptimizerKeys(Table& t) {
   t.push_back(FloatEntry("optimizer.max_grad_norm",
                          "clip the global L2 norm of the unscaled gradients to this; 0 = no clipping",
                          field(&OptimizerOptions::max_grad_norm), 0, 1e30));
+  t.push_back(NoDecayEntry(field(&OptimizerOptions::no_decay)));
   t.push_back(SizeEntry("optimizer.stream_ring",
                         "bytes of host memory that NVMe-resident optimizer states stream through (at least two "
                         "chunk groups' master and states)",

@@ -23,6 +23,28 @@ TEST(ChunkLayoutTest, TensorsOfOneModuleShareAChunk) {
   EXPECT_NE(layout.placement(TensorId(0)).group, layout.placement(TensorId(2)).group);
 }
 
+// A chunk's update uses one param group's hyperparameters: the tensors of a
+// module in two groups go into two chunks; frozen tensors ignore their group.
+TEST(ChunkLayoutTest, ParamGroupsNeverShareAChunk) {
+  std::vector<TensorSpec> tensors = {T("a.w", {100}, "a"), T("a.b", {10}, "a"), T("b.w", {100}, "b"),
+                                     T("b.b", {10}, "b"), T("c.w", {10}, "c", DType::kFloat32, false),
+                                     T("c.b", {10}, "c", DType::kFloat32, false)};
+  tensors[1].param_group = tensors[3].param_group = 1;
+  tensors[5].param_group = 2;  // frozen: no optimizer group
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 1024, 0, 0));
+  for (const ChunkGroup& group : layout.groups()) {
+    for (TensorId t : group.tensors) {
+      const TensorSpec& spec = tensors[t.value()];
+      EXPECT_EQ(group.param_group, spec.trainable ? spec.param_group : 0) << spec.name;
+    }
+  }
+  EXPECT_EQ(layout.placement(TensorId(0)).group, layout.placement(TensorId(2)).group);  // group 0 packs together
+  EXPECT_EQ(layout.placement(TensorId(1)).group, layout.placement(TensorId(3)).group);
+  EXPECT_NE(layout.placement(TensorId(0)).group, layout.placement(TensorId(1)).group);
+  EXPECT_EQ(layout.placement(TensorId(4)).group, layout.placement(TensorId(5)).group);
+  EXPECT_EQ(layout.groups().size(), 3u);
+}
+
 TEST(ChunkLayoutTest, OffsetsAreAlignedAndTensorsDoNotOverlap) {
   std::vector<TensorSpec> tensors;
   for (int i = 0; i < 20; ++i) tensors.push_back(T("t" + std::to_string(i), {7 * i + 3}, "m"));

@@ -258,6 +258,99 @@ TEST(OptimizerTest, StepCountsArePerTensorAndAnUpdateUsesTheTensorsOwn) {
   EXPECT_EQ(optimizer->AllTensorSteps(2), (std::vector<int64_t>{5, 2}));  // unchanged
 }
 
+// Each param group's chunks are updated with its own hyperparameters, set
+// between steps: the update a one-group optimizer of those values makes.
+TEST(OptimizerTest, EachParamGroupUpdatesWithItsOwnValuesSetBetweenSteps) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam, OptimizerKind::kSgd}) {
+    const OptimizerConfig config{.kind = kind, .lr = 1e-2, .weight_decay = 0.01, .momentum = 0.9};
+    ASSERT_OK_AND_ASSIGN(auto grouped, Optimizer::Create(config, std::nullopt, 2));
+    EXPECT_EQ(grouped->group(1).lr, 1e-2);  // every group starts at the config's values
+    const GroupHyperparams second{.lr = 3e-3, .beta1 = 0.8, .beta2 = 0.99, .eps = 1e-6, .weight_decay = 0.0,
+                                  .momentum = 0.5, .dampening = 0.1};
+    ASSERT_OK(grouped->SetGroup(1, second));
+    ASSERT_OK_AND_ASSIGN(auto first_alone, Optimizer::Create(config));
+    ASSERT_OK_AND_ASSIGN(auto second_alone, Optimizer::Create(WithHyperparams(config, second)));
+    std::vector<ChunkArrays> model = RandomModel(rng, DType::kFloat32), reference = model;
+    std::vector<ChunkTensors> views = Views(model);
+    views[1].param_group = 1;
+    const StepPlan plan{.step = 2, .grad_multiplier = 0.5f};
+    ASSERT_OK(grouped->UpdateChunks(plan, views));
+    ASSERT_OK(first_alone->UpdateChunk(plan, reference[0].view()));
+    ASSERT_OK(second_alone->UpdateChunk(plan, reference[1].view()));
+    ASSERT_OK(first_alone->UpdateChunk(plan, reference[2].view()));
+    EXPECT_TRUE(SameBits(model, reference)) << OptimizerKindName(kind);
+
+    // A value set before the next update is the one it uses.
+    ASSERT_OK(grouped->SetGroup(0, HyperparamsOf(WithHyperparams(config, second))));
+    ASSERT_OK(grouped->UpdateChunk(plan, views[0]));
+    ASSERT_OK(second_alone->UpdateChunk(plan, reference[0].view()));
+    EXPECT_TRUE(SameBits(model, reference)) << OptimizerKindName(kind);
+  }
+}
+
+// SGD: a group of momentum 0 is plain SGD, its buffer untouched, as in torch.
+TEST(OptimizerTest, ASgdGroupWithoutMomentumLeavesItsBuffer) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  const OptimizerConfig config{.kind = OptimizerKind::kSgd, .lr = 1e-2, .momentum = 0.9};
+  ASSERT_OK_AND_ASSIGN(auto grouped, Optimizer::Create(config, std::nullopt, 2));
+  ASSERT_OK(grouped->SetGroup(1, HyperparamsOf(WithHyperparams(config, {.lr = 1e-2, .dampening = 0.5}))));
+  ASSERT_OK_AND_ASSIGN(auto plain, Optimizer::Create(WithHyperparams(config, {.lr = 1e-2})));
+  ChunkArrays chunk = RandomChunk(100, DType::kFloat32, DType::kFloat32, rng), reference = chunk;
+  ChunkTensors view = chunk.view(), plain_view = reference.view();
+  view.param_group = 1;
+  plain_view.state[0] = nullptr;
+  ASSERT_OK(grouped->UpdateChunk(StepPlan{.step = 3}, view));
+  ASSERT_OK(plain->UpdateChunk(StepPlan{.step = 3}, plain_view));
+  EXPECT_EQ(chunk.master, reference.master);
+  EXPECT_EQ(chunk.state0, reference.state0);
+}
+
+TEST(OptimizerTest, BadGroupValuesNameTheGroupAndFieldAndChangeNothing) {
+  ASSERT_OK_AND_ASSIGN(auto optimizer, Optimizer::Create({.lr = 1e-2}, std::nullopt, 3));
+  struct Bad {
+    uint32_t group;
+    GroupHyperparams values;
+    const char* message;
+  };
+  for (const Bad& bad : std::vector<Bad>{{1, {.lr = -1}, "param group 1: lr -1 must be"},
+                                         {2, {.beta1 = 1.0}, "param group 2: beta1 1 must be in [0, 1)"},
+                                         {2, {.eps = 0}, "param group 2: eps 0 must be > 0"},
+                                         {0, {.weight_decay = -0.1}, "param group 0: weight_decay -0.1"},
+                                         {3, {}, "param group 3 does not exist: this optimizer has 3"}}) {
+    const Status status = optimizer->SetGroup(bad.group, bad.values);
+    EXPECT_EQ(status.code(), StatusCode::kInvalidArgument) << bad.message;
+    EXPECT_NE(status.message().find(bad.message), std::string::npos) << status.ToString();
+  }
+  for (uint32_t g = 0; g < 3; ++g) EXPECT_EQ(optimizer->group(g).lr, 1e-2);  // unchanged
+
+  // SGD momentum needs the buffers the optimizer keeps only with optimizer.momentum > 0.
+  ASSERT_OK_AND_ASSIGN(auto sgd, Optimizer::Create({.kind = OptimizerKind::kSgd}));
+  const Status momentum = sgd->SetGroup(0, {.momentum = 0.9});
+  EXPECT_NE(momentum.message().find("optimizer.momentum"), std::string::npos) << momentum.ToString();
+  EXPECT_EQ(Optimizer::Create({}, std::nullopt, 0).status().code(), StatusCode::kInvalidArgument);
+
+  // A chunk of a group the optimizer lacks.
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  ChunkArrays chunk = RandomChunk(10, DType::kFloat32, DType::kFloat32, rng);
+  ChunkTensors view = chunk.view();
+  view.param_group = 3;
+  const Status outside = optimizer->UpdateChunk(StepPlan{.step = 1}, view);
+  EXPECT_NE(outside.message().find("a chunk of param group 3"), std::string::npos) << outside.ToString();
+
+  // Restored groups: validated all before any is set; none given: the config's.
+  const GroupHyperparams restored[] = {{.lr = 1}, {.lr = 2}, {.lr = -3}};
+  EXPECT_EQ(optimizer->Restore(0, std::nullopt, {}, restored).code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(optimizer->group(0).lr, 1e-2);
+  const GroupHyperparams two[] = {{.lr = 1}, {.lr = 2}};
+  EXPECT_EQ(optimizer->Restore(0, std::nullopt, {}, two).code(), StatusCode::kInvalidArgument);
+  const GroupHyperparams good[] = {{.lr = 1}, {.lr = 2}, {.lr = 3}};
+  ASSERT_OK(optimizer->Restore(0, std::nullopt, {}, good));
+  EXPECT_EQ(optimizer->group(2).lr, 3);
+  ASSERT_OK(optimizer->Restore(0, std::nullopt));
+  EXPECT_EQ(optimizer->group(2).lr, 1e-2);
+}
+
 TEST(OptimizerTest, BadConfigsNameTheField) {
   struct Bad {
     OptimizerConfig config;
