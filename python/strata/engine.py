@@ -15,9 +15,11 @@ micro-batch, then the step, is one iteration of the engine's pipeline):
 
 - At ``initialize`` every parameter is registered (shared ones once, frozen
   ones as frozen; strata.params), its values are copied into its param chunk
-  (and into the fp32 master chunk under bf16/fp16; strata.weights), and its
-  ``.data`` becomes an empty placeholder: the model holds no parameter
-  storage of its own.
+  (and into the fp32 master chunk under bf16/fp16; strata.weights), and it
+  becomes *held* (strata.state): its ``.data`` a placeholder of its shape
+  with no storage, and reading its values outside forward and backward an
+  error naming ``engine.gathered()``; ``model.state_dict()`` and
+  ``model.load_state_dict()`` read and write the chunks.
 - Forward and backward: hooks on the model (strata.hooks) begin a moment of
   the pipeline for each module and pin its parameters' chunks where the model
   computes (strata.moments); gradients are added into their grad chunks as
@@ -35,6 +37,7 @@ engine, the group, the device), the parameter table, moments, hooks,
 gradient sync, weights and checkpoints (strata.checkpoint).
 """
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -50,6 +53,7 @@ from .moments import Moments
 from .optimizer import Optimizer, param_groups_of
 from .params import ParamTable
 from .runtime import open_runtime
+from .state import ModelState
 from .weights import Weights
 
 
@@ -68,7 +72,7 @@ def initialize(model, config=None, weights=None, param_groups=None):
     return TrainingEngine(model, config, weights, param_groups)
 
 
-_LOAD_FAILED = "a checkpoint load failed part way"
+_LOAD_FAILED = "a load failed part way"
 
 # Set on every module of a model an engine took: its parameters are then
 # placeholders whose values live in that engine's chunks.
@@ -119,6 +123,7 @@ class TrainingEngine:
         self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)
         self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable)
         self._weights = Weights(runtime, table, model, self._grad_sync)
+        self._state = ModelState(runtime, table, self._weights)
         self._checkpoints = Checkpoints(runtime, table, self._optimizer)
         self._take(model, weights)
         groups = [{**options, "params": [r.param for r, g in zip(table.records, in_group) if r.trainable and g == i]}
@@ -129,12 +134,13 @@ class TrainingEngine:
         """The model's values into the chunks (or the weights'), its storage dropped, its hooks set."""
         if weights is None:
             self._weights.write(self._weights.model_values())
-        self._hooks.take_storage(model)
+        self._hooks.take_storage(model, self._state.hold)
         for module in model.modules():  # its parameters are placeholders from here on
             module.__dict__[_HELD] = True
         self._weights.place_buffers()
         self._grad_sync.start()
         self._hooks.install(model)
+        self._state.install(model, self._load)
         if weights is not None:
             self.load_weights(weights)
         self._weights.check_buffers()
@@ -212,6 +218,9 @@ class TrainingEngine:
         return True
 
     def _check_usable(self):
+        if self._state.gathering is not None:
+            raise RuntimeError("strata: engine.gathered() is open: the model cannot run forward, backward, a step, a "
+                               "save or a load inside it (its parameters hold copies there); leave the block first")
         if self._progress.broken is not None:
             raise RuntimeError(f"strata: training cannot go on: {self._progress.broken}. Start again from the "
                                "model's initial or saved state")
@@ -284,7 +293,8 @@ class TrainingEngine:
     # --- weights -------------------------------------------------------------------
 
     def state_dict(self, master=False):
-        """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16).
+        """A copy of every parameter (compute dtype; fp32 masters with master=True under bf16/fp16), by its
+        registered name (a tied parameter once; model.state_dict() has torch's keys and the buffers).
 
         Read from wherever each chunk is, without moving it. Data parallel,
         each rank holds a shard of the masters: master=True gathers them, so
@@ -318,26 +328,56 @@ class TrainingEngine:
         load that fails once setting has begun leaves the model partly set: training then raises until
         a load succeeds. Returns a dict: tensors (parameters set), missing (parameters left as they
         were), unused (names not taken)."""
-        self._check_between_steps("load_weights", usable=self._loadable())
+        return self._load("load_weights", lambda: self._weights.plan(source, strict), self._weights.apply).result
+
+    def _load(self, what, plan, apply):
+        """Sets parameter values between steps: `plan()` makes every check and read that can refuse, before
+        anything is set, and returns what `apply(planned)` sets; data parallel, the ranks agree after each.
+        Returns the plan."""
+        self._check_between_steps(what, usable=self._loadable())
         self._grad_sync.drain()
         self.wait_checkpoint()
-        plan, error = None, None
-        try:  # everything that can refuse, before anything is set
-            plan = self._weights.plan(source, strict)
+        planned, error = None, None
+        try:
+            planned = plan()
         except Exception as failed:  # noqa: BLE001 (agreed with the other ranks, then raised)
             error = failed
-        self._runtime.agree(error, "load_weights")
+        self._runtime.agree(error, what)
         try:
-            self._weights.apply(plan)
+            apply(planned)
         except BaseException as failed:
             error = failed
-            self._progress.broken = (f"{_LOAD_FAILED} ({type(failed).__name__}: {failed}); load weights or a "
-                                     "checkpoint that loads")
+            self._progress.broken = (f"{_LOAD_FAILED} ({what}: {type(failed).__name__}: {failed}); load weights or "
+                                     "a checkpoint that loads")
         finally:
             self._grad_sync.release_gathered()  # gathered parameters are of the masters before
-        self._runtime.agree(error, "load_weights")
+        self._runtime.agree(error, what)
         self._progress.broken = None
-        return plan.result
+        return planned
+
+    @contextlib.contextmanager
+    def gathered(self, params=None):
+        """Inside `with engine.gathered():` every parameter (or those of `params`: a module, a parameter, or
+        an iterable of them) holds its real values: .data is a full tensor on the compute device, in the compute
+        dtype, free to read and to change in place (p.mul_(0.5), p.copy_(x), nn.init.*). On leaving, even by an
+        exception, the parameters that changed are written into their chunks, and under bf16/fp16 into their
+        fp32 masters the elements that changed (the others keep their fp32 values); the copies are dropped. It
+        costs a copy of the parameters it holds, beside the budgets, and a second read of them to find what
+        changed. Between steps; no forward, backward, step, save or load inside. Data parallel, every rank
+        calls it and makes the same changes."""
+        self._check_between_steps("gathered")
+        self._grad_sync.drain()
+        self.wait_checkpoint()
+        records = self._state.records_of(params)
+        self._state.gather(records)
+        try:
+            yield
+        finally:
+            self._state.gathering = None
+            try:
+                self._load("gathered", lambda: self._state.changes(records), self._weights.write)
+            finally:
+                self._state.put_back(records)
 
     # --- checkpoints -----------------------------------------------------------------
 

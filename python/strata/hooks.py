@@ -115,15 +115,17 @@ class Hooks:
 
     # --- set-up ----------------------------------------------------------------
 
-    def take_storage(self, model):
-        """Every parameter's .data becomes the placeholder (a meta-device one is replaced first) and its
-        gradient hooks are set: the model holds no parameter storage of its own after."""
+    def take_storage(self, model, hold):
+        """Every parameter's gradient hooks are set (a meta-device one is replaced first), then `hold(record)`
+        drops its storage (strata.state): the model holds no parameter storage of its own after."""
         holders = _meta_holders(model)
         for record in self._table.records:
             if record.param.is_meta:
                 self._table.replace_meta(record, holders[id(record.param)], self._runtime.device,
                                          self._runtime.dtype)
             self._hook_param(record)
+            record.param.grad = None
+            hold(record)
 
     def _hook_param(self, record):
         # The AccumulateGrad node holds its hooks in C++, out of the garbage
@@ -142,8 +144,6 @@ class Hooks:
                 accumulator.register_hook(_grad_hook(hooks, record))
                 p.register_hook(_grad_pre_hook(hooks, record))
                 self._accumulators.append(accumulator)
-        p.data = self._moments.placeholder
-        p.grad = None
 
     def install(self, model):
         """The forward hooks on every module with parameters of its own, and recovery around model.forward."""

@@ -4,12 +4,13 @@ One training iteration (forward and backward of every micro-batch, then the
 step) is one iteration of the engine's pipeline; each module's forward and
 backward begins a moment of it. A parameter being computed with is
 *materialized*: its ``.data`` is a view of its chunk, pinned where the model
-computes; released, it is the placeholder again. Forwards without autograd
+computes, and its class its own; released, it is held again: its placeholder
+and the class whose reads raise (strata.state). Forwards without autograd
 (``direct``) pin chunks outside the pipeline, so that they do not disturb its plan.
 
 ``materialize`` and ``release`` are on the hot path (every parameter of every
 module, each micro-batch): they touch a dict and a counter unless the chunk
-must be pinned or let go.
+must be pinned or let go, and set the parameter's class and ``.data``.
 """
 
 import torch
@@ -24,8 +25,6 @@ class Moments:
         self._pipeline = pipeline
         self._grad_sync = grad_sync                # gathers a sharded parameter chunk as it is pinned
         self._non_model_memory = non_model_memory  # bytes from the configuration, or None: measured
-        # What a parameter's .data is while it is not materialized: the model holds no parameter storage.
-        self.placeholder = torch.empty(0, dtype=runtime.dtype, device=runtime.device)
         self.held = {}            # chunk id -> [ChunkAccess, params materialized in it]
         self.moment_chunks = {}   # chunk id -> ChunkAccess, grad chunks of the open moment
         self.in_iteration = False
@@ -131,6 +130,7 @@ class Moments:
                 entry = self.held[record.chunk] = [self._pin_chunk(record.chunk), 0]
             entry[1] += 1
             view = self._runtime.view(entry[0], self._runtime.dtype, record.numel, record.offset)
+            record.param.__class__ = record.plain_class  # first: the held class refuses .data
             record.param.data = view.view(record.shape)
         record.pins += 1
 
@@ -139,7 +139,8 @@ class Moments:
         record.pins -= 1
         if record.pins > 0:
             return
-        record.param.data = self.placeholder
+        record.param.data = record.placeholder
+        record.param.__class__ = record.held_class
         entry = self.held[record.chunk]
         entry[1] -= 1
         if entry[1] == 0:

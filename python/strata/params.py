@@ -11,7 +11,8 @@ class Param:
     """One registered parameter: where its copies live, and whether it is pinned now."""
 
     __slots__ = ("param", "name", "tensor_id", "shape", "numel", "trainable", "chunk", "offset", "grad_chunk",
-                 "grad_offset", "master_chunk", "master_offset", "pins", "for_backward", "grad_arrived", "stepped")
+                 "grad_offset", "master_chunk", "master_offset", "pins", "for_backward", "grad_arrived", "stepped",
+                 "placeholder", "plain_class", "held_class")
 
     def __init__(self, param, name, tensor_id):
         self.param = param
@@ -27,6 +28,10 @@ class Param:
         self.for_backward = False   # one of the pins is backward's
         self.grad_arrived = False   # since it was pinned for backward
         self.stepped = False        # a gradient arrived since the last step
+        # Outside forward and backward (strata.state): .data is the placeholder (the real shape, no storage of its
+        # own) and the parameter's class held_class, whose reads raise; materialized, its own class again.
+        self.placeholder = None
+        self.plain_class = self.held_class = None
 
 
 class ParamTable:

@@ -148,19 +148,35 @@ class Weights:
 
     def state_dict(self, master):
         """Every parameter's values, read from wherever each chunk is (see TrainingEngine.state_dict)."""
-        copies = {}
-        out = {}
-        for record in self._table.records:
-            chunk, offset, dtype = record.chunk, record.offset, self._runtime.dtype
-            # Parameters sharded: the gathered masters are the parameters.
-            if record.master_chunk is not None and (master or self._table.chunk_info[chunk]["transient"]):
-                chunk, offset = record.master_chunk, record.master_offset
-                dtype = TORCH_DTYPES[self._table.chunk_info[chunk]["dtype"]]  # a frozen parameter's is its own
-            if chunk not in copies:
-                copies[chunk] = self._read_whole_chunk(chunk)
-            view = torch.frombuffer(copies[chunk], dtype=dtype, count=record.numel, offset=offset)
-            out[record.name] = view.to(self._runtime.dtype if not master else dtype, copy=True).reshape(record.shape)
-        return out
+        return {record.name: values for record, values in self.read(self._table.records, master)}
+
+    def read(self, records, master=False):
+        """Yields (record, a CPU copy of its values in its shape) for each of `records`, in model order: in the
+        compute dtype, or the masters' (fp32; a frozen parameter's own) with master=True. Each chunk is read
+        once from wherever it is, without moving it, and dropped after the last of `records` it holds (a chunk
+        holds tensors in model order, so that beside the copies only a chunk or two is staged at a time)."""
+        wanted = set(records)
+        records = [record for record in self._table.records if record in wanted]
+        sources = [self._source(record, master) for record in records]
+        last = {chunk: i for i, (chunk, _, _) in enumerate(sources)}
+        staged = {}
+        for i, (record, (chunk, offset, dtype)) in enumerate(zip(records, sources)):
+            if chunk not in staged:
+                staged[chunk] = self._read_whole_chunk(chunk)
+            view = torch.frombuffer(staged[chunk], dtype=dtype, count=record.numel, offset=offset)
+            yield record, view.to(dtype if master else self._runtime.dtype, copy=True).reshape(record.shape)
+            if last[chunk] == i:
+                del staged[chunk]
+
+    def _source(self, record, master):
+        """(chunk, byte offset, dtype) of the copy of `record` that read() reads."""
+        chunk = record.chunk
+        # Parameters sharded: the gathered masters are the parameters.
+        if record.master_chunk is not None and (master or self._table.chunk_info[chunk]["transient"]):
+            # A frozen parameter's master is in its own dtype.
+            return record.master_chunk, record.master_offset, TORCH_DTYPES[
+                self._table.chunk_info[record.master_chunk]["dtype"]]
+        return chunk, record.offset, self._runtime.dtype
 
     def _read_whole_chunk(self, chunk):
         """A chunk's bytes; a sharded chunk's gathered from every rank into the group's whole chunk."""

@@ -62,6 +62,13 @@ def pair(seed=0, **kwargs):
     return model, copy.deepcopy(model)
 
 
+def holds_no_storage(p):
+    """Whether a parameter is held (strata.state): its .data strata's placeholder, one element of storage shared
+    by every parameter."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.data.untyped_storage().nbytes() == p.element_size() and type(p) is not torch.nn.Parameter
+
+
 def relative_errors(a, b):
     return [abs(x - y) / abs(y) for x, y in zip(a, b)]
 

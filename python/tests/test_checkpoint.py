@@ -64,7 +64,7 @@ def test_a_damaged_checkpoint_is_named_and_the_one_before_loads(tmp_path):
     with pytest.raises(strata._strata.CorruptionError, match=damage):
         fresh.load_checkpoint(tmp_path / "ckpt")
     # Its state is now partly overwritten: training raises until a load succeeds.
-    with pytest.raises(RuntimeError, match="a checkpoint load failed part way"):
+    with pytest.raises(RuntimeError, match="a load failed part way"):
         fresh.save_checkpoint(tmp_path / "elsewhere")
     loaded = fresh.load_checkpoint(tmp_path / "ckpt", fall_back=True)
     assert loaded["step"] == 1 and "chunk-0.bin" in loaded["skipped"][0]
