@@ -11,10 +11,11 @@ path file is not a site directory: .venv's own path files (its strata-build.pth)
 strata is imported from the wheel, which this script checks.
 
 The C++ build reuses what it can: --build-dir keeps CMake's build folder between runs, so that only
-what changed is compiled again, and ccache, where installed, keeps the objects (CMakeLists.txt). The
-build runs without build isolation where this Python has scikit-build-core (and pybind11): an
-isolated build environment is a new folder each time, whose pybind11 headers would make the module
-compile again every run. Exit status 0 and a summary on success; 1 and what failed otherwise.
+what changed is compiled again, and ccache, where installed, keeps the objects (CMakeLists.txt). pip
+builds in an isolated environment, as for a user, with scikit-build-core and pybind11 from the
+package index; the module compiles against this Python's pybind11 (pybind11_DIR), whose headers stay
+where they are, where the isolated environment's are in a new folder each time. Exit status 0 and a
+summary on success; 1 and what failed otherwise.
 """
 
 import argparse
@@ -47,8 +48,9 @@ def build_wheel(work, build_dir):
     wheels = os.path.join(work, "wheels")
     command = [sys.executable, "-m", "pip", "wheel", ROOT, "--no-deps", "--wheel-dir", wheels,
                "--config-settings", f"build-dir={build_dir}"]
-    if importlib.util.find_spec("scikit_build_core") and importlib.util.find_spec("pybind11"):
-        command.append("--no-build-isolation")
+    if importlib.util.find_spec("pybind11"):
+        import pybind11
+        command += ["--config-settings", f"cmake.define.pybind11_DIR={pybind11.get_cmake_dir()}"]
     start = time.monotonic()
     run("pip wheel", command)
     seconds = time.monotonic() - start
@@ -93,7 +95,8 @@ def check_finetune(python, work, env):
         report = json.load(f)
     losses, baseline = report["loss"], report["baseline_loss"]
     if len(losses) != 6 or not baseline:
-        raise CheckFailed(f"the fine-tune's report has {len(losses)} losses (expected 6) and {len(baseline)} baseline ones")
+        raise CheckFailed(f"the fine-tune's report has {len(losses)} losses (expected 6) "
+                          f"and {len(baseline)} baseline ones")
     for ours, theirs in zip(losses, baseline):
         if abs(ours - theirs) > 1e-5 * abs(theirs):
             raise CheckFailed(f"the installed strata's losses {losses} differ from plain PyTorch's {baseline}")
@@ -115,13 +118,13 @@ def main(argv):
         run("pip install the wheel", [python, "-m", "pip", "install", "--no-deps", "--no-index", wheel], env=env)
         version = check_installed(venv, python, work, env)
         losses = check_finetune(python, work, env)
-    except (CheckFailed, subprocess.TimeoutExpired) as e:
+    except (CheckFailed, OSError, subprocess.TimeoutExpired) as e:
         print(f"check_wheel: {e}", file=sys.stderr)
         return 1
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"check_wheel: {built}; installed in a new environment: {version}; the short fine-tune's losses {losses[0]:.4f} .. {losses[-1]:.4f}, "
-          "those of plain PyTorch")
+    print(f"check_wheel: {built}; installed in a new environment: {version}; "
+          f"the short fine-tune's losses {losses[0]:.4f} .. {losses[-1]:.4f}, those of plain PyTorch")
     return 0
 
 
