@@ -17,7 +17,7 @@ namespace {
 using strata::cli::Command;
 
 int PrintVersion() {
-  std::printf("strata 0.1.0 (CUDA backend: %s)\n",
+  std::printf("strata %s (CUDA backend: %s)\n", STRATA_VERSION,
 #ifdef STRATA_WITH_CUDA
               "built"
 #else

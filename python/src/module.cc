@@ -20,6 +20,7 @@
 PYBIND11_MODULE(_strata, m) {
   namespace bind = strata::python;
   m.doc() = "strata's C++ engine (the Python package is strata)";
+  m.attr("__version__") = STRATA_VERSION;  // CMakeLists.txt's project() version, as `strata version` prints
   // In order: the errors first, since ThrowIfError raises them; each class before the functions whose
   // signatures name it, so that their docstrings give its Python name.
   for (auto* bind_concern : {&bind::BindErrors, &bind::BindOptions, &bind::BindCommunicator, &bind::BindTransports,

@@ -11,7 +11,7 @@ optimizer states into strata's chunks; ``load_config`` reads configurations
 with the engine's own checks; ``Engine`` is the C++ engine itself.
 """
 
-from ._strata import CorruptionError, Engine, Options, option_keys
+from ._strata import CorruptionError, Engine, Options, __version__, option_keys
 from .config import Config, load_config
 from .engine import TrainingEngine, initialize
 
