@@ -80,8 +80,9 @@ def trained(tmp_path_factory):
 def test_lora_trains_like_plain_peft_over_three_tiers(trained):
     engine, _, reference, start, ours, theirs = trained
     assert max(relative_errors(ours, theirs)) <= 1e-5, (ours, theirs)
-    tiers = {tier for kind in engine.chunk_tiers().values() for tier in kind}
-    assert tiers == {"device", "host", "nvme"}, engine.chunk_tiers()
+    tiers = engine.stats()["tiers"]  # where chunks sit at the end varies; each tier's peak says it held some
+    assert all(tiers[tier]["peak_bytes"] > 0 for tier in ("device", "host", "nvme")), tiers
+    assert tiers["device"]["peak_bytes"] <= 48 * 1024 and tiers["host"]["peak_bytes"] <= 96 * 1024, tiers
     values = engine.state_dict()
     for name, p in reference.named_parameters():
         if p.requires_grad:

@@ -1,0 +1,186 @@
+"""The PyTorch adapter on a CUDA GPU against plain PyTorch (run by scripts/gpu_check.sh where the bundle holds
+the Python package): Hugging Face models built from their configs, trained through strata with the device
+budget below their model states (chunks on device and host), and in plain PyTorch with the same AdamW; a
+learning-rate schedule over two param groups; PEFT LoRA; model.state_dict() of the held model. Prints one
+line per check and a table; exit status 1 when a check is out of its tolerance.
+
+    python3 scripts/gpu_adapter_check.py [--steps 10] [--json OUT] [--device emulated]
+
+(--device emulated: the same checks on the CPU, with strata's emulated device, to try the script without a GPU.)
+"""
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+
+import torch
+
+import strata
+
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative (fp32 also parameters)
+DEVICE = {"backend": "cuda", "torch": "cuda"}
+
+
+def llama(hidden=256, layers=4, **extra):
+    import transformers
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=2 * hidden + 64,
+                                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=4,
+                                      max_position_embeddings=256, attn_implementation="eager", **extra)
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2():
+    import transformers
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=512, n_embd=256, n_layer=4, n_head=8,
+                                                                n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
+                                                                attn_pdrop=0.0))
+
+
+def lora_llama():
+    import peft
+    model = peft.get_peft_model(llama(), peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
+                                                         lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model
+
+
+def token_batches(steps, seed=1):
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 512, (4, 128), generator=generator).to(DEVICE["torch"]) for _ in range(steps)]
+
+
+def plain_training(model, data, precision, lr, groups=None, schedule=None):
+    """torch.optim.AdamW on the model (bf16: on fp32 masters of a bf16 copy, the mixed-precision recipe)."""
+    model = model.to(DEVICE["torch"])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = trainable
+    if precision == "bf16":
+        masters = [p.detach().clone().float().requires_grad_() for p in trainable]
+        model = model.to(torch.bfloat16)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+    if groups is None:
+        optimizer = torch.optim.AdamW(masters, lr=lr, weight_decay=0.01)
+    else:
+        index = {id(p): i for i, p in enumerate(p for p in model.parameters() if p.requires_grad)}
+        optimizer = torch.optim.AdamW([{**g, "params": [masters[index[id(p)]] for p in g["params"]]}
+                                       for g in groups(model)], lr=lr)
+    scheduler = schedule(optimizer) if schedule else None
+    losses = []
+    for tokens in data:
+        loss = model(input_ids=tokens, labels=tokens).loss
+        losses.append(loss.item())
+        loss.backward()
+        if precision == "bf16":
+            for master, p in zip(masters, trainable):
+                master.grad, p.grad = p.grad.float(), None
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler:
+            scheduler.step()
+        if precision == "bf16":
+            with torch.no_grad():
+                for master, p in zip(masters, trainable):
+                    p.copy_(master)
+    return losses, model
+
+
+def strata_training(model, data, precision, lr, nvme, groups=None, schedule=None):
+    states = sum(p.numel() for p in model.parameters()) * (16 if precision == "fp32" else 18)
+    config = {"optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.01}, "precision": precision,
+              "device": {"backend": DEVICE["backend"], "budget": states // 3}, "host": {"budget": 2 * states},
+              "nvme": {"dirs": [nvme]}, "log": {"level": "error"}}
+    engine = strata.initialize(model, config, param_groups=groups(model) if groups else None)
+    scheduler = schedule(engine.optimizer) if schedule else None
+    losses = []
+    synchronize()
+    start = time.perf_counter()
+    for tokens in data:
+        loss = engine(input_ids=tokens, labels=tokens).loss
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+        if scheduler:
+            scheduler.step()
+    synchronize()
+    return losses, engine, time.perf_counter() - start
+
+
+def synchronize():
+    if DEVICE["torch"] == "cuda":
+        torch.cuda.synchronize()
+
+
+def two_groups(model):
+    decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" not in n]
+    no_decay = [p for n, p in model.named_parameters() if p.requires_grad and "norm" in n]
+    return [{"params": decay, "weight_decay": 0.05}, {"params": no_decay, "weight_decay": 0.0, "lr": 5e-4}]
+
+
+def warmup_cosine(optimizer):
+    warmup = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=10)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
+
+
+def check(name, build, precision, steps, lr=1e-3, groups=None, schedule=None):
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    data = token_batches(steps)
+    theirs, plain = plain_training(reference, data, precision, lr, groups, schedule)
+    with tempfile.TemporaryDirectory() as nvme:
+        ours, engine, seconds = strata_training(model, data, precision, lr, nvme, groups, schedule)
+        loss_error = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
+        row = {"check": name, "precision": precision, "steps": steps, "loss_error": loss_error,
+               "strata_s_per_step": seconds / steps,
+               "device_peak": engine.stats()["tiers"]["device"]["peak_bytes"]}
+        if precision == "fp32":
+            values = model.state_dict()  # the held model's own state_dict: values gathered from the chunks
+            theirs_values = plain.state_dict()
+            row["param_error"] = max(((values[k].float().to(v.device) - v.float()).norm() / v.float().norm()).item()
+                                     for k, v in theirs_values.items() if k in values and v.is_floating_point())
+        engine.close()
+    row["ok"] = loss_error <= TOLERANCE[precision] and row.get("param_error", 0) <= TOLERANCE[precision]
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--json")
+    parser.add_argument("--device", choices=["cuda", "emulated"], default="cuda")
+    args = parser.parse_args()
+    if args.device == "emulated":
+        DEVICE.update(backend="emulated", torch="cpu")
+    elif not torch.cuda.is_available():
+        print("gpu_adapter_check: no CUDA device", file=sys.stderr)
+        return 1
+    where = torch.cuda.get_device_name() if args.device == "cuda" else "the emulated device"
+    print(f"torch {torch.__version__}, {where}, strata {strata.__version__}", flush=True)
+    rows = []
+    for precision in ("fp32", "bf16"):
+        rows.append(check("llama", llama, precision, args.steps))
+        rows.append(check("gpt2", gpt2, precision, args.steps))
+    rows.append(check("llama, 2 groups, warm-up + cosine", llama, "fp32", args.steps, groups=two_groups,
+                      schedule=warmup_cosine))
+    rows.append(check("llama + LoRA", lora_llama, "fp32", args.steps))
+    print(f"\n| check | precision | steps | loss rel. error | param rel. error | strata s/step | ok |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['check']} | {r['precision']} | {r['steps']} | {r['loss_error']:.2e} | "
+              f"{r.get('param_error', float('nan')):.2e} | {r['strata_s_per_step']:.3f} | {r['ok']} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
