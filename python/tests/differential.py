@@ -282,23 +282,24 @@ NET = Workload()
 # --- the two trainings --------------------------------------------------------------
 
 
-def _optimizer(case, params, fused=None):
+def _optimizer(case, params, fused=False):
+    kernel = {"fused": True} if fused else {}  # torch's CPU fused kernels: 2.4 on (no argument before 2.3 for SGD)
     if case.optimizer == "adamw":
-        return torch.optim.AdamW(params, lr=case.lr, weight_decay=case.weight_decay, fused=fused)
+        return torch.optim.AdamW(params, lr=case.lr, weight_decay=case.weight_decay, **kernel)
     if case.optimizer == "adam":
-        return torch.optim.Adam(params, lr=case.lr, weight_decay=case.weight_decay, fused=fused)
-    return torch.optim.SGD(params, lr=case.lr, momentum=0.9, weight_decay=case.weight_decay, fused=fused)
+        return torch.optim.Adam(params, lr=case.lr, weight_decay=case.weight_decay, **kernel)
+    return torch.optim.SGD(params, lr=case.lr, momentum=0.9, weight_decay=case.weight_decay, **kernel)
 
 
 LOSS_SCALE = 2.0 ** 10  # fp16: the loss scale of both trainings (it grows on neither within a run)
 
 
-def torch_training(case, model, data, loss_of=net_loss, fused=None):
+def torch_training(case, model, data, loss_of=net_loss, fused=False):
     """Plain PyTorch: torch.optim on the model (fp32), or on fp32 masters of a bf16/fp16 model that computes
     (the mixed-precision recipe; fp16 with a fixed loss scale, a step with inf/NaN gradients skipped).
     Returns the micro-batch losses and an evaluation's after, and the model's parameters after (the masters
     under bf16/fp16). `loss_of(run, model, position, batch)`: a micro-batch's loss (see net_loss); `fused`:
-    torch.optim's fused kernel (True) or its default one (None)."""
+    torch.optim's fused kernel (True) or its default one."""
     dtype = DTYPES[case.precision]
     trainable = [p for p in model.parameters() if p.requires_grad]
     if dtype == torch.float32:
