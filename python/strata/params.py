@@ -34,6 +34,21 @@ class Param:
         self.plain_class = self.held_class = None
 
 
+def module_of(model, name):
+    """Where the parameter or buffer `name` of `model` lies, for a message: "module <path> (<class>)"."""
+    path = name.rpartition(".")[0]
+    return f"module {path or '(the model itself)'} ({type(model.get_submodule(path)).__name__})"
+
+
+def _refuse_sparse(model):
+    for module_name, module in model.named_modules():
+        if isinstance(module, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and module.sparse:
+            where = f"{module_name}.weight" if module_name else "weight"
+            raise ValueError(f"strata.initialize: {module_of(model, where)} has sparse=True: its weight would get "
+                             "sparse gradients, which strata's gradient chunks do not take (nor does torch.optim's "
+                             "AdamW); set sparse=False")
+
+
 class ParamTable:
     """Every parameter of a model registered with the engine (shared ones once, frozen ones as frozen), in
     model order, and the engine's chunks once it has packed them."""
@@ -53,12 +68,15 @@ class ParamTable:
             for name, p in module.named_parameters(recurse=False):
                 owner.setdefault(id(p), (module_name, f"{module_name}.{name}" if module_name else name))
         if not owner:
-            raise ValueError("strata.initialize: the model has no parameters")
+            raise ValueError(f"strata.initialize: the model ({type(model).__name__}) has no parameters: nothing to "
+                             "train")
+        _refuse_sparse(model)
         for _, p in model.named_parameters():
             module_name, full_name = owner[id(p)]
             if not p.dtype.is_floating_point:
-                raise ValueError(f"strata.initialize: parameter {full_name} has dtype {p.dtype}; "
-                                 "strata trains floating-point parameters only")
+                raise ValueError(f"strata.initialize: parameter {full_name} of {module_of(model, full_name)} has "
+                                 f"dtype {p.dtype}; strata trains floating-point parameters only (a quantized "
+                                 "weight: dequantize it first, or keep it as a buffer)")
             shape = list(p.shape) if p.dim() > 0 else []
             tensor_id = engine.register_tensor(full_name, shape, precision, p.requires_grad, module_name,
                                                group_of.get(id(p), 0))

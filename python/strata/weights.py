@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from . import _strata
+from .params import module_of
 from .runtime import TORCH_DTYPES
 
 # safetensors dtype names (those torch holds).
@@ -92,8 +93,9 @@ class Weights:
         values = {}
         for record in self._table.records:
             if record.param.is_meta:
-                raise ValueError(f"strata.initialize: parameter {record.name} is on the meta device: pass "
-                                 "weights= (a safetensors file, a state dict or its file) to initialize from")
+                raise ValueError(f"strata.initialize: parameter {record.name} of {module_of(self._model, record.name)} "
+                                 "is on the meta device: pass weights= (a safetensors file, a state dict or its file) "
+                                 "to initialize from")
             flat = record.param.detach().reshape(-1)
             if self._runtime.world_size > 1:  # every rank starts from rank 0's values
                 flat = flat.to("cpu", copy=True).contiguous()
@@ -115,10 +117,11 @@ class Weights:
     def check_buffers(self):
         for name, buffer in self._model.named_buffers():
             if buffer.is_meta:
-                raise ValueError(f"strata.initialize: buffer {name} is on the meta device and the weights do not "
-                                 "hold it (a buffer the model computes, such as rotary frequencies, must be made "
-                                 "on a real device: build the model under accelerate.init_empty_weights(), which "
-                                 "leaves buffers real, rather than torch.device('meta'))")
+                raise ValueError(f"strata.initialize: buffer {name} of {module_of(self._model, name)} is on the meta "
+                                 "device and the weights do not hold it (a buffer the model computes, such as rotary "
+                                 "frequencies, must be made on a real device: build the model under "
+                                 "accelerate.init_empty_weights(), which leaves buffers real, rather than "
+                                 "torch.device('meta'))")
 
     def write(self, values):
         """Each record's flat values (any float dtype, on any device) into its param chunk and its master
