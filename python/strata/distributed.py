@@ -89,18 +89,19 @@ class TorchCommunicator(_strata.Communicator):
     memory. A collective that waits longer than `timeout_ms` raises in gloo,
     and strata turns that into a Timeout on every rank that waited.
 
-    The tensors of the last few collectives are kept referenced here (see
-    _keep): gloo's worker thread lets go of a finished collective's tensors
-    a moment after the caller's wait returns, and had it dropped the last
-    reference, it would need the GIL to free them. At interpreter shutdown
-    (a reducer closed by an exit hook runs its last collectives then) that
-    thread is stopped by Python inside a destructor: std::terminate.
+    The work of the last few collectives is kept referenced here, with
+    their tensors (see _run): gloo's worker thread lets go of a finished
+    collective's work a moment after the caller's wait returns, and had it
+    dropped the last reference, the work's destructor would free tensors
+    that Python objects back, which needs the GIL. At interpreter shutdown (a
+    reducer closed by an exit hook runs its last collectives then) Python
+    stops such a thread inside that destructor: std::terminate ("terminate
+    called without an active exception"). Kept here, the work is freed by
+    the thread that holds the GIL.
 
     At exit (after the reducer's last collectives: atexit runs the hooks
     registered later first) the group is destroyed, and the default group
-    too when this made it: torch 2.x's gloo aborts about one exit in six
-    ("terminate called without an active exception") when a process ends
-    with its groups alive.
+    too when this made it, as torch.distributed asks of a process.
     """
 
     _KEPT_COLLECTIVES = 4  # gloo runs a group's collectives on two threads; a few more than that
@@ -130,17 +131,19 @@ class TorchCommunicator(_strata.Communicator):
             except (ValueError, RuntimeError):  # destroyed already (the default's destruction takes every group)
                 pass
 
-    def _keep(self, *tensors):
-        """Holds a collective's tensors past gloo's own references (see the class's note)."""
-        self._kept.append(tensors)
+    def _run(self, collective, *args, keep=(), **kwargs):
+        """`collective(*args, **kwargs)` on the group, waited for; its work and `keep` (the tensors it reads and
+        writes) held past gloo's own references (see the class's note)."""
+        work = collective(*args, group=self._group, async_op=True, **kwargs)
+        self._kept.append((work, keep))
+        work.wait()
 
     def _all_gather(self, send, recv):
         if len(send) == 0:
             return
         out = torch.frombuffer(recv, dtype=torch.uint8)
         slices, mine = list(out.chunk(self.world_size)), torch.frombuffer(send, dtype=torch.uint8)
-        self._keep(out, slices, mine)
-        self._dist.all_gather(slices, mine, group=self._group)
+        self._run(self._dist.all_gather, slices, mine, keep=(out, slices, mine))
 
     def _reduce_scatter_sum(self, send, recv, count, dtype):
         if count == 0:
@@ -152,8 +155,7 @@ class TorchCommunicator(_strata.Communicator):
         width = torch.empty(0, dtype=dtype).element_size()
         slices = torch.empty(self.world_size * count * width, dtype=torch.uint8)
         mine = torch.frombuffer(send, dtype=torch.uint8)
-        self._keep(slices, mine)
-        self._dist.all_to_all_single(slices, mine, group=self._group)
+        self._run(self._dist.all_to_all_single, slices, mine, keep=(slices, mine))
         parts = slices.view(dtype).view(self.world_size, count).float()
         total = parts[0].clone()
         for part in parts[1:]:
@@ -164,15 +166,13 @@ class TorchCommunicator(_strata.Communicator):
         if len(values) == 0:
             return
         values = torch.frombuffer(values, dtype=torch.float64)
-        self._keep(values)
-        self._dist.all_reduce(values, group=self._group)
+        self._run(self._dist.all_reduce, values, keep=(values,))
 
     def _broadcast(self, data, root):
         if len(data) == 0:
             return
         data = torch.frombuffer(data, dtype=torch.uint8)
-        self._keep(data)
-        self._dist.broadcast(data, src=root, group=self._group)
+        self._run(self._dist.broadcast, data, src=root, keep=(data,))
 
     def _barrier(self):
-        self._dist.barrier(group=self._group)
+        self._run(self._dist.barrier)
