@@ -142,6 +142,32 @@ def test_save_model_writes_a_directory_from_pretrained_reads(runs, tmp_path):
         assert torch.equal(value, loaded[name]), name
 
 
+def both(tmp_path, train_dataset, **extra):
+    """A plain Trainer and StrataTrainer trained alike (positional arguments, as the Trainer takes them)."""
+    plain = transformers.Trainer(llama(), arguments(tmp_path / "plain", **extra), None, train_dataset)
+    ours = StrataTrainer(llama(), arguments(tmp_path / "strata", **extra), None, train_dataset,
+                         strata_config=strata_config(tmp_path / "nvme"))
+    plain.train()
+    ours.train()
+    return plain, ours
+
+
+def test_an_epochs_short_last_step_and_evaluate_match_a_plain_trainer(tmp_path):
+    """7 sequences in batches of 2 are 4 micro-batches an epoch: accumulating 3, each epoch's second step has 1."""
+    plain, ours = both(tmp_path, sequences(count=7), max_steps=-1, num_train_epochs=2, gradient_accumulation_steps=3)
+    assert sorted(logged(plain)) == [1, 2, 3, 4]
+    assert_close(logged(ours), logged(plain))
+    assert ours.strata_engine.stats()["steps"] == 4
+    evaluated = [trainer.evaluate(sequences(count=4, seed=2))["eval_loss"] for trainer in (ours, plain)]
+    assert abs(evaluated[0] - evaluated[1]) <= 1e-5 * evaluated[1]
+
+
+def test_gradient_checkpointing_matches_a_plain_trainer(tmp_path):
+    plain, ours = both(tmp_path, sequences(), max_steps=4, gradient_checkpointing=True)
+    assert ours.model.is_gradient_checkpointing
+    assert_close(logged(ours), logged(plain))
+
+
 def test_bf16_true_trains_in_strata_s_bf16(tmp_path):
     trainer = StrataTrainer(model=llama(), args=arguments(tmp_path / "out", bf16=True, max_steps=2),
                             train_dataset=sequences(), strata_config=strata_config(tmp_path / "nvme"))
