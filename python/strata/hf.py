@@ -65,6 +65,16 @@ except ImportError as error:
 from .config import config_items
 from .engine import initialize
 
+# The Trainer's methods StrataTrainer overrides (tested with transformers 5.17): a transformers without one
+# would train past the override, silently (clipping by accelerate, the model moved to the device).
+_SEAMS = ("_move_model_to_device", "_build_accelerator_args", "create_accelerator_and_postprocess",
+          "create_optimizer", "_clip_grad_norm", "_get_grad_norm", "_maybe_log_save_evaluate",
+          "_save_optimizer_and_scheduler", "_load_from_checkpoint", "_load_optimizer_and_scheduler")
+_missing = [name for name in _SEAMS if not hasattr(transformers.Trainer, name)]
+if _missing:
+    raise ImportError(f"strata.hf: transformers {transformers.__version__}'s Trainer has no {', '.join(_missing)}, "
+                      "which StrataTrainer overrides: it runs with transformers 5 (tested with 5.17)")
+
 # strata's checkpoint, inside a Trainer's checkpoint folder.
 STRATA_CHECKPOINT = "strata"
 
@@ -164,7 +174,7 @@ def _agreed_keys(args):
     return keys
 
 
-def strata_config_of(strata_config, args):
+def _config_of(strata_config, args):
     """The engine's configuration: `strata_config`'s keys and what the TrainingArguments `args` decide (see the
     module's docstring). ValueError naming the key for one the arguments decide or disagree with."""
     items = dict(config_items(strata_config))
@@ -208,7 +218,7 @@ class StrataTrainer(transformers.Trainer):
         if given.get("args") is None:
             given["args"] = transformers.TrainingArguments(output_dir="tmp_trainer")  # the Trainer's default
         _check_arguments(given["args"])
-        config = strata_config_of(strata_config, given["args"])
+        config = _config_of(strata_config, given["args"])
         super().__init__(**given)
         self.strata_engine = initialize(self.model, config, param_groups=self._param_groups())
 
@@ -279,4 +289,4 @@ class StrataTrainer(transformers.Trainer):
         self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
 
 
-__all__ = ["STRATA_CHECKPOINT", "StrataTrainer", "strata_config_of"]
+__all__ = ["STRATA_CHECKPOINT", "StrataTrainer"]

@@ -168,6 +168,13 @@ def test_gradient_checkpointing_matches_a_plain_trainer(tmp_path):
     assert_close(logged(ours), logged(plain))
 
 
+def test_sgd_with_nesterov_momentum_from_optim_args_matches_a_plain_trainer(tmp_path):
+    plain, ours = both(tmp_path, sequences(), max_steps=6, optim="sgd", optim_args="momentum=0.9,nesterov=true",
+                       learning_rate=0.1)
+    assert (ours.optimizer.param_groups[0]["momentum"], ours.optimizer.param_groups[0]["nesterov"]) == (0.9, True)
+    assert_close(logged(ours), logged(plain))
+
+
 def test_bf16_true_trains_in_strata_s_bf16(tmp_path):
     trainer = StrataTrainer(model=llama(), args=arguments(tmp_path / "out", bf16=True, max_steps=2),
                             train_dataset=sequences(), strata_config=strata_config(tmp_path / "nvme"))
