@@ -67,8 +67,8 @@ def _non_model_memory(value):
         raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")") from None
 
 
-def load_config(config=None):
-    """Reads `config` (a dict, a path to a JSON file, or None for the defaults) into a Config."""
+def config_items(config=None):
+    """`config` (a dict, a path to a JSON file, or None for the defaults) as its (dotted key, value) pairs."""
     if config is None:
         config = {}
     if isinstance(config, (str, os.PathLike)):
@@ -82,11 +82,15 @@ def load_config(config=None):
             raise ValueError(f"config: {path} is not JSON: {error}") from None
     if not isinstance(config, dict):
         raise ValueError(f"config: expected a dict or the path of a JSON file, got {type(config).__name__}")
-
-    result = Config()
     pairs = []
     _flatten("", config, pairs)
-    for key, value in pairs:
+    return pairs
+
+
+def load_config(config=None):
+    """Reads `config` (a dict, a path to a JSON file, or None for the defaults) into a Config."""
+    result = Config()
+    for key, value in config_items(config):
         if key == "gradient_accumulation_steps":
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config: gradient_accumulation_steps {value!r} must be an int >= 1")

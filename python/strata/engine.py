@@ -157,12 +157,14 @@ class TrainingEngine:
     def eval(self):
         return self.train(False)
 
-    def backward(self, loss):
-        """Backward of `loss` (scaled by 1 / gradient_accumulation_steps, and by the loss scale under fp16)."""
+    def backward(self, loss, average=True):
+        """Backward of `loss` (scaled by 1 / gradient_accumulation_steps, and by the loss scale under fp16).
+        average=False leaves out the 1 / gradient_accumulation_steps: for a loss that is already its
+        micro-batch's share of the step's (as the Hugging Face Trainer's is)."""
         self._check_usable()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
-        scale = self._optimizer.loss_scale / self.gradient_accumulation_steps
+        scale = self._optimizer.loss_scale / (self.gradient_accumulation_steps if average else 1)
         self._grad_sync.begin_backward(self._progress.micro_steps + 1 >= self.gradient_accumulation_steps)
         self._moments.pin_error = None
         try:

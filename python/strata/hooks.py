@@ -32,6 +32,7 @@ recovery) stays out of them.
   added into the parameter's slot of its grad chunk and ``.grad`` is dropped.
 """
 
+import functools
 import weakref
 
 import torch
@@ -161,6 +162,7 @@ class Hooks:
         # hooks are let go as the exception leaves the model.
         original, hooks = model.forward, weakref.proxy(self)
 
+        @functools.wraps(original)  # its signature, which callers inspect (the HF Trainer: which inputs to keep)
         def forward(*args, **kwargs):
             try:
                 return original(*args, **kwargs)
