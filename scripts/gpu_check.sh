@@ -35,8 +35,13 @@ strata="$bundle/bin/strata"
   --json "$out/bench-comm-nccl-host.json" > "$out/bench-comm-nccl-host.txt" 2>&1 || status=1
 "$strata" bench io --dir "$out/scratch" --dest device --device-backend cuda --json "$out/bench-io-device.json" \
   > "$out/bench-io-device.txt" 2>&1 || status=1
+if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (gpu_bundle.sh's PYTHON_BUILD)
+  PYTHONPATH="$bundle/python" python3 scripts/gpu_adapter_check.py --json "$out/adapter.json" \
+    > "$out/adapter.txt" 2>&1 || status=1
+fi
 cat "$out/gpu.txt"
 printf '%s' "$summary"
 cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
 tail -n 12 "$out/bench-io-device.txt"
+[[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
 exit $status
