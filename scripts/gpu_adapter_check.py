@@ -104,7 +104,7 @@ def strata_training(model, data, precision, lr, nvme, groups=None, schedule=None
         loss = engine(input_ids=tokens, labels=tokens).loss
         losses.append(loss.item())
         engine.backward(loss)
-        engine.step()
+        engine.optimizer.step()  # = engine.step(), through the optimizer a scheduler counts the steps of
         if scheduler:
             scheduler.step()
     synchronize()

@@ -3,10 +3,12 @@
 # python/requirements.txt (PyTorch 2.13.0, transformers, peft, pytest, ...) and
 # strata itself: a path file puts build/python, the package scripts/build.sh
 # builds, on its import path. Idempotent: installs again only when
-# python/requirements.txt changed. STRATA_VENV=DIR puts it elsewhere.
+# python/requirements.txt changed. pip takes torch 2.13.0's CPU build from the
+# wheels this machine's pip configuration points at (elsewhere, PyPI's torch is
+# a CUDA build of several GB).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv=${STRATA_VENV:-.venv}
+venv=.venv
 if [ ! -x "$venv/bin/python" ]; then
   python=$(command -v python3.11 || true)
   if [ -z "$python" ]; then

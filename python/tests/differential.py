@@ -7,7 +7,7 @@ training loop. `build_model(case)` makes the model (the same one for a seed);
 `run_case(case)` trains it both ways and raises AssertionError naming what
 differs, with the case to reproduce it:
 
-    PYTHONPATH=build/python python3 -c "import sys; sys.path.insert(0, 'python/tests'); \\
+    .venv/bin/python -c "import sys; sys.path.insert(0, 'python/tests'); \\
         from differential import *; run_case(Case(...))"
 
 test_differential.py draws cases with hypothesis and holds the issue's cases as fixed examples.

@@ -4,8 +4,8 @@ peaks within the budgets.
 Hypothesis draws the cases: a fixed, derandomized set of STRATA_DIFF_EXAMPLES (default 100) in
 scripts/test.sh; a long run draws more, from a seed of its own:
 
-    STRATA_DIFF_EXAMPLES=2000 STRATA_DIFF_SEED=1 PYTHONPATH=build/python \\
-        python3 -m pytest python/tests/test_differential.py --hypothesis-show-statistics
+    STRATA_DIFF_EXAMPLES=2000 STRATA_DIFF_SEED=1 \\
+        .venv/bin/python -m pytest python/tests/test_differential.py --hypothesis-show-statistics
 
 A failure prints the drawn case (hypothesis shrinks it first) and `run_case(Case(...))` to reproduce it.
 The cases of issue 22 are fixed examples below.
