@@ -11,7 +11,7 @@ recovery) stays out of them.
   released when the module returns.
 - Backward: the module's outputs carry an identity autograd function whose
   backward begins the call's backward moment and pins its parameters again
-  (torch 1.13 has no module backward pre-hook). As in forward, the calls
+  (written for torch 1.13, which had no module backward pre-hook). As in forward, the calls
   enclosing it keep theirs pinned while their gradient is still to come
   (frozen ones: through the enclosing call's backward), since a parent's
   code between its children, or a checkpointed function recomputed, may
