@@ -12,6 +12,7 @@ line per check and a table; exit status 1 when a check is out of its tolerance.
 import argparse
 import copy
 import json
+import os
 import sys
 import tempfile
 import time
@@ -19,6 +20,9 @@ import time
 import torch
 
 import strata
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python", "tests"))
+from models import with_lora  # noqa: E402
 
 TOLERANCE = {"fp32": 1e-5, "bf16": 2e-2}  # losses, relative (fp32 also all parameters as one vector)
 DEVICE = {"backend": "cuda", "torch": "cuda"}
@@ -40,14 +44,7 @@ def gpt2():
 
 
 def lora_llama():
-    import peft
-    model = peft.get_peft_model(llama(), peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"],
-                                                         lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    return model
+    return with_lora(llama(), r=8)
 
 
 def token_batches(steps, seed=1):

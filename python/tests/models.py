@@ -115,3 +115,16 @@ def three_tiers(tmp_path, **extra):
         else:
             config[key] = value
     return config
+
+
+def with_lora(model, r):
+    """`model` with PEFT LoRA adapters of rank `r` on its q and v projections, their B matrices drawn at random
+    instead of PEFT's zeros (so that A's gradients are not zero from the start)."""
+    import peft
+    model = peft.get_peft_model(model, peft.LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+                                                       lora_dropout=0.0))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    return model

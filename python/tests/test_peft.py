@@ -6,10 +6,10 @@ import copy
 import pytest
 import torch
 
-from models import relative_errors, three_tiers
+from models import relative_errors, three_tiers, with_lora
 
 transformers = pytest.importorskip("transformers")
-peft = pytest.importorskip("peft")
+pytest.importorskip("peft")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
 import strata  # noqa: E402
@@ -25,14 +25,7 @@ def lora_llama(seed=0):
     config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       attn_implementation="eager")
-    model = peft.get_peft_model(transformers.LlamaForCausalLM(config),
-                                peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                lora_dropout=0.0))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.02)
-    return model
+    return with_lora(transformers.LlamaForCausalLM(config), r=4)
 
 
 def token_batches(steps, seed=1):
