@@ -1,7 +1,8 @@
 """The PyTorch adapter on a CUDA GPU against plain PyTorch (run by scripts/gpu_check.sh where the bundle holds
 the Python package): Hugging Face models built from their configs, trained through strata with the device
 budget below their model states (chunks on device and host), and in plain PyTorch with the same AdamW; a
-learning-rate schedule over two param groups; PEFT LoRA; model.state_dict() of the held model. Prints one
+learning-rate schedule over two param groups; PEFT LoRA; model.state_dict() of the held model; StrataTrainer
+against a plain Trainer. Prints one
 line per check and a table; exit status 1 when a check is out of its tolerance.
 
     python3 scripts/gpu_adapter_check.py [--steps 10] [--json OUT] [--device emulated]
@@ -152,6 +153,35 @@ def check(name, build, precision, steps, lr=1e-3, groups=None, schedule=None):
     return row
 
 
+def check_trainer(steps):
+    """StrataTrainer against a plain Trainer (the set-up of python/tests/test_hf_trainer.py: a tiny Llama, warm-up
+    and cosine, two groups, accumulation 2, clipping), on the GPU: the logged losses and learning rates."""
+    import test_hf_trainer as setup
+    import transformers
+    from strata.hf import StrataTrainer
+    on_gpu = {"use_cpu": False} if DEVICE["torch"] == "cuda" else {}
+    with tempfile.TemporaryDirectory() as root:
+        plain = transformers.Trainer(model=setup.llama(), args=setup.arguments(f"{root}/plain", max_steps=steps,
+                                                                                **on_gpu),
+                                     train_dataset=setup.sequences())
+        plain.train()
+        config = setup.strata_config(f"{root}/nvme")
+        config["device"]["backend"] = DEVICE["backend"]
+        ours = StrataTrainer(model=setup.llama(), args=setup.arguments(f"{root}/ours", max_steps=steps, **on_gpu),
+                             train_dataset=setup.sequences(), strata_config=config)
+        start = time.perf_counter()
+        ours.train()
+        seconds = time.perf_counter() - start
+        mine, theirs = setup.logged(ours), setup.logged(plain)
+    loss_error = max(abs(mine[s][0] - theirs[s][0]) / abs(theirs[s][0]) for s in theirs)
+    same_lr = mine.keys() == theirs.keys() and all(mine[s][1] == theirs[s][1] for s in theirs)
+    row = {"check": "StrataTrainer vs Trainer (tiny Llama)", "precision": "fp32", "steps": steps,
+           "loss_error": loss_error, "same_learning_rates": same_lr, "strata_s_per_step": seconds / steps,
+           "ok": loss_error <= TOLERANCE["fp32"] and same_lr}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=10)
@@ -172,6 +202,7 @@ def main():
     rows.append(check("llama, 2 groups, warm-up + cosine", llama, "fp32", args.steps, groups=two_groups,
                       schedule=warmup_cosine))
     rows.append(check("llama + LoRA", lora_llama, "fp32", args.steps))
+    rows.append(check_trainer(2 * args.steps))
     print("\n| check | precision | steps | loss rel. error | params rel. error | worst tensor | strata s/step | ok |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
