@@ -11,11 +11,11 @@ recovery) stays out of them.
   released when the module returns.
 - Backward: the module's outputs carry an identity autograd function whose
   backward begins the call's backward moment and pins its parameters again
-  (written for torch 1.13, which had no module backward pre-hook). As in forward, the calls
-  enclosing it keep theirs pinned while their gradient is still to come
-  (frozen ones: through the enclosing call's backward), since a parent's
-  code between its children, or a checkpointed function recomputed, may
-  read them; every other pin of the backward is let go first. So the
+  (written for torch 1.13, which had no module backward pre-hook). As in
+  forward, the calls enclosing it keep theirs pinned while their gradient is
+  still to come (frozen ones: through the enclosing call's backward), since
+  a parent's code between its children, or a checkpointed function
+  recomputed, may read them; every other pin of the backward is let go first. So the
   device's pins are released last in, first out, and never leave room in
   pieces between the pins held (Note [Pins against pins] in
   memory/residency_compaction.cc); and a module called twice in one forward
