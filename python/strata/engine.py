@@ -319,8 +319,7 @@ class TrainingEngine:
         """Sets the parameters (and buffers) from `source`: a safetensors file (read tensor by tensor
         straight into the chunks), a directory save_pretrained wrote (its model.safetensors, its shards by
         model.safetensors.index.json, or its pytorch_model.bin), a PyTorch state dict, or a file torch.load
-        reads (memory-mapped where
-        torch can, 2.1 on, so that its tensors are read as they are copied). The parameters' fp32 masters
+        reads (memory-mapped, so that its tensors are read as they are copied). The parameters' fp32 masters
         are set from the values as given; optimizer states are left as they are (this is how a model
         starts, or takes new weights). Names are the model's: a tied parameter, or a shared module's
         buffer, may come under any of its names (model.state_dict() holds each). strict=True: every

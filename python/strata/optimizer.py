@@ -174,8 +174,8 @@ class Optimizer(torch.optim.Optimizer):
     def write_groups(self):
         """Every group's values as ``param_groups`` holds them now onto strata's optimizer, for the next update.
         ValueError naming the group and the key for a value out of range (nothing set then)."""
-        values = [self._values(index, group) for index, group in enumerate(self.param_groups)]
-        before = [self._core.group(index) for index in range(len(values))]
+        before = [self._core.group(index) for index in range(len(self.param_groups))]
+        values = [self._values(index, group, dict(before[index])) for index, group in enumerate(self.param_groups)]
         for index, value in enumerate(values):
             try:
                 self._core.set_group(index, **value)
@@ -190,8 +190,8 @@ class Optimizer(torch.optim.Optimizer):
             saved = self._core.group(index)
             group.update({key: saved[key] for key in self._keys})
 
-    def _values(self, index, group):
-        values = self._core.group(index)
+    def _values(self, index, group, values):
+        """`values` (the group's as strata's optimizer holds them) with `group`'s own, checked."""
         for key in self._keys:
             value = group.get(key, values[key])
             where = f"engine.optimizer.param_groups[{index}]['{key}']"

@@ -48,12 +48,16 @@ def logits(model):
         return model(input_ids=TOKENS).logits
 
 
-@pytest.mark.parametrize("shards", [False, True])
-def test_a_save_pretrained_directory_loads_into_the_chunks(tmp_path, shards):
-    """One safetensors file, or shards of 20kB under an index: the engine computes what the saved model does."""
-    source = saved_llama(tmp_path / "hf", **({"max_shard_size": "20KB"} if shards else {}))
+@pytest.mark.parametrize("layout", ["file", "shards", "bin"])
+def test_a_save_pretrained_directory_loads_into_the_chunks(tmp_path, layout):
+    """One safetensors file, shards of 20kB under an index, or an older checkpoint's pytorch_model.bin (what
+    save_pretrained wrote before safetensors): the engine computes what the saved model does."""
+    source = saved_llama(tmp_path / "hf", **({"max_shard_size": "20KB"} if layout == "shards" else {}))
+    if layout == "bin":
+        (tmp_path / "hf" / "model.safetensors").unlink()
+        torch.save(source.state_dict(), tmp_path / "hf" / "pytorch_model.bin")
     files = os.listdir(tmp_path / "hf")
-    assert ("model.safetensors.index.json" in files) == shards, files
+    assert ("model.safetensors.index.json" in files) == (layout == "shards"), files
     model = empty_llama()
     engine = engine_of(model, tmp_path, weights=tmp_path / "hf")
     engine.eval()
