@@ -244,8 +244,13 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // (NVMe-homed states read ahead into the host's staging room, Note [Host
 // reserve] in placement.cc, move within the host before any is evicted).
 // Where no place can be cleared (each holds a chunk pinned or in flight, or
-// the tiers below are full), or a chunk there is taken meanwhile, the chunk
-// is pinned where it is; room is made once per access.
+// the tiers below are full), or a chunk there is pinned meanwhile, the chunk
+// is pinned where it is; room is made once per access. A chunk there that
+// another access's move takes while room is made (the lock is let go for
+// each copy) is waited for instead, and room made again once it lands (Note
+// [Waiting for a place]): given up, the pin lay where it split the room, and
+// a tiny Mixtral at the least budget the engine names ran out of room in
+// backward with room enough in total, in about half its runs (issue 22).
 //
 // The guarantee. Which pieces the tier has depends only on where the pinned
 // chunks lie. Released last in, first out, pins go back through layouts the
@@ -386,7 +391,11 @@ Result<ResidencyManager::PinPlace> ResidencyManager::PlaceAgainstPins(Lock& lock
   const Extent window{place->offset, slot.size_bytes};
   if (place->chunk_bytes > 0 || place->overlaps_own) {
     if (!make_room) return PinPlace::kHere;
-    STRATA_RETURN_IF_ERROR(MakeRoomAgainstPins(lock, tier, id, window));
+    STRATA_ASSIGN_OR_RETURN(std::optional<uint32_t> stopped_by, MakeRoomAgainstPins(lock, tier, id, window));
+    if (stopped_by) {  // Note [Waiting for a place]: room is made again once it lands
+      STRATA_ASSIGN_OR_RETURN(PinPlace waited, WaitForAMove(lock, {*stopped_by}, waits));
+      if (waited == PinPlace::kWaited) return waited;
+    }
     return PinPlace::kMoved;
   }
   const Extent dst = ClaimWhole(*target, window);
@@ -395,7 +404,8 @@ Result<ResidencyManager::PinPlace> ResidencyManager::PlaceAgainstPins(Lock& lock
   return left ? PinPlace::kMoved : PinPlace::kHere;
 }
 
-Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id, Extent window) {
+Result<std::optional<uint32_t>> ResidencyManager::MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id,
+                                                                        Extent window) {
   TierPool* target = pool(tier);
   const uint64_t end = window.offset + window.size_bytes;
   std::vector<Piece> there;  // the other chunks in hold there, as they lie now
@@ -413,25 +423,32 @@ Status ResidencyManager::MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id,
   HeldRoom held(*target, window.offset, end);
   for (const Piece& p : there) {
     STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, *p.chunk, p.offset, /*keep=*/false));
-    if (!moved) return Status::Ok();
+    if (!moved) return MovingMeanwhile(*p.chunk);
     held.Take();
   }
   if (own_offset && tier == Tier::kHost) {  // slides into its place, the rest of which is held
-    if (!InHoldAt(tier, id, *own_offset)) return Status::Ok();
+    if (!InHoldAt(tier, id, *own_offset)) return MovingMeanwhile(id);
     held.Take();
     held.Keep();
     SlideWithinHost(lock, id, window);
-    return Status::Ok();
+    return std::optional<uint32_t>();
   }
   // The chunk leaves its place last, so that the chunks there do not lose
   // the free slots outside it to it; from then on the lock is held.
   if (own_offset) {
     STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, id, *own_offset, /*keep=*/true));
-    if (!moved) return Status::Ok();
+    if (!moved) return MovingMeanwhile(id);
     held.Take();
   }
   held.GiveBack();
-  return MoveIntoPlace(lock, tier, id, ClaimWhole(*target, window));
+  STRATA_RETURN_IF_ERROR(MoveIntoPlace(lock, tier, id, ClaimWhole(*target, window)));
+  return std::optional<uint32_t>();
+}
+
+std::optional<uint32_t> ResidencyManager::MovingMeanwhile(uint32_t id) const {
+  const Chunk& c = chunks_[id];
+  if (c.refs == 0 && (c.in_flight || c.arriving)) return id;
+  return std::nullopt;
 }
 
 Status ResidencyManager::MoveIntoPlace(Lock& lock, Tier tier, uint32_t id, Extent dst) {
