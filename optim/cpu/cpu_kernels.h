@@ -30,11 +30,11 @@ struct UpdateConstants {
   OptimizerKind kind = OptimizerKind::kAdamW;
   float grad_multiplier = 1.0f;  // 1 / loss_scale * clip coefficient
   float decay_l2 = 0.0f;         // weight_decay when it goes into the gradient, else 0
-  float decay_rate = 0.0f;       // lr * weight_decay when decoupled (w -= decay_rate * w), else 0
-  // Adam
-  float beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
-  float step_size = 0;             // lr / (1 - beta1^t)
-  float inv_sqrt_correction2 = 0;  // 1 / sqrt(1 - beta2^t)
+  float decay_factor = 1.0f;     // 1 - lr * weight_decay when decoupled (w *= decay_factor), else 1
+  // Adam (see Note [torch.optim's arithmetic] in cpu_kernels.cc)
+  float one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
+  float neg_step_size = 0;     // -lr / (1 - beta1^t)
+  float sqrt_correction2 = 0;  // sqrt(1 - beta2^t)
   float eps = 0;
   // SGD
   float lr = 0, momentum = 0, one_minus_dampening = 1;

@@ -66,10 +66,9 @@ inline void StoreParam(void* param, size_t i, F weight) {
 template <DType G, ParamOut O>
 size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
   const F grad_multiplier = Vec::Set(c.grad_multiplier), decay_l2 = Vec::Set(c.decay_l2);
-  const F decay_rate = Vec::Set(c.decay_rate);
-  const F beta1 = Vec::Set(c.beta1), one_minus_beta1 = Vec::Set(c.one_minus_beta1);
+  const F decay_factor = Vec::Set(c.decay_factor), one_minus_beta1 = Vec::Set(c.one_minus_beta1);
   const F beta2 = Vec::Set(c.beta2), one_minus_beta2 = Vec::Set(c.one_minus_beta2);
-  const F step_size = Vec::Set(c.step_size), inv_sqrt_correction2 = Vec::Set(c.inv_sqrt_correction2);
+  const F neg_step_size = Vec::Set(c.neg_step_size), sqrt_correction2 = Vec::Set(c.sqrt_correction2);
   const F eps = Vec::Set(c.eps);
   float* const master = t.master;
   float* const exp_avg = t.state[0];
@@ -85,17 +84,15 @@ size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin
       Prefetch(exp_avg_sq + i + kPrefetchElems);
       Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
     }
-    const F weight = Vec::Load(master + i);
-    // g = grad * multiplier (+ weight_decay * w for Adam's L2)
-    const F grad = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
-    // m = beta1 m + (1 - beta1) g;  v = beta2 v + (1 - beta2) g^2
-    const F m = Vec::MulAdd(beta1, Vec::Load(exp_avg + i), Vec::Mul(one_minus_beta1, grad));
-    const F v = Vec::MulAdd(beta2, Vec::Load(exp_avg_sq + i), Vec::Mul(Vec::Mul(one_minus_beta2, grad), grad));
-    // w -= lr wd w + lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps),
-    // the decay (AdamW; 0 for Adam) and the step rounded once into the weight.
-    const F denom = Vec::MulAdd(Vec::Sqrt(v), inv_sqrt_correction2, eps);
-    const F step = Vec::MulAdd(decay_rate, weight, Vec::Mul(step_size, Vec::Div(m, denom)));
-    const F updated = Vec::Sub(weight, step);
+    // The reference's operations (Note [torch.optim's arithmetic] in cpu_kernels.cc).
+    const F master_in = Vec::Load(master + i);
+    const F grad = Vec::MulAdd(master_in, decay_l2, Vec::Mul(LoadGrad<G>(grad_in, i), grad_multiplier));
+    const F weight = Vec::Mul(master_in, decay_factor);
+    const F m_in = Vec::Load(exp_avg + i);
+    const F m = Vec::MulAdd(one_minus_beta1, Vec::Sub(grad, m_in), m_in);
+    const F v = Vec::MulAdd(Vec::Mul(one_minus_beta2, grad), grad, Vec::Mul(Vec::Load(exp_avg_sq + i), beta2));
+    const F denom = Vec::Add(Vec::Div(Vec::Sqrt(v), sqrt_correction2), eps);
+    const F updated = Vec::Add(weight, Vec::Div(Vec::Mul(neg_step_size, m), denom));
     Vec::Store(exp_avg + i, m);
     Vec::Store(exp_avg_sq + i, v);
     Vec::Store(master + i, updated);
@@ -123,12 +120,12 @@ size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin,
       Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
     }
     F weight = Vec::Load(master + i);
-    F d = Vec::MulAdd(LoadGrad<G>(grad_in, i), grad_multiplier, Vec::Mul(decay_l2, weight));
+    F d = Vec::MulAdd(weight, decay_l2, Vec::Mul(LoadGrad<G>(grad_in, i), grad_multiplier));
     if (buffer != nullptr) {
       // b = d on the first step, else momentum b + (1 - dampening) d
-      const F b = c.first_step ? d : Vec::MulAdd(momentum, Vec::Load(buffer + i), Vec::Mul(one_minus_dampening, d));
+      const F b = c.first_step ? d : Vec::MulAdd(d, one_minus_dampening, Vec::Mul(Vec::Load(buffer + i), momentum));
       Vec::Store(buffer + i, b);
-      d = c.nesterov ? Vec::MulAdd(momentum, b, d) : b;
+      d = c.nesterov ? Vec::MulAdd(b, momentum, d) : b;
     }
     weight = Vec::NegMulAdd(lr, d, weight);
     Vec::Store(master + i, weight);

@@ -1,6 +1,7 @@
-// The scalar reference of every CPU kernel: the torch.optim formulas as
-// written, one element at a time, in fp32, with no fused multiply-add (the
-// build is ISO C++, so the compiler does not contract a * b + c either).
+// The scalar reference of every CPU kernel: torch.optim's arithmetic (Note
+// [torch.optim's arithmetic] in cpu_kernels.cc), one element at a time, in
+// fp32, with a fused multiply-add (std::fma) exactly where torch has one
+// (built with -ffp-contract=off, so the compiler contracts no other a * b + c).
 // The vector versions are checked against this file.
 #include <cmath>
 
@@ -21,20 +22,13 @@ void AdamRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, si
   float* exp_avg = t.state[0];
   float* exp_avg_sq = t.state[1];
   for (size_t i = begin; i < end; ++i) {
-    // Unscale and clip; Adam (L2) adds the decay to the gradient ...
-    float grad = FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
-    const float weight = t.master[i];
-    float m = c.beta1 * exp_avg[i] + c.one_minus_beta1 * grad;
-    float v = c.beta2 * exp_avg_sq[i] + c.one_minus_beta2 * grad * grad;
-    // Bias corrections: step_size holds lr / (1 - beta1^t).
-    float denom = std::sqrt(v) * c.inv_sqrt_correction2 + c.eps;
-    // AdamW's decay (lr * wd * w, 0 for Adam) joins the step before it is
-    // taken from the weight: one rounding of the weight per step. Two (decay,
-    // then step) would round a weight that barely moves the same way every
-    // step, an error that adds up (1.5e-6 of the weight over 100 steps at
-    // lr 1e-3 and weight decay 0.01, against 2.6e-7 this way).
-    const float step = c.decay_rate * weight + c.step_size * (m / denom);
-    const float updated = weight - step;
+    // Unscale and clip; Adam (L2) adds the decay to the gradient.
+    const float grad = std::fma(t.master[i], c.decay_l2, FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier);
+    const float weight = t.master[i] * c.decay_factor;  // AdamW's decay (1 for Adam)
+    const float m = std::fma(c.one_minus_beta1, grad - exp_avg[i], exp_avg[i]);
+    const float v = std::fma(c.one_minus_beta2 * grad, grad, exp_avg_sq[i] * c.beta2);
+    const float denom = std::sqrt(v) / c.sqrt_correction2 + c.eps;
+    const float updated = weight + (c.neg_step_size * m) / denom;
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     t.master[i] = updated;
@@ -45,13 +39,13 @@ void AdamRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, si
 void SgdRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
   float* buffer = t.state[0];  // null without momentum
   for (size_t i = begin; i < end; ++i) {
-    float d = FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier + c.decay_l2 * t.master[i];
+    float d = std::fma(t.master[i], c.decay_l2, FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier);
     if (buffer != nullptr) {
-      float b = c.first_step ? d : c.momentum * buffer[i] + c.one_minus_dampening * d;
+      const float b = c.first_step ? d : std::fma(d, c.one_minus_dampening, buffer[i] * c.momentum);
       buffer[i] = b;
-      d = c.nesterov ? d + c.momentum * b : b;
+      d = c.nesterov ? std::fma(b, c.momentum, d) : b;
     }
-    float weight = t.master[i] - c.lr * d;
+    const float weight = std::fma(d, -c.lr, t.master[i]);
     t.master[i] = weight;
     StoreParam(t, i, weight);
   }

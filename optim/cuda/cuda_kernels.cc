@@ -78,13 +78,12 @@ LaunchConstants ToLaunchConstants(const UpdateConstants& c) {
   launch.sgd = c.kind == OptimizerKind::kSgd;
   launch.grad_multiplier = c.grad_multiplier;
   launch.decay_l2 = c.decay_l2;
-  launch.decay_rate = c.decay_rate;
-  launch.beta1 = c.beta1;
+  launch.decay_factor = c.decay_factor;
   launch.one_minus_beta1 = c.one_minus_beta1;
   launch.beta2 = c.beta2;
   launch.one_minus_beta2 = c.one_minus_beta2;
-  launch.step_size = c.step_size;
-  launch.inv_sqrt_correction2 = c.inv_sqrt_correction2;
+  launch.neg_step_size = c.neg_step_size;
+  launch.sqrt_correction2 = c.sqrt_correction2;
   launch.eps = c.eps;
   launch.lr = c.lr;
   launch.momentum = c.momentum;

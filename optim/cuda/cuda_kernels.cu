@@ -232,36 +232,33 @@ __device__ __forceinline__ void StoreParams(void* param, uint64_t i, int count, 
 // operation. Returns the new weight; updates the two moments in place.
 __device__ __forceinline__ float AdamElement(const LaunchConstants& c, float g, float master, float& exp_avg,
                                              float& exp_avg_sq) {
-  // g * multiplier (unscale, clip) + decay_l2 * w (Adam's L2; 0 for AdamW)
-  const float grad = __fadd_rn(__fmul_rn(g, c.grad_multiplier), __fmul_rn(c.decay_l2, master));
-  // m = beta1 m + (1 - beta1) g;  v = beta2 v + ((1 - beta2) g) g
-  const float m = __fadd_rn(__fmul_rn(c.beta1, exp_avg), __fmul_rn(c.one_minus_beta1, grad));
-  const float v = __fadd_rn(__fmul_rn(c.beta2, exp_avg_sq), __fmul_rn(__fmul_rn(c.one_minus_beta2, grad), grad));
-  // denom = sqrt(v) * (1 / sqrt(1 - beta2^t)) + eps
-  const float denom = __fadd_rn(__fmul_rn(__fsqrt_rn(v), c.inv_sqrt_correction2), c.eps);
-  // step = (lr * wd) w + (lr / (1 - beta1^t)) (m / denom): AdamW's decoupled
-  // decay (decay_rate 0 for Adam) joins the step, so the weight is rounded
-  // once per step, as in the reference.
-  const float step = __fadd_rn(__fmul_rn(c.decay_rate, master), __fmul_rn(c.step_size, __fdiv_rn(m, denom)));
+  // g = fma(w, decay_l2, g * multiplier): unscale and clip, then Adam's L2 (0 for AdamW)
+  const float grad = __fmaf_rn(master, c.decay_l2, __fmul_rn(g, c.grad_multiplier));
+  const float weight = __fmul_rn(master, c.decay_factor);  // AdamW's decay (1 for Adam)
+  // m = fma(1 - beta1, g - m, m);  v = fma((1 - beta2) g, g, v beta2)
+  const float m = __fmaf_rn(c.one_minus_beta1, __fsub_rn(grad, exp_avg), exp_avg);
+  const float v = __fmaf_rn(__fmul_rn(c.one_minus_beta2, grad), grad, __fmul_rn(exp_avg_sq, c.beta2));
+  // w + ((-lr / (1 - beta1^t)) m) / (sqrt(v) / sqrt(1 - beta2^t) + eps)
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_correction2), c.eps);
   exp_avg = m;
   exp_avg_sq = v;
-  return __fsub_rn(master, step);
+  return __fadd_rn(weight, __fdiv_rn(__fmul_rn(c.neg_step_size, m), denom));
 }
 
 // SGD for one element: SgdRange of the reference. `buffer` is the momentum
 // buffer's element, read and written only `with_momentum`.
 __device__ __forceinline__ float SgdElement(const LaunchConstants& c, float g, float master, bool with_momentum,
                                             float& buffer) {
-  // d = g * multiplier + weight_decay * w
-  float d = __fadd_rn(__fmul_rn(g, c.grad_multiplier), __fmul_rn(c.decay_l2, master));
+  // d = fma(w, weight_decay, g * multiplier)
+  float d = __fmaf_rn(master, c.decay_l2, __fmul_rn(g, c.grad_multiplier));
   if (with_momentum) {
-    // b = d on the first step, else momentum b + (1 - dampening) d
-    const float b = c.first_step ? d : __fadd_rn(__fmul_rn(c.momentum, buffer), __fmul_rn(c.one_minus_dampening, d));
+    // b = d on the first step, else fma(d, 1 - dampening, b momentum)
+    const float b = c.first_step ? d : __fmaf_rn(d, c.one_minus_dampening, __fmul_rn(buffer, c.momentum));
     buffer = b;
-    // Nesterov looks ahead along the buffer: d + momentum b; else d = b.
-    d = c.nesterov ? __fadd_rn(d, __fmul_rn(c.momentum, b)) : b;
+    // Nesterov looks ahead along the buffer: fma(b, momentum, d); else d = b.
+    d = c.nesterov ? __fmaf_rn(b, c.momentum, d) : b;
   }
-  return __fsub_rn(master, __fmul_rn(c.lr, d));
+  return __fmaf_rn(d, -c.lr, master);
 }
 
 // Updates elements [i, i + count) of one chunk.

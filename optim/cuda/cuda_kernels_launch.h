@@ -26,15 +26,15 @@ enum class ElementType : uint8_t { kFloat32, kBFloat16, kFloat16 };
 
 // UpdateConstants (optim/cpu/cpu_kernels.h), field for field; `sgd` stands for
 // the kind (Adam and AdamW share the Adam path: their difference is in
-// decay_l2 and decay_rate).
+// decay_l2 and decay_factor).
 struct LaunchConstants {
   bool sgd = false;
   float grad_multiplier = 1.0f;
   float decay_l2 = 0.0f;
-  float decay_rate = 0.0f;
-  float beta1 = 0, one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
-  float step_size = 0;
-  float inv_sqrt_correction2 = 0;
+  float decay_factor = 1.0f;
+  float one_minus_beta1 = 0, beta2 = 0, one_minus_beta2 = 0;
+  float neg_step_size = 0;
+  float sqrt_correction2 = 0;
   float eps = 0;
   float lr = 0, momentum = 0, one_minus_dampening = 1;
   bool nesterov = false;

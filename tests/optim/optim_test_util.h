@@ -2,6 +2,7 @@
 // dtypes under test, owned by vectors, with a ChunkTensors view of them.
 #pragma once
 
+#include <bit>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -101,6 +102,20 @@ inline void ExpectClose(const std::vector<float>& got, const std::vector<float>&
       ASSERT_EQ(got[i], ref[i]) << what << "[" << i << "]";
     } else {
       ASSERT_LE(std::fabs(got[i] - ref[i]), atol + rtol * std::fabs(ref[i]))
+          << what << "[" << i << "]: got " << got[i] << ", reference " << ref[i];
+    }
+  }
+}
+
+// The same bits, element for element; NaN where the reference has NaN (its
+// payload aside).
+inline void ExpectBitIdentical(const std::vector<float>& got, const std::vector<float>& ref, const char* what) {
+  ASSERT_EQ(got.size(), ref.size()) << what;
+  for (size_t i = 0; i < ref.size(); ++i) {
+    if (std::isnan(ref[i])) {
+      ASSERT_TRUE(std::isnan(got[i])) << what << "[" << i << "]: expected NaN, got " << got[i];
+    } else {
+      ASSERT_EQ(std::bit_cast<uint32_t>(got[i]), std::bit_cast<uint32_t>(ref[i]))
           << what << "[" << i << "]: got " << got[i] << ", reference " << ref[i];
     }
   }

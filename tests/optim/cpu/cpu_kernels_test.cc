@@ -14,22 +14,23 @@ namespace {
 using testing::Case;
 using testing::Cases;
 using testing::ChunkArrays;
-using testing::ExpectClose;
+using testing::ExpectBitIdentical;
 using testing::ExpectParamIsRoundedMaster;
 using testing::RandomChunk;
 
 using testing::kAllDTypes;
 constexpr CpuIsa kVectorIsas[] = {CpuIsa::kAvx2, CpuIsa::kAvx512};
 
-// Runs `isa` and the reference on copies of `start`, compares.
+// Runs `isa` and the reference on copies of `start`: the same bits (the
+// vector versions round operation for operation as the reference does).
 void CompareWithReference(CpuIsa isa, const Case& c, const ChunkArrays& start) {
   const UpdateConstants constants = MakeUpdateConstants(c.config, c.step, c.grad_multiplier);
   ChunkArrays ref = start, got = start;
   UpdateRange(CpuIsa::kScalar, constants, ref.view(), 0, ref.master.size());
   UpdateRange(isa, constants, got.view(), 0, got.master.size());
-  ExpectClose(got.master, ref.master, "master");
-  ExpectClose(got.state0, ref.state0, "state0");
-  ExpectClose(got.state1, ref.state1, "state1");
+  ExpectBitIdentical(got.master, ref.master, "master");
+  ExpectBitIdentical(got.state0, ref.state0, "state0");
+  ExpectBitIdentical(got.state1, ref.state1, "state1");
   ExpectParamIsRoundedMaster(got);
   ExpectParamIsRoundedMaster(ref);
 }
@@ -150,7 +151,10 @@ TEST(CpuKernelsTest, ParallelUpdateEqualsOneThreadBitForBit) {
 }
 
 // fp32 AdamW over 100 steps with fresh gradients each step against the same
-// recurrence in fp64: the relative error of every array, normwise, <= 1e-6.
+// recurrence in fp64: the relative error of the weights, normwise, <= 2.5e-6,
+// and of the moments <= 1e-6. torch.optim.AdamW's arithmetic, which the
+// kernels follow, rounds w * (1 - lr wd) the same way every step: torch
+// itself ends 1.8e-6 from fp64 in this setting (4099 weights, 3 seeds).
 TEST(CpuKernelsTest, Fp32AdamWTracksAnFp64ReferenceOver100Steps) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
   constexpr size_t kN = 4099;
@@ -180,7 +184,7 @@ TEST(CpuKernelsTest, Fp32AdamWTracksAnFp64ReferenceOver100Steps) {
     }
     return std::sqrt(diff / norm);
   };
-  EXPECT_LE(relative_error(a.master, w), 1e-6);
+  EXPECT_LE(relative_error(a.master, w), 2.5e-6);
   EXPECT_LE(relative_error(a.state0, m), 1e-6);
   EXPECT_LE(relative_error(a.state1, v), 1e-6);
   RecordProperty("master_relative_error", std::to_string(relative_error(a.master, w)));
