@@ -182,7 +182,14 @@ class TrainingEngine:
         self._progress.micro_steps += 1
 
     def step(self):
-        """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped."""
+        """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped. It goes
+        through engine.optimizer.step(), where a torch.optim.lr_scheduler counts the optimizer's steps (it warns of
+        a schedule stepped before its optimizer otherwise)."""
+        self.optimizer.step()
+        return self.optimizer._stepped
+
+    def _step(self):
+        """step()'s work: the update once gradient_accumulation_steps backwards are in; whether it ran."""
         self._check_usable()
         self._hooks.end_backward()
         if self._progress.micro_steps < self.gradient_accumulation_steps:

@@ -145,6 +145,7 @@ class Optimizer(torch.optim.Optimizer):
         self._engine = engine
         self._core = core
         self._keys = _SGD_KEYS if kind == "sgd" else _ADAM_KEYS
+        self._stepped = False  # whether the last step() updated (engine.step() returns it)
         first = core.group(0)  # the config's values, before any group's are set
         self._fixed = False
         super().__init__(groups, {key: first[key] for key in self._keys})
@@ -164,7 +165,7 @@ class Optimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._engine.step()
+        self._stepped = self._engine._step()
         return loss
 
     def zero_grad(self, set_to_none=True):

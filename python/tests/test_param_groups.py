@@ -1,6 +1,7 @@
 """engine.optimizer: param groups and torch.optim.lr_scheduler schedules, against torch.optim on all three tiers."""
 
 import json
+import warnings
 
 import pytest
 import torch
@@ -125,6 +126,20 @@ def test_sgd_with_momentum_under_step_lr_matches_torch(tmp_path):
     theirs, _ = train(lambda loss: loss.backward(), reference, sgd, step_lr(sgd), data)
     assert ours == theirs  # SGD takes no sqrt: torch's arithmetic, bit for bit
     assert_identical_parameters(engine, reference)
+
+
+def test_engine_step_counts_as_the_optimizers_step_for_a_scheduler(tmp_path):
+    # A scheduler warns when it steps before its optimizer has: engine.step() must count as engine.optimizer.step().
+    model, _ = pair()
+    engine = strata.initialize(model, three_tiers(tmp_path))
+    scheduler = warmup_cosine(engine.optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for tokens in batches(3):
+            engine.backward(engine(tokens[:, :-1], tokens[:, 1:]))
+            assert engine.step()
+            scheduler.step()
+    assert engine.stats()["steps"] == 3
 
 
 def test_an_lr_set_by_hand_takes_effect_at_the_next_step(tmp_path):
