@@ -39,15 +39,17 @@ Refused at construction, with an error naming the argument, before strata takes 
 DeepSpeed config, FSDP, several processes or GPUs, model_init, optimizers= or optimizer_cls_and_kwargs=,
 fp16_full_eval or bf16_full_eval, fp8, and a strata_config that sets what the arguments decide.
 
-How it sits in the Trainer (the seams are its overridable methods, and one attribute of its accelerator):
+How it sits in the Trainer (the seams are its overridable methods, and two attributes of accelerate's):
 the Trainer leaves the model where it is (``_move_model_to_device``; accelerate's ``device_placement`` off),
 since moving a held parameter reads it; accelerate's mixed precision is off, since strata computes in its
 precision and scales fp16 losses itself. The accelerator's ``backward`` is strata's, with the loss taken as
 the Trainer gives it: already the micro-batch's share of the step's loss (divided by the number of items in
 the step's micro-batches, or by their count), so strata does not divide again, and the step comes after as
 many backwards as the Trainer's accumulation has micro-batches (fewer for an epoch's short last step).
-``create_optimizer`` gives engine.optimizer, which accelerate wraps as it wraps any; ``_clip_grad_norm`` leaves
-clipping to strata's step. strata's checkpoint loads where the Trainer loads the optimizer's state, after the
+``create_optimizer`` gives engine.optimizer, which accelerate wraps as it wraps any, and whose step tells the
+wrapper (its ``_is_overflow``) when fp16's loss scaling skipped the update, so that the Trainer holds the
+learning-rate schedule back as it does for its own GradScaler; ``_clip_grad_norm`` leaves clipping to strata's
+step. strata's checkpoint loads where the Trainer loads the optimizer's state, after the
 scheduler is built, so that the param groups' values are the checkpoint's.
 """
 
@@ -253,7 +255,19 @@ class StrataTrainer(transformers.Trainer):
         engine.backward(loss, average=False)
 
     def create_optimizer(self, model=None):
-        self.optimizer = self.strata_engine.optimizer
+        optimizer = self.strata_engine.optimizer
+        step = optimizer.step
+
+        def step_and_report(closure=None):
+            """The step; then whether fp16's loss scaling skipped it, told to accelerate's wrapper of the optimizer,
+            whose step_was_skipped the Trainer reads before it moves the learning-rate schedule on."""
+            loss = step(closure)
+            if self.optimizer is not optimizer and hasattr(self.optimizer, "_is_overflow"):
+                self.optimizer._is_overflow = bool(self.strata_engine.stats()["last_step"].get("skipped"))
+            return loss
+
+        optimizer.step = step_and_report
+        self.optimizer = optimizer
         return self.optimizer
 
     def _clip_grad_norm(self, model):

@@ -183,6 +183,19 @@ def test_bf16_true_trains_in_strata_s_bf16(tmp_path):
     assert len(logged(trainer)) == 2 and trainer.strata_engine.stats()["steps"] == 2
 
 
+def test_an_fp16_step_the_loss_scale_skips_holds_the_schedule_back(tmp_path):
+    # A first loss scale of 2^40 overflows fp16's gradients: strata skips each update (halving the scale) and the
+    # Trainer must hold the learning-rate schedule back, as it does when its GradScaler skips a step.
+    trainer = StrataTrainer(model=llama(), args=arguments(tmp_path / "out", fp16=True, max_steps=4, warmup_steps=0,
+                                                          lr_scheduler_type="linear"),
+                            train_dataset=sequences(),
+                            strata_config=strata_config(tmp_path / "nvme", loss_scale={"init": 2.0**40, "max": 2.0**40}))
+    trainer.train()
+    assert trainer.strata_engine.precision == "fp16" and trainer.strata_engine.stats()["steps"] == 0
+    assert [lr for _, lr, _ in logged(trainer).values()] == [1e-2] * 4
+    assert trainer.lr_scheduler.last_epoch == 0
+
+
 def _deepspeed(args):
     args.deepspeed = {"zero_optimization": {"stage": 3}}  # set after: TrainingArguments needs deepspeed installed
 
