@@ -198,7 +198,8 @@ class ModelState:
             raise ValueError("strata: load_state_dict(assign=True) would put the state dict's tensors in place of "
                              "parameters strata holds; use assign=False (the default): the values are copied into "
                              "strata's chunks")
-        if torch.__future__.get_swap_module_params_on_conversion():
+        swapping = getattr(torch.__future__, "get_swap_module_params_on_conversion", None)  # torch >= 2.3
+        if swapping is not None and swapping():
             raise ValueError("strata: load_state_dict with torch.__future__.set_swap_module_params_on_conversion"
                              "(True) would swap parameters strata holds; set it to False around the load")
         buffers = list({id(b): b for b in module.buffers()}.values())

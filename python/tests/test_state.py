@@ -55,9 +55,12 @@ def test_the_models_state_dict_is_plain_pytorchs_after_training(tmp_path, precis
         plain_losses(reference, data, opt)
     else:  # the mixed-precision recipe leaves the reference in bf16
         mixed_precision_losses(reference, data)
-    tiers = engine.chunk_tiers()
+    # The chunks state_dict reads are read where they are: none moves. (The optimizer's moments may still be on
+    # their way back to NVMe from the last update, a write-back that ends when it ends.)
+    read = lambda: {kind: tiers for kind, tiers in engine.chunk_tiers().items() if kind in ("param", "master")}  # noqa: E731
+    tiers = read()
     state = model.state_dict()
-    assert engine.chunk_tiers() == tiers  # read where the chunks are, nothing moved
+    assert read() == tiers
     # torch's keys in torch's order (the tied head.weight and wte.weight both), shapes and dtypes.
     assert_values(state, reference.state_dict(), 1e-5 if precision == "fp32" else 2e-2)
     assert state["head.weight"] is state["wte.weight"]
