@@ -157,9 +157,10 @@ Status ResidencyManager::WaitNotInFlight(Lock& lock, ChunkId id) {
 // stand in every place against the pins, a chunk pinned at once would lie
 // where it splits the room. It waits for a move to end instead (each move
 // ends or times out, Note [Waiting for room]) and looks again, as it does
-// when such a move takes a chunk out of the place it is making room in
-// (Note [Pins against pins]); a pin waits so at most kPlaceWaits times (or
-// until a move outlasts its timeout), then is pinned where it lies.
+// when another access takes a chunk of the place it is making room in
+// (Note [Pins against pins]; at once where that chunk has landed); a pin
+// waits so at most kPlaceWaits times (or until a move outlasts its
+// timeout), then is pinned where it lies.
 Result<ResidencyManager::PinPlace> ResidencyManager::WaitForAMove(Lock& lock, const std::vector<uint32_t>& moving,
                                                                    int& waits) {
   if (moving.empty() || waits >= kPlaceWaits) return PinPlace::kHere;

@@ -179,18 +179,18 @@ class ResidencyManager final : public AccessOwner {
   std::optional<Extent> AllocateAgainstPins(Tier tier, uint64_t size_bytes);
   // Clears `window`, a slot of `tier` against the pins, of chunks in hold and
   // moves chunk `id` there; leaves things as they are where that cannot be
-  // done (the lock was let go meanwhile). Returns the chunk that stopped it
-  // by moving meanwhile (another access's move began while the lock was let
-  // go), to be waited for; nullopt otherwise.
+  // done. Returns the chunk that stopped it by being taken meanwhile (moved,
+  // pinned or moving: another access's, while the lock was let go), to be
+  // waited for; nullopt where it is done or nothing holds a chunk there.
   Result<std::optional<uint32_t>> MakeRoomAgainstPins(Lock& lock, Tier tier, uint32_t id, Extent window);
   // Moves chunk `id`, in hold on `tier` at `offset`, out of it: to a free
   // slot of the tier, else, with `keep`, to the tier below (copied, never
   // dropped), or else evicted. False when it did not move (it is no longer
   // there so, or nothing holds it).
   Result<bool> MoveOutOfPlace(Lock& lock, Tier tier, uint32_t id, uint64_t offset, bool keep);
-  // Chunk `id` when another access's move has it in flight or arriving (it
-  // is not pinned), for MakeRoomAgainstPins to wait for; nullopt otherwise.
-  std::optional<uint32_t> MovingMeanwhile(uint32_t id) const;
+  // Chunk `id` when it is no longer in hold on `tier` at `offset` (another
+  // access took it while the lock was let go); nullopt where it still is.
+  std::optional<uint32_t> TakenMeanwhile(Tier tier, uint32_t id, uint64_t offset) const;
   // Moves chunk `id`, in hold on `tier` or the tier below, into `dst`, a
   // slot of `tier` the caller allocated, of its slot size.
   Status MoveIntoPlace(Lock& lock, Tier tier, uint32_t id, Extent dst);

@@ -244,13 +244,15 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // (NVMe-homed states read ahead into the host's staging room, Note [Host
 // reserve] in placement.cc, move within the host before any is evicted).
 // Where no place can be cleared (each holds a chunk pinned or in flight, or
-// the tiers below are full), or a chunk there is pinned meanwhile, the chunk
-// is pinned where it is; room is made once per access. A chunk there that
-// another access's move takes while room is made (the lock is let go for
-// each copy) is waited for instead, and room made again once it lands (Note
-// [Waiting for a place]): given up, the pin lay where it split the room, and
-// a tiny Mixtral at the least budget the engine names ran out of room in
-// backward with room enough in total, in about half its runs (issue 22).
+// the tiers below are full), the chunk is pinned where it is; room is made
+// once per access, and again after each look below. A chunk there that
+// another access takes while room is made (the lock is let go for each
+// copy: it moves, evicts or pins it) sends the pin to look again once that
+// chunk has landed (Note [Waiting for a place]). It gave up at first, and
+// the pin lay where it split the room: a tiny Mixtral at the least budget
+// the engine names ran out of room in backward with room enough in total,
+// in about half its runs (issue 22), and in 1 of 5 with the machine busy
+// where only a chunk in flight was waited for.
 //
 // The guarantee. Which pieces the tier has depends only on where the pinned
 // chunks lie. Released last in, first out, pins go back through layouts the
@@ -392,7 +394,7 @@ Result<ResidencyManager::PinPlace> ResidencyManager::PlaceAgainstPins(Lock& lock
   if (place->chunk_bytes > 0 || place->overlaps_own) {
     if (!make_room) return PinPlace::kHere;
     STRATA_ASSIGN_OR_RETURN(std::optional<uint32_t> stopped_by, MakeRoomAgainstPins(lock, tier, id, window));
-    if (stopped_by) {  // Note [Waiting for a place]: room is made again once it lands
+    if (stopped_by) {  // Note [Waiting for a place]: looks again once it has landed
       STRATA_ASSIGN_OR_RETURN(PinPlace waited, WaitForAMove(lock, {*stopped_by}, waits));
       if (waited == PinPlace::kWaited) return waited;
     }
@@ -423,11 +425,11 @@ Result<std::optional<uint32_t>> ResidencyManager::MakeRoomAgainstPins(Lock& lock
   HeldRoom held(*target, window.offset, end);
   for (const Piece& p : there) {
     STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, *p.chunk, p.offset, /*keep=*/false));
-    if (!moved) return MovingMeanwhile(*p.chunk);
+    if (!moved) return TakenMeanwhile(tier, *p.chunk, p.offset);
     held.Take();
   }
   if (own_offset && tier == Tier::kHost) {  // slides into its place, the rest of which is held
-    if (!InHoldAt(tier, id, *own_offset)) return MovingMeanwhile(id);
+    if (!InHoldAt(tier, id, *own_offset)) return std::optional<uint32_t>(id);
     held.Take();
     held.Keep();
     SlideWithinHost(lock, id, window);
@@ -437,7 +439,7 @@ Result<std::optional<uint32_t>> ResidencyManager::MakeRoomAgainstPins(Lock& lock
   // the free slots outside it to it; from then on the lock is held.
   if (own_offset) {
     STRATA_ASSIGN_OR_RETURN(bool moved, MoveOutOfPlace(lock, tier, id, *own_offset, /*keep=*/true));
-    if (!moved) return MovingMeanwhile(id);
+    if (!moved) return TakenMeanwhile(tier, id, *own_offset);
     held.Take();
   }
   held.GiveBack();
@@ -445,10 +447,9 @@ Result<std::optional<uint32_t>> ResidencyManager::MakeRoomAgainstPins(Lock& lock
   return std::optional<uint32_t>();
 }
 
-std::optional<uint32_t> ResidencyManager::MovingMeanwhile(uint32_t id) const {
-  const Chunk& c = chunks_[id];
-  if (c.refs == 0 && (c.in_flight || c.arriving)) return id;
-  return std::nullopt;
+std::optional<uint32_t> ResidencyManager::TakenMeanwhile(Tier tier, uint32_t id, uint64_t offset) const {
+  if (InHoldAt(tier, id, offset)) return std::nullopt;
+  return id;
 }
 
 Status ResidencyManager::MoveIntoPlace(Lock& lock, Tier tier, uint32_t id, Extent dst) {
