@@ -158,8 +158,8 @@ def test_an_lr_set_by_hand_takes_effect_at_the_next_step(tmp_path):
         adamw.zero_grad()
     if fused:  # torch's fused kernel: the same bits
         assert_identical_parameters(engine, reference)
-    else:
-        assert_same_parameters(engine, reference)
+    else:  # torch before 2.4: its default AdamW's sqrt, amplified as the lr grows (1.06e-6 on torch 2.1.2)
+        assert_same_parameters(engine, reference, rtol=2e-6)
 
 
 def test_the_no_decay_rule_is_the_hugging_face_trainers(tmp_path):
