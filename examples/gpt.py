@@ -26,7 +26,7 @@ class Block(torch.nn.Module):
         shape = (b, t, self.heads, c // self.heads)
         q, k, v = (y.view(shape).transpose(1, 2) for y in (q, k, v))
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(c // self.heads)
-        mask = torch.ones(t, t, dtype=torch.bool).tril()
+        mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
         attention = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
         x = x + self.proj((attention @ v).transpose(1, 2).reshape(b, t, c))
         return x + self.down(F.gelu(self.up(self.ln2(x))))

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import torch
+
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 
 
@@ -57,3 +59,14 @@ def test_demo_starts_from_a_saved_state_dict(tmp_path):
         # The plain PyTorch run starts from the same weights.
         assert abs(report["loss"][0] - report["baseline_loss"][0]) <= 1e-5 * report["baseline_loss"][0]
     assert losses[0][0] != losses[1][0]
+
+
+def test_the_example_model_makes_its_tensors_on_its_inputs_device():
+    # On "meta" as on "cuda": a tensor made on the CPU inside forward (the causal mask) is refused there.
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from gpt import GPT
+
+    with torch.device("meta"):
+        model = GPT(vocab=32, hidden=16, layers=2, heads=2, seq=8)
+    tokens = torch.zeros(2, 8, dtype=torch.long, device="meta")
+    assert model(tokens, tokens).device.type == "meta"
