@@ -96,6 +96,7 @@ class _Progress:
     micro_steps: int = 0                           # backwards since the last step
     last_step: dict = field(default_factory=dict)  # the last step's report (train_step's, with seconds)
     broken: str = None                             # why training cannot go on (a step or backward that failed part way)
+    syncs_at_step: int = 0                         # the runtime's host synchronizations when the last step ended
 
 
 class TrainingEngine:
@@ -221,6 +222,9 @@ class TrainingEngine:
         for record in records:
             record.stepped = False
         self._progress.last_step["seconds"] = time.perf_counter() - start
+        syncs = self._runtime.syncs[0]
+        self._progress.last_step["host_syncs"] = syncs - self._progress.syncs_at_step
+        self._progress.syncs_at_step = syncs
         if self._runtime.parallel:
             self._progress.last_step["comm_bytes"] = self._grad_sync.step_bytes(mark)
         self._progress.micro_steps = 0
@@ -248,12 +252,14 @@ class TrainingEngine:
     # --- what it did -------------------------------------------------------------
 
     def stats(self):
-        """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step."""
+        """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step (with its
+        host_syncs: the times the adapter waited for the device since the step before; host_syncs in all)."""
         stats = self._runtime.engine.stats()
         pipeline = json.loads(self._pipeline.stats_json())
         stats["pipeline"] = pipeline
         stats["stall_seconds"] = pipeline.get("stall_seconds", 0.0)
         stats["last_step"] = dict(self._progress.last_step)
+        stats["host_syncs"] = self._runtime.syncs[0]
         stats["steps"] = self._optimizer.steps_taken
         stats["loss_scale"] = self._optimizer.loss_scale
         stats["timeline"] = list(self._moments.last_timeline)

@@ -5,7 +5,7 @@ rank's GPU and makes the engine; the ``Runtime`` it returns is read by every
 other part of the adapter and never changes after.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,9 +40,12 @@ class Runtime:
     dtype: torch.dtype    # the compute dtype
     device: torch.device  # where the model computes: the CPU for the emulated device (its memory is the host's)
     emulated: bool        # the device is the host-emulated one
+    # synchronize()'s calls so far, on every device: where a GPU's host waits for it (engine.stats()'s host_syncs)
+    syncs: list = field(default_factory=lambda: [0])
 
     def synchronize(self):
         """On a GPU: the kernels queued on torch's stream are done before a chunk they use is let go."""
+        self.syncs[0] += 1
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
 
