@@ -38,10 +38,15 @@ strata="$bundle/bin/strata"
 if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (gpu_bundle.sh's PYTHON_BUILD)
   PYTHONPATH="$bundle/python" python3 scripts/gpu_adapter_check.py --json "$out/adapter.json" \
     > "$out/adapter.txt" 2>&1 || status=1
+  # Issue 24's figures: plain PyTorch and strata's three configurations (a GPT of 0.2B parameters, bf16).
+  PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --layers 12 --hidden 1024 \
+    --heads 16 --vocab 32000 --seq 512 --batch 8 --precision bf16 --steps 6 --peak-tflops 989 \
+    --nvme-dir "$out/scratch" --json "$out/train-bench.json" > "$out/train-bench.txt" 2>&1 || status=1
 fi
 cat "$out/gpu.txt"
 printf '%s' "$summary"
 cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
 tail -n 12 "$out/bench-io-device.txt"
 [[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
+[[ -f "$out/train-bench.txt" ]] && tail -n 8 "$out/train-bench.txt"
 exit $status

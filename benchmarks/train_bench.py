@@ -1,0 +1,236 @@
+"""The main job's speed: a model trained in plain PyTorch and through strata in the three configurations of
+issue 24, with where each step's time goes.
+
+    python3 benchmarks/train_bench.py [--device emulated|cuda] [--model gpt|llama] [--layers 4] [--hidden 256]
+        [--heads 4] [--seq 128] [--batch 8] [--steps 6] [--precision fp32|bf16] [--link-gbps 25]
+        [--peak-tflops X] [--json OUT]
+
+The configurations, by the device budget against the model states (16 bytes a parameter):
+- fits: twice the model states (nothing needs to move);
+- streamed: a third of them, the host twice them (parameters streamed, CPU Adam);
+- nvme: a sixth, the host a third, the rest on NVMe (a directory under --nvme-dir).
+
+For each run: seconds a step (the median after the first two steps), forward / backward / step phases,
+tokens/s, model TFLOPS (6 N + 12 L h s a token) and MFU against --peak-tflops, the adapter's host
+synchronizations a step (engine.stats()'s), the pipeline's stall fraction and the bytes a step over each link.
+The phases are timed with the device synchronized at their ends (on CUDA; the benchmark's own waits, not
+counted among strata's). On the emulated device the links run at --link-gbps; compute is the CPU's.
+"""
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import strata
+from strata._strata import parse_size
+
+ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gpt import GPT  # noqa: E402
+
+CONFIGS = {  # (device budget, host budget) as fractions of the model states; host None: the default
+    "fits": (2.0, None),
+    "streamed": (1 / 3, 2.0),
+    "nvme": (1 / 6, 1 / 3),
+}
+WARMUP_STEPS = 2  # the trace, then the first plan
+LEAST = re.compile(r"raise (device|host)\.budget to at least ([0-9.]+ ?[KMGT]?i?B)")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=["emulated", "cuda"], default="emulated")
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--steps", type=int, default=6, help=f"steps a run; the first {WARMUP_STEPS} are not timed")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
+    p.add_argument("--link-gbps", type=float, default=25.0, help="the emulated device's links, GB/s")
+    p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: none)")
+    p.add_argument("--nvme-dir", help="where the nvme run's states go (default: a temporary directory)")
+    p.add_argument("--json", help="write the results here")
+    args = p.parse_args(argv)
+    if args.steps <= WARMUP_STEPS:
+        p.error(f"--steps {args.steps}: more than the {WARMUP_STEPS} warm-up steps, so that some are timed")
+    unknown = set(args.configs.split(",")) - set(CONFIGS)
+    if unknown:
+        p.error(f"--configs: {', '.join(sorted(unknown))} unknown; give some of {', '.join(CONFIGS)}")
+    return args
+
+
+def build_model(args):
+    torch.manual_seed(0)
+    if args.model == "llama":
+        import transformers
+        config = transformers.LlamaConfig(vocab_size=args.vocab, hidden_size=args.hidden,
+                                          intermediate_size=int(args.hidden * 8 / 3) // 64 * 64 or 64,
+                                          num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                                          max_position_embeddings=args.seq)
+        return transformers.LlamaForCausalLM(config)
+    return GPT(vocab=args.vocab, hidden=args.hidden, layers=args.layers, heads=args.heads, seq=args.seq)
+
+
+def loss_of(model, args, tokens):
+    if args.model == "llama":
+        return model(input_ids=tokens, labels=tokens).loss
+    return model(tokens[:, :-1], tokens[:, 1:])
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_steps(args, device, forward, backward, step, warm=lambda: None):
+    """Each timed step's (forward, backward, step) seconds, the phases ended by a synchronization; `warm` is
+    called once the warm-up steps are done."""
+    generator = torch.Generator().manual_seed(1)
+    phases = []
+    for number in range(args.steps):
+        if number == WARMUP_STEPS:
+            warm()
+        tokens = torch.randint(0, args.vocab, (args.batch, args.seq + 1), generator=generator).to(device)
+        synchronize(device)
+        start = time.perf_counter()
+        loss = forward(tokens)
+        synchronize(device)
+        forwarded = time.perf_counter()
+        backward(loss)
+        synchronize(device)
+        backwarded = time.perf_counter()
+        step()
+        synchronize(device)
+        phases.append((forwarded - start, backwarded - forwarded, time.perf_counter() - backwarded))
+    return phases[WARMUP_STEPS:]
+
+
+def summary(args, phases, parameters):
+    """s/step and its phases (medians), tokens/s, model TFLOPS and MFU."""
+    totals = [sum(p) for p in phases]
+    seconds = statistics.median(totals)
+    tokens = args.batch * args.seq
+    flops = tokens * (6 * parameters + 12 * args.layers * args.hidden * args.seq)
+    tflops = flops / seconds / 1e12
+    return {"s_per_step": seconds,
+            "forward_s": statistics.median(p[0] for p in phases),
+            "backward_s": statistics.median(p[1] for p in phases),
+            "step_phase_s": statistics.median(p[2] for p in phases),
+            "tokens_per_s": tokens / seconds, "model_tflops": tflops,
+            "mfu": tflops / args.peak_tflops if args.peak_tflops else None}
+
+
+def plain_run(args, device):
+    model = build_model(args).to(device=device, dtype=torch.bfloat16 if args.precision == "bf16" else None)
+    fused = {"fused": True} if device.type == "cuda" else {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **fused)
+
+    def step():
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    phases = timed_steps(args, device, lambda tokens: loss_of(model, args, tokens), lambda loss: loss.backward(),
+                         step)
+    return summary(args, phases, sum(p.numel() for p in model.parameters()))
+
+
+def strata_config(args, name, states, nvme_dir):
+    device_fraction, host_fraction = CONFIGS[name]
+    config = {"precision": args.precision,
+              "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
+              "device": {"backend": args.device, "budget": int(device_fraction * states)},
+              "nvme": {"dirs": [nvme_dir]},
+              "log": {"level": "error"}}
+    if args.device == "emulated":
+        config["device"]["emulated_bandwidth_gbps"] = args.link_gbps
+    if host_fraction is not None:
+        config["host"] = {"budget": int(host_fraction * states)}
+    return config
+
+
+def initialize_within(model, config):
+    """strata.initialize, a budget it refuses raised to the least it names (a small model's chunk group may
+    need more than the fraction gives); the budgets used are in the results."""
+    for _ in range(3):
+        try:
+            return strata.initialize(model, config)
+        except (ValueError, MemoryError) as error:
+            least = LEAST.search(str(error))
+            if least is None:
+                raise
+            config.setdefault(least.group(1), {})["budget"] = parse_size(least.group(2).replace(" ", ""))
+    return strata.initialize(model, config)
+
+
+def strata_run(args, name, nvme_root):
+    model = build_model(args)
+    parameters = sum(p.numel() for p in model.parameters())
+    nvme_dir = tempfile.mkdtemp(prefix=f"train-bench-{name}-", dir=nvme_root)
+    engine = initialize_within(model, strata_config(args, name, 16 * parameters, nvme_dir))
+    before = {}  # the links' bytes and the pipeline's counts once warm
+
+    def warm():
+        stats = engine.stats()
+        before.update({link: v["bytes"] for link, v in stats["links"].items()})
+        before["planned_iterations"] = stats["pipeline"].get("planned_iterations", 0)
+
+    phases = timed_steps(args, engine.device, lambda tokens: loss_of(model, args, tokens), engine.backward,
+                         engine.step, warm)
+    stats = engine.stats()
+    out = summary(args, phases, parameters)
+    out.update({
+        "host_syncs_per_step": stats["last_step"].get("host_syncs"),
+        "stall_fraction": stats["pipeline"].get("stall_fraction"),
+        "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
+                           for link, v in stats["links"].items()},
+        "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],
+        "budgets": {tier: usage["capacity_bytes"] for tier, usage in stats["tiers"].items()},
+    })
+    return out
+
+
+def print_table(args, results):
+    plain = results["plain"]["s_per_step"]
+    print(f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, "
+          f"{args.precision}, device {args.device}" + (f" (links {args.link_gbps} GB/s)" if args.device ==
+                                                       "emulated" else ""))
+    print(f"{'run':<10}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
+          f"{'x plain':>9}{'syncs':>7}{'stall':>7}  bytes/step by link")
+    for name, r in results.items():
+        mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "-"
+        syncs = r.get("host_syncs_per_step")
+        stall = r.get("stall_fraction")
+        links = ", ".join(f"{link} {bytes_ / 2**20:.1f}MiB" for link, bytes_ in r.get("bytes_per_step", {}).items()
+                          if bytes_)
+        print(f"{name:<10}{r['s_per_step']:>9.4f}{r['forward_s']:>8.4f}{r['backward_s']:>8.4f}"
+              f"{r['step_phase_s']:>8.4f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.3f}{mfu:>7}"
+              f"{plain / r['s_per_step']:>9.2f}{'' if syncs is None else syncs:>7}"
+              f"{'' if stall is None else f'{stall:.2f}':>7}  {links}")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = torch.device("cuda") if args.device == "cuda" else torch.device("cpu")
+    results = {"plain": plain_run(args, device)}
+    with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_root:
+        for name in args.configs.split(","):
+            results[name] = strata_run(args, name, nvme_root)
+    print_table(args, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
