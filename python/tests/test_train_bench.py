@@ -1,11 +1,12 @@
-"""benchmarks/train_bench.py in a short run on the emulated device: every configuration's figures are there."""
+"""benchmarks/train_bench.py and adapter_cost.py in short runs on the emulated device: their figures are there."""
 
 import json
 import os
 import subprocess
 import sys
 
-BENCH = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "train_bench.py")
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+BENCH = os.path.join(BENCHMARKS, "train_bench.py")
 
 
 def test_the_training_benchmark_reports_every_run(tmp_path):
@@ -25,3 +26,13 @@ def test_the_training_benchmark_reports_every_run(tmp_path):
     assert results["nvme"]["bytes_per_step"]["nvme->host"] > 0, results["nvme"]
     assert results["fits"]["budgets"]["device"] > results["streamed"]["budgets"]["device"]
     assert "x plain" in run.stdout and "nvme" in run.stdout
+
+
+def test_the_adapter_cost_benchmark_reports_microseconds_a_module(tmp_path):
+    out = tmp_path / "cost.json"
+    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "adapter_cost.py"), "--modules", "20", "--steps",
+                          "4", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert result["modules"] == 20 and result["strata_s_per_step"] > 0 and result["plain_s_per_step"] > 0
+    assert result["host_syncs_per_step"] > 0 and "us a module" in run.stdout
