@@ -45,8 +45,8 @@ def train(step, call, optimizer, scheduler, data):
 
 def assert_same_parameters(engine, reference, rtol=1e-6):
     """Every parameter within `rtol` of torch's, relative to its norm. strata's kernel rounds as torch.optim does
-    (Note [torch.optim's arithmetic]), but torch's default AdamW takes sqrt from a vector library that is a last
-    bit off in some elements of a large tensor, and Adam amplifies that where the second moment is small: here
+    (Note [torch.optim's arithmetic]), but the sqrt of torch's default AdamW is a last bit off in some elements of
+    a tensor of 1,000 or more, and Adam amplifies that where the second moment is small: here
     torch's default and fused AdamW end 7e-7 apart, and strata 7e-7 from the default."""
     state = engine.state_dict()
     params = dict(reference.named_parameters())
