@@ -65,8 +65,7 @@ class Moments:
         self.record_tiers()
 
     def record_tiers(self):
-        tiers = self._runtime.engine.stats()["tiers"]
-        self.timeline.append({tier: usage["used_bytes"] for tier, usage in tiers.items()})
+        self.timeline.append(self._runtime.engine.used_bytes())
 
     def end_moment(self):
         if not self.in_moment:
