@@ -50,7 +50,7 @@ from .config import load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
 from .moments import Moments
-from .optimizer import Optimizer, param_groups_of
+from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .params import ParamTable
 from .runtime import open_runtime
 from .state import ModelState
@@ -126,10 +126,13 @@ class TrainingEngine:
         self._weights = Weights(runtime, table, model, self._grad_sync)
         self._state = ModelState(runtime, table, self._weights)
         self._checkpoints = Checkpoints(runtime, table, self._optimizer)
+        kind = self.config.options.describe()["optimizer.kind"]
+        defaults = self._optimizer.group(0)  # the config's values, before any group's are set
+        write_groups(self._optimizer, keys_of(kind), group_options)  # a bad value refused here, the model untouched
         self._take(model, weights)
         groups = [{**options, "params": [r.param for r, g in zip(table.records, in_group) if r.trainable and g == i]}
                   for i, options in enumerate(group_options)]
-        self.optimizer = Optimizer(self, groups, self._optimizer, self.config.options.describe()["optimizer.kind"])
+        self.optimizer = Optimizer(self, groups, self._optimizer, kind, defaults)
 
     def _take(self, model, weights):
         """The model's values into the chunks (or the weights'), its storage dropped, its hooks set."""
@@ -251,6 +254,11 @@ class TrainingEngine:
 
     # --- what it did -------------------------------------------------------------
 
+    @property
+    def last_step(self):
+        """The last step's report (stats()'s "last_step"), without gathering the rest of stats()."""
+        return dict(self._progress.last_step)
+
     def stats(self):
         """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step (with its
         host_syncs: the times the adapter waited for the device since the step before; host_syncs in all)."""
@@ -258,7 +266,7 @@ class TrainingEngine:
         pipeline = json.loads(self._pipeline.stats_json())
         stats["pipeline"] = pipeline
         stats["stall_seconds"] = pipeline.get("stall_seconds", 0.0)
-        stats["last_step"] = dict(self._progress.last_step)
+        stats["last_step"] = self.last_step
         stats["host_syncs"] = self._runtime.syncs[0]
         stats["steps"] = self._optimizer.steps_taken
         stats["loss_scale"] = self._optimizer.loss_scale

@@ -141,14 +141,13 @@ class Optimizer(torch.optim.Optimizer):
     live in strata's grad chunks, which each step zeroes. ``state`` is empty: the moments are in the chunks
     (engine.save_checkpoint saves them)."""
 
-    def __init__(self, engine, groups, core, kind):
+    def __init__(self, engine, groups, core, kind, defaults):
         self._engine = engine
         self._core = core
-        self._keys = _SGD_KEYS if kind == "sgd" else _ADAM_KEYS
+        self._keys = keys_of(kind)
         self._stepped = False  # whether the last step() updated (engine.step() returns it)
-        first = core.group(0)  # the config's values, before any group's are set
         self._fixed = False
-        super().__init__(groups, {key: first[key] for key in self._keys})
+        super().__init__(groups, {key: defaults[key] for key in self._keys})  # the config's values
         self._fixed = True
         self.write_groups()
 
@@ -175,15 +174,7 @@ class Optimizer(torch.optim.Optimizer):
     def write_groups(self):
         """Every group's values as ``param_groups`` holds them now onto strata's optimizer, for the next update.
         ValueError naming the group and the key for a value out of range (nothing set then)."""
-        before = [self._core.group(index) for index in range(len(self.param_groups))]
-        values = [self._values(index, group, dict(before[index])) for index, group in enumerate(self.param_groups)]
-        for index, value in enumerate(values):
-            try:
-                self._core.set_group(index, **value)
-            except ValueError as error:
-                for restore, old in enumerate(before[:index]):
-                    self._core.set_group(restore, **old)
-                raise ValueError(f"engine.optimizer.param_groups[{index}]: {error}") from None
+        write_groups(self._core, self._keys, self.param_groups)
 
     def read_groups(self):
         """strata's optimizer's values into ``param_groups`` (after a checkpoint restored them)."""
@@ -191,20 +182,42 @@ class Optimizer(torch.optim.Optimizer):
             saved = self._core.group(index)
             group.update({key: saved[key] for key in self._keys})
 
-    def _values(self, index, group, values):
-        """`values` (the group's as strata's optimizer holds them) with `group`'s own, checked."""
-        for key in self._keys:
-            value = group.get(key, values[key])
-            where = f"engine.optimizer.param_groups[{index}]['{key}']"
-            if key == "betas":
-                if not isinstance(value, (list, tuple)) or len(value) != 2:
-                    raise TypeError(f"{where}: {value!r} must be two numbers (beta1, beta2)")
-                values[key] = (_number(value[0], where), _number(value[1], where))
-            elif key == "nesterov":
-                values[key] = bool(value)
-            else:
-                values[key] = _number(value, where)
-        return values
+
+
+def keys_of(kind):
+    """The hyperparameters a param group of optimizer.kind `kind` holds."""
+    return _SGD_KEYS if kind == "sgd" else _ADAM_KEYS
+
+
+def write_groups(core, keys, groups):
+    """Each of `groups`' values (``keys`` of each, the ones a group leaves out as `core` holds them) onto `core`,
+    strata's optimizer. ValueError naming the group and the key for a value out of range (nothing set then);
+    strata.initialize calls it with its param_groups before it touches the model."""
+    before = [core.group(index) for index in range(len(groups))]
+    values = [_values(keys, index, group, dict(before[index])) for index, group in enumerate(groups)]
+    for index, value in enumerate(values):
+        try:
+            core.set_group(index, **value)
+        except ValueError as error:
+            for restore, old in enumerate(before[:index]):
+                core.set_group(restore, **old)
+            raise ValueError(f"engine.optimizer.param_groups[{index}]: {error}") from None
+
+
+def _values(keys, index, group, values):
+    """`values` (the group's as strata's optimizer holds them) with `group`'s own, checked."""
+    for key in keys:
+        value = group.get(key, values[key])
+        where = f"engine.optimizer.param_groups[{index}]['{key}']"
+        if key == "betas":
+            if not isinstance(value, (list, tuple)) or len(value) != 2:
+                raise TypeError(f"{where}: {value!r} must be two numbers (beta1, beta2)")
+            values[key] = (_number(value[0], where), _number(value[1], where))
+        elif key == "nesterov":
+            values[key] = bool(value)
+        else:
+            values[key] = _number(value, where)
+    return values
 
 
 def _number(value, where):

@@ -211,9 +211,15 @@ def frozen_first(model):
     (lambda m: [{"params": list(m.parameters()), "betas": (0.9, 1.0)}], r"param_groups\[0\].*beta2 1 must be"),
 ])
 def test_bad_groups_are_refused_at_initialize(tmp_path, groups, message):
-    model, _ = pair()
+    model, reference = pair()
     with pytest.raises(ValueError, match=message):
         strata.initialize(model, three_tiers(tmp_path), param_groups=groups(model))
+    # Refused before strata took the model: its parameters are plain ones with their values, and it can be given
+    # to strata again.
+    for (name, mine), theirs in zip(model.named_parameters(), reference.parameters()):
+        assert type(mine) is torch.nn.Parameter and torch.equal(mine, theirs), name
+    (tmp_path / "again").mkdir()
+    strata.initialize(model, three_tiers(tmp_path / "again"))
 
 
 def test_bad_values_are_refused_at_the_step_naming_the_group_and_key(tmp_path):
