@@ -256,14 +256,14 @@ class StrataTrainer(transformers.Trainer):
 
     def create_optimizer(self, model=None):
         optimizer = self.strata_engine.optimizer
-        step = optimizer.step
+        step = type(optimizer).step.__get__(optimizer)  # the class's: a second train() does not wrap the wrapper
 
         def step_and_report(closure=None):
             """The step; then whether fp16's loss scaling skipped it, told to accelerate's wrapper of the optimizer,
             whose step_was_skipped the Trainer reads before it moves the learning-rate schedule on."""
             loss = step(closure)
             if self.optimizer is not optimizer and hasattr(self.optimizer, "_is_overflow"):
-                self.optimizer._is_overflow = bool(self.strata_engine.stats()["last_step"].get("skipped"))
+                self.optimizer._is_overflow = bool(self.strata_engine.last_step.get("skipped"))
             return loss
 
         optimizer.step = step_and_report
@@ -280,7 +280,7 @@ class StrataTrainer(transformers.Trainer):
     def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args, **kwargs):
         """As the Trainer's, with grad_norm the norm strata's step computed (before clipping)."""
         if self.control.should_log:
-            grad_norm = self.strata_engine.stats()["last_step"].get("grad_norm", grad_norm)
+            grad_norm = self.strata_engine.last_step.get("grad_norm", grad_norm)
         super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # --- checkpoints -------------------------------------------------------------------
