@@ -1,6 +1,6 @@
-// The AVX2 kernels: 8 fp32 lanes. Compiled with -mavx2 -mfma -mf16c and
-// -ffp-contract=off (see CMakeLists.txt) and called only where the CPU has
-// all three.
+// The AVX2 kernels: 8 fp32 lanes. Compiled with -mavx2 -mfma -mf16c, like
+// the whole layer with -ffp-contract=off (see CMakeLists.txt), and called
+// only where the CPU has all three.
 #include <immintrin.h>
 
 #include "optim/cpu/cpu_kernels.h"

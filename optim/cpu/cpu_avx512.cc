@@ -1,5 +1,6 @@
-// The AVX-512 kernels: 16 fp32 lanes. Compiled with -mavx512f -mfma -mf16c
-// and -ffp-contract=off (see CMakeLists.txt) and called only where the CPU has AVX-512F.
+// The AVX-512 kernels: 16 fp32 lanes. Compiled with -mavx512f -mfma -mf16c,
+// like the whole layer with -ffp-contract=off (see CMakeLists.txt), and
+// called only where the CPU has AVX-512F.
 //
 // GCC 12 warns inside its own _mm512_sqrt_ps and _mm512_cvtps_pd (built from
 // _mm512_undefined_*): a false positive in the compiler's header.

@@ -1,7 +1,8 @@
 // The scalar reference of every CPU kernel: torch.optim's arithmetic (Note
 // [torch.optim's arithmetic] in cpu_kernels.cc), one element at a time, in
 // fp32, with a fused multiply-add (std::fma) exactly where torch has one
-// (built with -ffp-contract=off, so the compiler contracts no other a * b + c).
+// (the layer is built with -ffp-contract=off: the compiler contracts no other
+// a * b + c).
 // The vector versions are checked against this file.
 #include <cmath>
 
