@@ -15,7 +15,6 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 
@@ -106,4 +105,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -18,6 +18,7 @@ counted among strata's). On the emulated device the links run at --link-gbps; co
 """
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -197,6 +198,9 @@ def strata_run(args, name, nvme_root):
         "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],
         "budgets": {tier: usage["capacity_bytes"] for tier, usage in stats["tiers"].items()},
     })
+    engine.close()  # its chunks leave the device before the next run's
+    del engine, model
+    gc.collect()  # the engine and its optimizer refer to each other
     return out
 
 
