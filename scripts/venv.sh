@@ -25,5 +25,14 @@ if ! cmp -s python/requirements.txt "$stamp"; then
     | { grep -v "^WARNING: Location '.*' is ignored" || true; }
   cp python/requirements.txt "$stamp"
 fi
+# NCCL: the toolkit's, else PyPI's wheel (python/requirements-nccl.txt), which CMake finds in .venv.
+nccl_stamp="$venv/.strata-requirements-nccl"
+if [ -x /usr/local/cuda/bin/nvcc ] && [ ! -e /usr/local/cuda/include/nccl.h ] && \
+   ! cmp -s python/requirements-nccl.txt "$nccl_stamp"; then
+  echo "venv: no NCCL in /usr/local/cuda: installing python/requirements-nccl.txt into $venv"
+  "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -r python/requirements-nccl.txt 2>&1 \
+    | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+  cp python/requirements-nccl.txt "$nccl_stamp"
+fi
 site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$PWD/build/python" > "$site/strata-build.pth"
