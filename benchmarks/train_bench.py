@@ -185,6 +185,7 @@ def strata_run(args, name, nvme_root):
         stats = engine.stats()
         before.update({link: v["bytes"] for link, v in stats["links"].items()})
         before["planned_iterations"] = stats["pipeline"].get("planned_iterations", 0)
+        before["fence_waits"] = stats["fence_waits"]
 
     phases = timed_steps(args, engine.device, lambda tokens: loss_of(model, args, tokens), engine.backward,
                          engine.step, warm)
@@ -192,6 +193,8 @@ def strata_run(args, name, nvme_root):
     out = summary(args, phases, parameters)
     out.update({
         "host_syncs_per_step": stats["last_step"].get("host_syncs"),
+        # moves that waited for the GPU to finish with a chunk torch let go (on strata's threads or the host's)
+        "fence_waits_per_step": (stats["fence_waits"] - before["fence_waits"]) / len(phases),
         "stall_fraction": stats["pipeline"].get("stall_fraction"),
         "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
                            for link, v in stats["links"].items()},
@@ -210,16 +213,18 @@ def print_table(args, results):
           f"{args.precision}, device {args.device}" + (f" (links {args.link_gbps} GB/s)" if args.device ==
                                                        "emulated" else ""))
     print(f"{'run':<10}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
-          f"{'x plain':>9}{'syncs':>7}{'stall':>7}  bytes/step by link")
+          f"{'x plain':>9}{'syncs':>7}{'waits':>7}{'stall':>7}  bytes/step by link")
     for name, r in results.items():
         mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "-"
         syncs = r.get("host_syncs_per_step")
+        waits = r.get("fence_waits_per_step")
         stall = r.get("stall_fraction")
         links = ", ".join(f"{link} {bytes_ / 2**20:.1f}MiB" for link, bytes_ in r.get("bytes_per_step", {}).items()
                           if bytes_)
         print(f"{name:<10}{r['s_per_step']:>9.4f}{r['forward_s']:>8.4f}{r['backward_s']:>8.4f}"
               f"{r['step_phase_s']:>8.4f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.3f}{mfu:>7}"
               f"{plain / r['s_per_step']:>9.2f}{'' if syncs is None else syncs:>7}"
+              f"{'' if waits is None else f'{waits:.0f}':>7}"
               f"{'' if stall is None else f'{stall:.2f}':>7}  {links}")
 
 

@@ -13,6 +13,23 @@
 // suffice but are in pieces is compacted first (Note [Compaction]), and
 // nothing is evicted.
 //
+// Note [Fences]
+// A framework that queues its kernels on a stream (PyTorch on a GPU) lets a
+// chunk go before the kernels that read or write it have run: it releases
+// it after a fence (ChunkAccess::ReleaseAfter), an event recorded on its
+// stream. The chunk is in hold at once, so the plan may evict it and its
+// next access may pin it again, but its device bytes are neither moved,
+// dropped, read nor overwritten by strata, and its slot not handed to
+// another chunk, before the fence completes: whoever is about to do so
+// (MoveFlagged, a move within the tier, ReadChunk, WriteChunk, FillIfOn)
+// waits for it first, with the chunk marked in flight. Every slot a chunk
+// leaves is left by one of those, so a slot freed is a slot the framework
+// is done with. Nobody waits for a chunk nothing needs to move: with
+// everything resident the host never waits for the device. A chunk keeps
+// the fence of its last release only: fences come from one stream, whose
+// work completes in order. A fence that fails or times out leaves the chunk
+// where it is.
+//
 // Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
 // bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
 // in flight waits up to kMoveSteps times that. Copies and I/O run without
@@ -227,8 +244,9 @@ Result<std::optional<uint64_t>> ResidencyManager::FillIfOn(ChunkId id, Tier tier
   if (chunk.in_flight || chunk.tier != tier || chunk.refs > 0) return std::optional<uint64_t>();
   chunk.in_flight = true;  // as ReadChunk: nobody moves, compacts or frees its slot meanwhile; they wait
   std::byte* address = Address(tier, chunk.extent);
+  Status status = AwaitFence(lock, chunk);
   lock.unlock();
-  const Status status = fill(address);
+  if (status.ok()) status = fill(address);
   lock.lock();
   chunk.generation++;
   if (status.code() == StatusCode::kTimeout) {
@@ -242,11 +260,27 @@ Result<std::optional<uint64_t>> ResidencyManager::FillIfOn(ChunkId id, Tier tier
   return std::optional<uint64_t>(chunk.generation);
 }
 
-void ResidencyManager::ReleaseAccess(ChunkId id) {
+void ResidencyManager::ReleaseAccess(ChunkId id, std::shared_ptr<Event> fence) {
   std::lock_guard lock(mu_);
   Chunk& chunk = chunks_[id.value()];
   STRATA_CHECK(chunk.refs > 0, "chunk {} released more often than accessed", id.value());
   chunk.refs--;
+  if (fence != nullptr && chunk.tier == Tier::kDevice) chunk.fence = std::move(fence);
+}
+
+Status ResidencyManager::AwaitFence(Lock& lock, Chunk& chunk) {
+  STRATA_DCHECK(chunk.in_flight, "AwaitFence of a chunk not marked in flight");
+  if (chunk.fence == nullptr) return Status::Ok();
+  const std::shared_ptr<Event> fence = chunk.fence;
+  Status status = Status::Ok();
+  if (!fence->Done()) {
+    lock.unlock();
+    status = fence->Wait(config_.wait_timeout_ms);
+    lock.lock();
+    stats_.fence_waits++;
+  }
+  if (chunk.fence == fence && status.ok()) chunk.fence.reset();
+  return status.WithContext("waiting for the framework to finish with a chunk it let go (its fence)");
 }
 
 Status ResidencyManager::Move(ChunkId id, Tier tier) { return MoveUnlessPinned(id, tier, /*skip_pinned=*/false); }
@@ -305,6 +339,11 @@ Status ResidencyManager::ReadChunk(ChunkId id, std::byte* dst) {
   chunk.in_flight = true;
   Tier from = *chunk.tier;
   Extent extent = chunk.extent;
+  if (Status fenced = AwaitFence(lock, chunk); !fenced.ok()) {
+    chunk.in_flight = false;
+    moved_.notify_all();
+    return fenced.WithContext(fmt::format("reading chunk {} on {}", id.value(), TierName(from)));
+  }
   lock.unlock();
   Status status;
   if (from == Tier::kNvme) {
@@ -359,6 +398,11 @@ Status ResidencyManager::WriteChunk(ChunkId id, const std::byte* src) {
   }
   const Tier to = chunk.tier.value_or(Tier::kNvme);
   chunk.in_flight = true;  // as ReadChunk: nobody moves its slot while it is written
+  if (Status fenced = AwaitFence(lock, chunk); !fenced.ok()) {
+    chunk.in_flight = false;
+    moved_.notify_all();
+    return fenced.WithContext(fmt::format("writing chunk {} on {}", id.value(), TierName(to)));
+  }
   std::optional<Extent> fresh;
   if (to == Tier::kNvme) {
     std::vector<ChunkId> chain{id};
@@ -433,6 +477,9 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
     moved_.notify_all();
     return status;
   };
+  if (Status fenced = AwaitFence(lock, chunk); !fenced.ok()) {
+    return finish(fenced.WithContext(fmt::format("moving chunk {} to {}", id.value(), TierName(to))));
+  }
 
   if (!dst && DroppedBy(chunk, to)) {
     pool(*chunk.tier)->Free(chunk.extent);

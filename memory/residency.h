@@ -109,7 +109,8 @@ class ResidencyManager final : public AccessOwner {
   std::optional<Tier> tier(ChunkId id) const;  // nullopt when free
   bool has_tier(Tier tier) const;
   MemoryStats stats() const;
-  void ReleaseAccess(ChunkId id) override;
+  // `fence` (ChunkAccess::ReleaseAfter): see Note [Fences] in residency.cc.
+  void ReleaseAccess(ChunkId id, std::shared_ptr<Event> fence) override;
   size_t num_chunks() const { return chunks_.size(); }
 
  private:
@@ -124,6 +125,8 @@ class ResidencyManager final : public AccessOwner {
     uint64_t last_use = 0;  // LRU clock value of the last access
     bool transient = false;
     uint64_t generation = 0;  // ChunkAccess::generation: bumped by every new slot or overwrite
+    // The framework's last use of its device bytes, not yet seen complete (Note [Fences]).
+    std::shared_ptr<Event> fence;
   };
   using Lock = std::unique_lock<std::mutex>;
 
@@ -133,6 +136,10 @@ class ResidencyManager final : public AccessOwner {
   static bool DroppedBy(const Chunk& chunk, Tier to) { return chunk.transient && chunk.tier && to > *chunk.tier; }
   std::optional<Tier> TierBelow(Tier tier) const;
   Status WaitNotInFlight(Lock& lock, ChunkId id);
+  // Waits for `chunk`'s fence, if it has one not yet complete, with the lock
+  // let go (the chunk is marked in flight by the caller: nobody else touches
+  // it meanwhile). Note [Fences].
+  Status AwaitFence(Lock& lock, Chunk& chunk);
   // Move(), but a chunk pinned meanwhile is skipped rather than an error.
   Status MoveUnlessPinned(ChunkId id, Tier tier, bool skip_pinned, std::optional<Tier> only_from = std::nullopt);
   // Moves chunk `id`, already marked in flight by the caller, to `to`; clears the mark.

@@ -172,11 +172,11 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
   if (!dst) return std::optional<Extent>();
   const Extent src = chunk.extent;
   chunk.in_flight = true;
+  Status copied = AwaitFence(lock, chunk);  // Note [Fences] in residency.cc
   lock.unlock();
-  Status copied = Status::Ok();
-  if (tier == Tier::kDevice) {
+  if (copied.ok() && tier == Tier::kDevice) {
     copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
-  } else {
+  } else if (copied.ok()) {
     std::memcpy(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
   }
   lock.lock();

@@ -8,16 +8,20 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <utility>
 
 #include "strata/types.h"
 
 namespace strata {
 
+class Event;
+
 // Implemented by whoever issues handles (the residency manager).
 class AccessOwner {
  public:
-  virtual void ReleaseAccess(ChunkId id) = 0;
+  // `fence`: null, or the framework's last use of the chunk (ReleaseAfter).
+  virtual void ReleaseAccess(ChunkId id, std::shared_ptr<Event> fence) = 0;
 
  protected:
   ~AccessOwner() = default;
@@ -59,8 +63,14 @@ class ChunkAccess {
   // with the same value were given the same slot, with nothing between.
   uint64_t generation() const { return generation_; }
   bool valid() const { return owner_ != nullptr; }
-  void Release() {
-    if (owner_ != nullptr) std::exchange(owner_, nullptr)->ReleaseAccess(id_);
+  void Release() { ReleaseAfter(nullptr); }
+  // Release(), for a framework that queues its work on a stream and has not
+  // finished with the chunk when it lets it go: `fence` (Device::RecordFence
+  // on that stream) completes when it has. Until then strata neither moves,
+  // drops, reads nor overwrites the chunk's device bytes; whoever must waits
+  // for the fence, and nobody waits when nothing needs the chunk's slot.
+  void ReleaseAfter(std::shared_ptr<Event> fence) {
+    if (owner_ != nullptr) std::exchange(owner_, nullptr)->ReleaseAccess(id_, std::move(fence));
     data_ = nullptr;
   }
 

@@ -77,6 +77,13 @@ class Device {
 
   // Waits for every queued copy on both streams.
   virtual Status Synchronize(uint32_t timeout_ms) = 0;
+
+  // An event that completes once the work queued so far on `stream`, the
+  // framework's (a cudaStream_t; 0: the legacy default stream), has finished,
+  // recorded without waiting (ChunkAccess::ReleaseAfter takes it). The
+  // emulated device's framework computes on the host and is done with a
+  // chunk when it lets it go: its fence is complete at once.
+  virtual Result<std::shared_ptr<Event>> RecordFence(uintptr_t stream) = 0;
 };
 
 struct EmulatedDeviceOptions {

@@ -31,6 +31,7 @@ struct MemoryStats {
   uint64_t drops = 0;             // transient chunks dropped instead of moved down (gathered params)
   uint64_t compactions = 0;       // chunks moved within a tier to join its free pieces
   uint64_t compacted_bytes = 0;
+  uint64_t fence_waits = 0;       // moves that waited for the framework to finish with a chunk (Note [Fences])
 };
 
 }  // namespace strata

@@ -9,6 +9,7 @@
 #include <memory>
 #include <utility>
 
+#include "strata/device.h"
 #include "strata/engine.h"
 #include "strata/status.h"
 
@@ -43,6 +44,11 @@ struct PyAccess {
   bool host_addressable = false;
 };
 
+// A device event Python holds (Engine.record_fence) and hands to ChunkAccess.release_after.
+struct Fence {
+  std::shared_ptr<Event> event;
+};
+
 // Takes ownership of `access`, noting whether the host can address its bytes.
 std::unique_ptr<PyAccess> Held(Engine& engine, ChunkAccess access);
 
@@ -51,6 +57,7 @@ void BindErrors(py::module_& m);
 void BindOptions(py::module_& m);            // Options, parse_size, option_keys
 void BindCommunicator(py::module_& m);       // Communicator (subclassable from Python)
 void BindTransports(py::module_& m);         // mpi_communicator, nccl_communicator, what was built in
+void BindFence(py::module_& m);              // Fence
 void BindEngine(py::module_& m);             // Engine
 void BindChunkAccess(py::module_& m);        // ChunkAccess
 void BindOptimizer(py::module_& m);          // Optimizer

@@ -51,6 +51,7 @@ py::dict StatsDict(const MemoryStats& stats) {
   d["evictions"] = stats.evictions;
   d["compactions"] = stats.compactions;
   d["drops"] = stats.drops;
+  d["fence_waits"] = stats.fence_waits;
   return d;
 }
 
@@ -149,7 +150,21 @@ void BindEngine(py::module_& m) {
             return used;
           },
           "each tier's bytes in use now: stats()'s used_bytes alone, for a call every moment")
-      .def("describe_backends", &Engine::DescribeBackends);
+      .def("describe_backends", &Engine::DescribeBackends)
+      .def(
+          "record_fence",
+          [](Engine& engine, uintptr_t stream) {
+            return Fence{ValueOrThrow(engine.device().RecordFence(stream))};
+          },
+          py::arg("stream"),
+          "a Fence: completes once the work queued so far on the framework's CUDA stream `stream` (its "
+          "handle: torch.cuda.Stream.cuda_stream) has run; recorded without waiting, complete at once on the "
+          "emulated device");
+}
+
+void BindFence(py::module_& m) {
+  py::class_<Fence>(m, "Fence", "the framework's work on its stream up to a point (Engine.record_fence)")
+      .def_property_readonly("done", [](const Fence& f) { return f.event->Done(); });
 }
 
 void BindChunkAccess(py::module_& m) {
@@ -168,7 +183,12 @@ void BindChunkAccess(py::module_& m) {
       .def_property_readonly("size_bytes", [](const PyAccess& a) { return a.access.size_bytes(); })
       .def_property_readonly("valid", [](const PyAccess& a) { return a.access.valid(); })
       .def_readonly("host_addressable", &PyAccess::host_addressable)
-      .def("release", [](PyAccess& a) { a.access.Release(); }, "unpins the chunk");
+      .def("release", [](PyAccess& a) { a.access.Release(); }, "unpins the chunk")
+      .def(
+          "release_after", [](PyAccess& a, const Fence& fence) { a.access.ReleaseAfter(fence.event); },
+          py::arg("fence"),
+          "unpins the chunk, whose device bytes the framework's kernels queued before `fence` may still use: "
+          "strata moves, reads or overwrites them only once the fence has completed");
 }
 
 }  // namespace strata::python

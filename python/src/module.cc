@@ -24,9 +24,9 @@ PYBIND11_MODULE(_strata, m) {
   // In order: the errors first, since ThrowIfError raises them; each class before the functions whose
   // signatures name it, so that their docstrings give its Python name.
   for (auto* bind_concern : {&bind::BindErrors, &bind::BindOptions, &bind::BindCommunicator, &bind::BindTransports,
-                             &bind::BindEngine, &bind::BindChunkAccess, &bind::BindOptimizer, &bind::BindPipeline,
-                             &bind::BindTrainStep, &bind::BindGradReducer, &bind::BindCheckpoint,
-                             &bind::BindSafetensors}) {
+                             &bind::BindFence, &bind::BindEngine, &bind::BindChunkAccess, &bind::BindOptimizer,
+                             &bind::BindPipeline, &bind::BindTrainStep, &bind::BindGradReducer,
+                             &bind::BindCheckpoint, &bind::BindSafetensors}) {
     bind_concern(m);
   }
 }

@@ -261,7 +261,8 @@ class TrainingEngine:
 
     def stats(self):
         """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step (with its
-        host_syncs: the times the adapter waited for the device since the step before; host_syncs in all)."""
+        host_syncs: the times the adapter waited for the device since the step before; host_syncs in all;
+        fence_waits: moves that waited for the GPU to finish with a chunk torch let go)."""
         stats = self._runtime.engine.stats()
         pipeline = json.loads(self._pipeline.stats_json())
         stats["pipeline"] = pipeline

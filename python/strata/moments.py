@@ -70,9 +70,7 @@ class Moments:
     def end_moment(self):
         if not self.in_moment:
             return
-        self._runtime.synchronize()
-        for access in self.moment_chunks.values():
-            access.release()
+        self._runtime.let_go(self.moment_chunks.values())
         self.moment_chunks.clear()
         self.in_moment = False
         self._pipeline.end_moment()
@@ -143,6 +141,5 @@ class Moments:
         entry = self.held[record.chunk]
         entry[1] -= 1
         if entry[1] == 0:
-            self._runtime.synchronize()
-            entry[0].release()
+            self._runtime.let_go((entry[0],))
             del self.held[record.chunk]

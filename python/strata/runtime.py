@@ -44,10 +44,22 @@ class Runtime:
     syncs: list = field(default_factory=lambda: [0])
 
     def synchronize(self):
-        """On a GPU: the kernels queued on torch's stream are done before a chunk they use is let go."""
+        """On a GPU: waits for the kernels queued on torch's stream (where a value they make is read)."""
         self.syncs[0] += 1
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+
+    def let_go(self, accesses):
+        """Unpins `accesses` without waiting for the device: on a GPU strata moves, reads or overwrites their
+        chunks only once the kernels queued on torch's stream so far have run (Note [Fences] in
+        memory/residency.cc); where the model computes on the host, those are done already."""
+        if self.device.type != "cuda":
+            for access in accesses:
+                access.release()
+            return
+        fence = self.engine.record_fence(torch.cuda.current_stream(self.device).cuda_stream)
+        for access in accesses:
+            access.release_after(fence)
 
     def view(self, access, dtype, count, offset):
         """`count` elements at byte `offset` of a pinned chunk, as a tensor where the chunk is."""

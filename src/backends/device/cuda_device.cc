@@ -277,6 +277,11 @@ class CudaDevice final : public Device {
     return done->Wait(kInternalWaitTimeoutMs);
   }
 
+  Result<std::shared_ptr<Event>> RecordFence(uintptr_t stream) override {
+    STRATA_RETURN_IF_ERROR(SetDevice(index()));
+    return RecordEvent(index(), reinterpret_cast<cudaStream_t>(stream));
+  }
+
   Status Synchronize(uint32_t timeout_ms) override {
     STRATA_RETURN_IF_ERROR(SetDevice(index()));
     STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Event> host_to_device, RecordEvent(index(), parts_.host_to_device.get()));

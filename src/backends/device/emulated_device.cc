@@ -268,6 +268,12 @@ class EmulatedDevice final : public Device {
     return Status::Ok();
   }
 
+  Result<std::shared_ptr<Event>> RecordFence(uintptr_t /*stream*/) override {
+    auto fence = std::make_shared<EmulatedEvent>();
+    fence->Complete(Status::Ok());
+    return std::shared_ptr<Event>(std::move(fence));
+  }
+
   Status Synchronize(uint32_t timeout_ms) override {
     // A marker on each stream completes after everything queued before it.
     std::shared_ptr<EmulatedEvent> markers[] = {host_to_device_.Enqueue(nullptr, nullptr, 0),
