@@ -463,6 +463,7 @@ struct Pipeline::Impl {
     input.chunk_bytes = chunk_bytes;
     input.home = homes;
     input.device_bytes = options.device_bytes > 0 ? options.device_bytes : engine.options().device.budget_bytes;
+    input.device_chunk_bytes = engine.options().device.budget_bytes;  // Note [The device model] in planner.cc
     input.links = links;
     input.host_staging_bytes =
         options.host_staging_bytes > 0 ? options.host_staging_bytes : engine.host_staging_bytes();
@@ -518,7 +519,8 @@ Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const Pipelin
       impl->kept_on_device.push_back(chunk.id);
       kept += chunk.size_bytes;
     }
-    const uint64_t device = options.device_bytes > 0 ? options.device_bytes : engine.options().device.budget_bytes;
+    const uint64_t budget = engine.options().device.budget_bytes;
+    const uint64_t device = options.device_bytes > 0 ? std::min<uint64_t>(options.device_bytes, budget) : budget;
     if (kept + 2 * largest > device) {
       return InvalidArgument(
           "pipeline: placement.device_params {} keeps {} of param and grad chunks on the device, which leaves less "

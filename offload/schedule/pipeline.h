@@ -46,8 +46,11 @@ struct PipelineOptions {
   // iteration (the engine's link statistics), or assumed if nothing moved
   // over it (25 GB/s for host<->device, 3 GB/s read and 2 GB/s write for NVMe).
   LinkBandwidths links{.bytes_per_second = {0, 0, 0, 0}};
-  // Device memory the plan may fill (chunks and non-model memory): 0 = the
-  // engine's device.budget.
+  // Device memory the plan may fill, chunks and non-model memory together;
+  // chunks take at most the engine's device.budget of it (Note [The device
+  // model] in planner.cc). 0 = device.budget (the emulated device's
+  // framework keeps its activations in host memory). On a GPU the adapter
+  // gives the budget and the memory free beside it.
   uint64_t device_bytes = 0;
   uint32_t wait_timeout_ms = 60'000;  // an access waiting for its chunk
   // Host memory the plan may fill with NVMe-homed chunks read ahead of a

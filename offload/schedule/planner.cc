@@ -71,11 +71,27 @@ namespace strata::offload {
 // predicts a step no longer than the first. So a model whose states fit
 // beside everything else updates on the device, and a device that streams
 // its chunks keeps every byte of it for prefetching.
+//
+// Note [The device model]
+// device.budget bounds the chunks on the device, nothing else: it is the
+// device tier's capacity, which the residency manager holds them to. The
+// framework's non-model memory (activations, workspace) lives beside it, in
+// device memory strata does not own. So the plan keeps two bounds at every
+// moment: chunks within device_chunk_bytes (the budget), and chunks and
+// non-model memory together within device_bytes (what the device has for
+// both: on a GPU, the budget and the memory free beside it when the engine
+// took it). Activations evict chunks only where the two together exceed the
+// device, never because they exceed the budget.
 
 namespace {
 
 constexpr uint32_t kCopies = 3;
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
+
+// Note [The device model].
+uint64_t ChunkCapacity(const PlannerInput& input) {
+  return input.device_chunk_bytes > 0 ? std::min(input.device_chunk_bytes, input.device_bytes) : input.device_bytes;
+}
 
 int LinkIndex(Link link) { return static_cast<int>(link); }
 
@@ -141,6 +157,7 @@ struct Schedule {
   std::vector<std::vector<ChunkId>> evictions_at;  // by unrolled moment: room for non-model memory
   std::vector<std::vector<ChunkId>> offloads_at;   // by unrolled moment: off early for a host moment
   std::vector<uint64_t> occupancy;                 // by unrolled moment: chunks resident + non-model
+  std::vector<uint64_t> chunk_occupancy;           // by unrolled moment: chunks resident
 };
 
 enum class Victims { kFurthestNextUse, kLeastRecentlyUsed };
@@ -159,6 +176,7 @@ class DemandPager {
     schedule_.evictions_at.resize(u.length);
     schedule_.offloads_at.resize(u.length);
     schedule_.occupancy.resize(u.length);
+    schedule_.chunk_occupancy.resize(u.length);
   }
 
   Schedule Run() && {
@@ -169,6 +187,7 @@ class DemandPager {
  private:
   void Moment(uint64_t g) {
     const uint64_t capacity = u_.input.device_bytes;
+    const uint64_t chunk_capacity = ChunkCapacity(u_.input);
     const TraceMoment& m = u_.moment(g);
     std::vector<bool> needed_now(resident_.size(), false);
     if (!u_.on_host(g)) {
@@ -185,7 +204,9 @@ class DemandPager {
       for (ChunkId c : m.chunks) {
         if (resident_[c.value()]) continue;
         Fetch fetch{.chunk = c, .needed = g, .issue = g, .left_at = left_for_room_[c.value()]};
-        while (used_ + u_.size(c) + m.non_model_bytes > capacity) fetch.victims.push_back(EvictVictim(g, needed_now));
+        while (used_ + u_.size(c) + m.non_model_bytes > capacity || used_ + u_.size(c) > chunk_capacity) {
+          fetch.victims.push_back(EvictVictim(g, needed_now));
+        }
         resident_[c.value()] = true;
         used_ += u_.size(c);
         schedule_.fetches.push_back(std::move(fetch));
@@ -193,6 +214,7 @@ class DemandPager {
       for (ChunkId c : m.chunks) last_use_[c.value()] = g;
     }
     schedule_.occupancy[g] = used_ + m.non_model_bytes;
+    schedule_.chunk_occupancy[g] = used_;
   }
 
   // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
@@ -262,6 +284,7 @@ Result<Schedule> DemandSchedule(const Unrolled& u, Victims policy) { return Dema
 // memory allow, in order of need.
 void Hoist(const Unrolled& u, Schedule& schedule) {
   const uint64_t capacity = u.input.device_bytes;
+  const uint64_t chunk_capacity = ChunkCapacity(u.input);
   uint64_t previous_issue = 0;
   for (Fetch& f : schedule.fetches) {
     // Not before the fetch before it, a whole iteration ahead, or the moment
@@ -277,8 +300,14 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
     // instead of the victims (they are resident there, unused until evicted).
     const uint64_t size = u.size(f.chunk);
     uint64_t issue = f.needed;
-    while (issue > lower && schedule.occupancy[issue - 1] + size <= capacity + victim_bytes) --issue;
-    for (uint64_t j = issue; j < f.needed; ++j) schedule.occupancy[j] = schedule.occupancy[j] + size - victim_bytes;
+    while (issue > lower && schedule.occupancy[issue - 1] + size <= capacity + victim_bytes &&
+           schedule.chunk_occupancy[issue - 1] + size <= chunk_capacity + victim_bytes) {
+      --issue;
+    }
+    for (uint64_t j = issue; j < f.needed; ++j) {
+      schedule.occupancy[j] = schedule.occupancy[j] + size - victim_bytes;
+      schedule.chunk_occupancy[j] = schedule.chunk_occupancy[j] + size - victim_bytes;
+    }
     f.issue = issue;
     previous_issue = issue;
   }
@@ -483,14 +512,21 @@ Status Validate(const PlannerInput& input) {
                              *moment.device_compute_seconds,
                              moment.tier != Tier::kHost ? "is not a host moment" : "that time is not >= 0");
     }
-    uint64_t bytes = moment.non_model_bytes;
+    uint64_t chunk_bytes = 0;
     std::vector<bool> seen(chunks, false);
     for (ChunkId c : moment.chunks) {
       if (c.value() >= chunks) return InvalidArgument("planner: moment {} names chunk {} of {}", m, c.value(), chunks);
       if (seen[c.value()]) return InvalidArgument("planner: moment {} names chunk {} twice", m, c.value());
       seen[c.value()] = true;
-      if (moment.tier == Tier::kDevice) bytes += input.chunk_bytes[c.value()];
+      if (moment.tier == Tier::kDevice) chunk_bytes += input.chunk_bytes[c.value()];
     }
+    if (chunk_bytes > ChunkCapacity(input)) {
+      return OutOfMemory("planner: moment {} needs {} of chunks on the device, {} more than the {} chunks may take "
+                         "there (device.budget)",
+                         m, FormatSize(chunk_bytes), FormatSize(chunk_bytes - ChunkCapacity(input)),
+                         FormatSize(ChunkCapacity(input)));
+    }
+    const uint64_t bytes = chunk_bytes + moment.non_model_bytes;
     if (bytes > input.device_bytes) {
       return OutOfMemory("planner: moment {} needs {} on the device ({} of non-model memory and {} chunks), {} more "
                          "than the device's {}",
@@ -570,7 +606,12 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
   for (uint64_t g = 0; g < unrolled.length; ++g) {
     STRATA_CHECK(schedule.occupancy[g] <= input.device_bytes, "planner: moment {} would hold {} of {} bytes", g,
                  schedule.occupancy[g], input.device_bytes);
-    if (g >= first && g < last) plan.peak_device_bytes = std::max(plan.peak_device_bytes, schedule.occupancy[g]);
+    STRATA_CHECK(schedule.chunk_occupancy[g] <= ChunkCapacity(input), "planner: moment {} would hold {} of {} "
+                 "bytes of chunks", g, schedule.chunk_occupancy[g], ChunkCapacity(input));
+    if (g >= first && g < last) {
+      plan.peak_device_bytes = std::max(plan.peak_device_bytes, schedule.occupancy[g]);
+      plan.peak_chunk_bytes = std::max(plan.peak_chunk_bytes, schedule.chunk_occupancy[g]);
+    }
   }
   plan.prediction = Replay(unrolled, schedule);
   return plan;
@@ -586,7 +627,8 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
     if (m.tier != Tier::kDevice) continue;
     for (ChunkId c : m.chunks) on_device[c.value()] = true;
   }
-  uint64_t margin = input.device_bytes - on_host.peak_device_bytes;
+  uint64_t margin = std::min(input.device_bytes - on_host.peak_device_bytes,
+                             ChunkCapacity(input) - on_host.peak_chunk_bytes);
   PlannerInput placed = input;
   bool any = false;
   for (TraceMoment& m : placed.trace.moments) {

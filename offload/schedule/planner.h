@@ -51,6 +51,10 @@ struct PlannerInput {
   std::vector<uint64_t> chunk_bytes;  // by ChunkId
   std::vector<Tier> home;             // by ChunkId: kHost or kNvme, where an evicted chunk goes
   uint64_t device_bytes = 0;          // device memory for chunks and non-model memory together
+  // The most of it chunks may take at once: the device tier's capacity
+  // (device.budget), beside which the framework's non-model memory has the
+  // rest (Note [The device model] in planner.cc). 0: all of device_bytes.
+  uint64_t device_chunk_bytes = 0;
   LinkBandwidths links;
   // Host memory for NVMe-homed chunks read ahead of a host moment (0: each
   // is read when its moment begins).
@@ -98,6 +102,9 @@ struct Plan {
   // The most device memory (chunks resident or arriving, and non-model
   // memory) the plan uses at any moment; never above device_bytes.
   uint64_t peak_device_bytes = 0;
+  // The most bytes of chunks resident or arriving at any moment; never above
+  // device_chunk_bytes.
+  uint64_t peak_chunk_bytes = 0;
   // Chunks a later host moment needs, sent to the host right after their
   // last use on the device, by moment; nothing waits for them but that host
   // moment.

@@ -116,10 +116,14 @@ void BindPipeline(py::module_& m) {
   using offload::Pipeline;
   py::class_<Pipeline, std::unique_ptr<Pipeline>>(
       m, "Pipeline", "the prefetch pipeline: moments of an iteration, traced, planned and replayed")
-      .def(py::init([](Engine& engine) {
-             return ValueOrThrow(Pipeline::Create(engine, offload::PipelineOptionsOf(engine.options())));
+      .def(py::init([](Engine& engine, uint64_t device_bytes) {
+             offload::PipelineOptions options = offload::PipelineOptionsOf(engine.options());
+             options.device_bytes = device_bytes;
+             return ValueOrThrow(Pipeline::Create(engine, options));
            }),
-           py::arg("engine"), py::keep_alive<1, 2>())
+           py::arg("engine"), py::arg("device_bytes") = 0, py::keep_alive<1, 2>(),
+           "device_bytes: device memory for chunks and the framework's memory together (0: device.budget; "
+           "chunks take at most device.budget of it)")
       .def("begin_iteration", [](Pipeline& p) { ThrowIfError(p.BeginIteration()); })
       .def(
           "begin_moment",

@@ -116,7 +116,7 @@ class TrainingEngine:
         table = self._table = ParamTable(model, runtime.engine, runtime.precision, group_of)
         in_group = [group_of.get(id(r.param), 0) for r in table.records]  # before _take replaces meta parameters
         # Everything that can refuse the configuration before the model is touched.
-        self._pipeline = _strata.Pipeline(runtime.engine)
+        self._pipeline = _strata.Pipeline(runtime.engine, device_bytes=runtime.plan_device_bytes())
         self._optimizer = _strata.Optimizer(self.config.options, len(group_options))
         _strata.check_step_room(runtime.engine, self._optimizer)
         self._progress = _Progress()

@@ -61,6 +61,16 @@ class Runtime:
         for access in accesses:
             access.release_after(fence)
 
+    def plan_device_bytes(self):
+        """What the pipeline's plan may fill on the device, chunks and the framework's memory together (Note [The
+        device model] in offload/schedule/planner.cc): on a GPU, the device tier's capacity (device.budget) and nine
+        tenths of the memory free beside it now (the rest is the caching allocator's slack); 0 (device.budget)
+        where the model computes on the host, whose activations take no device memory."""
+        if self.device.type != "cuda":
+            return 0
+        free_bytes, _ = torch.cuda.mem_get_info(self.device)
+        return self.engine.stats()["tiers"]["device"]["capacity_bytes"] + int(0.9 * free_bytes)
+
     def view(self, access, dtype, count, offset):
         """`count` elements at byte `offset` of a pinned chunk, as a tensor where the chunk is."""
         if self.emulated or access.tier != "device":

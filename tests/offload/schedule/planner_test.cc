@@ -157,6 +157,36 @@ TEST(PlannerTest, AMomentThatCannotFitIsOutOfMemoryWithTheShortfall) {
   EXPECT_NE(plan.status().message().find("1000B more"), std::string::npos) << plan.status().ToString();
 }
 
+// Note [The device model]: the budget bounds the chunks; activations live
+// beside it and evict chunks only when the two together exceed the device.
+TEST(PlannerTest, ActivationsBesideTheBudgetEvictNothing) {
+  // AMomentWaitsForTheRoomItsActivationsNeed's trace, on a device with room for the activations beside the budget.
+  PlannerInput input = UnitInput({{0}, {1}, {}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  input.trace.moments[2].non_model_bytes = 1000;
+  input.device_chunk_bytes = input.device_bytes;
+  input.device_bytes += 1000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_TRUE(plan.evictions_at[2].empty());
+  EXPECT_EQ(plan.prediction.fetches, 0u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0);
+  EXPECT_EQ(plan.peak_chunk_bytes, 2000u);
+  EXPECT_EQ(plan.peak_device_bytes, 3000u);
+}
+
+TEST(PlannerTest, ChunksStayWithinTheBudgetWhateverRoomTheDeviceHas) {
+  PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/10, 1.0, /*bytes_per_second=*/1000);
+  input.device_chunk_bytes = 2000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  EXPECT_EQ(plan.peak_chunk_bytes, 2000u);
+  EXPECT_GT(plan.prediction.fetches, 0u);  // three chunks through two slots
+  input.trace.moments[0].chunks = {ChunkId(0), ChunkId(1), ChunkId(2)};
+  Result<Plan> refused = BuildPlan(input);
+  EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory);
+  for (const char* part : {"moment 0 needs", "of chunks on the device", "1000B more", "device.budget"}) {
+    EXPECT_NE(refused.status().message().find(part), std::string::npos) << refused.status().ToString();
+  }
+}
+
 TEST(PlannerTest, MalformedInputsAreRejected) {
   PlannerInput input = UnitInput({{0}}, 1, 1.0, 1000);
   input.trace.moments[0].chunks.push_back(ChunkId(7));
@@ -251,6 +281,12 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
     const uint64_t largest = *std::max_element(input.chunk_bytes.begin(), input.chunk_bytes.end());
     input.device_bytes = largest * (2 + rng() % 4);
     input.host_staging_bytes = largest * (rng() % 3);
+    // Half the trials: chunks bounded by a budget, activations with room beside it (Note [The device model]).
+    const uint64_t chunk_room = input.device_bytes;
+    if (trial % 4 >= 2) {
+      input.device_chunk_bytes = chunk_room;
+      input.device_bytes += largest * (rng() % 3);
+    }
     const uint32_t moments = 1 + rng() % 20;
     for (uint32_t m = 0; m < moments; ++m) {
       TraceMoment moment{.compute_seconds = 1e-3 * static_cast<double>(rng() % 5)};
@@ -258,7 +294,7 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
       for (uint32_t k = 0; k < 1 + rng() % 3; ++k) {
         ChunkId c(static_cast<uint32_t>(rng() % chunks));
         if (std::find(moment.chunks.begin(), moment.chunks.end(), c) != moment.chunks.end()) continue;
-        if (bytes + input.chunk_bytes[c.value()] > input.device_bytes) continue;
+        if (bytes + input.chunk_bytes[c.value()] > chunk_room) continue;
         moment.chunks.push_back(c);
         bytes += input.chunk_bytes[c.value()];
       }
@@ -273,6 +309,7 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
     ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
     ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(input));
     EXPECT_LE(plan.peak_device_bytes, input.device_bytes);
+    EXPECT_LE(plan.peak_chunk_bytes, chunk_room);
     EXPECT_GE(lru.step_seconds, lru.compute_seconds - 1e-12);
     EXPECT_GE(plan.prediction.step_seconds, plan.prediction.compute_seconds - 1e-12);
   }
