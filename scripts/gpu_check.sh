@@ -35,6 +35,11 @@ strata="$bundle/bin/strata"
   --json "$out/bench-comm-nccl-host.json" > "$out/bench-comm-nccl-host.txt" 2>&1 || status=1
 "$strata" bench io --dir "$out/scratch" --dest device --device-backend cuda --json "$out/bench-io-device.json" \
   > "$out/bench-io-device.txt" 2>&1 || status=1
+# The CPU optimizer on the GPU machine's host, every core, against its bandwidth bound (issue 24: bf16 >= 0.85).
+for dtype in fp32 bf16; do
+  "$strata" bench optim --dtype $dtype --params 256M --json "$out/bench-optim-$dtype.json" \
+    > "$out/bench-optim-$dtype.txt" 2>&1 || status=1
+done
 if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (gpu_bundle.sh's PYTHON_BUILD)
   PYTHONPATH="$bundle/python" python3 scripts/gpu_adapter_check.py --json "$out/adapter.json" \
     > "$out/adapter.txt" 2>&1 || status=1
@@ -47,6 +52,7 @@ cat "$out/gpu.txt"
 printf '%s' "$summary"
 cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
 tail -n 12 "$out/bench-io-device.txt"
+tail -n 4 "$out/bench-optim-fp32.txt" "$out/bench-optim-bf16.txt"
 [[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
 [[ -f "$out/train-bench.txt" ]] && tail -n 8 "$out/train-bench.txt"
 exit $status
