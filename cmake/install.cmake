@@ -11,6 +11,15 @@
 # The installed programs find the shared libraries they were linked with
 # outside the system's paths (CUDA's runtime under /usr/local/cuda).
 set_target_properties(strata PROPERTIES INSTALL_RPATH_USE_LINK_PATH ON)
+# NCCL from PyPI's wheel (CMakeLists.txt) is on no system path: the programs
+# find it where they were linked with it, and the module installed by pip
+# also in the nvidia-nccl-cu13 package beside it in site-packages.
+if(STRATA_NCCL_LIBRARY_DIR)
+  set_property(TARGET strata APPEND PROPERTY INSTALL_RPATH "${STRATA_NCCL_LIBRARY_DIR}")
+  if(TARGET _strata)
+    set_property(TARGET _strata APPEND PROPERTY INSTALL_RPATH "$ORIGIN/../nvidia/nccl/lib" "${STRATA_NCCL_LIBRARY_DIR}")
+  endif()
+endif()
 
 if(SKBUILD)
   if(NOT STRATA_HAVE_PYTHON)
