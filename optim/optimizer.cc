@@ -4,6 +4,9 @@
 #include <cmath>
 
 #include "optim/cpu/cpu_kernels.h"
+#ifdef STRATA_OPTIM_CUDA
+#include "optim/cuda/cuda_kernels.h"
+#endif
 
 namespace strata::optim {
 
@@ -345,6 +348,43 @@ Status CheckPlan(const StepPlan& plan, int64_t step = 0) {
 ChunkTensors Optimizer::ForGroup(ChunkTensors chunk) const {
   if (NumStates(groups_[chunk.param_group]) == 0) chunk.state[0] = nullptr;  // See Note [Param groups].
   return chunk;
+}
+
+Status Optimizer::UpdateChunkOnDevice(const StepPlan& plan, const ChunkTensors& chunk, int64_t step,
+                                      void* cuda_stream) const {
+  STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
+  STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
+  if (plan.skip || chunk.n == 0) return Status::Ok();
+#ifdef STRATA_OPTIM_CUDA
+  const ChunkTensors of_group = ForGroup(chunk);
+  return UpdateChunksCuda(
+      MakeUpdateConstants(groups_[chunk.param_group], step == 0 ? plan.step : step, plan.grad_multiplier),
+      std::span<const ChunkTensors>(&of_group, 1), cuda_stream);
+#else
+  static_cast<void>(cuda_stream);
+  return NotSupported("optimizer: an update on a GPU, but strata was built without CUDA");
+#endif
+}
+
+Status Optimizer::ZeroOnDevice(void* device_dst, size_t size_bytes, void* cuda_stream) {
+#ifdef STRATA_OPTIM_CUDA
+  return ZeroCuda(device_dst, size_bytes, cuda_stream);
+#else
+  static_cast<void>(device_dst);
+  static_cast<void>(size_bytes);
+  static_cast<void>(cuda_stream);
+  return NotSupported("optimizer: zeroing GPU memory, but strata was built without CUDA");
+#endif
+}
+
+Result<double> Optimizer::SumSquaresOnDevice(std::span<const ChunkTensors> grads, void* cuda_stream) {
+#ifdef STRATA_OPTIM_CUDA
+  return SumSquaresCuda(grads, cuda_stream);
+#else
+  static_cast<void>(grads);
+  static_cast<void>(cuda_stream);
+  return NotSupported("optimizer: gradients on a GPU, but strata was built without CUDA");
+#endif
 }
 
 Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step) const {

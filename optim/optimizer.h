@@ -165,6 +165,18 @@ class Optimizer {
   // The same for many chunks at once, spread over oneTBB's threads across
   // and within chunks; every chunk is checked before any is changed.
   Status UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const;
+  // UpdateChunk for a chunk whose arrays are CUDA device memory: the same
+  // arithmetic (optim/cuda/cuda_kernels.cu), enqueued on `cuda_stream` (a
+  // cudaStream_t; null: the legacy default stream) without waiting. The same
+  // errors, and NotSupported in a build without CUDA.
+  Status UpdateChunkOnDevice(const StepPlan& plan, const ChunkTensors& chunk, int64_t step, void* cuda_stream) const;
+  // Enqueues zeroing `size_bytes` of device memory (a grad chunk after its
+  // update) on `cuda_stream`; NotSupported without CUDA.
+  static Status ZeroOnDevice(void* device_dst, size_t size_bytes, void* cuda_stream);
+  // The sum of squares of gradients in CUDA device memory (only each chunk's
+  // n, grad and grad_dtype are read), in fp64 and non-finite when one is;
+  // waits for `cuda_stream`. NotSupported without CUDA.
+  static Result<double> SumSquaresOnDevice(std::span<const ChunkTensors> grads, void* cuda_stream);
   // Phase 3: the plan's chunks are all updated (or it skips): count the step
   // for every tensor but those in `left_out` (its update left them as they
   // were) and update the loss scaler (back off on a skip, else count a good

@@ -788,7 +788,14 @@ std::string Pipeline::StatsJson() const {
     j["link_bytes_per_second"][name] = impl_->links.bytes_per_second[l];
   }
   if (impl_->plan) {
+    uint32_t updates_on_device = 0;  // host moments the plan runs on the device (Note [Where updates run])
+    for (uint32_t k = 0; k < impl_->plan->num_moments; ++k) {
+      updates_on_device += impl_->planned_trace.moments[k].tier == Tier::kHost &&
+                           impl_->plan->compute_tier[k] == Tier::kDevice;
+    }
     j["plan"] = {{"moments", impl_->plan->num_moments},
+                 {"updates_on_device", updates_on_device},
+                 {"peak_chunk_bytes", impl_->plan->peak_chunk_bytes},
                  {"predicted_step_seconds", impl_->plan->prediction.step_seconds},
                  {"predicted_stall_seconds", impl_->plan->prediction.stall_seconds},
                  {"predicted_stall_per_moment", impl_->plan->prediction.stall_per_moment},

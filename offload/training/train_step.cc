@@ -3,8 +3,10 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdint>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <vector>
@@ -15,6 +17,7 @@
 #include "src/base/alignment.h"
 #include "src/base/half.h"
 #include "strata/buffer.h"
+#include "strata/device.h"
 
 namespace strata::offload {
 
@@ -64,9 +67,30 @@ namespace strata::offload {
 // group's as soon as its update is. The step's own collectives are counted
 // as they run; parameters gathered ahead overlap the updates and are the
 // next step's.
+//
+// Note [Updates on the device]
+// A group's host moment says how long its update would take on the device
+// (bytes touched over kDeviceUpdateBytesPerSecond, kHostDeviceBytesPerSecond
+// on the emulated device), and the plan runs it there when its states fit
+// beside everything else and that makes the step shorter (Note [Where
+// updates run] in offload/schedule/planner.cc): the moment's chunks are
+// pinned on the device, and nothing crosses a link for the update. On a GPU
+// the update (optim/cuda/cuda_kernels.cu, the CPU kernels' arithmetic) and
+// the gradients' zeroing are queued on the framework's stream, after its
+// backward and before its next forward, and the chunks are let go after a
+// fence recorded behind them (Note [Fences] in memory/residency.cc): the
+// host never waits for them. The emulated device's memory is the host's: the
+// CPU kernel updates it in place. Gradients on a GPU are summed there for
+// the norm, in one pass over every group's. Data parallel, updates stay on
+// the host, where the reduced gradients are.
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// Note [Updates on the device]: the rates the plan's estimate of an update there assumes.
+constexpr double kDeviceUpdateBytesPerSecond = 1e12;  // a GPU's memory, conservatively
+// The emulated device: the CPU kernel on its memory (strata bench optim: 26-28 GB/s on two cores).
+constexpr double kHostDeviceBytesPerSecond = 25e9;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -89,16 +113,36 @@ std::vector<Group> TrainableGroups(const Engine& engine) {
   return trainable;
 }
 
-Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups) {
+// The gradients' statistics: read into host memory where they are, but on a
+// GPU, where those on the device are summed in one pass (Note [Updates on the
+// device]).
+Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups, uintptr_t stream) {
   uint64_t largest = 0;
   for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
   optim::GradStats stats;
   if (groups.empty()) return stats;
-  Buffer scratch = AllocateAlignedHost(largest, kIoAlignmentBytes);
+  const bool gpu = !engine.device().host_accessible();
+  std::vector<ChunkAccess> on_device;
+  std::vector<optim::ChunkTensors> device_grads;
+  Buffer scratch;
   for (const Group& g : groups) {
     const ChunkInfo& grad = g[ChunkKind::kGrad];
+    const size_t n = grad.used_bytes / DTypeSizeBytes(grad.dtype);
+    const Result<Tier> tier = engine.ChunkTier(grad.id);  // InvalidArgument: free, zeros
+    if (gpu && tier.ok() && *tier == Tier::kDevice) {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(grad.id, Tier::kDevice));
+      device_grads.push_back({.n = n, .grad = access.data(), .grad_dtype = grad.dtype});
+      on_device.push_back(std::move(access));
+      continue;
+    }
+    if (!scratch) scratch = AllocateAlignedHost(largest, kIoAlignmentBytes);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, scratch.data()).WithContext("reading gradients for their norm"));
-    stats.Add(scratch.data(), grad.dtype, grad.used_bytes / DTypeSizeBytes(grad.dtype));
+    stats.Add(scratch.data(), grad.dtype, n);
+  }
+  if (!device_grads.empty()) {
+    STRATA_ASSIGN_OR_RETURN(const double sum,
+                            optim::Optimizer::SumSquaresOnDevice(device_grads, reinterpret_cast<void*>(stream)));
+    stats.sum_squares += sum;
   }
   return stats;
 }
@@ -229,7 +273,7 @@ class TrainStep {
       optimizer_.SetAllReduceHook(
           [comm = comm_](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
     } else {
-      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_));
+      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_, options_.compute_stream));
       optimizer_.SetAllReduceHook(nullptr);
     }
     STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));
@@ -255,17 +299,19 @@ class TrainStep {
     const size_t n = UsedElems(param);
     const memory::ShardRange range = parallel_ ? RankShard(n, *comm_) : memory::ShardRange{.begin = 0, .end = n};
     if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(param.group));
-    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+    STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(DeviceSeconds(g)));
+    const bool on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
     // Released before EndMoment, so the plan's write-backs may take them.
     std::array<ChunkAccess, kNumChunkKinds> held;
-    Status updated = UpdateGroup(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held);
+    Status updated = UpdateGroup(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, on_gpu, held);
     if (updated.ok() && parallel_ && !param.transient) {
       sent_before_ = comm_->stats().total_bytes();
       updated = GatherParams(*comm_, param, held[static_cast<int>(ChunkKind::kParam)].data());
       CountSent();
     }
-    for (ChunkAccess& a : held) a.Release();
+    const Status released = LetGo(on_gpu, held);
     const Status ended = pipeline_.EndMoment();
+    STRATA_RETURN_IF_ERROR(released);
     STRATA_RETURN_IF_ERROR(updated);
     STRATA_RETURN_IF_ERROR(ended);
     report_.groups++;
@@ -278,15 +324,43 @@ class TrainStep {
   // chunks hold that range), and zeroes the grad chunk. `reduced`: null to
   // read the grad chunk (one rank); else this rank's reduced fp32 gradients
   // of [lo, hi) (data parallel).
-  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced,
+  // `on_gpu`: the chunks are pinned on a GPU, and the update and the zeroing
+  // are queued on the framework's stream (Note [Updates on the device]).
+  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced, bool on_gpu,
                      std::array<ChunkAccess, kNumChunkKinds>& held) {
     STRATA_RETURN_IF_ERROR(AccessGroup(g, held));
+    void* const stream = reinterpret_cast<void*>(options_.compute_stream);
     for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
-      STRATA_RETURN_IF_ERROR(
-          optimizer_.UpdateChunk(report_.plan, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step));
+      const optim::ChunkTensors tensors = TensorsOf(g, held, lo, r.begin, r.end, reduced);
+      STRATA_RETURN_IF_ERROR(on_gpu ? optimizer_.UpdateChunkOnDevice(report_.plan, tensors, r.step, stream)
+                                    : optimizer_.UpdateChunk(report_.plan, tensors, r.step));
     }
-    std::memset(held[static_cast<int>(ChunkKind::kGrad)].data(), 0, g[ChunkKind::kGrad].used_bytes);
+    std::byte* const grad = held[static_cast<int>(ChunkKind::kGrad)].data();
+    if (on_gpu) return optim::Optimizer::ZeroOnDevice(grad, g[ChunkKind::kGrad].used_bytes, stream);
+    std::memset(grad, 0, g[ChunkKind::kGrad].used_bytes);
     return Status::Ok();
+  }
+
+  // Lets the group's chunks go: on a GPU, after a fence behind the update
+  // queued on the framework's stream.
+  Status LetGo(bool on_gpu, std::array<ChunkAccess, kNumChunkKinds>& held) {
+    if (!on_gpu) {
+      for (ChunkAccess& a : held) a.Release();
+      return Status::Ok();
+    }
+    Result<std::shared_ptr<Event>> fence = engine_.device().RecordFence(options_.compute_stream);
+    for (ChunkAccess& a : held) a.ReleaseAfter(fence.ok() ? *fence : nullptr);
+    return fence.status().WithContext("recording the fence behind a chunk group's update on the GPU");
+  }
+
+  // How long group `g`'s update would take on the device, for the plan to
+  // weigh (Note [Updates on the device]); none where it must run on the host.
+  std::optional<double> DeviceSeconds(const Group& g) const {
+    if (parallel_) return std::nullopt;
+    uint64_t bytes = 0;
+    for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) bytes += 2 * g[kind].used_bytes;  // read, write
+    const double rate = engine_.device().host_accessible() ? kHostDeviceBytesPerSecond : kDeviceUpdateBytesPerSecond;
+    return static_cast<double>(bytes) / rate;
   }
 
   // Pins the chunks of `g` the update reads or writes into `held`.

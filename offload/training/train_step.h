@@ -5,6 +5,7 @@
 // Thread-safety: the pipeline's thread (the training loop).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "offload/training/grad_reducer.h"
@@ -39,6 +40,11 @@ struct TrainStepOptions {
   GradReducer* reducer = nullptr;
   // Each group's update first waits for fence->BeforeUpdate.
   UpdateFence* fence = nullptr;
+  // On a GPU: the framework's stream (a cudaStream_t; 0: the legacy default
+  // stream), where its kernels wrote the gradients. Updates the plan runs on
+  // the device are queued on it, after them and before its next forward's
+  // (Note [Updates on the device] in train_step.cc).
+  uintptr_t compute_stream = 0;
 };
 
 // OutOfMemory, naming host.budget and the figures, when the host tier cannot

@@ -112,6 +112,11 @@ Status UpdateChunksCuda(const UpdateConstants& constants, std::span<const ChunkT
                                       cuda_stream);
 }
 
+Status ZeroCuda(void* device_dst, size_t size_bytes, void* cuda_stream) {
+  if (size_bytes == 0) return Status::Ok();
+  return cuda_internal::EnqueueZero(device_dst, size_bytes, cuda_stream);
+}
+
 Result<double> SumSquaresCuda(std::span<const ChunkTensors> chunks, void* cuda_stream) {
   std::vector<LaunchChunk> launch_chunks;
   launch_chunks.reserve(chunks.size());

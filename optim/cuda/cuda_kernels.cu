@@ -459,6 +459,11 @@ Status EnqueueUpdate(const LaunchConstants& constants, const LaunchChunk* chunks
   }
 }
 
+Status EnqueueZero(void* device_dst, size_t size_bytes, void* cuda_stream) {
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(device_dst, 0, size_bytes, static_cast<cudaStream_t>(cuda_stream)));
+  return Status::Ok();
+}
+
 Result<double> SumSquares(const LaunchChunk* chunks, size_t num_chunks, void* cuda_stream) {
   const auto stream = static_cast<cudaStream_t>(cuda_stream);
   // Scratch: the total, then the partials of the largest launch (launches

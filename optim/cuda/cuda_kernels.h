@@ -21,6 +21,10 @@ namespace strata::optim {
 // kind (SGD with state[0] null: no momentum); DeviceError when a launch fails.
 Status UpdateChunksCuda(const UpdateConstants& constants, std::span<const ChunkTensors> chunks, void* cuda_stream);
 
+// Enqueues zeroing `size_bytes` of device memory at `device_dst` (a grad
+// chunk after its update) on `cuda_stream`. DeviceError when CUDA refuses it.
+Status ZeroCuda(void* device_dst, size_t size_bytes, void* cuda_stream);
+
 // The gradients' sum of squares as stored, in fp64 (non-finite when one is);
 // waits for `cuda_stream` (Timeout after a minute). InvalidArgument for a null
 // gradient with n > 0; DeviceError when CUDA fails.

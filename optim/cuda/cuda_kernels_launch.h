@@ -59,6 +59,10 @@ struct LaunchChunk {
 Status EnqueueUpdate(const LaunchConstants& constants, const LaunchChunk* chunks, size_t num_chunks,
                      void* cuda_stream);
 
+// Enqueues a fill of `size_bytes` zero bytes at `device_dst` on `cuda_stream`.
+// DeviceError when CUDA refuses it.
+Status EnqueueZero(void* device_dst, size_t size_bytes, void* cuda_stream);
+
 // The gradients' sum of squares in fp64; waits for `cuda_stream` (with a
 // timeout). Only n, grad and grad_type of each chunk are read.
 Result<double> SumSquares(const LaunchChunk* chunks, size_t num_chunks, void* cuda_stream);

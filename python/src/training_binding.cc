@@ -156,7 +156,7 @@ void BindTrainStep(py::module_& m) {
       "train_step",
       [](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
          const std::vector<uint32_t>& skip_tensors, Communicator* comm, PyGradReducer* reducer,
-         offload::PendingCheckpoint* fence) {
+         offload::PendingCheckpoint* fence, uintptr_t stream) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         return TrainStepDict(ValueOrThrow(Unlocked([&] {
@@ -164,14 +164,16 @@ void BindTrainStep(py::module_& m) {
                                        {.skip = std::move(skip),
                                         .comm = comm,
                                         .reducer = reducer != nullptr ? &reducer->get() : nullptr,
-                                        .fence = fence});
+                                        .fence = fence,
+                                        .compute_stream = stream});
         })));
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
-      py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr,
+      py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr, py::arg("stream") = 0,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
-      "until the save has read the group");
+      "until the save has read the group; on a GPU, updates the plan runs there are queued on stream (the "
+      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream)");
 }
 
 void BindGradReducer(py::module_& m) {

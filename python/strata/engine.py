@@ -214,7 +214,7 @@ class TrainingEngine:
             # An asynchronous save reads each group out before its update changes it.
             self._progress.last_step = self._table.checked(
                 _strata.train_step, self._runtime.engine, self._pipeline, self._optimizer, skip, self._runtime.comm,
-                self._grad_sync.reducer, self._checkpoints.pending)
+                self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream())
         except BaseException as error:
             self._progress.broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk "
                                      "groups are updated and others not")

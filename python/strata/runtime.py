@@ -57,9 +57,13 @@ class Runtime:
             for access in accesses:
                 access.release()
             return
-        fence = self.engine.record_fence(torch.cuda.current_stream(self.device).cuda_stream)
+        fence = self.engine.record_fence(self.stream())
         for access in accesses:
             access.release_after(fence)
+
+    def stream(self):
+        """torch's current stream on the GPU, as a cudaStream_t (0 where the model computes on the host)."""
+        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
 
     def plan_device_bytes(self):
         """What the pipeline's plan may fill on the device, chunks and the framework's memory together (Note [The

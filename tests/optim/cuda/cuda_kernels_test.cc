@@ -16,12 +16,14 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <memory>
 #include <span>
 #include <string>
 #include <vector>
 
+#include "optim/optimizer.h"
 #include "src/base/half.h"
 #include "tests/optim/optim_test_util.h"
 #include "strata/device.h"
@@ -248,6 +250,47 @@ TEST(CudaKernelsTest, UpdateMatchesTheScalarReferenceForEveryKindAndDtype) {
     }
   }
   identical.Print("every kind and dtype");
+}
+
+// What train_step queues for a group updated on a GPU (Note [Updates on the
+// device] in offload/training/train_step.cc): Optimizer::UpdateChunkOnDevice,
+// then ZeroOnDevice of the gradient, against Optimizer::UpdateChunk on the host.
+TEST(CudaKernelsTest, TheOptimizersUpdateOnTheDeviceIsItsHostUpdateBitForBit) {
+  if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  UniqueStream stream;
+  ASSERT_NO_FATAL_FAILURE(CreateStream(&stream));
+  for (const Case& c : Cases()) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Optimizer> optimizer, Optimizer::Create(c.config));
+    ASSERT_OK_AND_ASSIGN(const StepPlan plan, optimizer->PlanStep(GradStats{.sum_squares = 2.0}));
+    for (DType grad_dtype : kAllDTypes) {
+      for (DType param_dtype : kAllDTypes) {
+        SCOPED_TRACE(fmt::format("{} grad {} param {}", c.name, DTypeName(grad_dtype), DTypeName(param_dtype)));
+        ChunkArrays host = RandomChunk(4099, grad_dtype, param_dtype, rng);
+        ChunkArrays from_gpu = host;
+        DeviceChunk device;
+        ASSERT_NO_FATAL_FAILURE(Upload(ViewFor(c.config, from_gpu), 0, &device));
+        ASSERT_OK(optimizer->UpdateChunk(plan, ViewFor(c.config, host)));
+        ASSERT_OK(optimizer->UpdateChunkOnDevice(plan, device.view, 0, stream.get()));
+        const size_t grad_bytes = host.master.size() * DTypeSizeBytes(grad_dtype);
+        ASSERT_OK(Optimizer::ZeroOnDevice(const_cast<void*>(device.view.grad), grad_bytes, stream.get()));
+        ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
+        ASSERT_NO_FATAL_FAILURE(Download(device, ViewFor(c.config, from_gpu)));
+        EXPECT_EQ(std::memcmp(from_gpu.master.data(), host.master.data(), host.master.size() * sizeof(float)), 0);
+        for (int s = 0; s < NumStates(c.config); ++s) {
+          const std::vector<float>& got = s == 0 ? from_gpu.state0 : from_gpu.state1;
+          const std::vector<float>& want = s == 0 ? host.state0 : host.state1;
+          EXPECT_EQ(std::memcmp(got.data(), want.data(), want.size() * sizeof(float)), 0) << "state " << s;
+        }
+        if (param_dtype != DType::kFloat32) {
+          EXPECT_EQ(from_gpu.param16, host.param16);
+        }
+        std::vector<std::byte> grad(grad_bytes, std::byte{1});
+        ASSERT_CUDA_OK(cudaMemcpy(grad.data(), device.view.grad, grad_bytes, cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::count(grad.begin(), grad.end(), std::byte{0}), static_cast<std::ptrdiff_t>(grad_bytes));
+      }
+    }
+  }
 }
 
 TEST(CudaKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
