@@ -196,6 +196,10 @@ def strata_run(args, name, nvme_root):
         # moves that waited for the GPU to finish with a chunk torch let go (on strata's threads or the host's)
         "fence_waits_per_step": (stats["fence_waits"] - before["fence_waits"]) / len(phases),
         "stall_fraction": stats["pipeline"].get("stall_fraction"),
+        # the plan's own figures: its predicted step (issue 24: within 15% of the measured one) and the chunk
+        # groups it updates on the device
+        "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
+        "updates_on_device": stats["pipeline"].get("plan", {}).get("updates_on_device"),
         "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
                            for link, v in stats["links"].items()},
         "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],
@@ -207,13 +211,17 @@ def strata_run(args, name, nvme_root):
     return out
 
 
+def _figure(value, spec):
+    return "" if value is None else format(value, spec)
+
+
 def print_table(args, results):
     plain = results["plain"]["s_per_step"]
     print(f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, "
           f"{args.precision}, device {args.device}" + (f" (links {args.link_gbps} GB/s)" if args.device ==
                                                        "emulated" else ""))
     print(f"{'run':<10}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
-          f"{'x plain':>9}{'syncs':>7}{'waits':>7}{'stall':>7}  bytes/step by link")
+          f"{'x plain':>9}{'syncs':>7}{'waits':>7}{'stall':>7}{'plan s':>8}{'on dev':>7}  bytes/step by link")
     for name, r in results.items():
         mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "-"
         syncs = r.get("host_syncs_per_step")
@@ -225,7 +233,8 @@ def print_table(args, results):
               f"{r['step_phase_s']:>8.4f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.3f}{mfu:>7}"
               f"{plain / r['s_per_step']:>9.2f}{'' if syncs is None else syncs:>7}"
               f"{'' if waits is None else f'{waits:.0f}':>7}"
-              f"{'' if stall is None else f'{stall:.2f}':>7}  {links}")
+              f"{'' if stall is None else f'{stall:.2f}':>7}{_figure(r.get('predicted_step_s'), '.4f'):>8}"
+              f"{_figure(r.get('updates_on_device'), 'd'):>7}  {links}")
 
 
 def main(argv=None):

@@ -704,7 +704,13 @@ Status Pipeline::EndMoment() {
   p.in_moment = false;
   const double duration = SecondsSince(p.moment_start);
   if (p.mode == Impl::Mode::kRecording) {
-    p.recording.moments.back().compute_seconds = std::max(0.0, duration - p.moment_stall);
+    TraceMoment& recorded = p.recording.moments.back();
+    recorded.compute_seconds = std::max(0.0, duration - p.moment_stall);
+    // The emulated device's memory is the host's, and an update placed there runs the host's kernel on it:
+    // it takes what it took on the host, whatever the caller estimated for a real device.
+    if (recorded.device_compute_seconds && p.engine.device().is_emulated()) {
+      recorded.device_compute_seconds = recorded.compute_seconds;
+    }
   }
   if (p.options.policy == Policy::kOnDemand) {
     p.host_accessed.clear();  // on demand: they stay until the residency manager needs the room

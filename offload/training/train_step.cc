@@ -70,8 +70,9 @@ namespace strata::offload {
 //
 // Note [Updates on the device]
 // A group's host moment says how long its update would take on the device
-// (bytes touched over kDeviceUpdateBytesPerSecond, kHostDeviceBytesPerSecond
-// on the emulated device), and the plan runs it there when its states fit
+// (bytes touched over kDeviceUpdateBytesPerSecond; on the emulated device,
+// where the host's kernel runs, the pipeline records the host's time
+// instead), and the plan runs it there when its states fit
 // beside everything else and that makes the step shorter (Note [Where
 // updates run] in offload/schedule/planner.cc): the moment's chunks are
 // pinned on the device, and nothing crosses a link for the update. On a GPU
@@ -87,10 +88,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Note [Updates on the device]: the rates the plan's estimate of an update there assumes.
+// Note [Updates on the device]: the rate the plan's estimate of an update on a GPU assumes.
 constexpr double kDeviceUpdateBytesPerSecond = 1e12;  // a GPU's memory, conservatively
-// The emulated device: the CPU kernel on its memory (strata bench optim: 26-28 GB/s on two cores).
-constexpr double kHostDeviceBytesPerSecond = 25e9;
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -359,8 +358,7 @@ class TrainStep {
     if (parallel_) return std::nullopt;
     uint64_t bytes = 0;
     for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) bytes += 2 * g[kind].used_bytes;  // read, write
-    const double rate = engine_.device().host_accessible() ? kHostDeviceBytesPerSecond : kDeviceUpdateBytesPerSecond;
-    return static_cast<double>(bytes) / rate;
+    return static_cast<double>(bytes) / kDeviceUpdateBytesPerSecond;
   }
 
   // Pins the chunks of `g` the update reads or writes into `held`.
