@@ -231,6 +231,8 @@ bool Engine::finalized() const { return impl_->residency != nullptr; }
 
 uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; }
 
+const Buffer& Engine::device_arena() const { return impl_->device_pool->arena(); }
+
 Status Engine::Finalize() {
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "strata/access.h"
+#include "strata/buffer.h"
 #include "strata/comm.h"
 #include "strata/device.h"
 #include "strata/options.h"
@@ -155,6 +156,10 @@ class Engine {
   LayoutSummary layout() const;
   MemoryStats stats() const;
   Device& device();
+  // The device tier's memory: one arena, allocated by Create, in which every
+  // chunk pinned on the device lies (ChunkAccess::data() - arena.data() is
+  // its offset). A framework may view it once and slice pinned chunks out.
+  const Buffer& device_arena() const;
   std::string DescribeBackends() const;
 
  private:

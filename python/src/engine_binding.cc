@@ -152,6 +152,13 @@ void BindEngine(py::module_& m) {
           "each tier's bytes in use now: stats()'s used_bytes alone, for a call every moment")
       .def("describe_backends", &Engine::DescribeBackends)
       .def(
+          "device_arena",
+          [](const Engine& engine) {
+            const Buffer& arena = engine.device_arena();
+            return py::make_tuple(reinterpret_cast<uintptr_t>(arena.data()), arena.size_bytes());
+          },
+          "(address, size_bytes) of the device tier's one arena, in which every chunk pinned on the device lies")
+      .def(
           "record_fence",
           [](Engine& engine, uintptr_t stream) {
             return Fence{ValueOrThrow(engine.device().RecordFence(stream))};

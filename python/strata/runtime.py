@@ -15,15 +15,17 @@ TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.flo
 
 
 class _CudaBytes:
-    """A chunk pinned in GPU memory, as CUDA array interface bytes (kept alive by the tensor)."""
+    """GPU memory strata owns (the device tier's arena), as CUDA array interface bytes."""
 
-    def __init__(self, access):
-        self.access = access
+    def __init__(self, address, size_bytes):
+        self.address, self.size_bytes = address, size_bytes
 
     @property
     def __cuda_array_interface__(self):
-        return {"shape": (self.access.size_bytes,), "typestr": "|u1", "data": (self.access.address, False),
-                "version": 2}
+        return {"shape": (self.size_bytes,), "typestr": "|u1", "data": (self.address, False), "version": 2}
+
+
+_ITEM_BYTES = {dtype: torch.tensor([], dtype=dtype).element_size() for dtype in TORCH_DTYPES.values()}
 
 
 @dataclass(frozen=True, eq=False)
@@ -42,6 +44,10 @@ class Runtime:
     emulated: bool        # the device is the host-emulated one
     # synchronize()'s calls so far, on every device: where a GPU's host waits for it (engine.stats()'s host_syncs)
     syncs: list = field(default_factory=lambda: [0])
+    # On a GPU: a uint8 tensor over the device tier's arena, in which every chunk pinned there lies, and its
+    # address; a view of a chunk is a slice of it (making a tensor from a pointer costs tens of microseconds)
+    arena: object = None
+    arena_address: int = 0
 
     def synchronize(self):
         """On a GPU: waits for the kernels queued on torch's stream (where a value they make is read)."""
@@ -63,7 +69,11 @@ class Runtime:
 
     def stream(self):
         """torch's current stream on the GPU, as a cudaStream_t (0 where the model computes on the host)."""
-        return torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        if self.device.type != "cuda":
+            return 0
+        if _raw_stream is not None:
+            return _raw_stream(self.device.index)
+        return torch.cuda.current_stream(self.device).cuda_stream
 
     def plan_device_bytes(self):
         """What the pipeline's plan may fill on the device, chunks and the framework's memory together (Note [The
@@ -79,8 +89,8 @@ class Runtime:
         """`count` elements at byte `offset` of a pinned chunk, as a tensor where the chunk is."""
         if self.emulated or access.tier != "device":
             return torch.frombuffer(access, dtype=dtype, count=count, offset=offset)
-        size = count * torch.tensor([], dtype=dtype).element_size()
-        return torch.as_tensor(_CudaBytes(access), device=self.device)[offset:offset + size].view(dtype)
+        start = access.address - self.arena_address + offset
+        return self.arena[start:start + count * _ITEM_BYTES[dtype]].view(dtype)
 
     def broadcast(self, tensor):
         """Rank 0's values of a contiguous CPU tensor into every rank's."""
@@ -123,9 +133,17 @@ def open_runtime(config):
     engine = _strata.Engine(config.options, comm)
     emulated = is_emulated(engine.describe_backends())
     device = torch.device("cpu") if emulated else torch.device("cuda", int(config.options.describe()["device.index"]))
+    arena, arena_address = None, 0
+    if not emulated:
+        arena_address, size_bytes = engine.device_arena()
+        arena = torch.as_tensor(_CudaBytes(arena_address, size_bytes), device=device)
     return Runtime(engine=engine, comm=comm, bootstrap=bootstrap, parallel=parallel, rank=rank,
                    world_size=world_size, precision=precision, dtype=TORCH_DTYPES[precision], device=device,
-                   emulated=emulated)
+                   emulated=emulated, arena=arena, arena_address=arena_address)
+
+
+# torch's current raw stream of a device, where torch has the call (an int, without making a Stream object).
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def is_emulated(backends):
