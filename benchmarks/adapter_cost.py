@@ -1,12 +1,13 @@
 """The PyTorch adapter's own cost: microseconds a module spends in strata's hooks, with compute removed.
 
-    python3 benchmarks/adapter_cost.py [--modules 200] [--steps 8] [--profile 12] [--json OUT]
+    python3 benchmarks/adapter_cost.py [--modules 200] [--steps 8] [--profile 12] [--device cuda] [--json OUT]
 
 A stack of `--modules` modules whose forward is one multiply by a one-element parameter (compute about
-nothing), each its own chunk moment, trained through strata with everything on the emulated device and
-in plain PyTorch with the same AdamW. The difference of the two steps' medians over the number of modules
-is the adapter's cost a module (forward, backward and its share of the step); `--profile N` prints the N
-functions strata's steps spend the most time in (cProfile, tottime).
+nothing), each its own chunk moment, trained through strata with everything on the device (the
+emulated one, or a GPU with `--device cuda`, each step waited for) and in plain PyTorch with the same
+AdamW. The difference of the two steps' medians over the number of modules is the adapter's cost a
+module (forward, backward and its share of the step); `--profile N` prints the N functions strata's
+steps spend the most time in (cProfile, tottime).
 """
 
 import argparse
@@ -41,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--modules", type=int, default=200)
     p.add_argument("--steps", type=int, default=8, help=f"steps a run; the first {WARMUP_STEPS} are not timed")
     p.add_argument("--profile", type=int, default=0, help="print the N costliest functions of strata's steps")
+    p.add_argument("--device", choices=["emulated", "cuda"], default="emulated",
+                   help="where the modules compute: the emulated device (the host) or a GPU")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.steps <= WARMUP_STEPS or args.modules < 1:
@@ -48,19 +51,22 @@ def parse_args(argv=None):
     return args
 
 
-def step_seconds(steps, step):
+def step_seconds(steps, step, device):
     times = []
     for _ in range(steps):
         start = time.perf_counter()
         step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return statistics.median(times[WARMUP_STEPS:])
 
 
 def main(argv=None):
     args = parse_args(argv)
-    x = torch.ones(1)
-    plain = torch.nn.Sequential(*[Scale() for _ in range(args.modules)])
+    device = torch.device("cuda" if args.device == "cuda" else "cpu")
+    x = torch.ones(1, device=device)
+    plain = torch.nn.Sequential(*[Scale() for _ in range(args.modules)]).to(device)
     optimizer = torch.optim.AdamW(plain.parameters(), lr=1e-4)
 
     def plain_step():
@@ -71,7 +77,7 @@ def main(argv=None):
     model = torch.nn.Sequential(*[Scale() for _ in range(args.modules)])
     with tempfile.TemporaryDirectory() as nvme:
         # One element a chunk: each module is its own moment, as a large model's layers are.
-        engine = strata.initialize(model, {"device": {"backend": "emulated"}, "nvme": {"dirs": [nvme]},
+        engine = strata.initialize(model, {"device": {"backend": args.device}, "nvme": {"dirs": [nvme]},
                                            "chunk": {"size_elems": 1}, "non_model_memory": 0,
                                            "log": {"level": "error"}})
 
@@ -79,8 +85,8 @@ def main(argv=None):
             engine.backward(model(x).sum())
             engine.step()
 
-        plain_s = step_seconds(args.steps, plain_step)
-        strata_s = step_seconds(args.steps, strata_step)
+        plain_s = step_seconds(args.steps, plain_step, device)
+        strata_s = step_seconds(args.steps, strata_step, device)
         profile = ""
         if args.profile:
             profiler = cProfile.Profile()
@@ -92,7 +98,7 @@ def main(argv=None):
             pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(args.profile)
             profile = out.getvalue()
         syncs = engine.stats()["last_step"]["host_syncs"]
-    result = {"modules": args.modules, "plain_s_per_step": plain_s, "strata_s_per_step": strata_s,
+    result = {"modules": args.modules, "device": args.device, "plain_s_per_step": plain_s, "strata_s_per_step": strata_s,
               "us_per_module": (strata_s - plain_s) / args.modules * 1e6, "host_syncs_per_step": syncs}
     print(f"{args.modules} modules: plain {plain_s * 1e3:.2f} ms a step, strata {strata_s * 1e3:.2f} ms; "
           f"the adapter {result['us_per_module']:.1f} us a module; {syncs} host syncs a step")

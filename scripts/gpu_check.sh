@@ -43,6 +43,9 @@ done
 if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (gpu_bundle.sh's PYTHON_BUILD)
   PYTHONPATH="$bundle/python" python3 scripts/gpu_adapter_check.py --json "$out/adapter.json" \
     > "$out/adapter.txt" 2>&1 || status=1
+  # The adapter's own cost a module on the GPU, and where it goes (200 modules of next to no compute).
+  PYTHONPATH="$bundle/python" python3 benchmarks/adapter_cost.py --device cuda --profile 25 \
+    --json "$out/adapter-cost.json" > "$out/adapter-cost.txt" 2>&1 || status=1
   # Issue 24's figures: plain PyTorch and strata's three configurations (a GPT of 0.2B parameters, bf16).
   PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --layers 12 --hidden 1024 \
     --heads 16 --vocab 32000 --seq 512 --batch 8 --precision bf16 --steps 6 --peak-tflops 989 \
@@ -54,5 +57,6 @@ cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
 tail -n 12 "$out/bench-io-device.txt"
 tail -n 4 "$out/bench-optim-fp32.txt" "$out/bench-optim-bf16.txt"
 [[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
+[[ -f "$out/adapter-cost.txt" ]] && head -n 1 "$out/adapter-cost.txt"
 [[ -f "$out/train-bench.txt" ]] && tail -n 8 "$out/train-bench.txt"
 exit $status
