@@ -112,15 +112,16 @@ std::vector<Group> TrainableGroups(const Engine& engine) {
   return trainable;
 }
 
-// The gradients' statistics: read into host memory where they are, but on a
-// GPU, where those on the device are summed in one pass (Note [Updates on the
-// device]).
+// The gradients' statistics, each grad chunk read where it lies: those on the
+// device pinned there (read in place on the emulated device, whose memory is
+// the host's; summed on a GPU in one pass: Note [Updates on the device]), the
+// others copied into host memory.
 Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups, uintptr_t stream) {
   uint64_t largest = 0;
   for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
   optim::GradStats stats;
   if (groups.empty()) return stats;
-  const bool gpu = !engine.device().host_accessible();
+  const bool in_place = engine.device().host_accessible();
   std::vector<ChunkAccess> on_device;
   std::vector<optim::ChunkTensors> device_grads;
   Buffer scratch;
@@ -128,8 +129,12 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
     const ChunkInfo& grad = g[ChunkKind::kGrad];
     const size_t n = grad.used_bytes / DTypeSizeBytes(grad.dtype);
     const Result<Tier> tier = engine.ChunkTier(grad.id);  // InvalidArgument: free, zeros
-    if (gpu && tier.ok() && *tier == Tier::kDevice) {
+    if (tier.ok() && *tier == Tier::kDevice) {
       STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(grad.id, Tier::kDevice));
+      if (in_place) {
+        stats.Add(access.data(), grad.dtype, n);
+        continue;
+      }
       device_grads.push_back({.n = n, .grad = access.data(), .grad_dtype = grad.dtype});
       on_device.push_back(std::move(access));
       continue;
