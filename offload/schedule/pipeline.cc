@@ -10,6 +10,7 @@
 #include <mutex>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 
 #include <nlohmann/json.hpp>
 
@@ -163,6 +164,14 @@ struct Pipeline::Impl {
   double moment_stall = 0;
   MemoryStats stats_at_start;
   PipelineStats stats;
+  std::vector<Pipeline::TierBytes> timeline, last_timeline;  // Pipeline::last_timeline
+
+  void RecordTiers() {
+    const MemoryStats now = engine.stats();
+    Pipeline::TierBytes used{};
+    for (int t = 0; t < kNumTiers; ++t) used[t] = now.tiers[t].used_bytes;
+    timeline.push_back(used);
+  }
   // Last: the queues' threads start after everything they touch exists, and
   // stop (finishing what is queued) before it goes.
   // One worker each: a link direction. Reads ahead of host moments have a
@@ -566,6 +575,7 @@ Status Pipeline::BeginIteration() {
   p.ForgetStagedElsewhere();
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
+  p.timeline.clear();
   if (p.options.policy != Policy::kAdaptive) {
     p.mode = Impl::Mode::kOnDemand;
     STRATA_RETURN_IF_ERROR(p.PinStatic());
@@ -580,7 +590,9 @@ Status Pipeline::BeginIteration() {
 }
 
 Status Pipeline::BeginMoment(uint64_t non_model_bytes) {
-  return impl_->Begin(TraceMoment{.non_model_bytes = non_model_bytes}).status();
+  STRATA_RETURN_IF_ERROR(impl_->Begin(TraceMoment{.non_model_bytes = non_model_bytes}).status());
+  impl_->RecordTiers();
+  return Status::Ok();
 }
 
 Result<Tier> Pipeline::BeginHostMoment(std::optional<double> device_compute_seconds) {
@@ -735,6 +747,8 @@ Status Pipeline::EndIteration() {
   if (p.in_moment) return InvalidArgument("pipeline: EndIteration inside a moment (EndMoment first)");
   p.stats.step_seconds = SecondsSince(p.iteration_start);
   p.stats.iterations++;
+  p.RecordTiers();
+  p.last_timeline = std::exchange(p.timeline, {});
   const MemoryStats now = p.engine.stats();
   p.stats.forced_evictions = now.evictions - p.stats_at_start.evictions;
   const bool drifted = p.MeasureLinks(now);
@@ -766,6 +780,7 @@ const Plan* Pipeline::plan() const { return impl_->plan ? &*impl_->plan : nullpt
 const Trace* Pipeline::trace() const { return impl_->recording.moments.empty() ? nullptr : &impl_->recording; }
 const LinkBandwidths& Pipeline::links() const { return impl_->links; }
 PipelineStats Pipeline::stats() const { return impl_->stats; }
+const std::vector<Pipeline::TierBytes>& Pipeline::last_timeline() const { return impl_->last_timeline; }
 
 std::string Pipeline::StatsJson() const {
   const PipelineStats& s = impl_->stats;

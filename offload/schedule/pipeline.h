@@ -122,6 +122,11 @@ class Pipeline {
   const LinkBandwidths& links() const;
   PipelineStats stats() const;
   std::string StatsJson() const;
+  // Each tier's bytes in use (MemoryStats::tiers, by Tier) as each device
+  // moment of the last ended iteration began, once its room was made, and
+  // as the iteration ended: the memory timeline the adapter reports.
+  using TierBytes = std::array<uint64_t, kNumTiers>;
+  const std::vector<TierBytes>& last_timeline() const;
 
  private:
   struct Impl;

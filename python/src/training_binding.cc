@@ -140,7 +140,23 @@ void BindPipeline(py::module_& m) {
           "pins a chunk where the moment computes (the pipeline's engine); waits for its planned transfer")
       .def("end_moment", [](Pipeline& p) { ThrowIfError(p.EndMoment()); })
       .def("end_iteration", [](Pipeline& p) { ThrowIfError(Unlocked([&] { return p.EndIteration(); })); })
-      .def("stats_json", &Pipeline::StatsJson);
+      .def("stats_json", &Pipeline::StatsJson)
+      .def(
+          "timeline",
+          [](const Pipeline& p, const Engine& engine) {
+            const MemoryStats stats = engine.stats();
+            py::list timeline;
+            for (const Pipeline::TierBytes& used : p.last_timeline()) {
+              py::dict moment;
+              for (int t = 0; t < kNumTiers; ++t) {
+                if (stats.tier_present[t]) moment[py::str(std::string(TierName(static_cast<Tier>(t))))] = used[t];
+              }
+              timeline.append(moment);
+            }
+            return timeline;
+          },
+          py::arg("engine"),
+          "each tier's bytes in use as each device moment of the last ended iteration began, and as it ended");
 }
 
 void BindTrainStep(py::module_& m) {

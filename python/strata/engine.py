@@ -220,7 +220,6 @@ class TrainingEngine:
                                      "groups are updated and others not")
             raise
         finally:
-            self._moments.record_tiers()
             self._moments.end_iteration()
         for record in records:
             record.stepped = False
@@ -271,7 +270,7 @@ class TrainingEngine:
         stats["host_syncs"] = self._runtime.syncs[0]
         stats["steps"] = self._optimizer.steps_taken
         stats["loss_scale"] = self._optimizer.loss_scale
-        stats["timeline"] = list(self._moments.last_timeline)
+        stats["timeline"] = self._pipeline.timeline(self._runtime.engine)
         stats["chunk_tiers"] = self.chunk_tiers()
         if self._runtime.parallel:
             stats["comm"] = self.comm_stats()

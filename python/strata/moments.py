@@ -32,8 +32,6 @@ class Moments:
         self.direct = False       # an evaluation forward: chunks pinned outside the pipeline
         self.saved_bytes = 0      # activations autograd holds (non-model memory estimate)
         self.pin_error = None     # the last MemoryError pinning a chunk in backward (engine.backward re-raises it)
-        self.timeline = []        # tier bytes at each moment of the current iteration
-        self.last_timeline = []   # the same, of the last iteration a step ended
 
     # --- moments -------------------------------------------------------------
 
@@ -51,7 +49,6 @@ class Moments:
         if not self.in_iteration:
             self._pipeline.begin_iteration()
             self.in_iteration = True
-            self.timeline = []
         self.end_moment()
         self._pipeline.begin_moment(self._non_model_bytes())
         self.in_moment = True
@@ -62,10 +59,6 @@ class Moments:
                 raise RuntimeError(f"strata: chunk {chunk} moved while pinned")
             entry[0].release()
             entry[0] = again
-        self.record_tiers()
-
-    def record_tiers(self):
-        self.timeline.append(self._runtime.engine.used_bytes())
 
     def end_moment(self):
         if not self.in_moment:
@@ -79,7 +72,6 @@ class Moments:
         self.end_moment()
         if self.in_iteration:
             self.in_iteration = False
-            self.last_timeline = self.timeline
             self._pipeline.end_iteration()
 
     # --- pins ----------------------------------------------------------------
