@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <array>
 #include <cerrno>
 #include <cstring>
 #include <functional>
@@ -628,7 +629,8 @@ TEST(TrainStepTest, AnInfGradientOnOneRankSkipsTheStepOnEveryRank) {
   auto group = CreateLoopbackGroup(2, {.timeout_ms = 20'000});
   ASSERT_OK(group.status());
   std::vector<Status> results(2, Status::Ok());
-  std::vector<bool> skipped(2, false), unchanged(2, false);
+  // Bytes, not std::vector<bool>'s packed bits: each rank's thread writes its own.
+  std::array<bool, 2> skipped{}, unchanged{};
   std::vector<std::thread> threads;
   for (int r = 0; r < 2; ++r) {
     threads.emplace_back([&, r] {
