@@ -295,6 +295,11 @@ Result<ChunkAccess> Engine::AccessChunk(ChunkId chunk, Tier tier) {
   return impl_->residency->Access(chunk, tier);
 }
 
+Result<std::optional<ChunkAccess>> Engine::AccessChunkIfOn(ChunkId chunk, Tier tier) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));
+  return impl_->residency->PinIfOn(chunk, tier);
+}
+
 Result<std::optional<uint64_t>> Engine::FillChunkIfOn(ChunkId chunk, Tier tier,
                                                       const std::function<Status(void*)>& fill) {
   STRATA_RETURN_IF_ERROR(impl_->CheckChunk(chunk));

@@ -260,6 +260,14 @@ Result<std::optional<uint64_t>> ResidencyManager::FillIfOn(ChunkId id, Tier tier
   return std::optional<uint64_t>(chunk.generation);
 }
 
+std::optional<ChunkAccess> ResidencyManager::PinIfOn(ChunkId id, Tier tier) {
+  std::lock_guard lock(mu_);
+  Chunk& chunk = chunks_.at(id.value());
+  if (tier == Tier::kNvme || chunk.in_flight || chunk.tier != tier) return std::nullopt;
+  chunk.refs++;
+  return ChunkAccess(this, id, tier, Address(tier, chunk.extent), chunk.size_bytes, chunk.generation);
+}
+
 void ResidencyManager::ReleaseAccess(ChunkId id, std::shared_ptr<Event> fence) {
   std::lock_guard lock(mu_);
   Chunk& chunk = chunks_[id.value()];
@@ -478,6 +486,7 @@ Status ResidencyManager::MoveFlagged(Lock& lock, ChunkId id, Tier to, std::vecto
     return status;
   };
   if (Status fenced = AwaitFence(lock, chunk); !fenced.ok()) {
+    if (dst) pool(to)->Free(*dst);  // the caller's slot, not written yet
     return finish(fenced.WithContext(fmt::format("moving chunk {} to {}", id.value(), TierName(to))));
   }
 

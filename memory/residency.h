@@ -67,6 +67,10 @@ class ResidencyManager final : public AccessOwner {
   // After a fill that timed out the chunk is free and its slot never handed
   // out again. InvalidArgument for a chunk that is not transient.
   Result<std::optional<uint64_t>> FillIfOn(ChunkId id, Tier tier, const std::function<Status(std::byte*)>& fill);
+  // The chunk pinned where it lies, if that is `tier` (device or host) and
+  // it is not in flight; nothing moves (no placement against pins, no room
+  // made). nullopt otherwise.
+  std::optional<ChunkAccess> PinIfOn(ChunkId id, Tier tier);
 
   // Moves a chunk that is not pinned to `tier` (a free chunk is materialized
   // there as zeros). Synchronous, and on a transfer worker.

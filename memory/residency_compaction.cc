@@ -173,6 +173,7 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
   const Extent src = chunk.extent;
   chunk.in_flight = true;
   Status copied = AwaitFence(lock, chunk);  // Note [Fences] in residency.cc
+  const bool fenced = copied.ok();          // else nothing was written to `dst`
   lock.unlock();
   if (copied.ok() && tier == Tier::kDevice) {
     copied = config_.device->CopyWithinDevice(Address(tier, *dst), Address(tier, src), chunk.size_bytes);
@@ -185,7 +186,7 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
   if (!copied.ok()) {
     // The chunk keeps its slot. A copy that timed out may still be
     // writing its destination: that slot is never handed out again.
-    if (copied.code() == StatusCode::kTimeout) {
+    if (fenced && copied.code() == StatusCode::kTimeout) {
       STRATA_LOG_ERROR("chunk {}: a copy within the {} tier timed out; its {} destination is quarantined", id,
                        TierName(tier), FormatSize(dst->size_bytes));
     } else {

@@ -84,6 +84,9 @@ class Device {
   // emulated device's framework computes on the host and is done with a
   // chunk when it lets it go: its fence is complete at once.
   virtual Result<std::shared_ptr<Event>> RecordFence(uintptr_t stream) = 0;
+  // Waits for the work queued so far on the framework's `stream` (Timeout
+  // after `timeout_ms`); at once on the emulated device.
+  virtual Status SynchronizeStream(uintptr_t stream, uint32_t timeout_ms) = 0;
 };
 
 struct EmulatedDeviceOptions {

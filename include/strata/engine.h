@@ -115,6 +115,10 @@ class Engine {
   // part of, is InvalidArgument.
   Result<TensorAccess> Access(TensorId tensor, ChunkKind kind, Tier tier);
   Result<ChunkAccess> AccessChunk(ChunkId chunk, Tier tier);
+  // `chunk` pinned where it lies, if that is `tier` and it is not moving:
+  // nothing moves, nothing is made room for; nullopt otherwise (a reader
+  // then takes ReadChunk).
+  Result<std::optional<ChunkAccess>> AccessChunkIfOn(ChunkId chunk, Tier tier);
   // A transient chunk resident on `tier` now, neither moving nor pinned:
   // `fill` writes its bytes (their address on `tier`) while whoever else
   // wants the chunk waits; its new generation (ChunkAccess::generation), or

@@ -16,6 +16,7 @@
 #include "memory/chunk_layout.h"
 #include "src/base/alignment.h"
 #include "src/base/half.h"
+#include "src/base/logging.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
 
@@ -128,15 +129,15 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
   for (const Group& g : groups) {
     const ChunkInfo& grad = g[ChunkKind::kGrad];
     const size_t n = grad.used_bytes / DTypeSizeBytes(grad.dtype);
-    const Result<Tier> tier = engine.ChunkTier(grad.id);  // InvalidArgument: free, zeros
-    if (tier.ok() && *tier == Tier::kDevice) {
-      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(grad.id, Tier::kDevice));
-      if (in_place) {
-        stats.Add(access.data(), grad.dtype, n);
-        continue;
-      }
-      device_grads.push_back({.n = n, .grad = access.data(), .grad_dtype = grad.dtype});
-      on_device.push_back(std::move(access));
+    // Pinned only where it lies and not moving: a planned move off the device runs as planned.
+    STRATA_ASSIGN_OR_RETURN(std::optional<ChunkAccess> access, engine.AccessChunkIfOn(grad.id, Tier::kDevice));
+    if (access && in_place) {
+      stats.Add(access->data(), grad.dtype, n);
+      continue;
+    }
+    if (access) {
+      device_grads.push_back({.n = n, .grad = access->data(), .grad_dtype = grad.dtype});
+      on_device.push_back(std::move(*access));
       continue;
     }
     if (!scratch) scratch = AllocateAlignedHost(largest, kIoAlignmentBytes);
@@ -353,6 +354,12 @@ class TrainStep {
       return Status::Ok();
     }
     Result<std::shared_ptr<Event>> fence = engine_.device().RecordFence(options_.compute_stream);
+    if (!fence.ok()) {
+      // Without a fence the chunks go only once the stream has run what was queued on them.
+      const Status drained = engine_.device().SynchronizeStream(options_.compute_stream,
+                                                                engine_.options().device.copy_timeout_ms);
+      if (!drained.ok()) STRATA_LOG_ERROR("after a failed fence: {}", drained.ToString());
+    }
     for (ChunkAccess& a : held) a.ReleaseAfter(fence.ok() ? *fence : nullptr);
     return fence.status().WithContext("recording the fence behind a chunk group's update on the GPU");
   }

@@ -63,7 +63,13 @@ class Runtime:
             for access in accesses:
                 access.release()
             return
-        fence = self.engine.record_fence(self.stream())
+        try:
+            fence = self.engine.record_fence(self.stream())
+        except RuntimeError:
+            self.synchronize()  # no fence: let go only once the stream has run what it queued on them
+            for access in accesses:
+                access.release()
+            raise
         for access in accesses:
             access.release_after(fence)
 

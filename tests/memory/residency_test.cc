@@ -791,6 +791,7 @@ TEST(ResidencyTest, AChunkReleasedAfterAFenceMovesOnlyOnceTheFenceCompletes) {
   std::future<Status> moved = std::async(std::launch::async, [&] { return s.residency->Move(ChunkId(0), Tier::kHost); });
   EXPECT_EQ(moved.wait_for(kStillWaiting), std::future_status::timeout);
   EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kInFlight);
+  EXPECT_FALSE(s.residency->PinIfOn(ChunkId(0), Tier::kDevice).has_value());  // moving: not pinned where it was
   for (uint64_t i = 0; i < size; ++i) bytes[i] = std::byte(static_cast<uint8_t>(3 + i * 7));  // its last kernel
   fence->Complete();
   ASSERT_OK(moved.get());
@@ -829,6 +830,43 @@ TEST(ResidencyTest, EvictionsAndReadsWaitForTheFenceOfTheChunkTheyTake) {
   ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));
   ASSERT_OK(s.residency->Move(ChunkId(1), Tier::kHost));
   EXPECT_EQ(s.residency->stats().fence_waits, waits);
+}
+
+// A fence that never completes (a hung GPU): the move fails with Timeout and
+// leaves the chunk where it was, and the slot taken for it is given back.
+TEST(ResidencyTest, AFenceThatTimesOutLeavesTheChunkWhereItWasAndTakesNoRoom) {
+  ResidencyStack s({.timeout_ms = 200});
+  auto fence = std::make_shared<ManualFence>();
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    access.ReleaseAfter(fence);
+  }
+  const uint64_t host_used = s.residency->stats().tiers[static_cast<int>(Tier::kHost)].used_bytes;
+  EXPECT_EQ(s.residency->Access(ChunkId(0), Tier::kHost).status().code(), StatusCode::kTimeout);
+  EXPECT_EQ(s.residency->Move(ChunkId(0), Tier::kHost).code(), StatusCode::kTimeout);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kDevice);
+  EXPECT_EQ(s.residency->stats().tiers[static_cast<int>(Tier::kHost)].used_bytes, host_used);
+  fence->Complete();
+  ASSERT_OK(s.residency->Move(ChunkId(0), Tier::kHost));
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+}
+
+// PinIfOn (the gradients' norm at a step): pinned where it lies, or not at all; nothing moves.
+TEST(ResidencyTest, PinIfOnPinsAChunkWhereItLiesAndMovesNothing) {
+  ResidencyStack s({});
+  ASSERT_OK(s.Fill(0, 4));  // on the host
+  EXPECT_FALSE(s.residency->PinIfOn(ChunkId(0), Tier::kDevice).has_value());
+  EXPECT_FALSE(s.residency->PinIfOn(ChunkId(1), Tier::kHost).has_value());  // free: nowhere
+  {
+    std::optional<ChunkAccess> pinned = s.residency->PinIfOn(ChunkId(0), Tier::kHost);
+    ASSERT_TRUE(pinned.has_value());
+    EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kCompute);
+    EXPECT_EQ(pinned->data()[0], std::byte{4});
+  }
+  EXPECT_EQ(s.residency->state(ChunkId(0)), ChunkState::kHold);
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+  const MemoryStats stats = s.residency->stats();
+  EXPECT_EQ(stats.evictions + stats.compactions, 0u);
 }
 
 TEST(ResidencyDeathTest, HandleOutlivingTheManagerAborts) {

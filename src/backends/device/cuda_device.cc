@@ -282,6 +282,12 @@ class CudaDevice final : public Device {
     return RecordEvent(index(), reinterpret_cast<cudaStream_t>(stream));
   }
 
+  Status SynchronizeStream(uintptr_t stream, uint32_t timeout_ms) override {
+    STRATA_RETURN_IF_ERROR(SetDevice(index()));
+    const auto raw = reinterpret_cast<cudaStream_t>(stream);
+    return internal::WaitForCudaWork([raw] { return cudaStreamQuery(raw); }, timeout_ms, "cuda device: a stream");
+  }
+
   Status Synchronize(uint32_t timeout_ms) override {
     STRATA_RETURN_IF_ERROR(SetDevice(index()));
     STRATA_ASSIGN_OR_RETURN(std::shared_ptr<Event> host_to_device, RecordEvent(index(), parts_.host_to_device.get()));

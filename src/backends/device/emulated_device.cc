@@ -274,6 +274,8 @@ class EmulatedDevice final : public Device {
     return std::shared_ptr<Event>(std::move(fence));
   }
 
+  Status SynchronizeStream(uintptr_t /*stream*/, uint32_t /*timeout_ms*/) override { return Status::Ok(); }
+
   Status Synchronize(uint32_t timeout_ms) override {
     // A marker on each stream completes after everything queued before it.
     std::shared_ptr<EmulatedEvent> markers[] = {host_to_device_.Enqueue(nullptr, nullptr, 0),
