@@ -25,10 +25,10 @@
 // waits for it first, with the chunk marked in flight. Every slot a chunk
 // leaves is left by one of those, so a slot freed is a slot the framework
 // is done with. Nobody waits for a chunk nothing needs to move: with
-// everything resident the host never waits for the device. A chunk keeps
-// the fence of its last release only: fences come from one stream, whose
-// work completes in order. A fence that fails or times out leaves the chunk
-// where it is.
+// everything resident the host never waits for the device. A chunk keeps a
+// fence per release until it is seen complete, so that releases after work
+// on several streams are all waited for. A fence that fails or times out
+// leaves the chunk where it is.
 //
 // Timeouts: each step of a move (a copy, an I/O, a wait for room or for a
 // bounce buffer) is bounded by wait_timeout_ms; a caller waiting for a chunk
@@ -244,9 +244,13 @@ Result<std::optional<uint64_t>> ResidencyManager::FillIfOn(ChunkId id, Tier tier
   if (chunk.in_flight || chunk.tier != tier || chunk.refs > 0) return std::optional<uint64_t>();
   chunk.in_flight = true;  // as ReadChunk: nobody moves, compacts or frees its slot meanwhile; they wait
   std::byte* address = Address(tier, chunk.extent);
-  Status status = AwaitFence(lock, chunk);
+  if (Status fenced = AwaitFence(lock, chunk); !fenced.ok()) {  // nothing written: the chunk stays as it is
+    chunk.in_flight = false;
+    moved_.notify_all();
+    return fenced.WithContext(fmt::format("filling chunk {} on {}", id.value(), TierName(tier)));
+  }
   lock.unlock();
-  if (status.ok()) status = fill(address);
+  const Status status = fill(address);
   lock.lock();
   chunk.generation++;
   if (status.code() == StatusCode::kTimeout) {
@@ -273,21 +277,29 @@ void ResidencyManager::ReleaseAccess(ChunkId id, std::shared_ptr<Event> fence) {
   Chunk& chunk = chunks_[id.value()];
   STRATA_CHECK(chunk.refs > 0, "chunk {} released more often than accessed", id.value());
   chunk.refs--;
-  if (fence != nullptr && chunk.tier == Tier::kDevice) chunk.fence = std::move(fence);
+  if (fence == nullptr || chunk.tier != Tier::kDevice) return;
+  std::erase_if(chunk.fences, [](const std::shared_ptr<Event>& f) { return f->Done(); });
+  if (!fence->Done()) chunk.fences.push_back(std::move(fence));
 }
 
 Status ResidencyManager::AwaitFence(Lock& lock, Chunk& chunk) {
   STRATA_DCHECK(chunk.in_flight, "AwaitFence of a chunk not marked in flight");
-  if (chunk.fence == nullptr) return Status::Ok();
-  const std::shared_ptr<Event> fence = chunk.fence;
+  std::erase_if(chunk.fences, [](const std::shared_ptr<Event>& f) { return f->Done(); });
+  if (chunk.fences.empty()) return Status::Ok();
+  const std::vector<std::shared_ptr<Event>> fences = chunk.fences;  // a release meanwhile may add one
+  lock.unlock();
   Status status = Status::Ok();
-  if (!fence->Done()) {
-    lock.unlock();
+  for (const std::shared_ptr<Event>& fence : fences) {
     status = fence->Wait(config_.wait_timeout_ms);
-    lock.lock();
-    stats_.fence_waits++;
+    if (!status.ok()) break;
   }
-  if (chunk.fence == fence && status.ok()) chunk.fence.reset();
+  lock.lock();
+  stats_.fence_waits++;
+  if (status.ok()) {
+    std::erase_if(chunk.fences, [&](const std::shared_ptr<Event>& f) {
+      return std::find(fences.begin(), fences.end(), f) != fences.end();
+    });
+  }
   return status.WithContext("waiting for the framework to finish with a chunk it let go (its fence)");
 }
 

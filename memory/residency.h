@@ -129,8 +129,9 @@ class ResidencyManager final : public AccessOwner {
     uint64_t last_use = 0;  // LRU clock value of the last access
     bool transient = false;
     uint64_t generation = 0;  // ChunkAccess::generation: bumped by every new slot or overwrite
-    // The framework's last use of its device bytes, not yet seen complete (Note [Fences]).
-    std::shared_ptr<Event> fence;
+    // The framework's uses of its device bytes not yet seen complete: one
+    // fence per release, the completed ones dropped (Note [Fences]).
+    std::vector<std::shared_ptr<Event>> fences;
   };
   using Lock = std::unique_lock<std::mutex>;
 
@@ -140,7 +141,7 @@ class ResidencyManager final : public AccessOwner {
   static bool DroppedBy(const Chunk& chunk, Tier to) { return chunk.transient && chunk.tier && to > *chunk.tier; }
   std::optional<Tier> TierBelow(Tier tier) const;
   Status WaitNotInFlight(Lock& lock, ChunkId id);
-  // Waits for `chunk`'s fence, if it has one not yet complete, with the lock
+  // Waits for `chunk`'s fences not yet complete, with the lock
   // let go (the chunk is marked in flight by the caller: nobody else touches
   // it meanwhile). Note [Fences].
   Status AwaitFence(Lock& lock, Chunk& chunk);

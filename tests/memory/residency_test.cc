@@ -832,6 +832,24 @@ TEST(ResidencyTest, EvictionsAndReadsWaitForTheFenceOfTheChunkTheyTake) {
   EXPECT_EQ(s.residency->stats().fence_waits, waits);
 }
 
+// Releases after work on two streams: a move waits for both fences, not only
+// the last (which completed first).
+TEST(ResidencyTest, AMoveWaitsForTheFenceOfEveryReleaseNotOnlyTheLast) {
+  ResidencyStack s({});
+  auto first = std::make_shared<ManualFence>();
+  auto second = std::make_shared<ManualFence>();
+  for (const auto& fence : {first, second}) {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess access, s.residency->Access(ChunkId(0), Tier::kDevice));
+    access.ReleaseAfter(fence);
+  }
+  second->Complete();
+  std::future<Status> moved = std::async(std::launch::async, [&] { return s.residency->Move(ChunkId(0), Tier::kHost); });
+  EXPECT_EQ(moved.wait_for(kStillWaiting), std::future_status::timeout);
+  first->Complete();
+  ASSERT_OK(moved.get());
+  EXPECT_EQ(s.residency->tier(ChunkId(0)), Tier::kHost);
+}
+
 // A fence that never completes (a hung GPU): the move fails with Timeout and
 // leaves the chunk where it was, and the slot taken for it is given back.
 TEST(ResidencyTest, AFenceThatTimesOutLeavesTheChunkWhereItWasAndTakesNoRoom) {
