@@ -1,0 +1,475 @@
+// Internal to the pipeline (pipeline.cc includes it; nothing else may): Pipeline::Impl, the
+// state of an iteration and the executor of the plan -- the queues that run its fetches,
+// evictions, host reads and write-backs, the reconciling of the device with the plan, the
+// links measured as they are used and the planning itself. pipeline.cc holds the moment
+// protocol over it (Begin/EndIteration, Begin/EndMoment, Access) and the Notes on both.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <functional>
+#include <future>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <unordered_set>
+#include <utility>
+#include <vector>
+
+#include "offload/schedule/pipeline.h"
+#include "src/base/logging.h"
+#include "src/base/task_queue.h"
+
+namespace strata::offload {
+namespace pipeline_detail {
+
+
+using Clock = std::chrono::steady_clock;
+
+// Note [Links measured as they are used]
+// The plan is only as good as its bandwidths. The warm-up measures each link
+// it used, but may not use all of them (optimizer states are first touched
+// in host memory, so nothing is read from NVMe) and assumed figures stand in.
+// So every replayed iteration measures again (a link's moves that used it
+// alone, at least kMinMeasuredBytes of them), and when a link differs from
+// the plan's figure by more than kBandwidthDrift the plan is made again from
+// the same trace with the new figure: no re-recording, one planner run.
+inline constexpr uint64_t kMinMeasuredBytes = 16 << 20;
+inline constexpr double kBandwidthDrift = 0.25;
+
+inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
+inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
+  if (done.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
+    return Timeout("pipeline: the {} of chunk {} did not finish within {} ms", what, chunk.value(), timeout_ms);
+  }
+  return done.get();
+}
+
+
+}  // namespace pipeline_detail
+
+using pipeline_detail::Clock;
+using pipeline_detail::kBandwidthDrift;
+using pipeline_detail::kMinMeasuredBytes;
+using pipeline_detail::SecondsSince;
+using pipeline_detail::WaitFor;
+
+struct Pipeline::Impl {
+  enum class Mode { kOnDemand, kRecording, kReplaying };
+
+  ~Impl() {
+    // Transfers not started yet return at once; the queues (destroyed
+    // next, as the last members) then drain quickly.
+    {
+      std::lock_guard lock(staging_mu);  // so that a waiting read cannot miss the change
+      cancelled.store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+    }
+    staging_cv.notify_all();
+  }
+
+  Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
+    for (const ChunkInfo& chunk : engine.chunks()) {
+      chunk_bytes.push_back(chunk.size_bytes);
+      Result<Tier> home = engine.ChunkHome(chunk.id);
+      homes.push_back(home.ok() ? *home : Tier::kHost);
+    }
+    links = options.links;
+  }
+
+  Engine& engine;
+  const PipelineOptions options;
+  std::vector<uint64_t> chunk_bytes;
+  std::vector<Tier> homes;
+  LinkBandwidths links;
+
+  Mode mode = Mode::kOnDemand;
+  bool need_trace = true;          // the next adaptive iteration records
+  // kStatic: the chunks kept on the device, and the pins that keep them
+  // there (none while a host moment has the chunk on the host).
+  std::vector<ChunkId> kept_on_device;
+  std::unordered_map<uint32_t, ChunkAccess> pins;
+  std::vector<std::shared_future<Status>> reconcile_room;  // evictions Reconcile queued; the first moment waits
+  std::optional<Plan> plan;
+  Trace planned_trace;             // the trace the plan was made from
+  Trace recording;                 // being recorded (or the last recorded)
+  std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
+  struct QueuedMove {
+    ChunkId chunk;
+    const char* what;  // "evicting chunk {} from the device" and the like
+    std::shared_future<Status> done;
+  };
+  std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
+  std::atomic<bool> cancelled{false};
+  // Note [Staging memory at run time]
+  // The plan bounds the host memory held by chunks read ahead of host
+  // moments, at the granularity of moments; at run time a write-back may
+  // finish later than the plan's model says, and reads would then find the
+  // host full (and the residency manager evict homed chunks to make room).
+  // So the bound is kept at run time too: a read ahead waits until the
+  // chunks read ahead and not yet written back leave it room, or until the
+  // moment that needs it has begun and no chunk of an earlier moment is
+  // still being written back (then it must be read, even beyond the bound:
+  // a moment may need more than the bound holds). Reads are queued in the
+  // order they are needed, so the write-backs waited for never wait for them.
+  std::mutex staging_mu;  // guards staged_due, writing and staged_bytes
+  std::condition_variable staging_cv;
+  std::unordered_map<uint32_t, uint64_t> staged_due;  // read ahead, not yet written back: when needed
+  std::unordered_set<uint32_t> writing;               // of those, the ones whose write-back is queued
+  uint64_t staged_bytes = 0;
+  uint64_t staging_budget = 0;          // the plan's host_staging_bytes
+  std::atomic<uint64_t> begun{0};       // moments begun since the pipeline was made
+  uint64_t moments_begun = 0;           // the same, for the training loop's thread
+  uint32_t moment = 0;
+  bool diverged = false;
+  bool in_moment = false;
+  Tier moment_tier = Tier::kDevice;   // where the current moment computes
+  std::vector<ChunkId> host_accessed;  // by the current moment, on the host
+  Clock::time_point iteration_start, moment_start;
+  double moment_stall = 0;
+  MemoryStats stats_at_start;
+  PipelineStats stats;
+  std::vector<Pipeline::TierBytes> timeline, last_timeline;  // Pipeline::last_timeline
+
+  void RecordTiers() {
+    const MemoryStats now = engine.stats();
+    Pipeline::TierBytes used{};
+    for (int t = 0; t < kNumTiers; ++t) used[t] = now.tiers[t].used_bytes;
+    timeline.push_back(used);
+  }
+  // Last: the queues' threads start after everything they touch exists, and
+  // stop (finishing what is queued) before it goes.
+  // One worker each: a link direction. Reads ahead of host moments have a
+  // queue of their own: one waiting for staging room must not hold back a
+  // device fetch's read behind it.
+  TaskQueue nvme_read, host_read, nvme_write, device_to_host, host_to_device;
+
+  // kStatic: the chunks kept on the device are there and pinned.
+  Status PinStatic() {
+    for (ChunkId c : kept_on_device) {
+      if (pins.count(c.value()) > 0) continue;
+      Result<Tier> tier = engine.ChunkTier(c);
+      if (!tier.ok() || *tier != Tier::kDevice) stats.reconciled++;
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess pin, engine.AccessChunk(c, Tier::kDevice));
+      pins.emplace(c.value(), std::move(pin));
+    }
+    return Status::Ok();
+  }
+
+  // BeginMoment and BeginHostMoment: `traced` as the trace would record it.
+  Result<Tier> Begin(TraceMoment traced);
+
+  Status Cancelled() const { return Internal("pipeline: cancelled (the pipeline is being destroyed)"); }
+
+  // Moves `chunk` from `from` to `to`, unless it is not on `from` or in use
+  // (a caller still holds it: the plan's move is skipped).
+  Status MoveOff(ChunkId chunk, Tier from, Tier to) {
+    if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+    Status moved = engine.MoveChunkIfOn(chunk, from, to);
+    if (moved.code() == StatusCode::kInvalidArgument) return Status::Ok();  // pinned by the caller
+    return moved;
+  }
+
+  // Queues the eviction of `v` off the device, to its home or to `to`. Moves
+  // of one chunk happen in the order they are queued, across queues: the
+  // eviction waits for a fetch of the same chunk still under way, and a
+  // later fetch waits for the eviction.
+  std::shared_future<Status> QueueEviction(ChunkId v, std::optional<Tier> to = std::nullopt) {
+    std::optional<std::shared_future<Status>> arriving;
+    if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
+    const Tier target = to.value_or(homes[v.value()]);
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target]() -> Status {
+      if (arriving) arriving->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      return MoveOff(v, Tier::kDevice, target);
+    });
+    leaving[v.value()] = done;
+    evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
+                                                  : "evicting chunk {} from the device",
+                         done});
+    return done;
+  }
+
+  // Queues the read of NVMe-homed `r.chunk` into host memory for the host
+  // moment `r.needed`, after whatever was queued for it before (Note [Host
+  // moments] in planner.cc), once the staging memory has room for it or
+  // that moment has begun (Note [Staging memory at run time]).
+  // `due`: the count of moments begun (`begun`) once the moment that needs it has begun.
+  void QueueHostRead(const PlannedRead& r, uint64_t due) {
+    const ChunkId c = r.chunk;
+    std::optional<std::shared_future<Status>> before;
+    if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
+    host_pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
+      if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      {
+        std::unique_lock lock(staging_mu);
+        staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
+          if (cancelled.load(std::memory_order_relaxed)) return true;
+          if (staged_bytes + chunk_bytes[c.value()] <= staging_budget) return true;
+          if (begun.load(std::memory_order_relaxed) < due) return false;
+          return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
+        });
+        if (staged_due.emplace(c.value(), due).second) staged_bytes += chunk_bytes[c.value()];
+      }
+      Status read = MoveOff(c, Tier::kNvme, Tier::kHost);
+      if (!read.ok()) Unstage(c);
+      return read;
+    });
+  }
+
+  // Chunks read ahead that no longer hold staging memory stop counting
+  // against it: moved on by something else, or left on the host by a host
+  // moment that never came (its moment a whole iteration past). A read still
+  // under way (in host_pending after DropFinishedFetches) keeps its place.
+  void ForgetStagedElsewhere() {
+    std::vector<std::pair<uint32_t, uint64_t>> chunks;
+    {
+      std::lock_guard lock(staging_mu);
+      for (const auto& [c, due] : staged_due) chunks.emplace_back(c, due);
+    }
+    const uint64_t period = plan ? plan->num_moments : 0;
+    for (const auto& [c, due] : chunks) {
+      if (host_pending.count(c) > 0) continue;
+      Result<Tier> tier = engine.ChunkTier(ChunkId(c));
+      if (!tier.ok() || *tier != Tier::kHost || due + period < moments_begun) Unstage(ChunkId(c));
+    }
+  }
+
+  void Unstage(ChunkId c) {
+    {
+      std::lock_guard lock(staging_mu);
+      if (staged_due.erase(c.value()) > 0) staged_bytes -= chunk_bytes[c.value()];
+      writing.erase(c.value());
+    }
+    staging_cv.notify_all();
+  }
+
+  // After a host moment: its NVMe-homed chunks go back to the drive.
+  void QueueWriteBacks() {
+    for (ChunkId c : host_accessed) {
+      if (homes[c.value()] != Tier::kNvme) continue;
+      // kStatic: a chunk kept on the device goes back there, not to its home.
+      if (std::find(kept_on_device.begin(), kept_on_device.end(), c) != kept_on_device.end()) continue;
+      {
+        std::lock_guard lock(staging_mu);
+        if (staged_due.count(c.value()) > 0) writing.insert(c.value());
+      }
+      std::shared_future<Status> done = nvme_write.Push([this, c]() -> Status {
+        Status written = MoveOff(c, Tier::kHost, Tier::kNvme);
+        Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
+        return written;
+      });
+      leaving[c.value()] = done;
+      evictions.push_back({c, "writing chunk {} back to NVMe after its host moment", done});
+    }
+    host_accessed.clear();
+  }
+
+  // Queues the fetch of `c` to the device after `room` (its victims leaving).
+  void QueueFetch(ChunkId c, std::vector<std::shared_future<Status>> room) {
+    if (auto it = leaving.find(c.value()); it != leaving.end()) room.push_back(it->second);
+    std::optional<std::shared_future<Status>> staged;
+    if (homes[c.value()] == Tier::kNvme) {
+      staged = nvme_read.Push([this, c, room]() -> Status {
+        if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+        for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+        return MoveOff(c, Tier::kNvme, Tier::kHost);
+      });
+    }
+    pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
+      if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+      // A victim that could not leave only costs room (the move below
+      // evicts by itself; the eviction's error is reported at EndIteration).
+      // A failed staging read is this chunk's error.
+      for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
+      return engine.MoveChunk(c, Tier::kDevice);
+    });
+  }
+
+  // Queues moment k's moves; returns the evictions that make room for its
+  // non-model memory, which the moment must wait for before it allocates.
+  std::vector<std::shared_future<Status>> Issue(uint32_t k) {
+    std::vector<std::shared_future<Status>> room_for_activations;
+    const std::vector<ChunkId>& traced = planned_trace.moments[k].chunks;
+    const bool on_host = plan->compute_tier[k] == Tier::kHost;
+    for (ChunkId v : plan->evictions_at[k]) {
+      // A host moment's own chunks stop on the host; the moment waits for them at its access.
+      const bool for_host = on_host && std::find(traced.begin(), traced.end(), v) != traced.end();
+      if (for_host) {
+        QueueEviction(v, Tier::kHost);
+      } else {
+        room_for_activations.push_back(QueueEviction(v));
+      }
+    }
+    for (const PlannedFetch& f : plan->fetches_at[k]) {
+      std::vector<std::shared_future<Status>> room;
+      for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
+      QueueFetch(f.chunk, std::move(room));
+    }
+    // Behind the fetches' victims: only a later host moment waits for them.
+    for (ChunkId c : plan->offloads_at[k]) QueueEviction(c, Tier::kHost);
+    // After the evictions queued here, so that a read waits for its chunk's.
+    for (const PlannedRead& r : plan->host_reads_at[k]) {
+      QueueHostRead(r, moments_begun + (r.needed >= k ? r.needed - k : plan->num_moments - k + r.needed));
+    }
+    return room_for_activations;
+  }
+
+  // The first error of an eviction that has finished, once; those still
+  // running are checked later.
+  Status TakeEvictionError() {
+    Status first;
+    std::erase_if(evictions, [&](const QueuedMove& e) {
+      if (e.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+      Status status = e.done.get();
+      if (!status.ok() && first.ok()) {
+        first = status.WithContext(fmt::format(fmt::runtime(e.what), e.chunk.value()));
+      }
+      return true;
+    });
+    std::erase_if(leaving, [](const auto& entry) {
+      return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+    });
+    return first;
+  }
+
+  // Fetches queued for an iteration that did not use them (it diverged):
+  // done ones are dropped, so they neither hold back reconciliation nor hand
+  // their result to an unrelated access later.
+  void DropFinishedFetches() {
+    for (auto* moves : {&pending, &host_pending}) {
+      std::erase_if(*moves, [](const auto& entry) {
+        return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
+      });
+    }
+  }
+
+  // The device as the plan has it when an iteration begins: chunks it does
+  // not have there leave, the ones it has and the device lacks come, in the
+  // order the iteration first needs them.
+  void Reconcile() {
+    std::vector<bool> expected(chunk_bytes.size(), false);
+    for (ChunkId c : plan->resident_at_start) expected[c.value()] = true;
+    std::vector<std::shared_future<Status>> room;
+    for (uint32_t c = 0; c < chunk_bytes.size(); ++c) {
+      if (expected[c] || pending.count(c) > 0) continue;
+      Result<Tier> tier = engine.ChunkTier(ChunkId(c));
+      if (!tier.ok() || *tier != Tier::kDevice) continue;
+      room.push_back(QueueEviction(ChunkId(c)));
+      stats.reconciled++;
+    }
+    reconcile_room = room;  // the first moment waits for them too, before it allocates
+    // Reads the plan issues in the iteration before for host moments of this one.
+    for (uint32_t k = 0; k < plan->num_moments; ++k) {
+      for (const PlannedRead& r : plan->host_reads_at[k]) {
+        if (r.needed >= k || host_pending.count(r.chunk.value()) > 0) continue;
+        Result<Tier> tier = engine.ChunkTier(r.chunk);
+        if (!tier.ok() || *tier != Tier::kNvme) continue;
+        QueueHostRead(r, moments_begun + 1 + r.needed);
+        stats.reconciled++;
+      }
+    }
+    std::vector<bool> queued(chunk_bytes.size(), false);
+    for (const TraceMoment& m : planned_trace.moments) {
+      for (ChunkId c : m.chunks) {
+        if (!expected[c.value()] || queued[c.value()] || pending.count(c.value()) > 0) continue;
+        queued[c.value()] = true;
+        Result<Tier> tier = engine.ChunkTier(c);
+        if (tier.ok() && *tier == Tier::kDevice) continue;
+        QueueFetch(c, room);
+        stats.reconciled++;
+      }
+    }
+  }
+
+  void Diverge(std::string_view why) {
+    if (diverged) return;
+    diverged = true;
+    stats.divergences++;
+    STRATA_LOG_INFO(
+        "pipeline: the iteration left its plan at moment {} ({}); on demand until it ends, and the next iteration "
+        "records a new trace",
+        moment, why);
+  }
+
+  // Sets stats.bytes and the links' bandwidths from the moves since the
+  // iteration began; true when a replayed iteration measured a link the
+  // plan had wrong (Note [Links measured as they are used]).
+  bool MeasureLinks(const MemoryStats& now) {
+    const auto delta = [&](Tier from, Tier to) {
+      const LinkStats& a = now.links[static_cast<int>(from)][static_cast<int>(to)];
+      const LinkStats& b = stats_at_start.links[static_cast<int>(from)][static_cast<int>(to)];
+      return LinkStats{.moves = a.moves - b.moves, .bytes = a.bytes - b.bytes, .seconds = a.seconds - b.seconds};
+    };
+    // Bytes: every move that used the link (device<->NVMe moves pass
+    // through the host, so they count on both). Bandwidth: only the moves
+    // that used that link alone.
+    const std::array<std::array<LinkStats, 2>, kNumLinks> observed = {{
+        {delta(Tier::kHost, Tier::kDevice), delta(Tier::kNvme, Tier::kDevice)},
+        {delta(Tier::kDevice, Tier::kHost), delta(Tier::kDevice, Tier::kNvme)},
+        {delta(Tier::kNvme, Tier::kHost), delta(Tier::kNvme, Tier::kDevice)},
+        {delta(Tier::kHost, Tier::kNvme), delta(Tier::kDevice, Tier::kNvme)},
+    }};
+    constexpr std::array<double, kNumLinks> kAssumed = {25e9, 25e9, 3e9, 2e9};
+    bool drifted = false;
+    for (int l = 0; l < kNumLinks; ++l) {
+      stats.bytes[l] = observed[l][0].bytes + observed[l][1].bytes;
+      if (options.links.bytes_per_second[l] > 0) continue;  // given
+      const LinkStats& alone = observed[l][0];
+      const double measured =
+          alone.bytes >= kMinMeasuredBytes && alone.seconds > 0 ? static_cast<double>(alone.bytes) / alone.seconds : 0;
+      if (mode == Mode::kRecording && measured > 0) {
+        links.bytes_per_second[l] = measured;
+      } else if (links.bytes_per_second[l] <= 0) {
+        links.bytes_per_second[l] = kAssumed[l];
+      } else if (mode == Mode::kReplaying && measured > 0 &&
+                 std::abs(measured / links.bytes_per_second[l] - 1) > kBandwidthDrift) {
+        links.bytes_per_second[l] = measured;
+        drifted = true;
+      }
+    }
+    return drifted;
+  }
+
+  void MakePlan() {
+    PlannerInput input;
+    input.trace = recording;
+    input.chunk_bytes = chunk_bytes;
+    input.home = homes;
+    input.device_bytes = options.device_bytes > 0 ? options.device_bytes : engine.options().device.budget_bytes;
+    input.device_chunk_bytes = engine.options().device.budget_bytes;  // Note [The device model] in planner.cc
+    input.links = links;
+    input.host_staging_bytes =
+        options.host_staging_bytes > 0 ? options.host_staging_bytes : engine.host_staging_bytes();
+    {
+      std::lock_guard lock(staging_mu);
+      staging_budget = input.host_staging_bytes;
+    }
+    const Clock::time_point start = Clock::now();
+    Result<Plan> built = BuildPlan(input);
+    stats.planning_seconds = SecondsSince(start);
+    const std::string previous_error = std::exchange(stats.plan_error, "");
+    if (!built.ok()) {
+      stats.plan_failures++;
+      stats.plan_error = built.status().ToString();
+      plan.reset();
+      if (stats.plan_error != previous_error) {  // once, not every iteration it repeats
+        STRATA_LOG_WARNING("pipeline: no plan from this trace, the next iteration runs on demand and records again: {}",
+                           stats.plan_error);
+      }
+      return;
+    }
+    plan = std::move(built).value();
+    planned_trace = recording;
+    need_trace = false;
+  }
+};
+
+}  // namespace strata::offload
