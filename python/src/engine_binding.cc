@@ -138,18 +138,6 @@ void BindEngine(py::module_& m) {
       .def(
           "stats", [](const Engine& engine) { return StatsDict(engine.stats()); },
           "tiers (capacity, used, peak bytes) and links (moves, bytes, seconds)")
-      .def(
-          "used_bytes",
-          [](const Engine& engine) {
-            const MemoryStats stats = engine.stats();
-            py::dict used;
-            for (int t = 0; t < kNumTiers; ++t) {
-              if (!stats.tier_present[t]) continue;
-              used[py::str(std::string(TierName(static_cast<Tier>(t))))] = stats.tiers[t].used_bytes;
-            }
-            return used;
-          },
-          "each tier's bytes in use now: stats()'s used_bytes alone, for a call every moment")
       .def("describe_backends", &Engine::DescribeBackends)
       .def(
           "device_arena",

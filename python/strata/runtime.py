@@ -89,7 +89,7 @@ class Runtime:
         if self.device.type != "cuda":
             return 0
         free_bytes, _ = torch.cuda.mem_get_info(self.device)
-        return self.engine.stats()["tiers"]["device"]["capacity_bytes"] + int(0.9 * free_bytes)
+        return self.arena.numel() + int(0.9 * free_bytes)  # the arena is the device tier's capacity
 
     def view(self, access, dtype, count, offset):
         """`count` elements at byte `offset` of a pinned chunk, as a tensor where the chunk is."""
