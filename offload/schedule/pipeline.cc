@@ -41,6 +41,20 @@ namespace strata::offload {
 // says where). The first moment of a replayed iteration waits for the
 // evictions that put the device as the plan has it when an iteration begins.
 //
+// Note [Updates beside backward]
+// RunBeside begins a host moment marked beside (the planner's Note of that
+// name) and, where the plan runs it on the host, queues its compute on a
+// queue of its own, the host's lane, which runs one update at a time: the
+// update waits there for its chunks' planned moves (a read from NVMe, a
+// move off the device, an earlier write-back), pins them in host memory
+// and computes, while the training loop goes on with backward. Each chunk's
+// next move (a fetch for the next forward, its write-back to NVMe, a read
+// ahead of a later host moment) and the next access of it wait for the
+// update. The moment ends as RunBeside returns. The caller waits for the
+// outcome before it reads what the update wrote: the step does before its
+// plan, so EndIteration finds every one of them done and the recorded
+// trace takes their compute times from them.
+//
 // Note [Divergence]
 // An access the plan does not have at that moment (evaluation, dynamic
 // control flow, recomputation), or a different number of moments, stops the
@@ -135,6 +149,7 @@ Status Pipeline::BeginIteration() {
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
   p.timeline.clear();
+  p.beside_runs.clear();
   if (p.options.policy != Policy::kAdaptive) {
     p.mode = Impl::Mode::kOnDemand;
     STRATA_RETURN_IF_ERROR(p.PinStatic());
@@ -183,6 +198,9 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
     } else if (p.planned_trace.moments[p.moment].tier != traced.tier) {
       p.Diverge(traced.tier == Tier::kHost ? "a host moment where the trace has a device one"
                                            : "a device moment where the trace has a host one");
+    } else if (p.planned_trace.moments[p.moment].beside != traced.beside) {
+      p.Diverge(traced.beside ? "an update beside backward where the trace has one between moments"
+                              : "an update between moments where the trace has one beside backward");
     } else if (!traced.device_compute_seconds && p.plan->compute_tier[p.moment] != traced.tier) {
       p.Diverge("a host moment that cannot run on the device, where the plan runs it");
     } else {
@@ -229,6 +247,11 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
       if (prefetched.ok()) prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
       charge(link, wait);
     }
+  }
+  if (auto it = p.beside_busy.find(chunk.value()); it != p.beside_busy.end()) {
+    // Held by an update beside backward (its outcome is its caller's).
+    it->second.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
+    p.beside_busy.erase(it);
   }
   if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
     if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {
@@ -301,6 +324,93 @@ Status Pipeline::EndMoment() {
   return pinned;
 }
 
+Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId>& chunks,
+                                                       std::optional<double> device_compute_seconds,
+                                                       BesideCompute compute) {
+  Impl& p = *impl_;
+  for (ChunkId c : chunks) {
+    if (c.value() >= p.chunk_bytes.size()) {
+      return InvalidArgument("pipeline: RunBeside of chunk {}, which does not exist ({} chunks)", c.value(),
+                             p.chunk_bytes.size());
+    }
+  }
+  const bool adaptive = p.options.policy == Policy::kAdaptive;
+  STRATA_ASSIGN_OR_RETURN(const Tier where, p.Begin(TraceMoment{.tier = Tier::kHost,
+                                                                .device_compute_seconds = device_compute_seconds,
+                                                                .beside = adaptive}));
+  if (!adaptive || where != Tier::kHost) {  // now, in its place
+    std::vector<ChunkAccess> held;
+    Status computed = Status::Ok();
+    for (ChunkId c : chunks) {
+      Result<ChunkAccess> access = Access(c);
+      if (!access.ok()) {
+        computed = access.status();
+        break;
+      }
+      held.push_back(std::move(access).value());
+    }
+    if (computed.ok()) computed = compute(where, held);
+    held.clear();
+    const Status ended = EndMoment();
+    std::promise<Status> done;
+    done.set_value(computed.ok() ? ended : computed);
+    return done.get_future().share();
+  }
+  // The moves the update waits for, on the update's thread: a planned read
+  // from NVMe, a move off the device, a write-back.
+  std::vector<std::pair<ChunkId, std::shared_future<Status>>> before;
+  for (ChunkId c : chunks) {
+    if (p.mode == Impl::Mode::kReplaying && !p.diverged) {
+      const std::vector<ChunkId>& planned = p.planned_trace.moments[p.moment].chunks;
+      if (std::find(planned.begin(), planned.end(), c) == planned.end()) p.Diverge("an access the trace lacks");
+    }
+    if (p.mode == Impl::Mode::kRecording) p.recording.moments.back().chunks.push_back(c);
+    for (auto* moves : {&p.pending, &p.host_pending, &p.leaving, &p.beside_busy}) {
+      if (auto it = moves->find(c.value()); it != moves->end()) {
+        before.emplace_back(c, it->second);
+        if (moves != &p.leaving) moves->erase(it);
+      }
+    }
+    if (std::find(p.host_accessed.begin(), p.host_accessed.end(), c) == p.host_accessed.end()) {
+      p.host_accessed.push_back(c);
+    }
+  }
+  auto seconds = std::make_shared<double>(0.0);
+  const uint32_t timeout_ms = p.options.wait_timeout_ms;
+  Engine& engine = p.engine;
+  std::shared_future<Status> done =
+      p.beside.Push([&engine, chunks, before, timeout_ms, seconds, compute = std::move(compute)]() -> Status {
+        for (const auto& [c, move] : before) {
+          const Status moved = WaitFor(move, timeout_ms, c, "move ahead of an update beside backward");
+          // One that found no room moved nothing: the access below moves it.
+          if (!moved.ok() && moved.code() != StatusCode::kOutOfMemory) {
+            return moved.WithContext(fmt::format("moving chunk {} to the host for its update", c.value()));
+          }
+        }
+        std::vector<ChunkAccess> held;
+        for (ChunkId c : chunks) {
+          STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(c, Tier::kHost));
+          held.push_back(std::move(access));
+        }
+        const Clock::time_point start = Clock::now();
+        Status computed = compute(Tier::kHost, held);
+        *seconds = SecondsSince(start);
+        return computed;
+      });
+  p.beside_runs.push_back({p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1)
+                                                             : std::nullopt,
+                           done, seconds});
+  for (ChunkId c : chunks) {
+    p.leaving[c.value()] = done;  // a later fetch, read or eviction of it waits for the update
+    p.beside_busy[c.value()] = done;
+  }
+  p.QueueWriteBacks();  // each after the update
+  p.in_moment = false;
+  p.stats.stall_per_moment.push_back(0);
+  p.moment++;
+  return done;
+}
+
 Status Pipeline::EndIteration() {
   Impl& p = *impl_;
   if (p.in_moment) return InvalidArgument("pipeline: EndIteration inside a moment (EndMoment first)");
@@ -316,6 +426,7 @@ Status Pipeline::EndIteration() {
       break;
     case Impl::Mode::kRecording:
       p.stats.recordings++;
+      p.TraceBesideRuns();
       if (!p.recording.moments.empty()) p.MakePlan();
       break;
     case Impl::Mode::kReplaying:

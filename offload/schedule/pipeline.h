@@ -21,6 +21,8 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
+#include <future>
 #include <memory>
 #include <optional>
 #include <string>
@@ -113,6 +115,19 @@ class Pipeline {
   // transfer, or moves it now.
   Result<ChunkAccess> Access(ChunkId chunk);
   Status EndMoment();
+  // A host moment that computes beside the moments after it (an optimizer
+  // update begun in backward); needs no open moment and leaves none open.
+  // Where the plan runs it on the host (adaptive policy), `compute` runs on
+  // the pipeline's update thread once `chunks` are in host memory, pinned
+  // there in that order, while the caller goes on; the chunks' next moves (a
+  // fetch, a write-back to NVMe) wait for it. Anywhere else (the device, or
+  // another policy) it runs now, on the caller's thread, as a host moment.
+  // Returns its outcome, which the caller waits for before it reads what
+  // `compute` wrote, and before EndIteration (Note [Updates beside backward]
+  // in pipeline.cc).
+  using BesideCompute = std::function<Status(Tier where, std::vector<ChunkAccess>& chunks)>;
+  Result<std::shared_future<Status>> RunBeside(const std::vector<ChunkId>& chunks,
+                                               std::optional<double> device_compute_seconds, BesideCompute compute);
   // Also returns the first error of a planned eviction (a failed NVMe
   // write) that finished during the iteration.
   Status EndIteration();

@@ -12,6 +12,7 @@
 #include <condition_variable>
 #include <functional>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -101,6 +102,7 @@ struct Pipeline::Impl {
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
+  std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
   struct QueuedMove {
     ChunkId chunk;
     const char* what;  // "evicting chunk {} from the device" and the like
@@ -137,6 +139,14 @@ struct Pipeline::Impl {
   MemoryStats stats_at_start;
   PipelineStats stats;
   std::vector<Pipeline::TierBytes> timeline, last_timeline;  // Pipeline::last_timeline
+  // This iteration's updates beside backward: their trace moment (when
+  // recording), their outcome, and their compute time once done.
+  struct BesideRun {
+    std::optional<size_t> traced;
+    std::shared_future<Status> done;
+    std::shared_ptr<double> seconds;
+  };
+  std::vector<BesideRun> beside_runs;
 
   void RecordTiers() {
     const MemoryStats now = engine.stats();
@@ -150,6 +160,7 @@ struct Pipeline::Impl {
   // queue of their own: one waiting for staging room must not hold back a
   // device fetch's read behind it.
   TaskQueue nvme_read, host_read, nvme_write, device_to_host, host_to_device;
+  TaskQueue beside;  // the host's lane: updates beside backward, one at a time
 
   // kStatic: the chunks kept on the device are there and pinned.
   Status PinStatic() {
@@ -260,7 +271,11 @@ struct Pipeline::Impl {
         std::lock_guard lock(staging_mu);
         if (staged_due.count(c.value()) > 0) writing.insert(c.value());
       }
-      std::shared_future<Status> done = nvme_write.Push([this, c]() -> Status {
+      // After an update beside backward that holds it.
+      std::optional<std::shared_future<Status>> in_use;
+      if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
+      std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
+        if (in_use) in_use->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
         Status written = MoveOff(c, Tier::kHost, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
         return written;
@@ -344,7 +359,7 @@ struct Pipeline::Impl {
   // done ones are dropped, so they neither hold back reconciliation nor hand
   // their result to an unrelated access later.
   void DropFinishedFetches() {
-    for (auto* moves : {&pending, &host_pending}) {
+    for (auto* moves : {&pending, &host_pending, &beside_busy}) {
       std::erase_if(*moves, [](const auto& entry) {
         return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
       });
@@ -386,6 +401,18 @@ struct Pipeline::Impl {
         QueueFetch(c, room);
         stats.reconciled++;
       }
+    }
+  }
+
+  // Recording: each update beside backward's compute time into the trace,
+  // once it is done (the step waited for it).
+  void TraceBesideRuns() {
+    for (const BesideRun& run : beside_runs) {
+      if (!run.traced) continue;
+      run.done.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      TraceMoment& m = recording.moments[*run.traced];
+      m.compute_seconds = *run.seconds;
+      if (m.device_compute_seconds && engine.device().is_emulated()) m.device_compute_seconds = m.compute_seconds;
     }
   }
 

@@ -62,6 +62,19 @@ namespace strata::offload {
 // device, the device memory in use besides chunks (activations, workspace),
 // and how long its compute takes once they are there.
 //
+// Note [Updates beside backward]
+// A host moment marked beside (an optimizer update begun in backward, as
+// soon as its group's gradients are complete: Note [Updates beside
+// backward] in offload/training/train_step.cc) computes on the host's lane,
+// beside the device moments after it: it starts once its chunks are in
+// host memory and the update before it on that lane is done, the device's
+// lane goes on at once, and a chunk it holds moves again (a fetch for the
+// next forward, its write-back to NVMe) only once it ends. A host moment
+// between device moments (the step's updates after backward) waits for the
+// host's lane too, and so does the iteration's end: the step's norm needs
+// every group's gradients. An update the plan moves to the device runs in
+// the device's order, as a GPU's stream would run it.
+//
 // Note [Where updates run]
 // An update moment may run on the device. The plan with every update on the
 // host comes first; the device bytes it never uses at its peak are the
@@ -433,7 +446,9 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   const auto read = [&](ChunkId c, double ready, uint64_t g) {
     return transfer(Link::kNvmeRead, std::max(ready, written[c.value()]), u.size(c), g);
   };
-  double end = 0;  // end of the previous moment's compute
+  double end = 0;        // end of the previous moment's compute (the device's lane)
+  double host_free = 0;  // end of the last update beside backward (the host's lane)
+  std::vector<double> busy_until(u.input.chunk_bytes.size(), 0.0);  // in use by an update beside backward
   double middle_start = 0, middle_end = 0;
   for (uint64_t g = 0; g < u.length; ++g) {
     const double requested = end;
@@ -447,7 +462,8 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       for (ChunkId v : f->victims) room = std::max(room, evict(v, requested, g));
       double ready = requested;
       if (u.nvme_homed(f->chunk)) ready = read(f->chunk, requested, g);
-      arrival[f->chunk.value()] = transfer(Link::kHostToDevice, std::max(ready, room), u.size(f->chunk), g);
+      arrival[f->chunk.value()] =
+          transfer(Link::kHostToDevice, std::max({ready, room, busy_until[f->chunk.value()]}), u.size(f->chunk), g);
       if (counted(g)) p.fetches++;
     }
     // Behind the fetches' victims: nothing waits for them but their host moment.
@@ -457,20 +473,32 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
     // After this moment's evictions, as the pipeline queues them: a read of a
     // chunk evicted here follows its write.
     for (const HostRead* r : reads_at[g]) host_ready[r->chunk.value()] = read(r->chunk, requested, g);
+    const TraceMoment& m = u.moment(g);
     double start = room_for_activations;
-    for (ChunkId c : u.moment(g).chunks) {
-      start = std::max(start, u.on_host(g) ? host_ready[c.value()] : arrival[c.value()]);
-    }
-    end = start + u.moment(g).compute_seconds;
+    for (ChunkId c : m.chunks) start = std::max(start, u.on_host(g) ? host_ready[c.value()] : arrival[c.value()]);
+    // The host's lane: updates beside backward one after another, and a
+    // host moment between device moments (the step's) after all of them.
+    double host_end = 0;
     if (u.on_host(g)) {
-      for (ChunkId c : u.moment(g).chunks) {
-        if (u.nvme_homed(c)) written[c.value()] = transfer(Link::kNvmeWrite, end, u.size(c), g);
+      start = std::max(start, host_free);
+      host_end = start + m.compute_seconds;
+      for (ChunkId c : m.chunks) {
+        if (u.nvme_homed(c)) written[c.value()] = transfer(Link::kNvmeWrite, host_end, u.size(c), g);
       }
     }
+    if (m.beside) {  // the device's lane goes on at once; the chunks' next moves wait for it
+      host_free = host_end;
+      for (ChunkId c : m.chunks) busy_until[c.value()] = host_end;
+      start = requested;
+      end = requested;
+    } else {
+      end = start + m.compute_seconds;
+    }
+    if ((g + 1) % u.period == 0) end = std::max(end, host_free);  // the step needs every update's gradients
     if (counted(g)) {
       p.stall_seconds += start - requested;
       p.stall_per_moment.push_back(start - requested);
-      p.compute_seconds += u.moment(g).compute_seconds;
+      p.compute_seconds += m.compute_seconds;
     }
     if (g + 1 == first) middle_start = end;
     if (g + 1 == last) middle_end = end;
@@ -503,6 +531,10 @@ Status Validate(const PlannerInput& input) {
     }
     if (moment.tier != Tier::kDevice && moment.tier != Tier::kHost) {
       return InvalidArgument("planner: moment {} computes on {}; a moment computes on the device or the host", m,
+                             TierName(moment.tier));
+    }
+    if (moment.beside && moment.tier != Tier::kHost) {
+      return InvalidArgument("planner: moment {} computes beside the others on {}; only a host moment does", m,
                              TierName(moment.tier));
     }
     if (moment.device_compute_seconds &&
@@ -643,6 +675,7 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
     m.tier = Tier::kDevice;
     m.compute_seconds = *m.device_compute_seconds;
     m.device_compute_seconds.reset();
+    m.beside = false;  // in the device's own order, as a GPU's stream runs it
     any = true;
   }
   if (!any) return on_host;

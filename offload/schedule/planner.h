@@ -31,6 +31,10 @@ struct TraceMoment {
   // Set on a host moment that may run on the device instead (an optimizer
   // update): its compute time there.
   std::optional<double> device_compute_seconds;
+  // A host moment computing beside the device moments after it (an update
+  // started in backward), not between them: Note [Updates beside backward]
+  // in planner.cc.
+  bool beside = false;
 };
 
 struct Trace {

@@ -1,5 +1,6 @@
 #include "offload/schedule/pipeline.h"
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -210,6 +211,112 @@ TEST(PipelineTest, HostUpdatesReadTheirNvmeChunksAheadAndWriteThemBack) {
   const double chunk = kChunkElems * 4;
   EXPECT_NEAR(moved[static_cast<int>(Link::kNvmeRead)], 3 * kStepUpdates * chunk, 5 * chunk);
   EXPECT_NEAR(moved[static_cast<int>(Link::kNvmeWrite)], 3 * kStepUpdates * chunk, 5 * chunk);
+}
+
+// Word i of layer l's chunk at version v.
+uint32_t Word(uint32_t l, uint64_t i, uint32_t v) { return l * 100000 + static_cast<uint32_t>(i) + v; }
+
+Status CheckVersion(const ChunkAccess& access, uint32_t l, uint32_t v) {
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(access.data());
+  for (uint64_t i = 0; i < kChunkElems; i += 991) {
+    if (words[i] != Word(l, i, v)) return Internal("layer {} word {} holds {}, not version {}", l, i, words[i], v);
+  }
+  return Status::Ok();
+}
+
+void WriteVersion(ChunkAccess& access, uint32_t l, uint32_t v) {
+  uint32_t* words = reinterpret_cast<uint32_t*>(access.data());
+  for (uint64_t i = 0; i < kChunkElems; ++i) words[i] = Word(l, i, v);
+}
+
+// Layers 0..3 compute on the device, forward and backward; as soon as
+// layer l's backward is done, its update runs beside the rest of backward:
+// it moves layer l and its state (layer 4 + l) to the next version. Every
+// access checks the version it should see. `overlapped` counts the updates
+// that saw the training loop begin the next moment while they computed.
+struct BesideStep {
+  static constexpr uint32_t kLayers = 4;
+  LayerModel model;
+  std::atomic<uint32_t> begun{0};
+  uint32_t overlapped = 0;
+
+  explicit BesideStep(bool nvme) : model(2 * kLayers, /*device_chunks=*/2, /*host_chunks=*/nvme ? 4 : 64, nvme) {}
+
+  Status DeviceMoment(Pipeline& pipeline, uint32_t l, uint32_t version, bool write) {
+    STRATA_RETURN_IF_ERROR(pipeline.BeginMoment());
+    begun++;
+    {
+      STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline.Access(model.layers[l]));
+      if (write) {
+        WriteVersion(access, l, version);
+      } else {
+        STRATA_RETURN_IF_ERROR(CheckVersion(access, l, version));
+      }
+      BusyFor(std::chrono::microseconds(300));
+    }
+    return pipeline.EndMoment();
+  }
+
+  Status Run(Pipeline& pipeline, uint32_t version) {
+    STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
+    for (uint32_t l = 0; l < kLayers; ++l) STRATA_RETURN_IF_ERROR(DeviceMoment(pipeline, l, version, version == 0));
+    std::vector<std::shared_future<Status>> updates;
+    std::atomic<uint32_t> seen{0};
+    for (uint32_t l = kLayers; l-- > 0;) {
+      STRATA_RETURN_IF_ERROR(DeviceMoment(pipeline, l, version, false));
+      const uint32_t next_moment = begun.load() + 1;
+      const bool last = l == 0;
+      STRATA_ASSIGN_OR_RETURN(
+          std::shared_future<Status> done,
+          pipeline.RunBeside({model.layers[l], model.layers[kLayers + l]}, std::nullopt,
+                             [&, l, next_moment, last](Tier where, std::vector<ChunkAccess>& held) -> Status {
+                               if (where != Tier::kHost) return Internal("an update beside ran on {}", TierName(where));
+                               const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
+                               while (!last && begun.load() < next_moment && std::chrono::steady_clock::now() < deadline) {
+                               }
+                               if (!last && begun.load() >= next_moment) seen++;
+                               for (uint32_t k : {0u, 1u}) {
+                                 const uint32_t layer = k == 0 ? l : kLayers + l;
+                                 // A state is written on the first iteration, as forward writes the layers.
+                                 if (k == 0 || version > 0) STRATA_RETURN_IF_ERROR(CheckVersion(held[k], layer, version));
+                                 WriteVersion(held[k], layer, version + 1);
+                               }
+                               return Status::Ok();
+                             }));
+      updates.push_back(done);
+    }
+    Status first;
+    for (const std::shared_future<Status>& u : updates) {
+      const Status s = u.get();
+      if (first.ok()) first = s;
+    }
+    overlapped = seen.load();
+    const Status ended = pipeline.EndIteration();
+    return first.ok() ? ended : first;
+  }
+};
+
+TEST(PipelineTest, UpdatesBesideBackwardRunWhileItGoesOnAndTheirChunksWaitForThem) {
+  for (bool nvme : {false, true}) {
+    SCOPED_TRACE(nvme ? "states on NVMe" : "states on the host");
+    BesideStep step(nvme);
+    if (nvme) {
+      ASSERT_EQ(*step.model.engine->ChunkHome(step.model.layers.back()), Tier::kNvme);
+    }
+    ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
+    for (uint32_t version = 0; version < 5; ++version) {
+      ASSERT_OK(step.Run(*pipeline, version));  // every version checked where it is read
+      EXPECT_EQ(step.overlapped, BesideStep::kLayers - 1) << "iteration " << version;
+    }
+    const Trace* trace = pipeline->trace();
+    ASSERT_NE(trace, nullptr);
+    ASSERT_EQ(trace->moments.size(), 3 * BesideStep::kLayers);
+    EXPECT_TRUE(trace->moments[BesideStep::kLayers + 1].beside);
+    EXPECT_GT(trace->moments[BesideStep::kLayers + 1].compute_seconds, 0.0);  // measured on the update's thread
+    const PipelineStats stats = pipeline->stats();
+    EXPECT_EQ(stats.divergences, 0u);
+    EXPECT_GE(stats.planned_iterations, 3u);
+  }
 }
 
 TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {
