@@ -233,6 +233,14 @@ Result<StepPlan> Optimizer::PlanStep(GradStats local) const {
   return plan;
 }
 
+StepPlan Optimizer::PlanAhead() const {
+  StepPlan plan;
+  plan.loss_scale = loss_scale();
+  plan.grad_multiplier = static_cast<float>(1.0 / plan.loss_scale);
+  plan.step = steps_taken_ + 1;
+  return plan;
+}
+
 int64_t Optimizer::tensor_steps(TensorId id) const {
   return steps_taken_ - (id.value() < steps_missed_.size() ? steps_missed_[id.value()] : 0);
 }

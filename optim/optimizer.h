@@ -67,6 +67,7 @@ struct GroupHyperparams {
   double momentum = 0.0;
   double dampening = 0.0;
   bool nesterov = false;
+  bool operator==(const GroupHyperparams&) const = default;
 };
 GroupHyperparams HyperparamsOf(const OptimizerConfig& config);
 // `config` with `group`'s hyperparameters.
@@ -156,6 +157,14 @@ class Optimizer {
   // Phase 1: the all-reduce, the norm, the clip coefficient and the skip
   // decision, for step steps_taken() + 1. Changes nothing.
   Result<StepPlan> PlanStep(GradStats local) const;
+  // The plan PlanStep makes for gradients that are finite and need no
+  // clipping, made before they are known: what an update begun in backward
+  // runs on until the step confirms it (Note [Updates beside backward] in
+  // offload/training/beside_updates.cc). Whether `plan` updates as it does.
+  StepPlan PlanAhead() const;
+  static bool SameUpdate(const StepPlan& a, const StepPlan& b) {
+    return a.skip == b.skip && a.step == b.step && a.grad_multiplier == b.grad_multiplier;
+  }
   // Phase 2: one chunk, in one fused pass (no-op when the plan skips), as
   // update number `step` of its tensors (their TensorStep; 0: plan.step).
   // InvalidArgument when the chunk's arrays do not fit this optimizer (a

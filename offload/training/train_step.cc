@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include "memory/chunk_layout.h"
+#include "offload/training/group_update.h"
 #include "src/base/alignment.h"
 #include "src/base/half.h"
 #include "src/base/logging.h"
@@ -96,28 +97,15 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The chunks of one trainable group, by kind.
-struct Group {
-  std::array<std::optional<ChunkInfo>, kNumChunkKinds> of_kind;
-  const ChunkInfo& operator[](ChunkKind kind) const { return *of_kind[static_cast<int>(kind)]; }
-  bool has(ChunkKind kind) const { return of_kind[static_cast<int>(kind)].has_value(); }
-};
-
-std::vector<Group> TrainableGroups(const Engine& engine) {
-  std::map<uint32_t, Group> groups;
-  for (const ChunkInfo& chunk : engine.chunks()) groups[chunk.group].of_kind[static_cast<int>(chunk.kind)] = chunk;
-  std::vector<Group> trainable;
-  for (auto& [index, group] : groups) {
-    if (group.has(ChunkKind::kGrad)) trainable.push_back(std::move(group));
-  }
-  return trainable;
-}
-
 // The gradients' statistics, each grad chunk read where it lies: those on the
 // device pinned there (read in place on the emulated device, whose memory is
 // the host's; summed on a GPU in one pass: Note [Updates on the device]), the
 // others copied into host memory.
-Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups, uintptr_t stream) {
+// Each group's sum of squares is its own, added to the total in group order:
+// `known[k]`, where set, is group k's taken beforehand (an update beside
+// backward took it), so the norm is the same bit for bit whichever took it.
+Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups, uintptr_t stream,
+                                       const std::vector<std::optional<double>>& known) {
   uint64_t largest = 0;
   for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
   optim::GradStats stats;
@@ -126,13 +114,23 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
   std::vector<ChunkAccess> on_device;
   std::vector<optim::ChunkTensors> device_grads;
   Buffer scratch;
-  for (const Group& g : groups) {
+  const auto add = [&](const void* data, const ChunkInfo& grad, size_t n) {
+    optim::GradStats one;
+    one.Add(data, grad.dtype, n);
+    stats.sum_squares += one.sum_squares;
+  };
+  for (size_t k = 0; k < groups.size(); ++k) {
+    if (known[k]) {
+      stats.sum_squares += *known[k];
+      continue;
+    }
+    const Group& g = groups[k];
     const ChunkInfo& grad = g[ChunkKind::kGrad];
     const size_t n = grad.used_bytes / DTypeSizeBytes(grad.dtype);
     // Pinned only where it lies and not moving: a planned move off the device runs as planned.
     STRATA_ASSIGN_OR_RETURN(std::optional<ChunkAccess> access, engine.AccessChunkIfOn(grad.id, Tier::kDevice));
     if (access && in_place) {
-      stats.Add(access->data(), grad.dtype, n);
+      add(access->data(), grad, n);
       continue;
     }
     if (access) {
@@ -142,7 +140,7 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
     }
     if (!scratch) scratch = AllocateAlignedHost(largest, kIoAlignmentBytes);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, scratch.data()).WithContext("reading gradients for their norm"));
-    stats.Add(scratch.data(), grad.dtype, n);
+    add(scratch.data(), grad, n);
   }
   if (!device_grads.empty()) {
     STRATA_ASSIGN_OR_RETURN(const double sum,
@@ -150,24 +148,6 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
     stats.sum_squares += sum;
   }
   return stats;
-}
-
-size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
-
-// The kinds of `g`'s chunks its update reads or writes, in one host moment.
-// A transient param chunk (parameters sharded) is not written: the master
-// shard is the parameters, gathered again when compute needs them.
-std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states) {
-  std::vector<ChunkKind> kinds;
-  for (ChunkKind kind :
-       {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
-    const bool used = kind == ChunkKind::kExpAvg     ? num_states >= 1
-                      : kind == ChunkKind::kExpAvgSq ? num_states >= 2
-                      : kind == ChunkKind::kParam    ? !g[kind].transient
-                                                     : g.has(kind);
-    if (used) kinds.push_back(kind);
-  }
-  return kinds;
 }
 
 // This rank's range of a group of n elements: the range its sharded state
@@ -229,12 +209,25 @@ class TrainStep {
     STRATA_RETURN_IF_ERROR(CheckSeams());
     STRATA_RETURN_IF_ERROR(CheckStepRoom(engine_, optimizer_));
     Clock::time_point start = Clock::now();
+    STRATA_RETURN_IF_ERROR(TakeBesideUpdates());
     STRATA_RETURN_IF_ERROR(PlanFromGradients());
     report_.stats_seconds = SecondsSince(start);
     if (parallel_) GatherFrozenAhead();
 
     start = Clock::now();
-    for (size_t k = 0; k < groups_.size(); ++k) STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
+    const bool beside_stands = BesideUpdatesStand();
+    for (size_t k = 0; k < groups_.size(); ++k) {
+      const BesideUpdates::Update* early = beside_of_[k];
+      if (early == nullptr || !early->updated) {
+        STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
+      } else if (beside_stands) {
+        report_.groups++;
+        report_.beside_groups++;
+      } else {
+        STRATA_RETURN_IF_ERROR(RedoInMoment(k));
+        report_.redone_groups++;
+      }
+    }
     report_.update_seconds = SecondsSince(start);
     for (std::vector<float>& shard : reduced_) reducer_->Recycle(std::move(shard));
     STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan, LeftOut()));
@@ -264,6 +257,66 @@ class TrainStep {
     return Status::Ok();
   }
 
+  // The updates begun beside backward (Note [Updates beside backward] in
+  // beside_updates.cc), once done; the first error of one.
+  Status TakeBesideUpdates() {
+    beside_of_.assign(groups_.size(), nullptr);
+    if (options_.beside == nullptr) return Status::Ok();
+    if (options_.beside->groups().size() != groups_.size()) {
+      return InvalidArgument("train step: the updates beside backward were made for another engine");
+    }
+    beside_ = options_.beside->Take();
+    Status first;
+    for (const BesideUpdates::Update& u : beside_) {
+      beside_of_[u.group] = &u;
+      const Status done = u.done.get();
+      if (first.ok() && !done.ok()) first = done.WithContext("an update beside backward");
+    }
+    return first;
+  }
+
+  // Whether the updates begun beside backward did what this step's plan
+  // does: the same plan, hyperparameters and tensors.
+  bool BesideUpdatesStand() const {
+    if (beside_.empty()) return false;
+    if (!optim::Optimizer::SameUpdate(options_.beside->plan_ahead(), report_.plan)) return false;
+    for (uint32_t i = 0; i < optimizer_.num_groups(); ++i) {
+      if (!(optimizer_.group(i) == options_.beside->hyperparams()[i])) return false;
+    }
+    for (const BesideUpdates::Update& u : beside_) {
+      for (TensorId id : groups_[u.group][ChunkKind::kParam].tensors) {
+        if (id.value() < options_.skip.size() && options_.skip[id.value()]) return false;
+      }
+    }
+    return true;
+  }
+
+  // Group k, updated beside backward when the step's plan differs: put back
+  // as it was from the copy the update kept, and updated again, in a host
+  // moment of its own.
+  Status RedoInMoment(size_t k) {
+    const Group& g = groups_[k];
+    if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(g[ChunkKind::kParam].group));
+    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+    HeldChunks held;
+    Status updated = AccessGroup(g, held);
+    if (updated.ok()) {
+      const std::byte* kept = options_.beside->kept(k);
+      for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
+        std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
+        kept += g[kind].used_bytes;
+      }
+      updated = GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
+                    .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held);
+    }
+    for (ChunkAccess& a : held) a.Release();
+    const Status ended = pipeline_.EndMoment();
+    STRATA_RETURN_IF_ERROR(updated);
+    STRATA_RETURN_IF_ERROR(ended);
+    report_.groups++;
+    return Status::Ok();
+  }
+
   // Phase 1: the gradients' statistics (data parallel: their reduction, into
   // reduced_), and the step's plan.
   Status PlanFromGradients() {
@@ -278,7 +331,12 @@ class TrainStep {
       optimizer_.SetAllReduceHook(
           [comm = comm_](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
     } else {
-      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_, options_.compute_stream));
+      // Those an update beside backward took, and the rest read now.
+      std::vector<std::optional<double>> known(groups_.size());
+      for (const BesideUpdates::Update& u : beside_) {
+        if (u.stats_taken) known[u.group] = u.stats.sum_squares;
+      }
+      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_, options_.compute_stream, known));
       optimizer_.SetAllReduceHook(nullptr);
     }
     STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));
@@ -307,7 +365,7 @@ class TrainStep {
     STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(DeviceSeconds(g)));
     const bool on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
     // Released before EndMoment, so the plan's write-backs may take them.
-    std::array<ChunkAccess, kNumChunkKinds> held;
+    HeldChunks held;
     Status updated = UpdateGroup(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, on_gpu, held);
     if (updated.ok() && parallel_ && !param.transient) {
       sent_before_ = comm_->stats().total_bytes();
@@ -324,31 +382,19 @@ class TrainStep {
     return Status::Ok();
   }
 
-  // Accesses group `g`'s chunks in the open host moment (into `held`),
-  // updates elements [lo, hi) but the skipped tensors' (this rank's sharded
-  // chunks hold that range), and zeroes the grad chunk. `reduced`: null to
-  // read the grad chunk (one rank); else this rank's reduced fp32 gradients
-  // of [lo, hi) (data parallel).
-  // `on_gpu`: the chunks are pinned on a GPU, and the update and the zeroing
-  // are queued on the framework's stream (Note [Updates on the device]).
-  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced, bool on_gpu,
-                     std::array<ChunkAccess, kNumChunkKinds>& held) {
+  // Accesses group `g`'s chunks in the open host moment (into `held`) and
+  // updates them (GroupUpdate::Run; `reduced` as there). `on_gpu`: the
+  // chunks are pinned on a GPU, and the update is queued on the
+  // framework's stream (Note [Updates on the device]).
+  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced, bool on_gpu, HeldChunks& held) {
     STRATA_RETURN_IF_ERROR(AccessGroup(g, held));
-    void* const stream = reinterpret_cast<void*>(options_.compute_stream);
-    for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
-      const optim::ChunkTensors tensors = TensorsOf(g, held, lo, r.begin, r.end, reduced);
-      STRATA_RETURN_IF_ERROR(on_gpu ? optimizer_.UpdateChunkOnDevice(report_.plan, tensors, r.step, stream)
-                                    : optimizer_.UpdateChunk(report_.plan, tensors, r.step));
-    }
-    std::byte* const grad = held[static_cast<int>(ChunkKind::kGrad)].data();
-    if (on_gpu) return optim::Optimizer::ZeroOnDevice(grad, g[ChunkKind::kGrad].used_bytes, stream);
-    std::memset(grad, 0, g[ChunkKind::kGrad].used_bytes);
-    return Status::Ok();
+    return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
+        .Run(g, lo, hi, reduced, held, on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
   }
 
   // Lets the group's chunks go: on a GPU, after a fence behind the update
   // queued on the framework's stream.
-  Status LetGo(bool on_gpu, std::array<ChunkAccess, kNumChunkKinds>& held) {
+  Status LetGo(bool on_gpu, HeldChunks& held) {
     if (!on_gpu) {
       for (ChunkAccess& a : held) a.Release();
       return Status::Ok();
@@ -374,20 +420,12 @@ class TrainStep {
   }
 
   // Pins the chunks of `g` the update reads or writes into `held`.
-  Status AccessGroup(const Group& g, std::array<ChunkAccess, kNumChunkKinds>& held) {
+  Status AccessGroup(const Group& g, HeldChunks& held) {
     for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
       STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline_.Access(g[kind].id));
     }
     return Status::Ok();
   }
-
-  // Elements [begin, end) of a group, updated as step `step` of their tensors.
-  struct Range {
-    size_t begin = 0, end = 0;
-    int64_t step = 0;
-  };
-
-  bool Skipped(TensorId id) const { return id.value() < options_.skip.size() && options_.skip[id.value()]; }
 
   // The tensors the step leaves out, for their step counts.
   std::vector<TensorId> LeftOut() const {
@@ -396,72 +434,6 @@ class TrainStep {
       if (options_.skip[id]) ids.emplace_back(id);
     }
     return ids;
-  }
-
-  // The element ranges to update: [lo, hi), less the skipped tensors, split
-  // where the tensors' step counts differ (consecutive tensors of the same
-  // count share a range, the padding between them included).
-  std::vector<Range> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const {
-    const std::vector<TensorId>& tensors = param.tensors;
-    const auto step = [&](TensorId id) { return optimizer_.TensorStep(report_.plan, id); };
-    const bool uniform = std::all_of(tensors.begin(), tensors.end(), [&](TensorId id) {
-      return !Skipped(id) && step(id) == step(tensors.front());
-    });
-    if (tensors.empty() || uniform) return {Range{lo, hi, tensors.empty() ? 0 : step(tensors.front())}};
-    std::vector<Range> ranges;
-    bool extends = false;  // whether the last range ends at the tensor before this one
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const size_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
-      const size_t end = at + static_cast<size_t>(engine_.tensors()[tensors[i].value()].num_elements());
-      const size_t a = std::max(at, lo), b = std::min(end, hi);
-      if (Skipped(tensors[i]) || a >= b) {
-        extends = false;
-        continue;
-      }
-      if (extends && ranges.back().step == step(tensors[i])) {
-        ranges.back().end = b;
-      } else {
-        ranges.push_back(Range{a, b, step(tensors[i])});
-      }
-      extends = true;
-    }
-    return ranges;
-  }
-
-  // The arrays of elements [a, b) of group `g` (pinned in `held`; `reduced`
-  // as for UpdateGroup, starting at element `lo`).
-  optim::ChunkTensors TensorsOf(const Group& g, const std::array<ChunkAccess, kNumChunkKinds>& held, size_t lo,
-                                size_t a, size_t b, const float* reduced) const {
-    // Element `i` of the group's whole chunk in `kind`'s chunk (a sharded
-    // chunk holds only this rank's range, which covers [lo, hi)).
-    const auto element = [&](ChunkKind kind, size_t i) {
-      const ChunkInfo& chunk = g[kind];
-      return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
-    };
-    const ChunkInfo& param = g[ChunkKind::kParam];
-    optim::ChunkTensors part;
-    part.n = b - a;
-    part.param_group = param.param_group;
-    // A transient param chunk gets no compute copy: the update is the master's alone.
-    part.param_dtype = param.transient ? DType::kFloat32 : param.dtype;
-    if (g.has(ChunkKind::kMaster)) {
-      part.master = reinterpret_cast<float*>(element(ChunkKind::kMaster, a));
-      part.param = param.transient ? nullptr : element(ChunkKind::kParam, a);
-    } else {
-      part.master = reinterpret_cast<float*>(element(ChunkKind::kParam, a));
-    }
-    if (reduced != nullptr) {
-      part.grad = reduced + (a - lo);
-      part.grad_dtype = DType::kFloat32;
-    } else {
-      part.grad = element(ChunkKind::kGrad, a);
-      part.grad_dtype = g[ChunkKind::kGrad].dtype;
-    }
-    const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
-    for (int k = 0; k < optimizer_.num_states(); ++k) {
-      part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
-    }
-    return part;
   }
 
   // Adds what the communicator sent since sent_before_ to the report.
@@ -482,6 +454,8 @@ class TrainStep {
   GradReducer* reducer_;      // set when parallel_, once phase 1 begins
   std::unique_ptr<GradReducer> own_reducer_;  // data parallel without one given
   std::vector<std::vector<float>> reduced_;  // data parallel: this rank's reduced gradients, by group
+  std::vector<BesideUpdates::Update> beside_;  // the updates begun beside backward
+  std::vector<const BesideUpdates::Update*> beside_of_;  // by group: its update beside backward, or null
   uint64_t sent_before_ = 0;                 // the communicator's total when last counted
   TrainStepReport report_;
 };

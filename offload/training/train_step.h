@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "offload/training/beside_updates.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/schedule/pipeline.h"
 #include "optim/optimizer.h"
@@ -25,6 +26,8 @@ struct TrainStepReport {
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
+  uint32_t beside_groups = 0;    // of `groups`: updated beside backward, their update confirmed
+  uint32_t redone_groups = 0;    // of `groups`: updated beside backward, then again from their copy (the plan differed)
 };
 
 // What a step runs with besides the engine, the pipeline and the optimizer.
@@ -45,6 +48,9 @@ struct TrainStepOptions {
   // the device are queued on it, after them and before its next forward's
   // (Note [Updates on the device] in train_step.cc).
   uintptr_t compute_stream = 0;
+  // The updates begun beside backward this step: confirmed, or redone from
+  // their copies (Note [Updates beside backward] in beside_updates.cc).
+  BesideUpdates* beside = nullptr;
 };
 
 // OutOfMemory, naming host.budget and the figures, when the host tier cannot

@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "offload/training/beside_updates.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/schedule/pipeline.h"
 #include "offload/training/train_step.h"
@@ -32,6 +33,7 @@ struct Model {
   std::unique_ptr<Pipeline> pipeline;
   std::unique_ptr<optim::Optimizer> optimizer;
   UpdateFence* fence = nullptr;  // the updates' (an asynchronous checkpoint)
+  BesideUpdates* beside = nullptr;  // each layer's update begun as its backward moment ends
   std::vector<bool> skip;        // the steps' TrainStepOptions::skip: tensors left out
 
   // With `comm`, one rank of its group (the states sharded across them).
@@ -120,11 +122,14 @@ struct Model {
       if (backward.ok() && reducer != nullptr) {
         backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
       }
+      if (backward.ok() && beside != nullptr) {
+        backward = beside->Begin(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad)).status();
+      }
     }
     Result<TrainStepReport> report =
-        backward.ok()
-            ? RunTrainStep(*engine, *pipeline, *optimizer, {.skip = skip, .comm = comm, .reducer = reducer, .fence = fence})
-            : Result<TrainStepReport>(backward);
+        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer,
+                                     {.skip = skip, .comm = comm, .reducer = reducer, .fence = fence, .beside = beside})
+                      : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
     STRATA_RETURN_IF_ERROR(ended);

@@ -766,3 +766,111 @@ TEST(TrainStepTest, ShardedEngineNeedsItsOwnCommunicator) {
 
 }  // namespace
 }  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+// Two models, one stepping after backward and one beginning each layer's
+// update beside backward, with the same loss scaler and clipping, see the
+// same gradients (scaled by the loss scale): small ones, large ones that
+// clip, and an overflow in one layer.
+struct BesidePair {
+  static constexpr double kMaxGradNorm = 1.0;
+  Model after{kMaxGradNorm}, early{kMaxGradNorm};
+  std::unique_ptr<BesideUpdates> beside;
+
+  explicit BesidePair(uint64_t kept_bytes) {
+    for (Model* m : {&after, &early}) {
+      Options options;
+      options.optimizer.weight_decay = 0.01;
+      options.optimizer.max_grad_norm = kMaxGradNorm;
+      auto config = optim::OptimizerConfigFromOptions(options);
+      STRATA_CHECK(config.ok());
+      auto made = optim::Optimizer::Create(*config, optim::LossScalerConfig{.init_scale = 1024.0f});
+      STRATA_CHECK(made.ok());
+      m->optimizer = std::move(made).value();
+    }
+    auto made = BesideUpdates::Create(*early.engine, *early.pipeline, *early.optimizer, {.kept_bytes = kept_bytes});
+    STRATA_CHECK(made.ok(), "{}", made.status().ToString());
+    beside = std::move(made).value();
+    early.beside = beside.get();
+    std::mt19937 rng(11);
+    for (int l = 0; l < kLayers; ++l) {
+      const std::vector<float> w = Random(rng, 1.0f);
+      after.Write(l, ChunkKind::kParam, w);
+      early.Write(l, ChunkKind::kParam, w);
+    }
+  }
+
+  // Step k's gradients: `scale` times a fixed pattern, times the loss scale;
+  // with `overflow`, layer 2's carry an inf.
+  void WriteGrads(int k, float scale, bool overflow) {
+    for (Model* m : {&after, &early}) {
+      for (int l = 0; l < kLayers; ++l) {
+        std::vector<float> g = RankGrad(0, l, k);
+        for (float& x : g) x *= scale * m->optimizer->loss_scale();
+        if (overflow && l == 2) g[5] = std::numeric_limits<float>::infinity();
+        m->Write(l, ChunkKind::kGrad, g);
+      }
+    }
+  }
+};
+
+TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
+  struct Case {
+    float scale;
+    bool overflow;
+    bool clips;
+  };
+  // The norm of 6 x 4096 gradients of scale s is about 157 s.
+  const Case steps[] = {{1e-3f, false, false}, {1e-1f, false, true}, {1e-3f, true, false},
+                        {1e-3f, false, false}, {1e-1f, false, true}, {1e-3f, false, false}};
+  // Room for every group's copy, and for two of them (the others updated after backward).
+  for (uint64_t kept : {uint64_t{1} << 30, 2 * 4 * kChunkElems * sizeof(float)}) {
+    SCOPED_TRACE("kept bytes " + std::to_string(kept));
+    BesidePair pair(kept);
+    const uint32_t beside_groups = kept >> 30 ? kLayers : 2;
+    for (int k = 0; k < 6; ++k) {
+      SCOPED_TRACE("step " + std::to_string(k));
+      pair.WriteGrads(k, steps[k].scale, steps[k].overflow);
+      ASSERT_OK_AND_ASSIGN(TrainStepReport after, pair.after.Iteration());
+      ASSERT_OK_AND_ASSIGN(TrainStepReport early, pair.early.Iteration());
+      EXPECT_EQ(after.plan.skip, steps[k].overflow);
+      EXPECT_EQ(after.plan.clip_coefficient < 1.0f, steps[k].clips);
+      EXPECT_EQ(early.plan.step, after.plan.step);
+      EXPECT_EQ(early.plan.grad_norm, after.plan.grad_norm);
+      EXPECT_EQ(early.groups, static_cast<uint32_t>(kLayers));
+      const bool stands = !steps[k].overflow && !steps[k].clips;
+      EXPECT_EQ(early.beside_groups, stands ? beside_groups : 0u);
+      // A group whose gradients overflowed was left as it was, and is updated (skipped) by the step.
+      EXPECT_EQ(early.redone_groups, stands ? 0u : beside_groups - (steps[k].overflow && kept >> 30 ? 1 : 0));
+      for (int l = 0; l < kLayers; ++l) {
+        for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
+          EXPECT_EQ(pair.early.Read(l, kind), pair.after.Read(l, kind)) << "layer " << l << " kind " << int(kind);
+        }
+      }
+      EXPECT_EQ(pair.early.optimizer->loss_scale(), pair.after.optimizer->loss_scale());
+    }
+    EXPECT_EQ(pair.early.optimizer->steps_taken(), 5);
+  }
+}
+
+TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
+  Model model;
+  ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+                                                          {.kept_bytes = uint64_t{1} << 30}));
+  ASSERT_OK(model.pipeline->BeginIteration());
+  const ChunkId param = *model.engine->ChunkOf(TensorId(0), ChunkKind::kParam);
+  EXPECT_EQ(beside->Begin(param).status().code(), StatusCode::kInvalidArgument);
+  const ChunkId grad = *model.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
+  ASSERT_OK_AND_ASSIGN(bool begun, beside->Begin(grad));
+  EXPECT_TRUE(begun);
+  Result<bool> again = beside->Begin(grad);
+  EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(again.status().message().find("begun already"), std::string::npos) << again.status().ToString();
+  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, {.beside = beside.get()}).status());
+  ASSERT_OK(model.pipeline->EndIteration());
+}
+
+}  // namespace
+}  // namespace strata::offload

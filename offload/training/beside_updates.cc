@@ -1,0 +1,138 @@
+#include "offload/training/beside_updates.h"
+
+#include <cstring>
+
+#include "src/base/alignment.h"
+
+namespace strata::offload {
+
+// Note [Updates beside backward]
+// A step's updates need the global gradient norm (clipping), the loss
+// scaler's verdict and the inf/NaN check, none of which is known before
+// backward ends. An update begun in backward (Begin: the adapter calls it
+// once a group's gradients are final) therefore runs speculatively, on the
+// pipeline's host lane (Pipeline::RunBeside): it copies the group's chunks
+// (gradients, parameters, master, optimizer states) into a buffer of its
+// own, takes the gradients' statistics, and updates the group with
+// Optimizer::PlanAhead, the plan for finite gradients that need no clip. A
+// group whose gradients are not finite is left as it is. RunTrainStep then
+// makes the real plan from every group's statistics (those the updates
+// took and those it reads), and when it updates as the plan ahead did, and
+// the hyperparameters are the ones the updates ran with, their work stands;
+// else (a clip, an overflow, a scheduler's change in between) each such
+// group is put back from its copy and updated again in a host moment of the
+// step. So a step's result is the same bit for bit whichever way it ran,
+// and a step that redoes costs its updates twice. The copies take
+// optimizer.overlap bytes of host memory at most; a group whose copy does
+// not fit is updated after backward, as without overlap.
+
+Result<std::unique_ptr<BesideUpdates>> BesideUpdates::Create(Engine& engine, Pipeline& pipeline,
+                                                             optim::Optimizer& optimizer,
+                                                             const BesideOptions& options) {
+  if (engine.world_size() > 1) {
+    return InvalidArgument(
+        "updates beside backward (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates take "
+        "the gradients reduced at the step; set optimizer.overlap to 0",
+        engine.rank(), engine.world_size());
+  }
+  return std::unique_ptr<BesideUpdates>(new BesideUpdates(engine, pipeline, optimizer, options));
+}
+
+BesideUpdates::BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                             const BesideOptions& options)
+    : engine_(engine),
+      pipeline_(pipeline),
+      optimizer_(optimizer),
+      options_(options),
+      groups_(TrainableGroups(engine)),
+      kept_(groups_.size()),
+      begun_(groups_.size(), false) {}
+
+BesideUpdates::~BesideUpdates() { (void)Wait(); }
+
+uint64_t BesideUpdates::kept_size(size_t group) const {
+  uint64_t bytes = 0;
+  for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) bytes += groups_[group][kind].used_bytes;
+  return bytes;
+}
+
+Result<bool> BesideUpdates::Begin(ChunkId grad) {
+  size_t group = groups_.size();
+  for (size_t k = 0; k < groups_.size(); ++k) {
+    if (groups_[k][ChunkKind::kGrad].id == grad) group = k;
+  }
+  if (group == groups_.size()) {
+    return InvalidArgument("updates beside backward: chunk {} is no trainable group's grad chunk", grad.value());
+  }
+  if (begun_[group]) {
+    return InvalidArgument("updates beside backward: the update of chunk {}'s group has begun already this step",
+                           grad.value());
+  }
+  const uint64_t size = kept_size(group);
+  if (kept_in_use_ + size > options_.kept_bytes) return false;
+  if (updates_.empty()) {  // the step's first: what the updates run with
+    plan_ = optimizer_.PlanAhead();
+    hyperparams_.clear();
+    for (uint32_t i = 0; i < optimizer_.num_groups(); ++i) hyperparams_.push_back(optimizer_.group(i));
+  }
+  if (!kept_[group]) kept_[group] = AllocateAlignedHost(std::max<uint64_t>(size, 1), kIoAlignmentBytes);
+  std::vector<ChunkId> chunks;
+  for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) chunks.push_back(groups_[group][kind].id);
+  auto update = std::make_unique<Update>();
+  update->group = group;
+  Update* const u = update.get();
+  STRATA_ASSIGN_OR_RETURN(update->done,
+                          pipeline_.RunBeside(chunks, std::nullopt, [this, group, u](Tier where, auto& held) {
+                            return Compute(group, *u, where, held);
+                          }));
+  updates_.push_back(std::move(update));
+  begun_[group] = true;
+  kept_in_use_ += size;
+  return true;
+}
+
+// On the pipeline's host lane, with the group's chunks pinned in `held`
+// (UpdatedKinds order): the copy, the statistics, the update.
+Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held) {
+  if (!engine_.device().host_accessible() && where != Tier::kHost) return Status::Ok();  // the step updates it
+  const Group& g = groups_[group];
+  const std::vector<ChunkKind> kinds = UpdatedKinds(g, optimizer_.num_states());
+  HeldChunks by_kind;
+  auto* copy = static_cast<std::byte*>(kept_[group].data());
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    const uint64_t bytes = g[kinds[i]].used_bytes;
+    std::memcpy(copy, held[i].data(), bytes);
+    copy += bytes;
+    by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
+  }
+  const ChunkInfo& grad = g[ChunkKind::kGrad];
+  update.stats.Add(by_kind[static_cast<int>(ChunkKind::kGrad)].data(), grad.dtype, UsedElems(grad));
+  update.stats_taken = true;
+  if (!update.stats.finite()) return Status::Ok();  // the step skips
+  static const std::vector<bool> kNoneSkipped;  // its gradients are all in
+  STRATA_RETURN_IF_ERROR(GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
+                             .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind));
+  update.updated = true;
+  return Status::Ok();
+}
+
+Status BesideUpdates::Wait() {
+  Status first;
+  for (const std::unique_ptr<Update>& u : updates_) {
+    const Status s = u->done.get();
+    if (first.ok() && !s.ok()) first = s.WithContext("an update beside backward");
+  }
+  return first;
+}
+
+std::vector<BesideUpdates::Update> BesideUpdates::Take() {
+  (void)Wait();
+  std::vector<Update> taken;
+  for (std::unique_ptr<Update>& u : updates_) taken.push_back(std::move(*u));
+  updates_.clear();
+  begun_.assign(groups_.size(), false);
+  kept_in_use_ = 0;
+  return taken;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,97 @@
+// Optimizer updates begun in backward, beside the rest of it: each
+// trainable chunk group's update starts as soon as its gradients are final,
+// from a plan made before the step's norm is known, with a copy of the
+// group's chunks kept; the step then confirms it, or restores the copy and
+// updates again (Note [Updates beside backward] in beside_updates.cc).
+//
+//   BesideUpdates beside(engine, pipeline, optimizer, {.kept_bytes = ...});
+//   ... the last backward before a step, between two of its moments:
+//   beside.Begin(grad_chunk);  // its group's gradients are final
+//   ...
+//   RunTrainStep(engine, pipeline, optimizer, {.beside = &beside});
+//
+// Ownership: borrows the engine, the pipeline and the optimizer, which must
+// outlive it. Thread-safety: the pipeline's thread; the updates run on the
+// pipeline's own.
+#pragma once
+
+#include <cstdint>
+#include <future>
+#include <optional>
+#include <vector>
+
+#include "offload/schedule/pipeline.h"
+#include "offload/training/group_update.h"
+#include "optim/optimizer.h"
+#include "strata/buffer.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+struct BesideOptions {
+  // Host memory for the copies the updates keep until the step confirms
+  // them (option optimizer.overlap). A group whose copy does not fit in
+  // what is left is updated by the step, after backward.
+  uint64_t kept_bytes = 0;
+};
+
+class BesideUpdates {
+ public:
+  // One update begun this step.
+  struct Update {
+    size_t group = 0;  // index into TrainableGroups(engine)
+    std::shared_future<Status> done;
+    // Set by the update (read once `done` is ready):
+    bool stats_taken = false;  // `stats` holds the group's gradients' statistics
+    bool updated = false;      // it updated the group (its gradients were finite), with `kept` holding the chunks before
+    optim::GradStats stats;
+  };
+
+  // InvalidArgument for a data-parallel engine (its reduced gradients are
+  // the step's).
+  static Result<std::unique_ptr<BesideUpdates>> Create(Engine& engine, Pipeline& pipeline,
+                                                       optim::Optimizer& optimizer, const BesideOptions& options);
+  ~BesideUpdates();  // waits for the updates in flight
+  BesideUpdates(const BesideUpdates&) = delete;
+  BesideUpdates& operator=(const BesideUpdates&) = delete;
+
+  // The gradients of grad chunk `grad`'s group are final for this step: its
+  // update begins beside what follows, when its copy fits in what
+  // kept_bytes has left; returns whether it did. Needs an open pipeline
+  // iteration and no open moment. InvalidArgument for a chunk that is no
+  // trainable group's grad chunk, or one begun already this step.
+  Result<bool> Begin(ChunkId grad);
+  // Waits for the updates in flight; the first error.
+  Status Wait();
+
+  // For RunTrainStep: this step's updates, once done (waits), and the plan
+  // and hyperparameters they ran with; the next Begin starts the next step.
+  std::vector<Update> Take();
+  const optim::StepPlan& plan_ahead() const { return plan_; }
+  const std::vector<optim::GroupHyperparams>& hyperparams() const { return hyperparams_; }
+  const std::vector<Group>& groups() const { return groups_; }
+  // Group `group`'s chunks as they were before its update (UpdatedKinds
+  // order, each chunk's used bytes one after another).
+  const std::byte* kept(size_t group) const { return static_cast<const std::byte*>(kept_[group].data()); }
+  uint64_t kept_size(size_t group) const;
+
+ private:
+  BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer, const BesideOptions& options);
+  Status Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held);
+
+  Engine& engine_;
+  Pipeline& pipeline_;
+  optim::Optimizer& optimizer_;
+  const BesideOptions options_;
+  const std::vector<Group> groups_;
+  std::vector<Buffer> kept_;  // by group, allocated on first use and kept
+  // This step's:
+  std::vector<std::unique_ptr<Update>> updates_;
+  std::vector<bool> begun_;  // by group
+  uint64_t kept_in_use_ = 0;
+  optim::StepPlan plan_;
+  std::vector<optim::GroupHyperparams> hyperparams_;
+};
+
+}  // namespace strata::offload

@@ -1,0 +1,113 @@
+#include "offload/training/group_update.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+namespace strata::offload {
+
+std::vector<Group> TrainableGroups(const Engine& engine) {
+  std::map<uint32_t, Group> groups;
+  for (const ChunkInfo& chunk : engine.chunks()) groups[chunk.group].of_kind[static_cast<int>(chunk.kind)] = chunk;
+  std::vector<Group> trainable;
+  for (auto& [index, group] : groups) {
+    if (group.has(ChunkKind::kGrad)) trainable.push_back(std::move(group));
+  }
+  return trainable;
+}
+
+std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states) {
+  std::vector<ChunkKind> kinds;
+  for (ChunkKind kind :
+       {ChunkKind::kGrad, ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+    const bool used = kind == ChunkKind::kExpAvg     ? num_states >= 1
+                      : kind == ChunkKind::kExpAvgSq ? num_states >= 2
+                      : kind == ChunkKind::kParam    ? !g[kind].transient
+                                                     : g.has(kind);
+    if (used) kinds.push_back(kind);
+  }
+  return kinds;
+}
+
+size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
+
+Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
+                        void* stream) const {
+  for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
+    const optim::ChunkTensors tensors = TensorsOf(g, held, lo, r.begin, r.end, reduced);
+    STRATA_RETURN_IF_ERROR(stream != nullptr ? optimizer_.UpdateChunkOnDevice(plan_, tensors, r.step, stream)
+                                             : optimizer_.UpdateChunk(plan_, tensors, r.step));
+  }
+  std::byte* const grad = held[static_cast<int>(ChunkKind::kGrad)].data();
+  if (stream != nullptr) return optim::Optimizer::ZeroOnDevice(grad, g[ChunkKind::kGrad].used_bytes, stream);
+  std::memset(grad, 0, g[ChunkKind::kGrad].used_bytes);
+  return Status::Ok();
+}
+
+// The element ranges to update: [lo, hi), less the skipped tensors, split
+// where the tensors' step counts differ (consecutive tensors of the same
+// count share a range, the padding between them included).
+std::vector<GroupUpdate::Range> GroupUpdate::RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const {
+  const std::vector<TensorId>& tensors = param.tensors;
+  const auto step = [&](TensorId id) { return optimizer_.TensorStep(plan_, id); };
+  const bool uniform = std::all_of(tensors.begin(), tensors.end(), [&](TensorId id) {
+    return !Skipped(id) && step(id) == step(tensors.front());
+  });
+  if (tensors.empty() || uniform) return {Range{lo, hi, tensors.empty() ? 0 : step(tensors.front())}};
+  std::vector<Range> ranges;
+  bool extends = false;  // whether the last range ends at the tensor before this one
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const size_t at = param.tensor_offsets_bytes[i] / DTypeSizeBytes(param.dtype);
+    const size_t end = at + static_cast<size_t>(engine_.tensors()[tensors[i].value()].num_elements());
+    const size_t a = std::max(at, lo), b = std::min(end, hi);
+    if (Skipped(tensors[i]) || a >= b) {
+      extends = false;
+      continue;
+    }
+    if (extends && ranges.back().step == step(tensors[i])) {
+      ranges.back().end = b;
+    } else {
+      ranges.push_back(Range{a, b, step(tensors[i])});
+    }
+    extends = true;
+  }
+  return ranges;
+}
+
+// The arrays of elements [a, b) of group `g` (pinned in `held`; `reduced`
+// as for Run, starting at element `lo`).
+optim::ChunkTensors GroupUpdate::TensorsOf(const Group& g, const HeldChunks& held, size_t lo, size_t a, size_t b,
+                                           const float* reduced) const {
+  // Element `i` of the group's whole chunk in `kind`'s chunk (a sharded
+  // chunk holds only this rank's range, which covers [lo, hi)).
+  const auto element = [&](ChunkKind kind, size_t i) {
+    const ChunkInfo& chunk = g[kind];
+    return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
+  };
+  const ChunkInfo& param = g[ChunkKind::kParam];
+  optim::ChunkTensors part;
+  part.n = b - a;
+  part.param_group = param.param_group;
+  // A transient param chunk gets no compute copy: the update is the master's alone.
+  part.param_dtype = param.transient ? DType::kFloat32 : param.dtype;
+  if (g.has(ChunkKind::kMaster)) {
+    part.master = reinterpret_cast<float*>(element(ChunkKind::kMaster, a));
+    part.param = param.transient ? nullptr : element(ChunkKind::kParam, a);
+  } else {
+    part.master = reinterpret_cast<float*>(element(ChunkKind::kParam, a));
+  }
+  if (reduced != nullptr) {
+    part.grad = reduced + (a - lo);
+    part.grad_dtype = DType::kFloat32;
+  } else {
+    part.grad = element(ChunkKind::kGrad, a);
+    part.grad_dtype = g[ChunkKind::kGrad].dtype;
+  }
+  const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
+  for (int k = 0; k < optimizer_.num_states(); ++k) {
+    part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
+  }
+  return part;
+}
+
+}  // namespace strata::offload

@@ -1,0 +1,77 @@
+// One trainable chunk group's update, shared by the step after backward
+// (train_step.cc) and the updates beside it (beside_updates.cc): its chunks
+// by kind, which of them an update touches, and the fused pass over them.
+//
+// Thread-safety: a GroupUpdate is immutable once made; Run may be called
+// from any thread for chunks its caller has pinned.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "optim/optimizer.h"
+#include "strata/access.h"
+#include "strata/engine.h"
+#include "strata/status.h"
+
+namespace strata::offload {
+
+// The chunks of one trainable group, by kind.
+struct Group {
+  std::array<std::optional<ChunkInfo>, kNumChunkKinds> of_kind;
+  const ChunkInfo& operator[](ChunkKind kind) const { return *of_kind[static_cast<int>(kind)]; }
+  bool has(ChunkKind kind) const { return of_kind[static_cast<int>(kind)].has_value(); }
+};
+
+// The engine's groups that have a grad chunk, in layout order.
+std::vector<Group> TrainableGroups(const Engine& engine);
+
+// The kinds of `g`'s chunks its update reads or writes, in one host moment.
+// A transient param chunk (parameters sharded) is not written: the master
+// shard is the parameters, gathered again when compute needs them.
+std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states);
+
+size_t UsedElems(const ChunkInfo& chunk);
+
+using HeldChunks = std::array<ChunkAccess, kNumChunkKinds>;
+
+// A step's update of one group at a time, with the plan the step made.
+class GroupUpdate {
+ public:
+  // skip[tensor id]: tensors the step leaves as they are (no gradient reached them).
+  GroupUpdate(const Engine& engine, const optim::Optimizer& optimizer, const optim::StepPlan& plan,
+              const std::vector<bool>& skip)
+      : engine_(engine), optimizer_(optimizer), plan_(plan), skip_(skip) {}
+
+  // Updates elements [lo, hi) of group `g` (pinned in `held` by kind) but
+  // the skipped tensors' (this rank's sharded chunks hold that range), and
+  // zeroes the grad chunk. `reduced`: null to read the grad chunk (one
+  // rank); else this rank's reduced fp32 gradients of [lo, hi) (data
+  // parallel). `stream`: the chunks are on a GPU, and the update and the
+  // zeroing are queued on that stream (Note [Updates on the device] in
+  // train_step.cc); null on the host.
+  Status Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
+             void* stream = nullptr) const;
+
+  const optim::StepPlan& plan() const { return plan_; }
+
+ private:
+  // Elements [begin, end) of a group, updated as step `step` of their tensors.
+  struct Range {
+    size_t begin = 0, end = 0;
+    int64_t step = 0;
+  };
+  bool Skipped(TensorId id) const { return id.value() < skip_.size() && skip_[id.value()]; }
+  std::vector<Range> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const;
+  optim::ChunkTensors TensorsOf(const Group& g, const HeldChunks& held, size_t lo, size_t a, size_t b,
+                                const float* reduced) const;
+
+  const Engine& engine_;
+  const optim::Optimizer& optimizer_;
+  const optim::StepPlan plan_;
+  const std::vector<bool>& skip_;
+};
+
+}  // namespace strata::offload
