@@ -5,6 +5,7 @@
 #include <chrono>
 #include <filesystem>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <thread>
@@ -26,6 +27,8 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
+
 offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   offload::MachineSpec machine;
   machine.pcie_gbps = c.pcie_gbps;
@@ -33,6 +36,35 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   machine.cpu_adam_gparams = c.cpu_adam_gparams;
   machine.gpu_adam_gparams = c.gpu_adam_gparams;
   return machine;
+}
+
+// Each update moment moved to just after the last device moment that uses
+// its group's grad chunk, and marked beside: it begins as soon as its
+// gradients are final, as BesideUpdates begins it.
+void BesideBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
+  std::vector<offload::TraceMoment> updates, device;
+  for (offload::TraceMoment& m : trace.moments) (m.device_compute_seconds ? updates : device).push_back(std::move(m));
+  std::vector<std::vector<offload::TraceMoment>> after(device.size());  // by device moment
+  std::vector<offload::TraceMoment> last;  // updates whose grads no device moment touches
+  for (offload::TraceMoment& u : updates) {
+    u.beside = true;
+    std::optional<size_t> final_grads;
+    for (size_t k = 0; k < device.size(); ++k) {
+      for (ChunkId c : device[k].chunks) {
+        if (layout.chunk(c).kind == ChunkKind::kGrad &&
+            std::find(u.chunks.begin(), u.chunks.end(), c) != u.chunks.end()) {
+          final_grads = k;
+        }
+      }
+    }
+    (final_grads ? after[*final_grads] : last).push_back(std::move(u));
+  }
+  trace.moments.clear();
+  for (size_t k = 0; k < device.size(); ++k) {
+    trace.moments.push_back(std::move(device[k]));
+    for (offload::TraceMoment& u : after[k]) trace.moments.push_back(std::move(u));
+  }
+  for (offload::TraceMoment& u : last) trace.moments.push_back(std::move(u));
 }
 
 // The step as the planner sees it (offload::GptStepTrace), with the compute
@@ -55,6 +87,7 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     m.compute_seconds =
         config.compute_ms > 0 ? config.compute_ms / 1e3 : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9);
   }
+  if (config.overlap && config.ranks == 1) BesideBackward(layout, step.trace);
   if (config.ranks > 1) {
     // Data parallel, the updates run as RunTrainStep runs them: after
     // backward (the gradient norm is all-reduced first), in model order, so
@@ -190,18 +223,33 @@ class Replay {
   Status RunIteration(bool measured) {
     const CommCounters before = Counters();
     STRATA_RETURN_IF_ERROR(pipeline_->BeginIteration());
+    iteration_start_ = Clock::now();
+    spans_.clear();
     bool updating = false;
     for (size_t k = 0; k < step_.moments.size(); ++k) {
       if (reducer_ && comm_moments_.take[k]) STRATA_RETURN_IF_ERROR(TakeReduced(k, updating));
       STRATA_RETURN_IF_ERROR(PlayMoment(step_.moments[k]));
       if (reducer_) STRATA_RETURN_IF_ERROR(Communicate(k));
     }
+    // The step waits for the updates beside backward, as RunTrainStep does:
+    // the device idles, a stall.
+    const Clock::time_point wait = Clock::now();
+    for (const std::shared_future<Status>& u : beside_) STRATA_RETURN_IF_ERROR(u.get());
+    beside_.clear();
+    const double waited = SecondsSince(wait);
     // The gathers are in before the next forward (parameters sharded: the
     // next forward's first chunks, gathered ahead as the updates end), so
     // each iteration counts its own bytes; the wait counts as a stall.
     if (reducer_) STRATA_RETURN_IF_ERROR(reducer_->Drain());
     STRATA_RETURN_IF_ERROR(pipeline_->EndIteration());
-    if (measured) AddMeasured(before);
+    if (measured) {
+      AddMeasured(before);
+      result_.run.stall_seconds += waited / config_.iterations;
+      result_.run.update_wait_seconds += waited / config_.iterations;
+      result_.run.backward_end_seconds = backward_end_;
+      std::lock_guard lock(spans_mu_);
+      result_.run.beside_spans = spans_;
+    }
     return Status::Ok();
   }
 
@@ -238,6 +286,12 @@ class Replay {
   std::vector<ChunkInfo> chunks_;  // once: the engine builds them anew on every call
   std::map<uint32_t, ChunkId> param_of_group_;
   std::set<uint32_t> trained_groups_;  // those with gradients; the others are frozen
+  // This iteration's timeline, and its updates beside backward in flight.
+  Clock::time_point iteration_start_;
+  double backward_end_ = 0;
+  std::mutex spans_mu_;  // guards spans_, which the updates' thread adds to
+  std::vector<std::pair<double, double>> spans_;
+  std::vector<std::shared_future<Status>> beside_;
   RunResult result_;
 };
 
@@ -289,6 +343,19 @@ Status Replay::TakeReduced(size_t k, bool& updating) {
 // A moment: begun where it runs (a host moment where the plan puts it), its
 // chunks accessed (transient params gathered), its compute, its end.
 Status Replay::PlayMoment(const offload::TraceMoment& m) {
+  if (m.beside) {  // its compute on the pipeline's host lane, timed there
+    STRATA_ASSIGN_OR_RETURN(
+        std::shared_future<Status> done,
+        pipeline_->RunBeside(m.chunks, m.device_compute_seconds, [this, &m](Tier where, std::vector<ChunkAccess>&) {
+          const double begin = SecondsSince(iteration_start_);
+          ComputeFor(where == Tier::kHost ? m.compute_seconds : *m.device_compute_seconds, where);
+          std::lock_guard lock(spans_mu_);
+          spans_.emplace_back(begin, SecondsSince(iteration_start_));
+          return Status::Ok();
+        }));
+    beside_.push_back(std::move(done));
+    return Status::Ok();
+  }
   double compute = m.compute_seconds;
   Tier runs_on = m.tier;
   if (m.tier == Tier::kDevice) {
@@ -305,7 +372,9 @@ Status Replay::PlayMoment(const offload::TraceMoment& m) {
   }
   ComputeFor(compute, runs_on);
   held.clear();
-  return pipeline_->EndMoment();
+  STRATA_RETURN_IF_ERROR(pipeline_->EndMoment());
+  if (m.tier == Tier::kDevice) backward_end_ = SecondsSince(iteration_start_);
+  return Status::Ok();
 }
 
 // After moment k: its grad chunks' reduce-scatters submitted, and an
@@ -441,6 +510,10 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
   }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
+  if (config.overlap && config.ranks > 1) {
+    return InvalidArgument("bench replay: --overlap runs one rank (data-parallel updates take the gradients reduced "
+                           "at the step); drop --ranks {} or --overlap", config.ranks);
+  }
   return Status::Ok();
 }
 
@@ -595,6 +668,13 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   return report;
 }
 
+// Each span as "begin-end", in ms.
+std::vector<std::string> TimelineText(const std::vector<std::pair<double, double>>& spans) {
+  std::vector<std::string> out;
+  for (const auto& [begin, end] : spans) out.push_back(fmt::format("{:.2f}-{:.2f}", 1e3 * begin, 1e3 * end));
+  return out;
+}
+
 std::string FormatReplayBench(const ReplayBenchReport& r) {
   std::string out = fmt::format(
       "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {} of model states in {} chunks, "
@@ -647,6 +727,17 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
   out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU; compute at least its chunks' "
                      "transfer time in {} of {} moments\n",
                      r.updates_on_device, r.updates, r.moments_covered, r.moments);
+  if (r.config.overlap) {
+    const std::vector<std::pair<double, double>>& spans = r.planned.beside_spans;
+    const auto during = std::count_if(spans.begin(), spans.end(), [&](const auto& s) {
+      return s.first < r.planned.backward_end_seconds;
+    });
+    out += fmt::format("updates beside backward: {} of {} began while backward went on; the step waited {:.2f} ms "
+                       "for them (in the stall); timeline of the last iteration (ms from its start): backward ended "
+                       "at {:.2f}; updates {}\n",
+                       during, spans.size(), 1e3 * r.planned.update_wait_seconds, 1e3 * r.planned.backward_end_seconds,
+                       fmt::join(TimelineText(spans), " "));
+  }
   if (r.strata_plan_step_seconds > 0) {
     out += fmt::format("strata plan predicts {:.2f} ms ({:+.1f}% from the replay): {}\n",
                        1e3 * r.strata_plan_step_seconds,
@@ -678,7 +769,8 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"host_states", r.config.host_states},
                  {"ranks", r.config.ranks},
                  {"shard_params", r.config.shard_params},
-                 {"net_gbps", r.config.net_gbps}};
+                 {"net_gbps", r.config.net_gbps},
+                 {"overlap", r.config.overlap}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;
@@ -715,6 +807,11 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
     j["strata_plan_command"] = r.strata_plan_command;
   }
   j["pipeline"] = nlohmann::json::parse(r.pipeline_json);  // the last iteration, stalls per moment
+  if (r.config.overlap) {
+    j["backward_end_seconds"] = r.planned.backward_end_seconds;
+    j["update_wait_seconds"] = r.planned.update_wait_seconds;
+    j["beside_spans_seconds"] = r.planned.beside_spans;
+  }
   if (r.config.baseline) {
     j["lru_step_seconds"] = r.lru.step_seconds;
     j["lru_stall_fraction"] = r.lru.stall_fraction;

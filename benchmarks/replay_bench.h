@@ -9,6 +9,7 @@
 #include <array>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "offload/workloads/capacity_plan.h"
@@ -44,6 +45,9 @@ struct ReplayBenchConfig {
   bool shard_params = false;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
+  // Each update begun beside backward, once its group's backward is done
+  // (one rank; Note [Updates beside backward] in offload/schedule/planner.cc).
+  bool overlap = false;
 };
 
 struct ReplayRun {
@@ -60,6 +64,12 @@ struct ReplayRun {
   // (GradReducer::gathers), of them gathered ahead of their need, and of
   // those filled into their device slot ahead too (no copy left for the access).
   double gathers = 0, gathered_ahead = 0, filled_ahead = 0;
+  // The last measured iteration's timeline, in seconds from its start: when
+  // the last device moment (backward's) ended, and when each update beside
+  // backward began and ended.
+  double backward_end_seconds = 0;
+  double update_wait_seconds = 0;  // mean: the step waiting for the updates beside backward (in stall_seconds)
+  std::vector<std::pair<double, double>> beside_spans;
   uint64_t bytes_moved() const;
 };
 

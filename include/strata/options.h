@@ -80,6 +80,9 @@ struct OptimizerOptions {
   double max_grad_norm = 0.0;                  // optimizer.max_grad_norm; 0 = no clipping
   NoDecayRules no_decay;                       // optimizer.no_decay: a list of bias, norm
   size_t stream_ring_bytes = size_t{512} << 20;  // optimizer.stream_ring: host ring NVMe states stream through
+  // optimizer.overlap: host memory for the copies kept by updates begun
+  // beside backward until the step confirms them; 0 = every update after backward.
+  size_t overlap_bytes = 0;
 };
 
 struct LossScaleOptions {

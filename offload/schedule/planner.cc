@@ -494,7 +494,10 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
     } else {
       end = start + m.compute_seconds;
     }
-    if ((g + 1) % u.period == 0) end = std::max(end, host_free);  // the step needs every update's gradients
+    if ((g + 1) % u.period == 0 && host_free > end) {  // the step needs every update's gradients: a stall
+      if (counted(g)) p.stall_seconds += host_free - end;
+      end = host_free;
+    }
     if (counted(g)) {
       p.stall_seconds += start - requested;
       p.stall_per_moment.push_back(start - requested);

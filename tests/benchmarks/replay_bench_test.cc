@@ -96,6 +96,32 @@ TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
   EXPECT_TRUE(nlohmann::json::parse(ReplayBenchJson(report))["config"]["shard_params"].get<bool>());
 }
 
+TEST(ReplayBenchTest, OverlapBeginsEachUpdateBesideBackward) {
+  ReplayBenchConfig config;
+  config.model.layers = 3;
+  config.model.hidden = 256;
+  config.model.vocab = 1024;
+  config.model.sequence = 64;
+  config.iterations = 1;
+  config.pcie_gbps = 8;
+  config.compute_ms = 20;  // a backward of 100 ms: the first updates begin well before it ends
+  config.baseline = false;
+  config.overlap = true;
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
+  EXPECT_EQ(report.divergences, 0u);
+  ASSERT_EQ(report.planned.beside_spans.size(), report.updates);
+  EXPECT_LT(report.planned.beside_spans.front().first, report.planned.backward_end_seconds);
+  for (const auto& [begin, end] : report.planned.beside_spans) EXPECT_LE(begin, end);
+  // The step's wait for them is in the stall.
+  EXPECT_GE(report.planned.stall_seconds, report.planned.update_wait_seconds);
+  nlohmann::json json = nlohmann::json::parse(ReplayBenchJson(report));
+  EXPECT_TRUE(json["config"]["overlap"].get<bool>());
+  EXPECT_EQ(json["beside_spans_seconds"].size(), report.updates);
+  EXPECT_NE(FormatReplayBench(report).find("began while backward went on"), std::string::npos);
+  config.ranks = 2;
+  EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
   ReplayBenchConfig config;
   config.model.layers = 0;

@@ -86,6 +86,8 @@ void AddRunFlags(CLI::App* command, BenchReplayFlags& flags) {
   command->add_flag("--shard-params", config.shard_params,
                     "with --ranks: shard the parameters too (comm.shard_params, ZeRO-3), gathered in "
                     "forward and backward");
+  command->add_flag("--overlap", config.overlap,
+                    "begin each update beside backward, once its group's gradients are final (one rank)");
   command->add_flag("--no-baseline", flags.no_baseline, "skip the LRU run");
   command->add_option("--json", flags.json_path, "also write the results as JSON to this file");
 }
