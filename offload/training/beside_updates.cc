@@ -24,7 +24,11 @@ namespace strata::offload {
 // step. So a step's result is the same bit for bit whichever way it ran,
 // and a step that redoes costs its updates twice. The copies take
 // optimizer.overlap bytes of host memory at most; a group whose copy does
-// not fit is updated after backward, as without overlap.
+// not fit is updated after backward, as without overlap. A gradient that
+// comes into a group after its update began (Late) makes the step add the
+// kept gradients back into the grad chunk before it reads the statistics
+// (the sum autograd would have made: one addition, in the grad's dtype) and
+// update that group again from its copy.
 
 Result<std::unique_ptr<BesideUpdates>> BesideUpdates::Create(Engine& engine, Pipeline& pipeline,
                                                              optim::Optimizer& optimizer,
@@ -114,6 +118,15 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
                              .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind));
   update.updated = true;
   return Status::Ok();
+}
+
+bool BesideUpdates::Late(ChunkId grad) {
+  for (std::unique_ptr<Update>& u : updates_) {
+    if (groups_[u->group][ChunkKind::kGrad].id != grad) continue;
+    u->late = true;
+    return true;
+  }
+  return false;
 }
 
 Status BesideUpdates::Wait() {

@@ -46,6 +46,10 @@ class BesideUpdates {
     bool stats_taken = false;  // `stats` holds the group's gradients' statistics
     bool updated = false;      // it updated the group (its gradients were finite), with `kept` holding the chunks before
     optim::GradStats stats;
+    // Set by Late: gradients came in after it began (the grad chunk holds
+    // them alone: the update zeroed it); the step adds the kept ones back
+    // and updates the group again.
+    bool late = false;
   };
 
   // InvalidArgument for a data-parallel engine (its reduced gradients are
@@ -62,6 +66,11 @@ class BesideUpdates {
   // iteration and no open moment. InvalidArgument for a chunk that is no
   // trainable group's grad chunk, or one begun already this step.
   Result<bool> Begin(ChunkId grad);
+  // Gradients were added into grad chunk `grad` after its group's update
+  // began (a parameter whose gradient autograd accumulates twice, as
+  // reentrant checkpointing can make happen): the step redoes that update
+  // from the whole gradients. Returns whether its update had begun.
+  bool Late(ChunkId grad);
   // Waits for the updates in flight; the first error.
   Status Wait();
 

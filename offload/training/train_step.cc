@@ -220,7 +220,7 @@ class TrainStep {
       const BesideUpdates::Update* early = beside_of_[k];
       if (early == nullptr || !early->updated) {
         STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
-      } else if (beside_stands) {
+      } else if (beside_stands && !early->late) {
         report_.groups++;
         report_.beside_groups++;
       } else {
@@ -265,14 +265,41 @@ class TrainStep {
     if (options_.beside->groups().size() != groups_.size()) {
       return InvalidArgument("train step: the updates beside backward were made for another engine");
     }
+    const Clock::time_point start = Clock::now();
     beside_ = options_.beside->Take();
+    report_.beside_wait_seconds = SecondsSince(start);
     Status first;
     for (const BesideUpdates::Update& u : beside_) {
       beside_of_[u.group] = &u;
       const Status done = u.done.get();
       if (first.ok() && !done.ok()) first = done.WithContext("an update beside backward");
     }
-    return first;
+    STRATA_RETURN_IF_ERROR(first);
+    for (const BesideUpdates::Update& u : beside_) {
+      if (u.late && u.updated) STRATA_RETURN_IF_ERROR(MergeLateInMoment(u.group));  // else never zeroed
+    }
+    return Status::Ok();
+  }
+
+  // Group k's gradients came in part after its update beside backward
+  // began: the grad chunk (the late part) gets the kept part added back,
+  // in a host moment of its own, so that it holds what autograd's sum
+  // would have; the step reads it as any other.
+  Status MergeLateInMoment(size_t k) {
+    const ChunkInfo& grad = groups_[k][ChunkKind::kGrad];
+    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+    Result<ChunkAccess> access = pipeline_.Access(grad.id);
+    if (access.ok()) {
+      const std::byte* kept = options_.beside->kept(k);  // the grad chunk comes first (UpdatedKinds)
+      for (size_t i = 0; i < UsedElems(grad); ++i) {
+        optim::StoreFloat(access->data(), grad.dtype, i,
+                          optim::FloatAt(access->data(), grad.dtype, i) + optim::FloatAt(kept, grad.dtype, i));
+      }
+      access->Release();
+    }
+    const Status ended = pipeline_.EndMoment();
+    STRATA_RETURN_IF_ERROR(access.status().WithContext("adding a late gradient's chunk group together"));
+    return ended;
   }
 
   // Whether the updates begun beside backward did what this step's plan
@@ -301,9 +328,11 @@ class TrainStep {
     HeldChunks held;
     Status updated = AccessGroup(g, held);
     if (updated.ok()) {
+      // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
+      const bool late = beside_of_[k]->late;
       const std::byte* kept = options_.beside->kept(k);
       for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
-        std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
+        if (kind != ChunkKind::kGrad || !late) std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
         kept += g[kind].used_bytes;
       }
       updated = GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
@@ -334,7 +363,7 @@ class TrainStep {
       // Those an update beside backward took, and the rest read now.
       std::vector<std::optional<double>> known(groups_.size());
       for (const BesideUpdates::Update& u : beside_) {
-        if (u.stats_taken) known[u.group] = u.stats.sum_squares;
+        if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
       }
       STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_, options_.compute_stream, known));
       optimizer_.SetAllReduceHook(nullptr);

@@ -28,6 +28,7 @@ struct TrainStepReport {
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
   uint32_t beside_groups = 0;    // of `groups`: updated beside backward, their update confirmed
   uint32_t redone_groups = 0;    // of `groups`: updated beside backward, then again from their copy (the plan differed)
+  double beside_wait_seconds = 0;  // waiting for the updates beside backward to end (in stats_seconds)
 };
 
 // What a step runs with besides the engine, the pipeline and the optimizer.

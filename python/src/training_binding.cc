@@ -65,6 +65,9 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
   d["groups"] = report.groups;
   d["comm_bytes"] = report.comm_bytes;
   d["comm_wait_seconds"] = report.comm_wait_seconds;
+  d["beside_groups"] = report.beside_groups;
+  d["redone_groups"] = report.redone_groups;
+  d["beside_wait_seconds"] = report.beside_wait_seconds;
   return d;
 }
 
@@ -172,7 +175,7 @@ void BindTrainStep(py::module_& m) {
       "train_step",
       [](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
          const std::vector<uint32_t>& skip_tensors, Communicator* comm, PyGradReducer* reducer,
-         offload::PendingCheckpoint* fence, uintptr_t stream) {
+         offload::PendingCheckpoint* fence, uintptr_t stream, offload::BesideUpdates* beside) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         return TrainStepDict(ValueOrThrow(Unlocked([&] {
@@ -181,15 +184,41 @@ void BindTrainStep(py::module_& m) {
                                         .comm = comm,
                                         .reducer = reducer != nullptr ? &reducer->get() : nullptr,
                                         .fence = fence,
-                                        .compute_stream = stream});
+                                        .compute_stream = stream,
+                                        .beside = beside});
         })));
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
       py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr, py::arg("stream") = 0,
+      py::arg("beside") = nullptr,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
       "until the save has read the group; on a GPU, updates the plan runs there are queued on stream (the "
-      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream)");
+      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream); beside (BesideUpdates): the "
+      "updates it began in backward, confirmed or redone");
+  py::class_<offload::BesideUpdates, std::unique_ptr<offload::BesideUpdates>>(
+      m, "BesideUpdates",
+      "optimizer updates begun in backward, each once its chunk group's gradients are final, beside the rest of "
+      "it; the step confirms or redoes them (offload/training/beside_updates.h)")
+      .def(py::init([](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer, uint64_t kept_bytes) {
+             return ValueOrThrow(
+                 offload::BesideUpdates::Create(engine, pipeline, optimizer, {.kept_bytes = kept_bytes}));
+           }),
+           py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("kept_bytes"),
+           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+      .def(
+          "begin",
+          [](offload::BesideUpdates& b, uint32_t grad) {
+            return ValueOrThrow(Unlocked([&] { return b.Begin(ChunkId(grad)); }));
+          },
+          py::arg("grad_chunk"),
+          "its group's gradients are final: its update begins beside what follows when its copy fits; whether it "
+          "did. Between moments of the open iteration")
+      .def("late", [](offload::BesideUpdates& b, uint32_t grad) { return b.Late(ChunkId(grad)); },
+           py::arg("grad_chunk"),
+           "gradients came into the chunk after its group's update began: the step redoes it from the whole")
+      .def("wait", [](offload::BesideUpdates& b) { ThrowIfError(Unlocked([&] { return b.Wait(); })); },
+           "waits for the updates in flight; raises the first error");
 }
 
 void BindGradReducer(py::module_& m) {

@@ -45,12 +45,14 @@ from dataclasses import dataclass, field
 import torch
 
 from . import _strata
+from ._strata import parse_size
 from .checkpoint import Checkpoints
 from .config import load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
 from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
+from .overlap import Overlap
 from .params import ParamTable
 from .runtime import open_runtime
 from .state import ModelState
@@ -121,8 +123,12 @@ class TrainingEngine:
         _strata.check_step_room(runtime.engine, self._optimizer)
         self._progress = _Progress()
         self._grad_sync = GradSync(runtime, table)
+        overlap_bytes = parse_size(self.config.options.describe()["optimizer.overlap"])
+        self._overlap = Overlap(runtime, table, self._pipeline, self._optimizer, overlap_bytes)
         self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)
-        self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable)
+        self._moments.overlap = self._overlap if self._overlap.beside is not None else None
+        self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable,
+                            self._moments.overlap)
         self._weights = Weights(runtime, table, model, self._grad_sync)
         self._state = ModelState(runtime, table, self._weights)
         self._checkpoints = Checkpoints(runtime, table, self._optimizer)
@@ -169,7 +175,9 @@ class TrainingEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._optimizer.loss_scale / (self.gradient_accumulation_steps if average else 1)
-        self._grad_sync.begin_backward(self._progress.micro_steps + 1 >= self.gradient_accumulation_steps)
+        before_step = self._progress.micro_steps + 1 >= self.gradient_accumulation_steps
+        self._grad_sync.begin_backward(before_step)
+        self._overlap.begin_backward(before_step, saving=self._checkpoints.pending is not None)
         self._moments.pin_error = None
         try:
             (loss if scale == 1.0 else loss * scale).backward()
@@ -183,6 +191,9 @@ class TrainingEngine:
                 raise pinning from error  # as raised, not as the RuntimeError autograd made of it
             raise
         self._hooks.end_backward()
+        if self._overlap.pending:  # the groups backward completed last begin before the step's wait
+            self._moments.end_moment()
+            self._overlap.begin_ready()
         self._progress.micro_steps += 1
 
     def step(self):
@@ -200,6 +211,7 @@ class TrainingEngine:
             return False
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
+        self._overlap.wait()  # no update beside backward runs while the values change
         self.optimizer.write_groups()  # the values param_groups holds now: a scheduler's, a user's
         start = time.perf_counter()
         self._runtime.synchronize()
@@ -214,7 +226,7 @@ class TrainingEngine:
             # An asynchronous save reads each group out before its update changes it.
             self._progress.last_step = self._table.checked(
                 _strata.train_step, self._runtime.engine, self._pipeline, self._optimizer, skip, self._runtime.comm,
-                self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream())
+                self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream(), self._overlap.beside)
         except BaseException as error:
             self._progress.broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk "
                                      "groups are updated and others not")

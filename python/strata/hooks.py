@@ -95,8 +95,9 @@ def _meta_holders(model):
 class Hooks:
     """The hooks of one model, and the state of the forwards and backward running through them."""
 
-    def __init__(self, runtime, table, moments, grad_sync, check_usable):
+    def __init__(self, runtime, table, moments, grad_sync, check_usable, overlap=None):
         self._runtime = runtime
+        self._overlap = overlap  # strata.overlap.Overlap: told of each gradient that arrives
         self._table = table
         self._moments = moments
         self._grad_sync = grad_sync
@@ -357,6 +358,8 @@ class Hooks:
         record.stepped = True
         if self._grad_sync.reducing:
             self._grad_sync.arrived(record)
+        if self._overlap is not None and self._overlap.active:
+            self._overlap.arrived(record)
 
     def end_backward(self):
         """Every pin backward holds is let go (autograd's callback as a backward ends, and before a step)."""

@@ -32,6 +32,7 @@ class Moments:
         self.direct = False       # an evaluation forward: chunks pinned outside the pipeline
         self.saved_bytes = 0      # activations autograd holds (non-model memory estimate)
         self.pin_error = None     # the last MemoryError pinning a chunk in backward (engine.backward re-raises it)
+        self.overlap = None       # strata.overlap.Overlap: updates begun between moments
 
     # --- moments -------------------------------------------------------------
 
@@ -50,6 +51,8 @@ class Moments:
             self._pipeline.begin_iteration()
             self.in_iteration = True
         self.end_moment()
+        if self.overlap is not None and self.overlap.pending:
+            self.overlap.begin_ready()
         self._pipeline.begin_moment(self._non_model_bytes())
         self.in_moment = True
         engine = self._runtime.engine

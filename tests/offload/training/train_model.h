@@ -34,6 +34,7 @@ struct Model {
   std::unique_ptr<optim::Optimizer> optimizer;
   UpdateFence* fence = nullptr;  // the updates' (an asynchronous checkpoint)
   BesideUpdates* beside = nullptr;  // each layer's update begun as its backward moment ends
+  std::function<void()> before_step;  // runs after backward, before the step
   std::vector<bool> skip;        // the steps' TrainStepOptions::skip: tensors left out
 
   // With `comm`, one rank of its group (the states sharded across them).
@@ -126,6 +127,7 @@ struct Model {
         backward = beside->Begin(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad)).status();
       }
     }
+    if (backward.ok() && before_step) before_step();
     Result<TrainStepReport> report =
         backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer,
                                      {.skip = skip, .comm = comm, .reducer = reducer, .fence = fence, .beside = beside})

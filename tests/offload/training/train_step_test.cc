@@ -855,6 +855,37 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
   }
 }
 
+TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) {
+  BesidePair pair(uint64_t{1} << 30);
+  const ChunkId grad3 = *pair.early.engine->ChunkOf(TensorId(3), ChunkKind::kGrad);
+  for (int k = 0; k < 3; ++k) {
+    SCOPED_TRACE("step " + std::to_string(k));
+    pair.WriteGrads(k, 1e-3f, false);
+    // Layer 3's gradients come in two parts; the second arrives after backward.
+    std::vector<float> late = RankGrad(1, 3, k);
+    for (float& x : late) x *= 1e-3f * pair.after.optimizer->loss_scale();
+    std::vector<float> whole = pair.after.Read(3, ChunkKind::kGrad);
+    for (size_t i = 0; i < whole.size(); ++i) whole[i] += late[i];
+    pair.after.Write(3, ChunkKind::kGrad, whole);
+    pair.early.before_step = [&] {
+      ASSERT_TRUE(pair.beside->Late(grad3));
+      // Into the chunk its update zeroed, once done with it (a pipeline access of it would wait as long).
+      ASSERT_OK(pair.beside->Wait());
+      pair.early.Write(3, ChunkKind::kGrad, late);
+    };
+    ASSERT_OK_AND_ASSIGN(TrainStepReport after, pair.after.Iteration());
+    ASSERT_OK_AND_ASSIGN(TrainStepReport early, pair.early.Iteration());
+    EXPECT_EQ(early.plan.grad_norm, after.plan.grad_norm);
+    EXPECT_EQ(early.beside_groups, static_cast<uint32_t>(kLayers - 1));
+    EXPECT_EQ(early.redone_groups, 1u);
+    for (int l = 0; l < kLayers; ++l) {
+      for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
+        EXPECT_EQ(pair.early.Read(l, kind), pair.after.Read(l, kind)) << "layer " << l << " kind " << int(kind);
+      }
+    }
+  }
+}
+
 TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
   Model model;
   ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
@@ -870,6 +901,22 @@ TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
   EXPECT_NE(again.status().message().find("begun already"), std::string::npos) << again.status().ToString();
   ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, {.beside = beside.get()}).status());
   ASSERT_OK(model.pipeline->EndIteration());
+}
+
+}  // namespace
+}  // namespace strata::offload
+
+namespace strata::offload {
+namespace {
+
+TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForADataParallelEngine) {
+  OnRanks(2, [](int, Communicator& comm) {
+    Model model(0.0, &comm);
+    Result<std::unique_ptr<BesideUpdates>> refused =
+        BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer, {.kept_bytes = 1 << 20});
+    ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.status().message().find("optimizer.overlap"), std::string::npos) << refused.status().ToString();
+  });
 }
 
 }  // namespace

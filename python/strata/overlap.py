@@ -1,0 +1,67 @@
+"""optimizer.overlap: each chunk group's update begun beside backward, as soon as its gradients are final.
+
+In the last backward before a step, a grad chunk is final once every
+trainable parameter in it has had its gradient added (autograd accumulates a
+parameter's gradient once per backward). At the next moment boundary, the
+chunk group's update begins on the pipeline's own thread, beside the rest of
+backward, from a plan made before the step's norm is known; the step confirms
+it, or puts the group back from the copy it kept and updates it again after a
+clip, an overflow or a hyperparameter changed in between (Note [Updates beside
+backward] in offload/training/beside_updates.cc). A gradient that comes into a
+chunk after its update began (a parameter reentrant checkpointing accumulates
+twice) makes the step redo that group from the whole gradient.
+"""
+
+from . import _strata
+
+
+class Overlap:
+    """The updates begun beside this backward, and which grad chunks are complete."""
+
+    def __init__(self, runtime, table, pipeline, optimizer, kept_bytes):
+        self.beside = None
+        if kept_bytes > 0:
+            # ValueError for a data-parallel engine, naming the option.
+            self.beside = _strata.BesideUpdates(runtime.engine, pipeline, optimizer, kept_bytes)
+        self._params_of = {}  # grad chunk -> how many trainable parameters it holds
+        for record in table.records:
+            if record.trainable:
+                self._params_of[record.grad_chunk] = self._params_of.get(record.grad_chunk, 0) + 1
+        # This backward's:
+        self.active = False   # the last backward before a step, with overlap on
+        self._arrived = {}    # grad chunk -> ids of the parameters whose gradient came in
+        self._ready = []      # complete grad chunks whose update is still to begin
+        self._begun = set()   # grad chunks whose update began
+
+    def begin_backward(self, before_step, saving):
+        """A new backward: the one before a step begins updates (not while an asynchronous save reads the
+        groups: a save waits for nothing beside backward)."""
+        self.active = self.beside is not None and before_step and not saving
+        self._arrived, self._ready, self._begun = {}, [], set()
+
+    def arrived(self, record):
+        """While active: `record`'s gradient is in its grad chunk."""
+        chunk = record.grad_chunk
+        if chunk in self._begun:
+            self.beside.late(chunk)
+            return
+        arrived = self._arrived.setdefault(chunk, set())
+        arrived.add(id(record))
+        if len(arrived) == self._params_of[chunk]:
+            self._ready.append(chunk)
+
+    @property
+    def pending(self):
+        return bool(self._ready)
+
+    def begin_ready(self):
+        """Between two moments: the updates of the chunks completed since the last call begin."""
+        for chunk in self._ready:
+            if self.beside.begin(chunk):
+                self._begun.add(chunk)
+        self._ready.clear()
+
+    def wait(self):
+        """The updates in flight are done (before the optimizer's values change)."""
+        if self.beside is not None:
+            self.beside.wait()

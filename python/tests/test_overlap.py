@@ -1,0 +1,163 @@
+"""optimizer.overlap: each chunk group's update begins beside backward once its gradients are final, and the step
+confirms it or redoes it from the copy it kept (Note [Updates beside backward] in offload/training/beside_updates.cc).
+Whatever the step decides (a clip, an overflow, a gradient that came late), the parameters and optimizer states are
+those of the same run without overlap, bit for bit."""
+
+import pytest
+import torch
+import torch.utils.checkpoint
+
+import strata
+from models import TinyGPT, batches, three_tiers
+
+
+def gpt_run(tmp_path, overlap, steps=5, accumulation=1, **config):
+    torch.manual_seed(0)
+    model = TinyGPT()
+    engine = strata.initialize(model, three_tiers(tmp_path, optimizer={"overlap": "64MiB" if overlap else 0},
+                                                  gradient_accumulation_steps=accumulation, **config))
+    reports = []
+    for tokens in batches(steps * accumulation):
+        logits = engine(tokens[:, :-1])
+        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+        if engine.step():
+            reports.append(engine.last_step)
+    state = {**engine.state_dict(master=engine.dtype != torch.float32), **optimizer_states(engine)}
+    tiers = engine.chunk_tiers()
+    engine.close()
+    return state, reports, tiers
+
+
+def optimizer_states(engine):
+    """Every exp_avg and exp_avg_sq chunk's bytes, by chunk id."""
+    out = {}
+    for chunk in engine.engine.chunks():
+        if chunk["kind"] in ("exp_avg", "exp_avg_sq"):
+            out[f"chunk {chunk['id']}"] = torch.tensor(bytearray(engine.engine.read_chunk(chunk["id"])))
+    return out
+
+
+def assert_same(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.05])
+def test_updates_beside_backward_give_the_steps_results_bit_for_bit(tmp_path, clip):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    after, after_reports, _ = gpt_run(tmp_path / "after", False, gradient_clipping=clip)
+    beside, reports, tiers = gpt_run(tmp_path / "beside", True, gradient_clipping=clip)
+    assert_same(after, beside)
+    assert "nvme" in tiers["exp_avg"] or "nvme" in tiers["exp_avg_sq"], tiers  # states on NVMe
+    groups = after_reports[-1]["groups"]
+    assert all(r["beside_groups"] == 0 and r["redone_groups"] == 0 for r in after_reports)
+    if clip == 0.0:  # every group's update stands (the last group's begins as backward ends)
+        assert [r["beside_groups"] for r in reports] == [groups] * len(reports), reports
+    else:  # every step clips: each group begun beside backward is put back and updated again
+        assert [r["redone_groups"] for r in reports] == [groups] * len(reports), reports
+
+
+def test_with_accumulation_only_the_last_backward_begins_updates(tmp_path):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    after, _, _ = gpt_run(tmp_path / "after", False, steps=3, accumulation=2)
+    beside, reports, _ = gpt_run(tmp_path / "beside", True, steps=3, accumulation=2)
+    assert_same(after, beside)
+    assert all(r["beside_groups"] > 0 for r in reports), reports
+
+
+class Scale(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.w = torch.nn.Parameter(1 + 0.1 * torch.randn(n))
+
+    def forward(self, x):
+        return x * self.w
+
+
+class Overflow(torch.autograd.Function):
+    """Identity whose backward makes the gradient infinite: an overflow in the first layer's alone."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+class Scales(torch.nn.Module):
+    """Elementwise layers of one chunk each; with `reentrant`, the first layer runs in two reentrant checkpoints,
+    so that autograd accumulates its gradient twice, the second time after its group's update began. With
+    `overflow` set, the first layer's gradients overflow: backward reaches it last, after the others' updates
+    began."""
+
+    def __init__(self, layers=4, n=2048, reentrant=False):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(Scale(n) for _ in range(layers))
+        self.reentrant = reentrant
+        self.overflow = False
+
+    def forward(self, x, t):
+        if self.reentrant:
+            first = self.layers[0]
+            x = torch.utils.checkpoint.checkpoint(first, x, use_reentrant=True)
+            x = torch.utils.checkpoint.checkpoint(first, x, use_reentrant=True)
+        else:
+            x = self.layers[0](x)
+        if self.overflow:
+            x = Overflow.apply(x)
+        for layer in self.layers[1:]:
+            x = layer(x)
+        return ((x - t) ** 2).float().mean()
+
+
+def scales_run(tmp_path, overlap, precision="fp32", reentrant=False, steps=6, overflow_at=(), **config):
+    torch.manual_seed(0)
+    model = Scales(reentrant=reentrant)
+    engine = strata.initialize(model, three_tiers(tmp_path, precision=precision,
+                                                  optimizer={"type": "adamw", "lr": 0.05, "weight_decay": 0.01,
+                                                             "overlap": "64MiB" if overlap else 0},
+                                                  **config))
+    target = torch.randn(2048)
+    reports = []
+    for step in range(steps):
+        model.overflow = step in overflow_at
+        x = torch.randn(2048, requires_grad=reentrant)  # a reentrant checkpoint needs an input that requires grad
+        engine.backward(engine(x.to(engine.dtype), (x * target).to(engine.dtype)))
+        engine.step()
+        reports.append(engine.last_step)
+    state = {**engine.state_dict(master=precision != "fp32"), **optimizer_states(engine)}
+    engine.close()
+    return state, reports
+
+
+def test_an_fp16_overflow_skips_the_same_steps_and_leaves_the_same_states(tmp_path):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    scaling = {"loss_scale": {"init": 1024.0, "growth_interval": 2}}
+    after, after_reports = scales_run(tmp_path / "after", False, precision="fp16", overflow_at=(2, 5), **scaling)
+    beside, reports = scales_run(tmp_path / "beside", True, precision="fp16", overflow_at=(2, 5), **scaling)
+    skipped = [r["skipped"] for r in reports]
+    assert skipped == [r["skipped"] for r in after_reports] == [s in (2, 5) for s in range(6)]
+    assert [r["loss_scale"] for r in reports] == [r["loss_scale"] for r in after_reports]
+    assert_same(after, beside)
+    # The other three groups' updates began before the first layer's gradients overflowed: each was put back.
+    assert [(r["beside_groups"], r["redone_groups"]) for r in reports] == [(0, 3) if s else (4, 0) for s in skipped]
+
+
+def test_a_gradient_after_its_groups_update_began_redoes_that_group(tmp_path):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    after, _ = scales_run(tmp_path / "after", False, reentrant=True)
+    beside, reports = scales_run(tmp_path / "beside", True, reentrant=True)
+    assert_same(after, beside)
+    assert all(r["redone_groups"] == 1 and r["beside_groups"] == 3 for r in reports), reports
+
+
+def test_a_bad_size_is_refused_naming_the_option(tmp_path):
+    with pytest.raises(ValueError, match="optimizer.overlap"):
+        strata.initialize(Scales(), three_tiers(tmp_path, optimizer={"overlap": "lots"}))
