@@ -8,7 +8,9 @@ issue 24, with where each step's time goes.
 The configurations, by the device budget against the model states (16 bytes a parameter):
 - fits: twice the model states (nothing needs to move);
 - streamed: a third of them, the host twice them (parameters streamed, CPU Adam);
-- nvme: a sixth, the host a third, the rest on NVMe (a directory under --nvme-dir).
+- nvme: a sixth, the host a third, the rest on NVMe (a directory under --nvme-dir);
+- and +overlap: the same with optimizer.overlap (each group's CPU update begun beside backward, its copy kept in
+  host memory the size of the model states).
 
 For each run: seconds a step (the median after the first two steps), forward / backward / step phases,
 tokens/s, model TFLOPS (6 N + 12 L h s a token) and MFU against --peak-tflops, the adapter's host
@@ -39,7 +41,9 @@ from gpt import GPT  # noqa: E402
 CONFIGS = {  # (device budget, host budget) as fractions of the model states; host None: the default
     "fits": (2.0, None),
     "streamed": (1 / 3, 2.0),
+    "streamed+overlap": (1 / 3, 2.0),
     "nvme": (1 / 6, 1 / 3),
+    "nvme+overlap": (1 / 6, 1 / 3),
 }
 WARMUP_STEPS = 2  # the trace, then the first plan
 LEAST = re.compile(r"raise (device|host)\.budget to at least ([0-9.]+ ?[KMGT]?i?B)")
@@ -157,6 +161,8 @@ def strata_config(args, name, states, nvme_dir):
         config["device"]["emulated_bandwidth_gbps"] = args.link_gbps
     if host_fraction is not None:
         config["host"] = {"budget": int(host_fraction * states)}
+    if name.endswith("+overlap"):
+        config["optimizer"]["overlap"] = int(states)  # every group's copy
     return config
 
 
@@ -177,7 +183,7 @@ def initialize_within(model, config):
 def strata_run(args, name, nvme_root):
     model = build_model(args)
     parameters = sum(p.numel() for p in model.parameters())
-    nvme_dir = tempfile.mkdtemp(prefix=f"train-bench-{name}-", dir=nvme_root)
+    nvme_dir = tempfile.mkdtemp(prefix=f"train-bench-{name.replace('+', '-')}-", dir=nvme_root)
     engine = initialize_within(model, strata_config(args, name, 16 * parameters, nvme_dir))
     before = {}  # the links' bytes and the pipeline's counts once warm
 
@@ -200,6 +206,10 @@ def strata_run(args, name, nvme_root):
         # groups it updates on the device
         "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
         "updates_on_device": stats["pipeline"].get("plan", {}).get("updates_on_device"),
+        # optimizer.overlap: the last step's groups updated beside backward (confirmed, and redone) and its wait
+        "beside_groups": stats["last_step"].get("beside_groups"),
+        "redone_groups": stats["last_step"].get("redone_groups"),
+        "beside_wait_s": stats["last_step"].get("beside_wait_seconds"),
         "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
                            for link, v in stats["links"].items()},
         "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],
@@ -220,7 +230,7 @@ def print_table(args, results):
     print(f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, "
           f"{args.precision}, device {args.device}" + (f" (links {args.link_gbps} GB/s)" if args.device ==
                                                        "emulated" else ""))
-    print(f"{'run':<10}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
+    print(f"{'run':<17}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
           f"{'x plain':>9}{'syncs':>7}{'waits':>7}{'stall':>7}{'plan s':>8}{'on dev':>7}  bytes/step by link")
     for name, r in results.items():
         mfu = f"{r['mfu']:.2f}" if r["mfu"] is not None else "-"
@@ -229,7 +239,7 @@ def print_table(args, results):
         stall = r.get("stall_fraction")
         links = ", ".join(f"{link} {bytes_ / 2**20:.1f}MiB" for link, bytes_ in r.get("bytes_per_step", {}).items()
                           if bytes_)
-        print(f"{name:<10}{r['s_per_step']:>9.4f}{r['forward_s']:>8.4f}{r['backward_s']:>8.4f}"
+        print(f"{name:<17}{r['s_per_step']:>9.4f}{r['forward_s']:>8.4f}{r['backward_s']:>8.4f}"
               f"{r['step_phase_s']:>8.4f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>8.3f}{mfu:>7}"
               f"{plain / r['s_per_step']:>9.2f}{'' if syncs is None else syncs:>7}"
               f"{'' if waits is None else f'{waits:.0f}':>7}"

@@ -46,14 +46,15 @@ if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (
   # The adapter's own cost a module on the GPU, and where it goes (200 modules of next to no compute).
   PYTHONPATH="$bundle/python" python3 benchmarks/adapter_cost.py --device cuda --profile 25 \
     --json "$out/adapter-cost.json" > "$out/adapter-cost.txt" 2>&1 || status=1
-  # Issue 24's figures: plain PyTorch and strata's three configurations (a GPT of 0.2B parameters, bf16).
+  # Issue 24's figures: plain PyTorch and strata's three configurations, the last two also with
+  # optimizer.overlap (a GPT of 0.2B parameters, bf16).
   PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --layers 12 --hidden 1024 \
     --heads 16 --vocab 32000 --seq 512 --batch 8 --precision bf16 --steps 6 --peak-tflops 989 \
     --nvme-dir "$out/scratch" --json "$out/train-bench.json" > "$out/train-bench.txt" 2>&1 || status=1
   # And issue 24's own shape: a Hugging Face Llama of 0.94B parameters (4 x 2048 tokens a step), everything on
   # the device and parameters streamed (about 100 s on an H100).
   PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --model llama --layers 16 \
-    --hidden 2048 --heads 16 --vocab 32000 --seq 2048 --batch 4 --precision bf16 --steps 5 --configs fits,streamed \
+    --hidden 2048 --heads 16 --vocab 32000 --seq 2048 --batch 4 --precision bf16 --steps 5 --configs fits,streamed,streamed+overlap \
     --peak-tflops 989 --json "$out/train-bench-llama.json" > "$out/train-bench-llama.txt" 2>&1 || status=1
 fi
 cat "$out/gpu.txt"
@@ -63,6 +64,6 @@ tail -n 12 "$out/bench-io-device.txt"
 tail -n 4 "$out/bench-optim-fp32.txt" "$out/bench-optim-bf16.txt"
 [[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
 [[ -f "$out/adapter-cost.txt" ]] && head -n 1 "$out/adapter-cost.txt"
-[[ -f "$out/train-bench.txt" ]] && tail -n 8 "$out/train-bench.txt"
-[[ -f "$out/train-bench-llama.txt" ]] && tail -n 5 "$out/train-bench-llama.txt"
+[[ -f "$out/train-bench.txt" ]] && tail -n 10 "$out/train-bench.txt"
+[[ -f "$out/train-bench-llama.txt" ]] && tail -n 6 "$out/train-bench-llama.txt"
 exit $status

@@ -16,13 +16,16 @@ def test_the_training_benchmark_reports_every_run(tmp_path):
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
     results = json.loads(out.read_text())["results"]
-    assert list(results) == ["plain", "fits", "streamed", "nvme"]
+    assert list(results) == ["plain", "fits", "streamed", "streamed+overlap", "nvme", "nvme+overlap"]
     for name, r in results.items():
         assert r["s_per_step"] > 0 and r["tokens_per_s"] > 0, (name, r)
         phases = r["forward_s"] + r["backward_s"] + r["step_phase_s"]
         assert 0.5 * r["s_per_step"] <= phases <= 2 * r["s_per_step"], (name, r)  # medians of each
     for name in ("fits", "streamed", "nvme"):
         assert results[name]["host_syncs_per_step"] > 0, results[name]
+        assert results[name]["beside_groups"] == 0, results[name]
+    for name in ("streamed+overlap", "nvme+overlap"):
+        assert results[name]["beside_groups"] > 0, results[name]
     assert results["nvme"]["bytes_per_step"]["nvme->host"] > 0, results["nvme"]
     assert results["fits"]["budgets"]["device"] > results["streamed"]["budgets"]["device"]
     assert "x plain" in run.stdout and "nvme" in run.stdout
