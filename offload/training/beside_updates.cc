@@ -21,14 +21,22 @@ namespace strata::offload {
 // the hyperparameters are the ones the updates ran with, their work stands;
 // else (a clip, an overflow, a scheduler's change in between) each such
 // group is put back from its copy and updated again in a host moment of the
-// step. So a step's result is the same bit for bit whichever way it ran,
-// and a step that redoes costs its updates twice. The copies take
-// optimizer.overlap bytes of host memory at most; a group whose copy does
-// not fit is updated after backward, as without overlap. A gradient that
+// step. So a step's result is the same bit for bit whichever way it ran
+// (but for the two limits below), and a step that redoes costs its updates
+// twice. The copies take optimizer.overlap bytes of host memory at most; a
+// group whose copy does not fit is updated after backward, as without
+// overlap. A gradient that
 // comes into a group after its update began (Late) makes the step add the
 // kept gradients back into the grad chunk before it reads the statistics
 // (the sum autograd would have made: one addition, in the grad's dtype) and
-// update that group again from its copy.
+// update that group again from its copy. A forward before the step (a
+// second backward before it) would read parameters already updated: Undo
+// puts every group back first, and its updates begin again in that backward.
+// Two limits to "bit for bit": a gradient that comes late in three parts or
+// more is summed in another order ((b + c) + a); and on a GPU, where the
+// step alone would sum some groups' gradients on the device in one pass, an
+// update beside backward sums its group's on the host, so the norm (and a
+// clip) may differ in the last bits.
 
 Result<std::unique_ptr<BesideUpdates>> BesideUpdates::Create(Engine& engine, Pipeline& pipeline,
                                                              optim::Optimizer& optimizer,
@@ -79,14 +87,24 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
     hyperparams_.clear();
     for (uint32_t i = 0; i < optimizer_.num_groups(); ++i) hyperparams_.push_back(optimizer_.group(i));
   }
-  if (!kept_[group]) kept_[group] = AllocateAlignedHost(std::max<uint64_t>(size, 1), kIoAlignmentBytes);
+  if (!kept_[group]) {
+    // Within kept_bytes: the buffers of groups that began in earlier steps but not in this one go first.
+    for (size_t k = 0; k < groups_.size() && allocated_ + size > options_.kept_bytes; ++k) {
+      if (!kept_[k] || begun_[k]) continue;
+      allocated_ -= kept_[k].size_bytes();
+      kept_[k] = Buffer();
+    }
+    kept_[group] = AllocateAlignedHost(std::max<uint64_t>(size, 1), kIoAlignmentBytes);
+    allocated_ += kept_[group].size_bytes();
+  }
   std::vector<ChunkId> chunks;
   for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) chunks.push_back(groups_[group][kind].id);
   auto update = std::make_unique<Update>();
   update->group = group;
   Update* const u = update.get();
   STRATA_ASSIGN_OR_RETURN(update->done,
-                          pipeline_.RunBeside(chunks, std::nullopt, [this, group, u](Tier where, auto& held) {
+                          pipeline_.RunBeside(chunks, DeviceUpdateSeconds(groups_[group], optimizer_.num_states()),
+                                              [this, group, u](Tier where, auto& held) {
                             return Compute(group, *u, where, held);
                           }));
   updates_.push_back(std::move(update));
@@ -98,11 +116,12 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
 // On the pipeline's host lane, with the group's chunks pinned in `held`
 // (UpdatedKinds order): the copy, the statistics, the update.
 Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held) {
-  if (!engine_.device().host_accessible() && where != Tier::kHost) return Status::Ok();  // the step updates it
+  // Where the plan runs it on a GPU, the step updates it there (its stream's order is the step's).
+  if (!engine_.device().host_accessible() && where != Tier::kHost) return Status::Ok();
   const Group& g = groups_[group];
   const std::vector<ChunkKind> kinds = UpdatedKinds(g, optimizer_.num_states());
   HeldChunks by_kind;
-  auto* copy = static_cast<std::byte*>(kept_[group].data());
+  std::byte* copy = kept_[group].bytes();
   for (size_t i = 0; i < kinds.size(); ++i) {
     const uint64_t bytes = g[kinds[i]].used_bytes;
     std::memcpy(copy, held[i].data(), bytes);
@@ -117,6 +136,39 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   STRATA_RETURN_IF_ERROR(GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
                              .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind));
   update.updated = true;
+  return Status::Ok();
+}
+
+void BesideUpdates::PutBack(size_t group, HeldChunks& held, bool grads) const {
+  const Group& g = groups_[group];
+  const std::byte* kept = kept_[group].bytes();
+  for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
+    if (kind != ChunkKind::kGrad || grads) std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
+    kept += g[kind].used_bytes;
+  }
+}
+
+Status BesideUpdates::Undo() {
+  const std::vector<Update> taken = Take();
+  for (const Update& u : taken) {
+    if (!u.updated) continue;
+    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+    HeldChunks held;
+    Status accessed = Status::Ok();
+    for (ChunkKind kind : UpdatedKinds(groups_[u.group], optimizer_.num_states())) {
+      Result<ChunkAccess> access = pipeline_.Access(groups_[u.group][kind].id);
+      if (!access.ok()) {
+        accessed = access.status();
+        break;
+      }
+      held[static_cast<int>(kind)] = std::move(access).value();
+    }
+    if (accessed.ok()) PutBack(u.group, held, /*grads=*/true);
+    for (ChunkAccess& a : held) a.Release();
+    const Status ended = pipeline_.EndMoment();
+    STRATA_RETURN_IF_ERROR(accessed.WithContext("putting a chunk group back as it was before its update"));
+    STRATA_RETURN_IF_ERROR(ended);
+  }
   return Status::Ok();
 }
 

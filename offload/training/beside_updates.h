@@ -77,12 +77,23 @@ class BesideUpdates {
   // For RunTrainStep: this step's updates, once done (waits), and the plan
   // and hyperparameters they ran with; the next Begin starts the next step.
   std::vector<Update> Take();
+  // Forgets this step's updates once done (after a backward or step that
+  // failed: their copies are of a state no longer there).
+  void Discard() { (void)Take(); }
+  // Puts every group this step's updates changed back as it was before
+  // them, each in a host moment, and forgets them: a forward is to run
+  // before the step (another backward before it), on the parameters of
+  // before the step. Needs no open moment.
+  Status Undo();
+  // Copies group `group`'s kept chunks into `held` (pinned by kind), the
+  // gradients too unless `grads` is false.
+  void PutBack(size_t group, HeldChunks& held, bool grads) const;
   const optim::StepPlan& plan_ahead() const { return plan_; }
   const std::vector<optim::GroupHyperparams>& hyperparams() const { return hyperparams_; }
   const std::vector<Group>& groups() const { return groups_; }
   // Group `group`'s chunks as they were before its update (UpdatedKinds
   // order, each chunk's used bytes one after another).
-  const std::byte* kept(size_t group) const { return static_cast<const std::byte*>(kept_[group].data()); }
+  const std::byte* kept(size_t group) const { return kept_[group].bytes(); }
   uint64_t kept_size(size_t group) const;
 
  private:
@@ -94,7 +105,8 @@ class BesideUpdates {
   optim::Optimizer& optimizer_;
   const BesideOptions options_;
   const std::vector<Group> groups_;
-  std::vector<Buffer> kept_;  // by group, allocated on first use and kept
+  std::vector<Buffer> kept_;  // by group, allocated on first use and kept while kept_bytes allows
+  uint64_t allocated_ = 0;    // bytes of kept_
   // This step's:
   std::vector<std::unique_ptr<Update>> updates_;
   std::vector<bool> begun_;  // by group

@@ -35,6 +35,11 @@ std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states);
 
 size_t UsedElems(const ChunkInfo& chunk);
 
+// How long `g`'s update would take on a GPU, for the plan to weigh (Note
+// [Updates on the device] in train_step.cc): the bytes it reads and writes
+// at a GPU memory's rate, conservatively.
+double DeviceUpdateSeconds(const Group& g, int num_states);
+
 using HeldChunks = std::array<ChunkAccess, kNumChunkKinds>;
 
 // A step's update of one group at a time, with the plan the step made.

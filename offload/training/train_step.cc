@@ -72,7 +72,7 @@ namespace strata::offload {
 //
 // Note [Updates on the device]
 // A group's host moment says how long its update would take on the device
-// (bytes touched over kDeviceUpdateBytesPerSecond; on the emulated device,
+// (bytes touched at a GPU memory's rate: DeviceUpdateSeconds; on the emulated device,
 // where the host's kernel runs, the pipeline records the host's time
 // instead), and the plan runs it there when its states fit
 // beside everything else and that makes the step shorter (Note [Where
@@ -89,9 +89,6 @@ namespace strata::offload {
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Note [Updates on the device]: the rate the plan's estimate of an update on a GPU assumes.
-constexpr double kDeviceUpdateBytesPerSecond = 1e12;  // a GPU's memory, conservatively
 
 double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
@@ -206,10 +203,10 @@ class TrainStep {
         reducer_(options.reducer) {}
 
   Result<TrainStepReport> Run() {
+    Clock::time_point start = Clock::now();
+    STRATA_RETURN_IF_ERROR(TakeBesideUpdates());  // first: whatever follows, the next step begins its own
     STRATA_RETURN_IF_ERROR(CheckSeams());
     STRATA_RETURN_IF_ERROR(CheckStepRoom(engine_, optimizer_));
-    Clock::time_point start = Clock::now();
-    STRATA_RETURN_IF_ERROR(TakeBesideUpdates());
     STRATA_RETURN_IF_ERROR(PlanFromGradients());
     report_.stats_seconds = SecondsSince(start);
     if (parallel_) GatherFrozenAhead();
@@ -244,6 +241,11 @@ class TrainStep {
           "the communicator the engine was created with (EngineSeams::comm)",
           engine_.rank(), engine_.world_size(),
           parallel_ ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
+    }
+    if (parallel_ && options_.beside != nullptr) {
+      return InvalidArgument(
+          "train step: updates beside backward (optimizer.overlap) with a communicator: data-parallel updates take "
+          "the gradients the reducer reduced at the step; set optimizer.overlap to 0");
     }
     if (parallel_ && reducer_ == nullptr) {
       for (const Group& g : groups_) {
@@ -329,12 +331,7 @@ class TrainStep {
     Status updated = AccessGroup(g, held);
     if (updated.ok()) {
       // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
-      const bool late = beside_of_[k]->late;
-      const std::byte* kept = options_.beside->kept(k);
-      for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
-        if (kind != ChunkKind::kGrad || !late) std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
-        kept += g[kind].used_bytes;
-      }
+      options_.beside->PutBack(k, held, /*grads=*/!beside_of_[k]->late);
       updated = GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
                     .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held);
     }
@@ -443,9 +440,7 @@ class TrainStep {
   // weigh (Note [Updates on the device]); none where it must run on the host.
   std::optional<double> DeviceSeconds(const Group& g) const {
     if (parallel_) return std::nullopt;
-    uint64_t bytes = 0;
-    for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) bytes += 2 * g[kind].used_bytes;  // read, write
-    return static_cast<double>(bytes) / kDeviceUpdateBytesPerSecond;
+    return DeviceUpdateSeconds(g, optimizer_.num_states());
   }
 
   // Pins the chunks of `g` the update reads or writes into `held`.

@@ -218,7 +218,12 @@ void BindTrainStep(py::module_& m) {
            py::arg("grad_chunk"),
            "gradients came into the chunk after its group's update began: the step redoes it from the whole")
       .def("wait", [](offload::BesideUpdates& b) { ThrowIfError(Unlocked([&] { return b.Wait(); })); },
-           "waits for the updates in flight; raises the first error");
+           "waits for the updates in flight; raises the first error")
+      .def("discard", [](offload::BesideUpdates& b) { Unlocked([&] { b.Discard(); }); },
+           "forgets this step's updates once done (after a failure)")
+      .def("undo", [](offload::BesideUpdates& b) { ThrowIfError(Unlocked([&] { return b.Undo(); })); },
+           "puts every group this step's updates changed back as it was, and forgets them (a forward before the "
+           "step); between moments");
 }
 
 void BindGradReducer(py::module_& m) {

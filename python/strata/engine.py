@@ -178,12 +178,17 @@ class TrainingEngine:
         before_step = self._progress.micro_steps + 1 >= self.gradient_accumulation_steps
         self._grad_sync.begin_backward(before_step)
         self._overlap.begin_backward(before_step, saving=self._checkpoints.pending is not None)
+        if self._overlap.active:
+            # The values param_groups holds now (a scheduler stepped after the last step): the updates begun
+            # in this backward use them; the step writes them again, and redoes the updates if they changed.
+            self.optimizer.write_groups()
         self._moments.pin_error = None
         try:
             (loss if scale == 1.0 else loss * scale).backward()
         except BaseException as error:
             self._hooks.recover()
             self._hooks.end_backward()
+            self._overlap.discard()
             self._progress.broken = (f"a backward failed part way ({type(error).__name__}: {error}); the "
                                      "gradients are partial")
             pinning = self._moments.pin_error
@@ -211,13 +216,13 @@ class TrainingEngine:
             return False
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
-        self._overlap.wait()  # no update beside backward runs while the values change
-        self.optimizer.write_groups()  # the values param_groups holds now: a scheduler's, a user's
         start = time.perf_counter()
-        self._runtime.synchronize()
-        self._moments.end_moment()
         records = self._table.records
         try:
+            self._overlap.wait()  # no update beside backward runs while the values change
+            self.optimizer.write_groups()  # the values param_groups holds now: a scheduler's, a user's
+            self._runtime.synchronize()
+            self._moments.end_moment()
             stepped = [float(r.stepped) for r in records]
             if self._runtime.parallel:
                 stepped = self._grad_sync.reduce_rest(stepped)
@@ -230,8 +235,10 @@ class TrainingEngine:
         except BaseException as error:
             self._progress.broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk "
                                      "groups are updated and others not")
+            self._overlap.discard()
             raise
         finally:
+            self._overlap.stepped()  # train_step took them (or the engine is broken: a load forgets them)
             self._moments.end_iteration()
         for record in records:
             record.stepped = False
@@ -336,6 +343,7 @@ class TrainingEngine:
         every rank must call it (with comm.shard_params, always: the masters
         are the only stored copy of the parameters).
         """
+        self._overlap.wait()  # read after the updates begun beside backward, not during them
         return self._weights.state_dict(master)
 
     def export_safetensors(self, path, fp32=False):

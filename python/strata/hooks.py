@@ -185,6 +185,11 @@ class Hooks:
         self._moments.direct = not torch.is_grad_enabled()
         if self._moments.direct:
             self._moments.end_moment()
+            if self._overlap is not None:
+                self._overlap.wait()  # it pins chunks outside the pipeline: not while an update holds them
+        elif self._overlap is not None and self._overlap.begun:
+            self._moments.end_moment()
+            self._overlap.undo()  # a training forward before the step reads the parameters of before it
 
     def _root_post_hook(self, module, args, output):
         if not self._active:

@@ -9,7 +9,9 @@ it, or puts the group back from the copy it kept and updates it again after a
 clip, an overflow or a hyperparameter changed in between (Note [Updates beside
 backward] in offload/training/beside_updates.cc). A gradient that comes into a
 chunk after its update began (a parameter reentrant checkpointing accumulates
-twice) makes the step redo that group from the whole gradient.
+twice) makes the step redo that group from the whole gradient. A training forward before the step (more
+backwards than gradient_accumulation_steps) puts the updated groups back first: it reads the parameters of
+before the step, as without overlap.
 """
 
 from . import _strata
@@ -21,23 +23,25 @@ class Overlap:
     def __init__(self, runtime, table, pipeline, optimizer, kept_bytes):
         self.beside = None
         if kept_bytes > 0:
-            # ValueError for a data-parallel engine, naming the option.
+            if runtime.parallel:  # a communicator, even of one rank (NCCL on one GPU): the reducer's step
+                raise ValueError("config: optimizer.overlap is for one rank without a communicator (data-parallel "
+                                 "updates take the gradients reduced at the step); set it to 0")
             self.beside = _strata.BesideUpdates(runtime.engine, pipeline, optimizer, kept_bytes)
         self._params_of = {}  # grad chunk -> how many trainable parameters it holds
         for record in table.records:
             if record.trainable:
                 self._params_of[record.grad_chunk] = self._params_of.get(record.grad_chunk, 0) + 1
-        # This backward's:
-        self.active = False   # the last backward before a step, with overlap on
-        self._arrived = {}    # grad chunk -> ids of the parameters whose gradient came in
+        self.active = False   # this backward is the last before a step, with overlap on
+        self._arrived = {}    # this backward's: grad chunk -> ids of the parameters whose gradient came in
         self._ready = []      # complete grad chunks whose update is still to begin
-        self._begun = set()   # grad chunks whose update began
+        self._begun = set()   # grad chunks whose update began since the last step
 
     def begin_backward(self, before_step, saving):
         """A new backward: the one before a step begins updates (not while an asynchronous save reads the
-        groups: a save waits for nothing beside backward)."""
+        groups: a save waits for nothing beside backward). A second one before the same step (more backwards
+        than gradient_accumulation_steps) adds into chunks whose update began: late gradients."""
         self.active = self.beside is not None and before_step and not saving
-        self._arrived, self._ready, self._begun = {}, [], set()
+        self._arrived, self._ready = {}, []
 
     def arrived(self, record):
         """While active: `record`'s gradient is in its grad chunk."""
@@ -62,6 +66,29 @@ class Overlap:
         self._ready.clear()
 
     def wait(self):
-        """The updates in flight are done (before the optimizer's values change)."""
-        if self.beside is not None:
+        """The updates in flight are done (before the optimizer's values change, or a chunk is read outside
+        the pipeline)."""
+        if self._begun:
             self.beside.wait()
+
+    @property
+    def begun(self):
+        return bool(self._begun)
+
+    def undo(self):
+        """A training forward before the step (another backward before it): the groups updated are put back as
+        they were, so that it reads the parameters of before the step; its backward begins them again."""
+        self.beside.undo()
+        self.stepped()
+
+    def stepped(self):
+        """The step took this step's updates."""
+        self._begun = set()
+        self._ready = []
+
+    def discard(self):
+        """After a backward or step that failed, or a load: the updates begun are forgotten once done (their
+        copies are of a state no longer there)."""
+        if self.beside is not None:
+            self.beside.discard()
+        self.stepped()

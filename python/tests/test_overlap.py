@@ -11,17 +11,26 @@ import strata
 from models import TinyGPT, batches, three_tiers
 
 
-def gpt_run(tmp_path, overlap, steps=5, accumulation=1, **config):
+def gpt_run(tmp_path, overlap, steps=5, accumulation=1, schedule=False, backwards=1, evaluate=False, **config):
+    """`backwards` a step (more than the accumulation asks: the later ones add to the gradients); `evaluate`: a
+    no_grad forward between the last backward and the step; `schedule`: the lr changed after every step."""
     torch.manual_seed(0)
     model = TinyGPT()
     engine = strata.initialize(model, three_tiers(tmp_path, optimizer={"overlap": "64MiB" if overlap else 0},
                                                   gradient_accumulation_steps=accumulation, **config))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda k: 1 / (k + 1)) if schedule else None
     reports = []
     for tokens in batches(steps * accumulation):
-        logits = engine(tokens[:, :-1])
-        engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+        for _ in range(backwards):
+            logits = engine(tokens[:, :-1])
+            engine.backward(torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+        if evaluate:
+            with torch.no_grad():
+                engine(tokens[:, :-1])
         if engine.step():
             reports.append(engine.last_step)
+            if scheduler is not None:
+                scheduler.step()
     state = {**engine.state_dict(master=engine.dtype != torch.float32), **optimizer_states(engine)}
     tiers = engine.chunk_tiers()
     engine.close()
@@ -66,6 +75,25 @@ def test_with_accumulation_only_the_last_backward_begins_updates(tmp_path):
     beside, reports, _ = gpt_run(tmp_path / "beside", True, steps=3, accumulation=2)
     assert_same(after, beside)
     assert all(r["beside_groups"] > 0 for r in reports), reports
+
+
+def test_a_schedule_that_changes_the_lr_every_step_lets_the_updates_stand(tmp_path):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    after, _, _ = gpt_run(tmp_path / "after", False, schedule=True)
+    beside, reports, _ = gpt_run(tmp_path / "beside", True, schedule=True)
+    assert_same(after, beside)
+    assert all(r["redone_groups"] == 0 and r["beside_groups"] > 0 for r in reports), reports
+
+
+def test_a_second_backward_before_the_step_and_an_evaluation_after_it_change_nothing(tmp_path):
+    (tmp_path / "after").mkdir()
+    (tmp_path / "beside").mkdir()
+    after, _, _ = gpt_run(tmp_path / "after", False, steps=3, backwards=2, evaluate=True)
+    beside, reports, _ = gpt_run(tmp_path / "beside", True, steps=3, backwards=2, evaluate=True)
+    assert_same(after, beside)
+    # The second forward put the groups the first backward updated back; the second backward began them again.
+    assert all(r["beside_groups"] > 0 and r["redone_groups"] == 0 for r in reports), reports
 
 
 class Scale(torch.nn.Module):

@@ -917,6 +917,18 @@ TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForADataParallelEngine) {
     ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find("optimizer.overlap"), std::string::npos) << refused.status().ToString();
   });
+  // A communicator of one rank with a reducer takes the data-parallel step (NCCL on one GPU): refused there.
+  OnRanks(1, [](int, Communicator& comm) {
+    Model model(0.0, &comm);
+    GradReducer reducer(*model.engine, comm);
+    ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+                                                            {.kept_bytes = 1 << 20}));
+    model.beside = beside.get();
+    Result<TrainStepReport> refused = model.Iteration(&comm, &reducer);
+    ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
+    EXPECT_NE(refused.status().message().find("optimizer.overlap"), std::string::npos) << refused.status().ToString();
+    ASSERT_OK(reducer.Drain());
+  });
 }
 
 }  // namespace
