@@ -217,10 +217,16 @@ class TrainingEngine:
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
         start = time.perf_counter()
-        records = self._table.records
         try:
             self._overlap.wait()  # no update beside backward runs while the values change
-            self.optimizer.write_groups()  # the values param_groups holds now: a scheduler's, a user's
+        except BaseException as error:
+            self._progress.broken = f"an update begun beside backward failed ({type(error).__name__}: {error})"
+            self._overlap.discard()
+            self._moments.end_iteration()
+            raise
+        self.optimizer.write_groups()  # the values param_groups holds now (a bad one refused: nothing changed)
+        records = self._table.records
+        try:
             self._runtime.synchronize()
             self._moments.end_moment()
             stepped = [float(r.stepped) for r in records]

@@ -886,6 +886,24 @@ TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) 
   }
 }
 
+TEST(TrainStepTest, AFailedReadForAnUpdateBesideBackwardFailsTheStepAndTheNextOneRuns) {
+  BesidePair pair(uint64_t{1} << 30);
+  for (int k = 0; k < 2; ++k) {
+    pair.WriteGrads(k, 1e-3f, false);
+    ASSERT_OK(pair.early.Iteration().status());
+  }
+  pair.WriteGrads(2, 1e-3f, false);
+  pair.early.faults->FailReads(EIO, 1);  // the optimizer states live on NVMe: an update's read
+  Result<TrainStepReport> failed = pair.early.Iteration();
+  ASSERT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("beside backward"), std::string::npos) << failed.status().ToString();
+  EXPECT_EQ(pair.early.optimizer->steps_taken(), 2);  // not counted
+  pair.WriteGrads(3, 1e-3f, false);
+  ASSERT_OK_AND_ASSIGN(TrainStepReport next, pair.early.Iteration());  // the failed step's updates are gone
+  EXPECT_EQ(next.plan.step, 3);
+  EXPECT_EQ(next.beside_groups, static_cast<uint32_t>(kLayers));
+}
+
 TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
   Model model;
   ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
