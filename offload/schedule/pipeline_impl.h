@@ -409,7 +409,9 @@ struct Pipeline::Impl {
   void TraceBesideRuns() {
     for (const BesideRun& run : beside_runs) {
       if (!run.traced) continue;
-      run.done.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (run.done.wait_for(std::chrono::milliseconds(options.wait_timeout_ms)) != std::future_status::ready) {
+        continue;  // still running: its time stays unknown (0)
+      }
       TraceMoment& m = recording.moments[*run.traced];
       m.compute_seconds = *run.seconds;
       if (m.device_compute_seconds && engine.device().is_emulated()) m.device_compute_seconds = m.compute_seconds;
