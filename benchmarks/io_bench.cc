@@ -236,6 +236,7 @@ Result<std::unique_ptr<Device>> OpenDestination(const IoBenchConfig& config) {
     for (uint32_t depth : config.queue_depths) largest = std::max(largest, block * depth);
   }
   device_options.device.budget_bytes = largest;
+  device_options.device.budget_auto = false;
   return CreateDevice(device_options);
 }
 

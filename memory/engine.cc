@@ -195,8 +195,14 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
     STRATA_ASSIGN_OR_RETURN(impl->storage, impl->OpenNvme(options.nvme.capacity_bytes));
   }  // else with nvme.dirs: Finalize sizes the tier
 
+  // device.budget auto on a GPU: what the device took (its capacity); the
+  // engine's options say so from here.
+  if (options.device.budget_auto && !impl->device->is_emulated()) {
+    impl->options.device.budget_bytes = impl->device->capacity_bytes();
+  }
+  impl->options.device.budget_auto = false;
   STRATA_ASSIGN_OR_RETURN(impl->device_pool,
-                          memory::MemoryTierPool::CreateDevice(*impl->device, options.device.budget_bytes));
+                          memory::MemoryTierPool::CreateDevice(*impl->device, impl->options.device.budget_bytes));
   // Host chunks go on the NUMA node nearest the device when asked (hwloc
   // finds the GPU's node; a one-node machine has nothing to choose).
   int numa_node = options.host.numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;

@@ -152,7 +152,10 @@ Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options
     // At least two of the largest chunks, so an access never waits on itself.
     return std::max<size_t>(static_cast<size_t>(fraction * static_cast<double>(total)), 2 * largest);
   };
-  options.device.budget_bytes = budget(config.device_fraction, options.device.budget_bytes);
+  if (config.device_fraction > 0) {
+    options.device.budget_bytes = budget(config.device_fraction, options.device.budget_bytes);
+    options.device.budget_auto = false;
+  }
   options.host.budget_bytes = budget(config.host_fraction, options.host.budget_bytes);
   if (!options.nvme.dirs.empty() || seams.storage) {
     options.nvme.capacity_bytes = budget(config.nvme_fraction, options.nvme.capacity_bytes);

@@ -99,6 +99,9 @@ Result<std::unique_ptr<Device>> CreateEmulatedDevice(const EmulatedDeviceOptions
 bool CudaDeviceAvailable();
 // NotSupported when built without CUDA or no device is present.
 Result<std::unique_ptr<Device>> CreateCudaDevice(int device_index, size_t capacity_bytes);
+// device.budget auto on a GPU: half the memory cudaMemGetInfo finds free on
+// device `device_index` now, in whole MiB. NotSupported as CreateCudaDevice.
+Result<size_t> CudaAutoBudget(int device_index);
 
 // Picks the backend named by options.device.backend (kAuto: CUDA if available).
 Result<std::unique_ptr<Device>> CreateDevice(const Options& options);

@@ -33,7 +33,12 @@ enum class ReduceDType : uint8_t { kGrad, kFloat32 };  // the grad chunk's dtype
 struct DeviceOptions {
   DeviceBackendKind backend = DeviceBackendKind::kAuto;  // device.backend
   int index = 0;                                         // device.index (CUDA ordinal)
-  size_t budget_bytes = size_t{1} << 30;                 // device.budget
+  // device.budget: a size, or auto (budget_auto): on a GPU, half the memory
+  // free as the engine starts (the rest for activations, workspaces and the
+  // framework's allocator); on the emulated device, budget_bytes. Engine
+  // options() hold the budget it took, with budget_auto false.
+  size_t budget_bytes = size_t{1} << 30;
+  bool budget_auto = true;
   double emulated_bandwidth_gbps = 0.0;                  // device.emulated_bandwidth_gbps; 0 = memory speed
   uint32_t copy_timeout_ms = 60'000;                     // device.copy_timeout_ms
 };

@@ -77,6 +77,29 @@ OptionEntry SizeEntry(std::string key, std::string description, Field<size_t> fi
           [field](const Options& options) { return FormatSize(field(options)); }};
 }
 
+// device.budget: a size, or auto (DeviceOptions::budget_auto).
+OptionEntry DeviceBudgetEntry() {
+  return {{"device.budget", "size or auto", "auto",
+           "bytes of device memory strata may use for chunks; auto: on a GPU half the memory free when the engine "
+           "starts, on the emulated device " + FormatSize(DeviceOptions().budget_bytes)},
+          [](Options& options, std::string_view text) -> Status {
+            if (text == "auto") {
+              options.device.budget_auto = true;
+              return Status::Ok();
+            }
+            Result<size_t> bytes = ParseSize(text);
+            if (!bytes.ok()) {
+              return InvalidArgument("option device.budget: {} (or auto)", bytes.status().message());
+            }
+            options.device.budget_bytes = *bytes;
+            options.device.budget_auto = false;
+            return Status::Ok();
+          },
+          [](const Options& options) {
+            return options.device.budget_auto ? std::string("auto") : FormatSize(options.device.budget_bytes);
+          }};
+}
+
 template <typename Int>
 OptionEntry IntEntry(std::string key, std::string description, Field<Int> field, uint64_t min_value,
                      uint64_t max_value) {
@@ -164,8 +187,7 @@ void AddDeviceAndHostKeys(Table& t) {
        {"emulated", DeviceBackendKind::kEmulated},
        {"cuda", DeviceBackendKind::kCuda}}));
   t.push_back(IntEntry("device.index", "CUDA device ordinal", In(&Options::device, &DeviceOptions::index), 0, 1023));
-  t.push_back(SizeEntry("device.budget", "bytes of device memory strata may use for chunks",
-                        In(&Options::device, &DeviceOptions::budget_bytes)));
+  t.push_back(DeviceBudgetEntry());
   t.push_back(FloatEntry("device.emulated_bandwidth_gbps",
                          "emulated device only: copy bandwidth per direction in GB/s (10^9 bytes/s) imitating PCIe; "
                          "0 = unthrottled",

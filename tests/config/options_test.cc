@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "optim/loss_scaler.h"
+#include "strata/engine.h"
 #include "optim/optimizer.h"
 #include "test_util.h"
 
@@ -60,6 +61,37 @@ TEST(OptionsTest, SetOptionUpdatesEachKind) {
   EXPECT_EQ(options.device.backend, DeviceBackendKind::kEmulated);
   EXPECT_DOUBLE_EQ(options.device.emulated_bandwidth_gbps, 12.5);
   EXPECT_EQ(options.compute_dtype, DType::kBFloat16);
+}
+
+std::string Described(const Options& options, const std::string& key) {
+  for (const auto& [k, v] : DescribeOptions(options)) {
+    if (k == key) return v;
+  }
+  return "";
+}
+
+TEST(OptionsTest, TheDeviceBudgetIsAutoUnlessGivenASize) {
+  Options options;
+  EXPECT_TRUE(options.device.budget_auto);
+  EXPECT_EQ(Described(options, "device.budget"), "auto");
+  ASSERT_OK(SetOption(options, "device.budget", "2GiB"));
+  EXPECT_FALSE(options.device.budget_auto);
+  EXPECT_EQ(options.device.budget_bytes, size_t{2} << 30);
+  EXPECT_EQ(Described(options, "device.budget"), "2GiB");
+  ASSERT_OK(SetOption(options, "device.budget", "auto"));
+  EXPECT_TRUE(options.device.budget_auto);
+  Status bad = SetOption(options, "device.budget", "lots");
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("or auto"), std::string::npos) << bad.ToString();
+  // On the emulated device auto is the size the options hold; the engine's options say which it took.
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 8 << 20;
+  options.host.budget_bytes = 32 << 20;
+  options.log_level = LogLevel::kWarning;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  EXPECT_FALSE(engine->options().device.budget_auto);
+  EXPECT_EQ(engine->options().device.budget_bytes, size_t{8} << 20);
+  EXPECT_EQ(engine->stats().tiers[static_cast<int>(Tier::kDevice)].capacity_bytes, uint64_t{8} << 20);
 }
 
 TEST(OptionsTest, BadValuesNameKeyValueAndWhatIsAllowed) {

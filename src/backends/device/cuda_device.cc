@@ -369,6 +369,24 @@ bool CudaDeviceAvailable() {
   return count > 0;
 }
 
+Result<size_t> CudaAutoBudget(int device_index) {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || device_index < 0 || device_index >= count) {
+    static_cast<void>(cudaGetLastError());
+    return NotSupported("device.budget auto: no CUDA device {} visible", device_index);
+  }
+  STRATA_RETURN_IF_ERROR(SetDevice(device_index));
+  size_t free_bytes = 0, total_bytes = 0;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+  constexpr size_t kMiB = size_t{1} << 20;
+  const size_t budget = free_bytes / 2 / kMiB * kMiB;
+  if (budget == 0) {
+    return OutOfMemory("device.budget auto: cuda:{} has {} free of {}: give device.budget a size", device_index,
+                       FormatSize(free_bytes), FormatSize(total_bytes));
+  }
+  return budget;
+}
+
 Result<std::unique_ptr<Device>> CreateCudaDevice(int device_index, size_t capacity_bytes) {
   int count = 0;
   const cudaError_t count_error = cudaGetDeviceCount(&count);

@@ -50,6 +50,21 @@ TEST(CudaDeviceTest, DescribesTheGpu) {
   EXPECT_EQ(device->capacity_bytes(), 64 * kMiB);
 }
 
+TEST(CudaDeviceTest, AnAutoBudgetIsHalfTheFreeMemory) {
+  if (!strata::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  ASSERT_OK_AND_ASSIGN(size_t budget, CudaAutoBudget(0));
+  std::printf("device.budget auto: %zu MiB\n", budget / kMiB);
+  EXPECT_GT(budget, 0u);
+  EXPECT_EQ(budget % kMiB, 0u);
+  Options options;  // device.budget auto by default
+  ASSERT_OK(SetOption(options, "device.backend", "cuda"));
+  ASSERT_OK_AND_ASSIGN(std::unique_ptr<Device> device, CreateDevice(options));
+  EXPECT_NEAR(static_cast<double>(device->capacity_bytes()), static_cast<double>(budget), 256.0 * kMiB);
+  ASSERT_OK(SetOption(options, "device.budget", "64MiB"));
+  ASSERT_OK_AND_ASSIGN(device, CreateDevice(options));
+  EXPECT_EQ(device->capacity_bytes(), 64 * kMiB);
+}
+
 TEST(CudaDeviceTest, PatternFilledOnTheDeviceArrivesOnTheHost) {
   if (!strata::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const uint64_t seed = testing::TestSeed();
