@@ -1,7 +1,11 @@
 #include "offload/schedule/planner.h"
 
 #include <algorithm>
+#include <functional>
 #include <limits>
+#include <optional>
+#include <utility>
+#include <vector>
 
 #include "strata/options.h"
 
@@ -51,7 +55,9 @@ namespace strata::offload {
 // use never hold more, except those a moment needs now; one being written
 // back holds its room until the write ends, which the pipeline waits for at
 // run time), after the chunk last left the device or was last written back;
-// each is written back when its moment ends.
+// each is written back when its moment ends. The link model holds each read
+// to the staging memory in time too: a read starts once the write-backs
+// before it have freed the room it needs, as at run time.
 //
 // Note [The link model]
 // The prediction replays the plan on a model of the links: one queue per
@@ -446,9 +452,37 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
   const auto read = [&](ChunkId c, double ready, uint64_t g) {
     return transfer(Link::kNvmeRead, std::max(ready, written[c.value()]), u.size(c), g);
   };
+  // Reads ahead of host moments hold staging memory from their start until
+  // their chunk's write-back ends, as at run time (Note [Staging memory at
+  // run time] in pipeline_impl.h): each is modelled when its moment comes,
+  // once the write-backs before it are known, starting no earlier than it
+  // was issued nor before the staging memory has room for it.
+  struct ChunkOnHost {
+    bool pending = false;       // a read ahead issued, not yet modelled
+    double issued = 0;          // when it was
+    uint64_t moment = 0;        // at which moment (its bytes count there)
+    uint64_t staged_bytes = 0;  // staging memory its read holds until its write-back ends
+    double busy_until = 0;      // in use by an update beside backward until then
+  };
+  std::vector<ChunkOnHost> on_host(u.input.chunk_bytes.size());
+  std::vector<std::pair<double, uint64_t>> releases;  // a min-heap: (write-back end, bytes) of reads staged
+  uint64_t staged = 0;
+  const auto staged_read = [&](ChunkId c) {
+    ChunkOnHost& r = on_host[c.value()];
+    double start = r.issued;
+    while (staged + u.size(c) > u.input.host_staging_bytes && !releases.empty()) {
+      std::pop_heap(releases.begin(), releases.end(), std::greater<>());
+      start = std::max(start, releases.back().first);
+      staged -= releases.back().second;
+      releases.pop_back();
+    }
+    staged += u.size(c);
+    r.staged_bytes = u.size(c);
+    r.pending = false;
+    return read(c, start, r.moment);
+  };
   double end = 0;        // end of the previous moment's compute (the device's lane)
   double host_free = 0;  // end of the last update beside backward (the host's lane)
-  std::vector<double> busy_until(u.input.chunk_bytes.size(), 0.0);  // in use by an update beside backward
   double middle_start = 0, middle_end = 0;
   for (uint64_t g = 0; g < u.length; ++g) {
     const double requested = end;
@@ -463,7 +497,8 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       double ready = requested;
       if (u.nvme_homed(f->chunk)) ready = read(f->chunk, requested, g);
       arrival[f->chunk.value()] =
-          transfer(Link::kHostToDevice, std::max({ready, room, busy_until[f->chunk.value()]}), u.size(f->chunk), g);
+          transfer(Link::kHostToDevice, std::max({ready, room, on_host[f->chunk.value()].busy_until}),
+                   u.size(f->chunk), g);
       if (counted(g)) p.fetches++;
     }
     // Behind the fetches' victims: nothing waits for them but their host moment.
@@ -472,8 +507,16 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
     }
     // After this moment's evictions, as the pipeline queues them: a read of a
     // chunk evicted here follows its write.
-    for (const HostRead* r : reads_at[g]) host_ready[r->chunk.value()] = read(r->chunk, requested, g);
+    for (const HostRead* r : reads_at[g]) {
+      ChunkOnHost& state = on_host[r->chunk.value()];
+      state.pending = true;
+      state.issued = requested;
+      state.moment = g;
+    }
     const TraceMoment& m = u.moment(g);
+    for (ChunkId c : m.chunks) {
+      if (u.on_host(g) && on_host[c.value()].pending) host_ready[c.value()] = staged_read(c);
+    }
     double start = room_for_activations;
     for (ChunkId c : m.chunks) start = std::max(start, u.on_host(g) ? host_ready[c.value()] : arrival[c.value()]);
     // The host's lane: updates beside backward one after another, and a
@@ -483,12 +526,16 @@ Prediction Replay(const Unrolled& u, const Schedule& schedule) {
       start = std::max(start, host_free);
       host_end = start + m.compute_seconds;
       for (ChunkId c : m.chunks) {
-        if (u.nvme_homed(c)) written[c.value()] = transfer(Link::kNvmeWrite, host_end, u.size(c), g);
+        if (!u.nvme_homed(c)) continue;
+        written[c.value()] = transfer(Link::kNvmeWrite, host_end, u.size(c), g);
+        if (on_host[c.value()].staged_bytes == 0) continue;
+        releases.emplace_back(written[c.value()], std::exchange(on_host[c.value()].staged_bytes, 0));
+        std::push_heap(releases.begin(), releases.end(), std::greater<>());
       }
     }
     if (m.beside) {  // the device's lane goes on at once; the chunks' next moves wait for it
       host_free = host_end;
-      for (ChunkId c : m.chunks) busy_until[c.value()] = host_end;
+      for (ChunkId c : m.chunks) on_host[c.value()].busy_until = host_end;
       start = requested;
       end = requested;
     } else {

@@ -306,6 +306,27 @@ TEST(PlannerTest, UpdatesBesideBackwardOverlapItAndTheNextForwardWaitsForThem) {
   EXPECT_EQ(BuildPlan(wrong).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(PlannerTest, AReadAheadWaitsForTheStagingMemoryAnEarlierWriteBackHolds) {
+  // m0 computes on the device; m1 and m2 update chunks 1 and 2, homed on
+  // NVMe, beside it. Each read, update and write-back takes 1 s. With room
+  // for one chunk, chunk 2's read waits for chunk 1's write-back to free it;
+  // with room for two it runs beside chunk 1's update.
+  const auto step = [](uint64_t staging) {
+    PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+    for (int m : {1, 2}) {
+      input.trace.moments[m].tier = Tier::kHost;
+      input.trace.moments[m].beside = true;
+      input.home[m] = Tier::kNvme;
+    }
+    input.host_staging_bytes = staging;
+    Result<Plan> plan = BuildPlan(input);
+    EXPECT_OK(plan.status());
+    return plan.ok() ? plan->prediction.step_seconds : 0.0;
+  };
+  const double one = step(1000), two = step(2000);
+  EXPECT_GE(one, two + 0.9) << "room for one chunk: " << one << " s, for two: " << two << " s";
+}
+
 TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
   std::mt19937_64 rng(testing::TestSeed());
   for (int trial = 0; trial < 200; ++trial) {
