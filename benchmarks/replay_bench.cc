@@ -72,8 +72,9 @@ void BesideBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
 // over the throttled link; an update 1/ranks of its time with several ranks.
 offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
                             const memory::ChunkLayout& layout) {
-  offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config));
-  for (offload::TraceMoment& m : step.trace.moments) {
+  offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config), config.accumulation);
+  for (size_t k = 0; k < step.trace.moments.size(); ++k) {
+    offload::TraceMoment& m = step.trace.moments[k];
     if (m.device_compute_seconds && config.ranks > 1) {  // an update: each rank updates its share
       m.compute_seconds /= config.ranks;
       *m.device_compute_seconds /= config.ranks;
@@ -84,8 +85,9 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     if (m.tier != Tier::kDevice || (config.gpu_tflops > 0 && config.compute_ms <= 0)) continue;
     uint64_t bytes = 0;
     for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
-    m.compute_seconds =
-        config.compute_ms > 0 ? config.compute_ms / 1e3 : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9);
+    // Per micro-batch pass: a layered moment computes for every micro-batch (Note [Layered accumulation]).
+    m.compute_seconds = step.passes[k] * (config.compute_ms > 0 ? config.compute_ms / 1e3
+                                                                : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9));
   }
   if (config.overlap && config.ranks == 1) BesideBackward(layout, step.trace);
   if (config.ranks > 1) {
@@ -190,7 +192,10 @@ CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInf
 // chunks, which the plan may move to the device). Each moment computes by
 // busy work: forward and backward for their FLOPs at --gpu-tflops, or when
 // that is 0 for --compute-ms, or by default 1.5 x the time its chunks take
-// over the throttled link; an update for its parameters at
+// over the throttled link, times the micro-batch passes it covers (with
+// --micro-batches: once per micro-batch, or, --accumulation layered, each
+// module for all of them at once, its backward recomputing its forward:
+// Note [Layered accumulation] in capacity_plan.cc); an update for its parameters at
 // --cpu-adam-gparams (on the host) or --gpu-adam-gparams (on the device).
 // So stalls are what remains of the transfers. Reported per iteration after
 // the warm-up: stall time / step time, bytes per link, the planner's time
@@ -499,6 +504,7 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
   if (config.iterations == 0) return InvalidArgument("bench replay: --iterations 0: at least one is measured");
   if (config.warmup == 0) return InvalidArgument("bench replay: --warmup 0: the first iteration records the trace");
   if (config.model.batch == 0) return InvalidArgument("bench replay: --batch must be > 0");
+  if (config.accumulation.micro_batches == 0) return InvalidArgument("bench replay: --micro-batches must be >= 1");
   for (double rate : {config.pcie_gbps, config.cpu_adam_gparams, config.gpu_adam_gparams}) {
     if (!(rate > 0)) {
       return InvalidArgument("bench replay: --pcie-gbps, --cpu-adam-gparams and --gpu-adam-gparams must be > 0 (got {})",
@@ -650,6 +656,7 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
   report.config = config;
   report.model_states_bytes = layout.report().total_bytes;
   report.activation_peak_bytes = step.activation_peak_bytes;
+  report.boundary_bytes = step.boundary_bytes;
   report.chunks = static_cast<uint32_t>(layout.chunks().size());
   report.moments = static_cast<uint32_t>(step.trace.moments.size());
   for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;

@@ -48,6 +48,8 @@ struct ReplayBenchConfig {
   // Each update begun beside backward, once its group's backward is done
   // (one rank; Note [Updates beside backward] in offload/schedule/planner.cc).
   bool overlap = false;
+  // Micro-batches a step, standard or layered (--micro-batches, --accumulation).
+  offload::Accumulation accumulation;
 };
 
 struct ReplayRun {
@@ -81,6 +83,7 @@ struct ReplayBenchReport {
   uint32_t chunks = 0;
   uint32_t moments = 0;
   uint64_t activation_peak_bytes = 0;
+  uint64_t boundary_bytes = 0;  // layered: the micro-batches' layer inputs held at once
   double compute_seconds = 0;  // per iteration, all moments, updates on the CPU
   uint32_t updates = 0, updates_on_device = 0;  // chunk-group updates, as the plan placed them
   // Moments whose compute is at least their chunks' transfer time at the

@@ -25,12 +25,18 @@ std::vector<std::string> TimelineText(const std::vector<std::pair<double, double
 
 std::string FormatReplayBench(const ReplayBenchReport& r) {
   std::string out = fmt::format(
-      "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {} of model states in {} chunks, "
-      "{} moments, activations up to {}\n"
+      "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {} of model states in {} "
+      "chunks, {} moments, activations up to {}{}\n"
       "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration (updates on the "
       "CPU); {} measured iterations after {} of warm-up\n",
       r.config.model.layers, r.config.model.hidden, r.config.model.vocab, r.config.model.sequence, r.config.model.batch,
+      r.config.accumulation.micro_batches > 1
+          ? fmt::format(" x {} micro-batches ({})", r.config.accumulation.micro_batches,
+                        r.config.accumulation.layered ? "layered" : "standard")
+          : std::string(),
       FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
+      r.boundary_bytes > 0 ? fmt::format(" ({} of them the micro-batches' layer inputs)", FormatSize(r.boundary_bytes))
+                           : std::string(),
       FormatSize(r.device_budget_bytes), FormatSize(r.host_budget_bytes),
       r.config.dirs.empty() ? std::string("emulated in memory") : fmt::format("{}", fmt::join(r.config.dirs, ",")),
       r.config.pcie_gbps, 1e3 * r.compute_seconds, r.config.iterations, r.config.warmup);
@@ -118,7 +124,9 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"ranks", r.config.ranks},
                  {"shard_params", r.config.shard_params},
                  {"net_gbps", r.config.net_gbps},
-                 {"overlap", r.config.overlap}};
+                 {"overlap", r.config.overlap},
+                 {"micro_batches", r.config.accumulation.micro_batches},
+                 {"accumulation", r.config.accumulation.layered ? "layered" : "standard"}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;
@@ -147,6 +155,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
   j["predicted_step_seconds"] = r.predicted_step_seconds;
   j["divergences"] = r.divergences;
   j["activation_peak_bytes"] = r.activation_peak_bytes;
+  j["boundary_bytes"] = r.boundary_bytes;
   j["updates"] = r.updates;
   j["updates_on_device"] = r.updates_on_device;
   j["moments_compute_covers_transfer"] = r.moments_covered;

@@ -31,6 +31,20 @@ namespace strata::offload {
 // gives them (states beyond DRAM on NVMe, read ahead of their update and
 // written back), so the prediction is the plan's: compute, stalls and every
 // link.
+//
+// Note [Layered accumulation]
+// With gradient accumulation over M micro-batches, the standard step runs
+// forward and backward M times, so every chunk a moment needs moves M times
+// a step where it does not stay on the device. The layered step (Lamy-
+// Poirier, 2021) runs each module for all M micro-batches before the next:
+// one moment per module and direction whatever M, its compute M times a
+// micro-batch's, so its chunks move once a step. Its blocks run
+// checkpointed: forward keeps each block's input of every micro-batch (the
+// boundary, s*b*h bf16 values) and one micro-batch's working set at a time;
+// backward recomputes a block's forward for each micro-batch before its
+// backward (half a pass more: its FLOPs are not the model's). The
+// boundaries of all M micro-batches are non-model memory on the device
+// here; a device that cannot hold them fails the plan with the figures.
 namespace {
 
 Status Validate(const ModelShape& m, const MachineSpec& x) {
@@ -51,13 +65,16 @@ Status Validate(const ModelShape& m, const MachineSpec& x) {
 }  // namespace
 
 GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
-                     const MachineSpec& machine) {
+                     const MachineSpec& machine, const Accumulation& accumulation) {
   GptStep step;
+  const uint32_t micro_batches = std::max<uint32_t>(accumulation.micro_batches, 1);
+  const bool layered = accumulation.layered;
   const double s = model.sequence, b = model.batch, h = model.hidden, v = model.vocab;
   const double heads = model.heads > 0 ? model.heads : std::max(1.0, h / 64);
   const uint64_t layer_activations = static_cast<uint64_t>(s * b * h * 34 + 5 * heads * s * s * b);
   const uint64_t embed_activations = static_cast<uint64_t>(2 * s * b * h);
   const uint64_t logits = static_cast<uint64_t>(2 * s * b * v);
+  const uint64_t boundary = static_cast<uint64_t>(2 * s * b * h);  // a layer's input, bf16: what a checkpoint keeps
   const double layer_flops = 24 * b * s * h * h + 4 * b * s * s * h;
   const double head_flops = 2 * b * s * h * v;
   std::vector<std::vector<uint32_t>> groups(model.layers + 2);
@@ -68,6 +85,7 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
   }
   const auto moment = [&](uint32_t g, bool backward) {
     TraceMoment m;
+    double passes = 1;  // of one micro-batch
     for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
       if (kind == ChunkKind::kGrad && !backward) continue;
       for (uint32_t t : groups[g]) {
@@ -75,17 +93,33 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
         if (c && std::find(m.chunks.begin(), m.chunks.end(), *c) == m.chunks.end()) m.chunks.push_back(*c);
       }
     }
-    // Activations alive: every layer up to this one (kept for backward).
     const uint32_t layers_alive = std::min(g, model.layers);
-    m.non_model_bytes = embed_activations + layers_alive * layer_activations + (g == model.layers + 1 ? logits : 0);
+    const uint64_t own = g == 0 ? embed_activations : g <= model.layers ? layer_activations : logits;
     const double flops = g == 0 ? 0 : g <= model.layers ? layer_flops : head_flops;
-    m.compute_seconds = (backward ? 2 : 1) * flops / (machine.gpu_tflops * 1e12);
+    double work = (backward ? 2 : 1) * flops;
+    if (!layered) {
+      // Activations alive: every layer up to this one (kept for backward).
+      m.non_model_bytes = embed_activations + layers_alive * layer_activations + (g == model.layers + 1 ? logits : 0);
+    } else {
+      // Every micro-batch's layer inputs up to this one, and one micro-batch's working set (Note [Layered
+      // accumulation]); its backward recomputes its forward first.
+      const uint64_t held = micro_batches * (embed_activations + layers_alive * boundary);
+      m.non_model_bytes = held + (g == 0 ? 0 : own);
+      step.boundary_bytes = std::max(step.boundary_bytes, held);
+      step.model_flops += (micro_batches - 1) * work;
+      passes = micro_batches * (backward ? 1.5 : 1.0);
+      work = micro_batches * (work + (backward ? flops : 0));
+    }
+    m.compute_seconds = work / (machine.gpu_tflops * 1e12);
     step.model_flops += (backward ? 2 : 1) * flops;
     step.activation_peak_bytes = std::max(step.activation_peak_bytes, m.non_model_bytes);
+    step.passes.push_back(passes);
     return m;
   };
-  for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
-  for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
+  for (uint32_t pass = 0; pass < (layered ? 1 : micro_batches); ++pass) {
+    for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
+    for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
+  }
   // The update of each trainable chunk group: every chunk of the group, in
   // the order backward finishes with them (the last layers' first).
   std::vector<size_t> last_use(layout.groups().size(), 0);
@@ -107,6 +141,7 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
     m.compute_seconds = static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
     m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
     step.trace.moments.push_back(std::move(m));
+    step.passes.push_back(0);
   }
   return step;
 }
@@ -179,11 +214,14 @@ void SummarizeStep(const Trace& trace, const Plan& built, const MachineSpec& mac
 
 }  // namespace
 
-Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine) {
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine,
+                                  const Accumulation& accumulation) {
   STRATA_RETURN_IF_ERROR(Validate(model, machine));
+  if (accumulation.micro_batches == 0) return InvalidArgument("plan: --micro-batches must be >= 1");
   CapacityPlan plan;
   plan.model = model;
   plan.machine = machine;
+  plan.accumulation = accumulation;
   const std::vector<TensorSpec> specs = GptTensorSpecs(model, DType::kBFloat16);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(specs, 0, memory::kWidestSearchMinElems,
@@ -192,10 +230,11 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
     if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
   }
   STRATA_ASSIGN_OR_RETURN(PlannerInput input, HomesOf(layout, machine, plan));
-  GptStep step = GptStepTrace(specs, layout, model, machine);
+  GptStep step = GptStepTrace(specs, layout, model, machine, accumulation);
   input.trace = std::move(step.trace);
   plan.model_flops = step.model_flops;
   plan.activation_peak_bytes = step.activation_peak_bytes;
+  plan.boundary_bytes = step.boundary_bytes;
   plan.device_bytes = static_cast<uint64_t>(static_cast<double>(machine.hbm_bytes) * (1 - machine.hbm_reserve_fraction));
   input.device_bytes = plan.device_bytes;
   input.links.bytes_per_second = {machine.pcie_gbps * 1e9, machine.pcie_gbps * 1e9, machine.nvme_read_gbps * 1e9,
@@ -204,8 +243,13 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   if (!built.ok() && built.status().code() != StatusCode::kOutOfMemory) return built.status().WithContext("plan");
   if (!built.ok()) {
     return Status(built.status().code(),
-                  fmt::format("plan: the GPU ({} of HBM, {} usable) cannot run this model at batch {}: {}",
+                  fmt::format("plan: the GPU ({} of HBM, {} usable) cannot run this model at batch {}{}: {}",
                               FormatSize(machine.hbm_bytes), FormatSize(plan.device_bytes), model.batch,
+                              accumulation.layered
+                                  ? fmt::format(" with layered accumulation over {} micro-batches ({} of their "
+                                                "layer inputs held)",
+                                                accumulation.micro_batches, FormatSize(step.boundary_bytes))
+                                  : std::string(),
                               built.status().message()));
   }
   plan.prediction = built->prediction;
@@ -214,10 +258,37 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   return plan;
 }
 
+namespace {
+
+// Layered accumulation's held inputs, and the other accumulation's step beside this one's.
+std::string AccumulationLines(const CapacityPlan& p) {
+  std::string out;
+  if (p.accumulation.layered) {
+    out += fmt::format("  layer inputs of the {} micro-batches held on the GPU: {} (checkpointed blocks)\n",
+                       p.accumulation.micro_batches, FormatSize(p.boundary_bytes));
+  }
+  const char* other = p.accumulation.layered ? "standard" : "layered";
+  if (!p.other_error.empty()) {
+    out += fmt::format("  {} accumulation: does not fit ({})\n", other, p.other_error);
+  } else if (p.other_step_seconds > 0) {
+    out += fmt::format("  {} accumulation: step {:.3f} s ({:.2f}x this one), moving {} a step (this one {})\n", other,
+                       p.other_step_seconds, p.other_step_seconds / p.step_seconds,
+                       FormatSize(p.other_bytes_moved), FormatSize(p.prediction.bytes_moved()));
+  }
+  return out;
+}
+
+}  // namespace
+
 std::string FormatCapacityPlan(const CapacityPlan& p) {
   const auto gib = [](uint64_t bytes) { return FormatSize(bytes); };
+  const std::string accumulation =
+      p.accumulation.micro_batches <= 1
+          ? std::string()
+          : fmt::format(" x {} micro-batches, {} accumulation", p.accumulation.micro_batches,
+                        p.accumulation.layered ? "layered" : "standard");
   return fmt::format(
-      "strata plan: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}: {:.2f} B parameters\n"
+      "strata plan: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {:.2f} B parameters\n"
       "  params (bf16) {}   grads (bf16) {}   optimizer states (fp32 master, exp_avg, exp_avg_sq) {}\n"
       "  activations, peak (estimate) {}\n"
       "where it lives:\n"
@@ -229,19 +300,28 @@ std::string FormatCapacityPlan(const CapacityPlan& p) {
       "({} of {} chunk-group updates on the GPU, the rest on the CPU)\n"
       "  step {:.3f} s, {:.1f} TFLOPS; bottleneck: {}\n"
       "  moved per step: host->device {}, device->host {}, nvme read {}, nvme write {}\n",
-      p.model.layers, p.model.hidden, p.model.vocab, p.model.sequence, p.model.batch,
+      p.model.layers, p.model.hidden, p.model.vocab, p.model.sequence, p.model.batch, accumulation,
       static_cast<double>(p.params) / 1e9, gib(p.param_bytes), gib(p.grad_bytes), gib(p.state_bytes),
       gib(p.activation_peak_bytes), gib(p.device_bytes), gib(p.machine.hbm_bytes), gib(p.host_chunk_bytes),
       gib(p.machine.dram_bytes), gib(p.nvme_chunk_bytes), gib(p.nvme_state_bytes),
       p.machine.nvme_bytes == 0 ? " (no NVMe given)" : "", p.forward_backward_seconds, p.compute_seconds,
       p.optimizer_seconds, p.updates_on_device, p.updates, p.step_seconds, p.tflops(), p.bottleneck,
-      gib(p.prediction.bytes[0]), gib(p.prediction.bytes[1]), gib(p.prediction.bytes[2]), gib(p.prediction.bytes[3]));
+      gib(p.prediction.bytes[0]), gib(p.prediction.bytes[1]), gib(p.prediction.bytes[2]), gib(p.prediction.bytes[3])) +
+         AccumulationLines(p);
 }
 
 std::string CapacityPlanJson(const CapacityPlan& p) {
   nlohmann::json j;
   j["model"] = {{"layers", p.model.layers}, {"hidden", p.model.hidden}, {"vocab", p.model.vocab},
                 {"seq", p.model.sequence},  {"batch", p.model.batch}};
+  j["micro_batches"] = p.accumulation.micro_batches;
+  j["accumulation"] = p.accumulation.layered ? "layered" : "standard";
+  j["boundary_bytes"] = p.boundary_bytes;
+  if (p.other_step_seconds > 0) {
+    j["other_accumulation"] = {{"step_seconds", p.other_step_seconds}, {"bytes_moved", p.other_bytes_moved}};
+  } else if (!p.other_error.empty()) {
+    j["other_accumulation"] = {{"error", p.other_error}};
+  }
   j["params"] = p.params;
   j["param_bytes"] = p.param_bytes;
   j["grad_bytes"] = p.grad_bytes;

@@ -31,8 +31,18 @@ struct MachineSpec {
   double gpu_adam_gparams = 100;  // GPU AdamW, G parameters/s (HBM-bound: ~30 bytes per parameter)
 };
 
+// Gradient accumulation over micro_batches micro-batches a step (each of
+// ModelShape::batch): standard runs the whole model once per micro-batch;
+// layered runs each layer for every micro-batch before the next layer, its
+// blocks checkpointed (Note [Layered accumulation] in capacity_plan.cc).
+struct Accumulation {
+  uint32_t micro_batches = 1;
+  bool layered = false;
+};
+
 struct CapacityPlan {
   ModelShape model;
+  Accumulation accumulation;
   MachineSpec machine;
   uint64_t params = 0;
   uint64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;  // as chunks: bf16, bf16, fp32 x 3
@@ -51,22 +61,37 @@ struct CapacityPlan {
   double tflops() const { return step_seconds > 0 ? model_flops / step_seconds / 1e12 : 0; }
   std::string bottleneck;  // "compute", "pcie", "nvme" or "cpu optimizer"
   Prediction prediction;   // the planner's, for the whole step
+  uint64_t boundary_bytes = 0;  // layered: the micro-batches' layer inputs held at once, at most
+  // Set by `strata plan` with several micro-batches: the other accumulation's
+  // step and bytes moved, or why it does not fit.
+  double other_step_seconds = 0;
+  uint64_t other_bytes_moved = 0;
+  std::string other_error;
 };
 
-// One training step of the GPT as the planner sees it: forward, backward,
-// then one update per trainable chunk group that may run on the device.
+// One training step of the GPT as the planner sees it: forward, backward
+// (once per micro-batch, or layer by layer over all of them), then one
+// update per trainable chunk group that may run on the device.
 struct GptStep {
   Trace trace;
-  double model_flops = 0;  // forward and backward
+  double model_flops = 0;  // forward and backward, every micro-batch
   uint64_t activation_peak_bytes = 0;
+  // Layered: the layer-boundary activations of every micro-batch held at
+  // once at their most (in activation_peak_bytes too).
+  uint64_t boundary_bytes = 0;
+  // By moment: how many micro-batch passes of its module it computes (a
+  // forward or a backward pass each; a layered backward's recomputation is
+  // half a pass more, 0 for an update).
+  std::vector<double> passes;
 };
 GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
-                     const MachineSpec& machine);
+                     const MachineSpec& machine, const Accumulation& accumulation = {});
 
 // OutOfMemory naming the shortfall when a moment's chunks and activations do
 // not fit in HBM, or the model states do not fit in DRAM and NVMe together;
 // InvalidArgument for a zero size or rate.
-Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine);
+Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine,
+                                  const Accumulation& accumulation = {});
 std::string FormatCapacityPlan(const CapacityPlan& plan);
 std::string CapacityPlanJson(const CapacityPlan& plan);
 

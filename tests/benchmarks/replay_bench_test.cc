@@ -122,6 +122,40 @@ TEST(ReplayBenchTest, OverlapBeginsEachUpdateBesideBackward) {
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
 }
 
+TEST(ReplayBenchTest, LayeredAccumulationMovesTheChunksOnceWhateverTheMicroBatches) {
+  // A device below the parameters: every layer's chunks stream (Note [Layered accumulation]).
+  const auto run = [](uint32_t micro_batches, bool layered) {
+    ReplayBenchConfig config;
+    config.model = {.layers = 4, .hidden = 256, .vocab = 1024, .sequence = 128, .batch = 1, .heads = 0};
+    config.device_budget_bytes = 16 << 20;
+    config.pcie_gbps = 8;
+    config.compute_ms = 0.2;
+    config.iterations = 1;
+    config.baseline = false;
+    config.accumulation = {.micro_batches = micro_batches, .layered = layered};
+    Result<ReplayBenchReport> report = RunReplayBench(config);
+    EXPECT_OK(report.status());
+    if (!report.ok()) return ReplayBenchReport{};
+    EXPECT_EQ(report->divergences, 0u);
+    EXPECT_TRUE(report->plan_error.empty()) << report->plan_error;
+    return *std::move(report);
+  };
+  const ReplayBenchReport layered_one = run(1, true), layered_four = run(4, true);
+  const ReplayBenchReport standard_one = run(1, false), standard_four = run(4, false);
+  const auto to_device = [](const ReplayBenchReport& r) {
+    return static_cast<double>(r.planned.bytes[static_cast<int>(offload::Link::kHostToDevice)]);
+  };
+  EXPECT_GT(to_device(layered_one), 0);
+  EXPECT_LE(to_device(layered_four), 1.15 * to_device(layered_one));
+  EXPECT_GE(to_device(standard_four), 3 * to_device(standard_one));
+  EXPECT_EQ(layered_four.moments, layered_one.moments);  // one moment a module and direction, whatever M
+  EXPECT_EQ(layered_four.boundary_bytes, 4 * layered_one.boundary_bytes);
+  nlohmann::json json = nlohmann::json::parse(ReplayBenchJson(layered_four));
+  EXPECT_EQ(json["config"]["accumulation"].get<std::string>(), "layered");
+  EXPECT_EQ(json["config"]["micro_batches"].get<uint32_t>(), 4u);
+  EXPECT_NE(FormatReplayBench(layered_four).find("4 micro-batches (layered)"), std::string::npos);
+}
+
 TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
   ReplayBenchConfig config;
   config.model.layers = 0;

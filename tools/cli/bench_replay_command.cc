@@ -1,4 +1,5 @@
-// strata bench replay [--layers N] [--hidden N] ... [--ranks W] [--shard-params] [--no-baseline] [--json FILE]
+// strata bench replay [--layers N] [--hidden N] ... [--ranks W] [--shard-params] [--micro-batches M]
+//   [--accumulation standard|layered] [--overlap] [--no-baseline] [--json FILE]
 #include <memory>
 #include <string>
 
@@ -14,6 +15,7 @@ struct BenchReplayFlags {
   std::string device_budget = "0";
   std::string host_budget = "0";
   bool no_baseline = false;
+  std::string accumulation = "standard";
   std::string json_path;
 };
 
@@ -26,6 +28,7 @@ int RunBenchReplay(BenchReplayFlags flags) {
   flags.config.device_budget_bytes = *device;
   flags.config.host_budget_bytes = *host;
   flags.config.baseline = !flags.no_baseline;
+  flags.config.accumulation.layered = flags.accumulation == "layered";
   return PrintReport(bench::RunReplayBench(flags.config), bench::FormatReplayBench, bench::ReplayBenchJson,
                      flags.json_path);
 }
@@ -86,6 +89,14 @@ void AddRunFlags(CLI::App* command, BenchReplayFlags& flags) {
   command->add_flag("--shard-params", config.shard_params,
                     "with --ranks: shard the parameters too (comm.shard_params, ZeRO-3), gathered in "
                     "forward and backward");
+  command->add_option("--micro-batches", config.accumulation.micro_batches,
+                      "micro-batches a step (gradient accumulation)")
+      ->capture_default_str();
+  command->add_option("--accumulation", flags.accumulation,
+                      "standard (the model once per micro-batch) or layered (each layer for every micro-batch in "
+                      "turn, checkpointed)")
+      ->check(CLI::IsMember({"standard", "layered"}))
+      ->capture_default_str();
   command->add_flag("--overlap", config.overlap,
                     "begin each update beside backward, once its group's gradients are final (one rank)");
   command->add_flag("--no-baseline", flags.no_baseline, "skip the LRU run");

@@ -20,6 +20,8 @@ struct PlanFlags {
   std::vector<std::string> nvme_dirs;
   std::string nvme_capacity = "0";
   std::string json_path;
+  uint32_t micro_batches = 1;
+  std::string accumulation = "standard";
 };
 
 // The machine's sizes from their flags; NVMe space: what the directories
@@ -44,8 +46,21 @@ int RunPlan(PlanFlags flags) {
   if (flags.model != "gpt") return Fail(InvalidArgument("--model {}: only gpt is built", flags.model));
   Status sized = ParseMachineSizes(flags);
   if (!sized.ok()) return Fail(sized);
-  return PrintReport(offload::PlanCapacity(flags.shape, flags.machine), offload::FormatCapacityPlan,
-                     offload::CapacityPlanJson, flags.json_path);
+  const offload::Accumulation accumulation{.micro_batches = flags.micro_batches,
+                                           .layered = flags.accumulation == "layered"};
+  Result<offload::CapacityPlan> plan = offload::PlanCapacity(flags.shape, flags.machine, accumulation);
+  if (plan.ok() && accumulation.micro_batches > 1) {  // the other accumulation, to compare
+    offload::Accumulation other = accumulation;
+    other.layered = !other.layered;
+    Result<offload::CapacityPlan> compared = offload::PlanCapacity(flags.shape, flags.machine, other);
+    if (compared.ok()) {
+      plan->other_step_seconds = compared->step_seconds;
+      plan->other_bytes_moved = compared->prediction.bytes_moved();
+    } else {
+      plan->other_error = compared.status().message();
+    }
+  }
+  return PrintReport(std::move(plan), offload::FormatCapacityPlan, offload::CapacityPlanJson, flags.json_path);
 }
 
 }  // namespace
@@ -79,6 +94,14 @@ Command AddPlanCommand(CLI::App& parent) {
   command->add_option("--cpu-adam-gparams", machine.cpu_adam_gparams,
                       "CPU AdamW rate, G params/s (see strata bench optim)")->capture_default_str();
   command->add_option("--gpu-adam-gparams", machine.gpu_adam_gparams, "GPU AdamW rate, G params/s")
+      ->capture_default_str();
+  command->add_option("--micro-batches", flags->micro_batches, "micro-batches a step (gradient accumulation)")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str();
+  command->add_option("--accumulation", flags->accumulation,
+                      "standard (the model once per micro-batch) or layered (each layer for every micro-batch in "
+                      "turn); with several micro-batches the other is predicted too")
+      ->check(CLI::IsMember({"standard", "layered"}))
       ->capture_default_str();
   command->add_option("--json", flags->json_path, "also write the plan as JSON to this file");
   return {command, [flags] { return RunPlan(*flags); }};

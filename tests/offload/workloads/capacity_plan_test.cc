@@ -47,6 +47,37 @@ TEST(CapacityPlanTest, StatesBeyondDramLiveOnNvmeAndTheOptimizerStreamsThem) {
   EXPECT_GT(plan.optimizer_seconds, in_dram.optimizer_seconds);
 }
 
+TEST(CapacityPlanTest, LayeredAccumulationMovesEachChunkOnceAStepWhateverTheMicroBatches) {
+  // HBM for a few of the chunks: every layer's stream (Note [Layered accumulation]); one sequence a micro-batch.
+  ModelShape model = Small();
+  model.batch = 1;
+  const MachineSpec machine{.hbm_bytes = 16 << 20, .hbm_reserve_fraction = 0, .dram_bytes = uint64_t{1} << 30,
+                            .pcie_gbps = 1, .gpu_tflops = 1000};
+  ASSERT_OK_AND_ASSIGN(CapacityPlan one, PlanCapacity(model, machine, {.micro_batches = 1, .layered = true}));
+  ASSERT_OK_AND_ASSIGN(CapacityPlan standard, PlanCapacity(model, machine, {.micro_batches = 8}));
+  ASSERT_OK_AND_ASSIGN(CapacityPlan layered, PlanCapacity(model, machine, {.micro_batches = 8, .layered = true}));
+  const auto moved = [](const CapacityPlan& p) { return static_cast<double>(p.prediction.bytes_moved()); };
+  EXPECT_GT(moved(one), 0);
+  EXPECT_LE(moved(layered), 1.15 * moved(one));
+  EXPECT_GE(moved(standard), 6 * moved(one));
+  // Bound by moving parameters: layered takes a fraction of the standard step, for the same model FLOPs.
+  EXPECT_LT(layered.step_seconds, 0.4 * standard.step_seconds);
+  EXPECT_DOUBLE_EQ(layered.model_flops, standard.model_flops);
+  EXPECT_NEAR(standard.model_flops, 8 * one.model_flops, 1e-6 * standard.model_flops);
+  // The layer inputs of every micro-batch are held: 8 x (embedding and 4 layers) x s*b*h bf16 values.
+  EXPECT_EQ(layered.boundary_bytes, 8u * 5 * 2 * 128 * 1 * 256);
+  EXPECT_EQ(standard.boundary_bytes, 0u);
+  EXPECT_NE(FormatCapacityPlan(layered).find("8 micro-batches, layered accumulation"), std::string::npos);
+  nlohmann::json json = nlohmann::json::parse(CapacityPlanJson(layered));
+  EXPECT_EQ(json["accumulation"].get<std::string>(), "layered");
+  EXPECT_EQ(json["micro_batches"].get<uint32_t>(), 8u);
+  // A GPU that cannot hold the inputs of 64 micro-batches is refused with the figures.
+  Result<CapacityPlan> refused = PlanCapacity(model, machine, {.micro_batches = 64, .layered = true});
+  ASSERT_EQ(refused.status().code(), StatusCode::kOutOfMemory) << refused.status().ToString();
+  EXPECT_NE(refused.status().message().find("layer inputs held"), std::string::npos) << refused.status().ToString();
+  EXPECT_EQ(PlanCapacity(model, machine, {.micro_batches = 0}).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(CapacityPlanTest, AModelThatFitsNowhereIsRefusedWithTheShortfall) {
   Result<CapacityPlan> plan =
       PlanCapacity(Small(), MachineSpec{.hbm_bytes = uint64_t{8} << 30, .dram_bytes = 4 << 20, .nvme_bytes = 0});
