@@ -616,7 +616,7 @@ void PredictWithStrataPlan(const ReplayBenchConfig& config, const Options& optio
   machine.nvme_bytes = options.nvme.capacity_bytes;
   machine.nvme_read_gbps = links.bytes_per_second[static_cast<int>(offload::Link::kNvmeRead)] / 1e9;
   machine.nvme_write_gbps = links.bytes_per_second[static_cast<int>(offload::Link::kNvmeWrite)] / 1e9;
-  Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine);
+  Result<offload::CapacityPlan> predicted = offload::PlanCapacity(config.model, machine, config.accumulation);
   if (!predicted.ok()) {
     STRATA_LOG_WARNING("bench replay: strata plan refuses this machine: {}", predicted.status().ToString());
     return;
@@ -625,10 +625,11 @@ void PredictWithStrataPlan(const ReplayBenchConfig& config, const Options& optio
   report.strata_plan_command = fmt::format(
       "strata plan --layers {} --hidden {} --vocab {} --seq {} --batch {} --hbm {} --hbm-reserve 0 --dram {} "
       "--nvme-capacity {} --pcie-gbps {} --nvme-read-gbps {:.3f} --nvme-write-gbps {:.3f} --gpu-tflops {} "
-      "--cpu-adam-gparams {} --gpu-adam-gparams {}",
+      "--cpu-adam-gparams {} --gpu-adam-gparams {} --micro-batches {} --accumulation {}",
       config.model.layers, config.model.hidden, config.model.vocab, config.model.sequence, config.model.batch,
       machine.hbm_bytes, machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps,
-      machine.nvme_write_gbps, config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams);
+      machine.nvme_write_gbps, config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams,
+      config.accumulation.micro_batches, config.accumulation.layered ? "layered" : "standard");
 }
 
 }  // namespace

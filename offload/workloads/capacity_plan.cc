@@ -107,7 +107,7 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
       m.non_model_bytes = held + (g == 0 ? 0 : own);
       step.boundary_bytes = std::max(step.boundary_bytes, held);
       step.model_flops += (micro_batches - 1) * work;
-      passes = micro_batches * (backward ? 1.5 : 1.0);
+      passes = micro_batches * (backward ? 2.0 : 1.0);  // a backward pass, and the forward's again
       work = micro_batches * (work + (backward ? flops : 0));
     }
     m.compute_seconds = work / (machine.gpu_tflops * 1e12);

@@ -80,8 +80,9 @@ struct GptStep {
   // once at their most (in activation_peak_bytes too).
   uint64_t boundary_bytes = 0;
   // By moment: how many micro-batch passes of its module it computes (a
-  // forward or a backward pass each; a layered backward's recomputation is
-  // half a pass more, 0 for an update).
+  // forward or a backward pass each; a layered backward recomputes the
+  // forward, a pass more; 0 for an update), for compute that takes the same
+  // time a pass whichever its direction (the replay's --compute-ms).
   std::vector<double> passes;
 };
 GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,

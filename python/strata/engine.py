@@ -244,7 +244,7 @@ class TrainingEngine:
             self._overlap.discard()
             raise
         finally:
-            self._overlap.stepped()  # train_step took them (or the engine is broken: a load forgets them)
+            self._overlap.stepped()  # train_step took them (or failed: the engine is broken)
             self._moments.end_iteration()
         for record in records:
             record.stepped = False

@@ -9,9 +9,10 @@ it, or puts the group back from the copy it kept and updates it again after a
 clip, an overflow or a hyperparameter changed in between (Note [Updates beside
 backward] in offload/training/beside_updates.cc). A gradient that comes into a
 chunk after its update began (a parameter reentrant checkpointing accumulates
-twice) makes the step redo that group from the whole gradient. A training forward before the step (more
-backwards than gradient_accumulation_steps) puts the updated groups back first: it reads the parameters of
-before the step, as without overlap.
+twice) makes the step redo that group from the whole gradient. A training
+forward before the step (more backwards than gradient_accumulation_steps) puts
+the updated groups back first: it reads the parameters of before the step, as
+without overlap.
 """
 
 from . import _strata
@@ -87,8 +88,8 @@ class Overlap:
         self._ready = []
 
     def discard(self):
-        """After a backward or step that failed, or a load: the updates begun are forgotten once done (their
-        copies are of a state no longer there)."""
+        """After a backward or step that failed: the updates begun are forgotten once done (their copies are of
+        a state no longer there)."""
         if self.beside is not None:
             self.beside.discard()
         self.stepped()

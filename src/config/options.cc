@@ -85,6 +85,7 @@ OptionEntry DeviceBudgetEntry() {
           [](Options& options, std::string_view text) -> Status {
             if (text == "auto") {
               options.device.budget_auto = true;
+              options.device.budget_bytes = DeviceOptions().budget_bytes;  // what auto is on the emulated device
               return Status::Ok();
             }
             Result<size_t> bytes = ParseSize(text);
