@@ -3,6 +3,7 @@
 #include <cstring>
 
 #include "src/base/alignment.h"
+#include "src/base/half.h"
 
 namespace strata::offload {
 
@@ -139,12 +140,25 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   return Status::Ok();
 }
 
-void BesideUpdates::PutBack(size_t group, HeldChunks& held, bool grads) const {
+void BesideUpdates::PutBack(size_t group, HeldChunks& held, Grads grads) const {
   const Group& g = groups_[group];
   const std::byte* kept = kept_[group].bytes();
   for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
-    if (kind != ChunkKind::kGrad || grads) std::memcpy(held[static_cast<int>(kind)].data(), kept, g[kind].used_bytes);
+    std::byte* const data = held[static_cast<int>(kind)].data();
+    if (kind != ChunkKind::kGrad || grads == Grads::kCopy) {
+      std::memcpy(data, kept, g[kind].used_bytes);
+    } else if (grads == Grads::kAdd) {
+      AddKeptGrads(group, data);
+    }
     kept += g[kind].used_bytes;
+  }
+}
+
+void BesideUpdates::AddKeptGrads(size_t group, std::byte* grads) const {
+  const ChunkInfo& grad = groups_[group][ChunkKind::kGrad];
+  const std::byte* kept = kept_[group].bytes();  // the grad chunk comes first (UpdatedKinds)
+  for (size_t i = 0; i < UsedElems(grad); ++i) {
+    optim::StoreFloat(grads, grad.dtype, i, optim::FloatAt(grads, grad.dtype, i) + optim::FloatAt(kept, grad.dtype, i));
   }
 }
 
@@ -163,7 +177,8 @@ Status BesideUpdates::Undo() {
       }
       held[static_cast<int>(kind)] = std::move(access).value();
     }
-    if (accessed.ok()) PutBack(u.group, held, /*grads=*/true);
+    // Gradients that came late, after the update zeroed the chunk, are kept: added to those of before.
+    if (accessed.ok()) PutBack(u.group, held, u.late ? Grads::kAdd : Grads::kCopy);
     for (ChunkAccess& a : held) a.Release();
     const Status ended = pipeline_.EndMoment();
     STRATA_RETURN_IF_ERROR(accessed.WithContext("putting a chunk group back as it was before its update"));

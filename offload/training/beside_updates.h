@@ -85,9 +85,15 @@ class BesideUpdates {
   // before the step (another backward before it), on the parameters of
   // before the step. Needs no open moment.
   Status Undo();
-  // Copies group `group`'s kept chunks into `held` (pinned by kind), the
-  // gradients too unless `grads` is false.
-  void PutBack(size_t group, HeldChunks& held, bool grads) const;
+  // What PutBack does with the grad chunk: copies the kept gradients back,
+  // adds them to those there (which came late, into the chunk the update
+  // zeroed), or leaves it.
+  enum class Grads { kCopy, kAdd, kLeave };
+  // Group `group`'s kept chunks into `held` (pinned by kind).
+  void PutBack(size_t group, HeldChunks& held, Grads grads) const;
+  // Adds group `group`'s kept gradients into `grads`, its grad chunk's
+  // bytes (one addition in the grad's dtype, as autograd's sum).
+  void AddKeptGrads(size_t group, std::byte* grads) const;
   const optim::StepPlan& plan_ahead() const { return plan_; }
   const std::vector<optim::GroupHyperparams>& hyperparams() const { return hyperparams_; }
   const std::vector<Group>& groups() const { return groups_; }

@@ -292,11 +292,7 @@ class TrainStep {
     STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     Result<ChunkAccess> access = pipeline_.Access(grad.id);
     if (access.ok()) {
-      const std::byte* kept = options_.beside->kept(k);  // the grad chunk comes first (UpdatedKinds)
-      for (size_t i = 0; i < UsedElems(grad); ++i) {
-        optim::StoreFloat(access->data(), grad.dtype, i,
-                          optim::FloatAt(access->data(), grad.dtype, i) + optim::FloatAt(kept, grad.dtype, i));
-      }
+      options_.beside->AddKeptGrads(k, access->data());
       access->Release();
     }
     const Status ended = pipeline_.EndMoment();
@@ -331,7 +327,7 @@ class TrainStep {
     Status updated = AccessGroup(g, held);
     if (updated.ok()) {
       // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
-      options_.beside->PutBack(k, held, /*grads=*/!beside_of_[k]->late);
+      options_.beside->PutBack(k, held, beside_of_[k]->late ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
       updated = GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
                     .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held);
     }

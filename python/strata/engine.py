@@ -261,6 +261,8 @@ class TrainingEngine:
         if self._state.gathering is not None:
             raise RuntimeError("strata: engine.gathered() is open: the model cannot run forward, backward, a step, a "
                                "save or a load inside it (its parameters hold copies there); leave the block first")
+        if self._progress.broken is None and self._overlap.failed is not None:
+            self._progress.broken = self._overlap.failed
         if self._progress.broken is not None:
             raise RuntimeError(f"strata: training cannot go on: {self._progress.broken}. Start again from the "
                                "model's initial or saved state")

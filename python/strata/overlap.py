@@ -36,6 +36,7 @@ class Overlap:
         self._arrived = {}    # this backward's: grad chunk -> ids of the parameters whose gradient came in
         self._ready = []      # complete grad chunks whose update is still to begin
         self._begun = set()   # grad chunks whose update began since the last step
+        self.failed = None    # why putting the groups back failed: training cannot go on
 
     def begin_backward(self, before_step, saving):
         """A new backward: the one before a step begins updates (not while an asynchronous save reads the
@@ -79,8 +80,14 @@ class Overlap:
     def undo(self):
         """A training forward before the step (another backward before it): the groups updated are put back as
         they were, so that it reads the parameters of before the step; its backward begins them again."""
-        self.beside.undo()
-        self.stepped()
+        try:
+            self.beside.undo()
+        except BaseException as error:
+            self.failed = (f"putting back the chunk groups updated beside backward failed ({type(error).__name__}: "
+                           f"{error}); some are as before the step and others updated")
+            raise
+        finally:
+            self.stepped()
 
     def stepped(self):
         """The step took this step's updates."""

@@ -886,6 +886,48 @@ TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) 
   }
 }
 
+TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
+  BesidePair pair(uint64_t{1} << 30);
+  const auto add_to_grads = [](Model& m, int layer, const std::vector<float>& more) {
+    std::vector<float> g = m.Read(layer, ChunkKind::kGrad);
+    for (size_t i = 0; i < g.size(); ++i) g[i] += more[i];
+    m.Write(layer, ChunkKind::kGrad, g);
+  };
+  pair.WriteGrads(0, 1e-3f, false);
+  const std::vector<float> late = RankGrad(1, 3, 0);
+  // The reference: the first backward's gradients, layer 3's late part, then a second backward's.
+  add_to_grads(pair.after, 3, late);
+  for (int l = 0; l < kLayers; ++l) add_to_grads(pair.after, l, RankGrad(2, l, 0));
+  ASSERT_OK(pair.after.Iteration().status());
+  // Beside backward: every group's update begins in the first backward; layer 3's late part comes after
+  // its update zeroed the chunk; a forward before the step puts them back; the second backward adds.
+  Model& early = pair.early;
+  ASSERT_OK(early.pipeline->BeginIteration());
+  for (int l = kLayers - 1; l >= 0; --l) {
+    ASSERT_OK(early.pipeline->BeginMoment());
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+      ASSERT_OK(early.pipeline->Access(*early.engine->ChunkOf(TensorId(l), kind)).status());
+    }
+    ASSERT_OK(early.pipeline->EndMoment());
+    ASSERT_OK_AND_ASSIGN(bool begun, pair.beside->Begin(*early.engine->ChunkOf(TensorId(l), ChunkKind::kGrad)));
+    ASSERT_TRUE(begun);
+  }
+  ASSERT_TRUE(pair.beside->Late(*early.engine->ChunkOf(TensorId(3), ChunkKind::kGrad)));
+  ASSERT_OK(pair.beside->Wait());
+  early.Write(3, ChunkKind::kGrad, late);
+  ASSERT_OK(pair.beside->Undo());
+  for (int l = 0; l < kLayers; ++l) add_to_grads(early, l, RankGrad(2, l, 0));
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report,
+                       RunTrainStep(*early.engine, *early.pipeline, *early.optimizer, {.beside = pair.beside.get()}));
+  ASSERT_OK(early.pipeline->EndIteration());
+  EXPECT_EQ(report.beside_groups, 0u);  // undone: the step updated every group itself
+  for (int l = 0; l < kLayers; ++l) {
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
+      EXPECT_EQ(early.Read(l, kind), pair.after.Read(l, kind)) << "layer " << l << " kind " << int(kind);
+    }
+  }
+}
+
 TEST(TrainStepTest, AFailedReadForAnUpdateBesideBackwardFailsTheStepAndTheNextOneRuns) {
   BesidePair pair(uint64_t{1} << 30);
   for (int k = 0; k < 2; ++k) {
