@@ -71,8 +71,8 @@ namespace strata::offload {
 // Note [Updates beside backward]
 // A host moment marked beside (an optimizer update begun in backward, as
 // soon as its group's gradients are complete: Note [Updates beside
-// backward] in offload/training/train_step.cc) computes on the host's lane,
-// beside the device moments after it: it starts once its chunks are in
+// backward] in offload/training/beside_updates.cc) computes on the host's
+// lane, beside the device moments after it: it starts once its chunks are in
 // host memory and the update before it on that lane is done, the device's
 // lane goes on at once, and a chunk it holds moves again (a fetch for the
 // next forward, its write-back to NVMe) only once it ends. A host moment
