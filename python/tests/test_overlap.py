@@ -186,6 +186,32 @@ def test_a_gradient_after_its_groups_update_began_redoes_that_group(tmp_path):
     assert all(r["redone_groups"] == 1 and r["beside_groups"] == 3 for r in reports), reports
 
 
+def test_a_hugging_face_llama_trains_the_same_with_overlap(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def run(directory, overlap):
+        directory.mkdir()
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa"))
+        engine = strata.initialize(model, three_tiers(directory, optimizer={"overlap": "64MiB" if overlap else 0},
+                                                      gradient_clipping=1.0))
+        reports = []
+        for tokens in batches(4, vocab=96):
+            engine.backward(engine(input_ids=tokens, labels=tokens).loss)
+            engine.step()
+            reports.append(engine.last_step)
+        state = {**engine.state_dict(), **optimizer_states(engine)}
+        engine.close()
+        return state, reports
+
+    after, _ = run(tmp_path / "after", False)
+    beside, reports = run(tmp_path / "beside", True)
+    assert_same(after, beside)
+    assert all(r["beside_groups"] + r["redone_groups"] > 0 for r in reports), reports
+
+
 def test_a_bad_size_is_refused_naming_the_option(tmp_path):
     with pytest.raises(ValueError, match="optimizer.overlap"):
         strata.initialize(Scales(), three_tiers(tmp_path, optimizer={"overlap": "lots"}))
