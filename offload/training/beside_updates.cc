@@ -59,7 +59,9 @@ BesideUpdates::BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimize
       options_(options),
       groups_(TrainableGroups(engine)),
       kept_(groups_.size()),
-      begun_(groups_.size(), false) {}
+      begun_(groups_.size(), false) {
+  for (size_t k = 0; k < groups_.size(); ++k) group_of_grad_.emplace(groups_[k][ChunkKind::kGrad].id.value(), k);
+}
 
 BesideUpdates::~BesideUpdates() { (void)Wait(); }
 
@@ -70,13 +72,11 @@ uint64_t BesideUpdates::kept_size(size_t group) const {
 }
 
 Result<bool> BesideUpdates::Begin(ChunkId grad) {
-  size_t group = groups_.size();
-  for (size_t k = 0; k < groups_.size(); ++k) {
-    if (groups_[k][ChunkKind::kGrad].id == grad) group = k;
-  }
-  if (group == groups_.size()) {
+  const auto found = group_of_grad_.find(grad.value());
+  if (found == group_of_grad_.end()) {
     return InvalidArgument("updates beside backward: chunk {} is no trainable group's grad chunk", grad.value());
   }
+  const size_t group = found->second;
   if (begun_[group]) {
     return InvalidArgument("updates beside backward: the update of chunk {}'s group has begun already this step",
                            grad.value());

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <future>
 #include <optional>
+#include <unordered_map>
 #include <vector>
 
 #include "offload/schedule/pipeline.h"
@@ -111,6 +112,7 @@ class BesideUpdates {
   optim::Optimizer& optimizer_;
   const BesideOptions options_;
   const std::vector<Group> groups_;
+  std::unordered_map<uint32_t, size_t> group_of_grad_;  // grad chunk -> index into groups_
   std::vector<Buffer> kept_;  // by group, allocated on first use and kept while kept_bytes allows
   uint64_t allocated_ = 0;    // bytes of kept_
   // This step's:

@@ -8,14 +8,17 @@
 namespace strata::bench {
 namespace {
 
-TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
+// A GPT of 3 layers x 256 over links of 8 GB/s, measured for `iterations`.
+ReplayBenchConfig SmallReplay(uint32_t iterations) {
   ReplayBenchConfig config;
-  config.model.layers = 3;
-  config.model.hidden = 256;
-  config.model.vocab = 1024;
-  config.model.sequence = 64;
-  config.iterations = 2;
+  config.model = {.layers = 3, .hidden = 256, .vocab = 1024, .sequence = 64, .batch = 1, .heads = 0};
+  config.iterations = iterations;
   config.pcie_gbps = 8;
+  return config;
+}
+
+TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
+  ReplayBenchConfig config = SmallReplay(2);
   ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   EXPECT_GT(report.updates, 0u);
   EXPECT_EQ(report.moments, 2u * (config.model.layers + 2) + report.updates);
@@ -97,13 +100,7 @@ TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
 }
 
 TEST(ReplayBenchTest, OverlapBeginsEachUpdateBesideBackward) {
-  ReplayBenchConfig config;
-  config.model.layers = 3;
-  config.model.hidden = 256;
-  config.model.vocab = 1024;
-  config.model.sequence = 64;
-  config.iterations = 1;
-  config.pcie_gbps = 8;
+  ReplayBenchConfig config = SmallReplay(1);
   config.compute_ms = 20;  // a backward of 100 ms: the first updates begin well before it ends
   config.baseline = false;
   config.overlap = true;
@@ -166,6 +163,11 @@ TEST(ReplayBenchTest, BadShapesAreInvalidArgument) {
   config.pcie_gbps = 2;
   config.iterations = 0;
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.iterations = 1;
+  config.accumulation.micro_batches = 0;
+  Status no_micro_batches = RunReplayBench(config).status();
+  EXPECT_EQ(no_micro_batches.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(no_micro_batches.message().find("--micro-batches"), std::string::npos) << no_micro_batches.ToString();
 }
 
 }  // namespace

@@ -319,6 +319,24 @@ TEST(PipelineTest, UpdatesBesideBackwardRunWhileItGoesOnAndTheirChunksWaitForThe
   }
 }
 
+TEST(PipelineTest, AnUpdateBesideBackwardOfAChunkThatDoesNotExistIsRefusedBeforeItBegins) {
+  LayerModel model(2, /*device_chunks=*/2);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
+  ASSERT_OK(pipeline->BeginIteration());
+  bool ran = false;
+  Result<std::shared_future<Status>> refused =
+      pipeline->RunBeside({ChunkId(999)}, std::nullopt, [&](Tier, std::vector<ChunkAccess>&) {
+        ran = true;
+        return Status::Ok();
+      });
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("999"), std::string::npos) << refused.status().ToString();
+  EXPECT_FALSE(ran);
+  ASSERT_OK(pipeline->BeginMoment());  // no moment was left open
+  ASSERT_OK(pipeline->EndMoment());
+  ASSERT_OK(pipeline->EndIteration());
+}
+
 TEST(PipelineTest, FailedNvmeReadAheadOfAnUpdateSurfacesAtTheUpdatesAccess) {
   StepModel step;
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
