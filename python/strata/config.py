@@ -6,6 +6,13 @@ keys both work) plus the adapter's own:
 - ``optimizer``: ``type`` (adamw, adam or sgd), ``lr``, ``betas`` ([beta1, beta2]),
   ``eps``, ``weight_decay``, ``momentum``, and the engine's other ``optimizer.*`` keys;
 - ``gradient_accumulation_steps``: micro-batches per optimizer step (an int >= 1);
+- ``accumulation``: the order ``engine.train_step`` runs a step's micro-batches in:
+  ``"standard"`` (default: each micro-batch's forward and backward in turn) or
+  ``"layered"`` (each repeated block for every micro-batch in a row: strata.layered);
+  ``accumulation_blocks``: the name of the model's ``nn.ModuleList`` of blocks
+  (default: found); ``accumulation_checkpoint``: layered blocks recompute in
+  backward, holding only their inputs (default true; false where the model
+  checkpoints them itself);
 - ``gradient_clipping``: the global norm gradients are clipped to (0: none);
 - ``non_model_memory``: device memory each moment uses besides chunks, for the
   planner: ``"measured"`` (default: ``torch.cuda.memory_allocated()`` on a GPU;
@@ -28,10 +35,16 @@ class Config:
     options: Options = field(default_factory=Options)
     gradient_accumulation_steps: int = 1
     non_model_memory: object = None  # None: measured; else bytes
+    accumulation: str = "standard"   # engine.train_step's order: standard or layered
+    accumulation_blocks: str = None  # the blocks' ModuleList's name; None: found
+    accumulation_checkpoint: bool = True
 
     def describe(self):
         values = dict(self.options.describe())
         values["gradient_accumulation_steps"] = str(self.gradient_accumulation_steps)
+        values["accumulation"] = self.accumulation
+        values["accumulation_blocks"] = self.accumulation_blocks or "found"
+        values["accumulation_checkpoint"] = _text(self.accumulation_checkpoint)
         values["non_model_memory"] = "measured" if self.non_model_memory is None else str(self.non_model_memory)
         return values
 
@@ -67,6 +80,15 @@ def _non_model_memory(value):
         raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")") from None
 
 
+ACCUMULATION_MODES = ("standard", "layered")
+
+
+def accumulation_mode(value, what):
+    if value not in ACCUMULATION_MODES:
+        raise ValueError(f"{what} {value!r} must be one of {', '.join(map(repr, ACCUMULATION_MODES))}")
+    return value
+
+
 def config_items(config=None):
     """`config` (a dict, a path to a JSON file, or None for the defaults) as its (dotted key, value) pairs."""
     if config is None:
@@ -95,6 +117,17 @@ def load_config(config=None):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"config: gradient_accumulation_steps {value!r} must be an int >= 1")
             result.gradient_accumulation_steps = value
+        elif key == "accumulation":
+            result.accumulation = accumulation_mode(value, "config: accumulation")
+        elif key == "accumulation_blocks":
+            if not isinstance(value, str) or not value:
+                raise ValueError(f"config: accumulation_blocks {value!r} must be the name of the model's "
+                                 "torch.nn.ModuleList of blocks, as model.named_modules() names it")
+            result.accumulation_blocks = value
+        elif key == "accumulation_checkpoint":
+            if not isinstance(value, bool):
+                raise ValueError(f"config: accumulation_checkpoint {value!r} must be true or false")
+            result.accumulation_checkpoint = value
         elif key == "non_model_memory":
             result.non_model_memory = _non_model_memory(value)
         elif key == "gradient_clipping":

@@ -47,9 +47,10 @@ import torch
 from . import _strata
 from ._strata import parse_size
 from .checkpoint import Checkpoints
-from .config import load_config
+from .config import accumulation_mode, load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
+from .layered import LayeredForwards, checked_loss, find_blocks
 from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .overlap import Overlap
@@ -99,6 +100,7 @@ class _Progress:
     last_step: dict = field(default_factory=dict)  # the last step's report (train_step's, with seconds)
     broken: str = None                             # why training cannot go on (a step or backward that failed part way)
     syncs_at_step: int = 0                         # the runtime's host synchronizations when the last step ended
+    step_size: int = 0                             # a train_step's micro-batches while it runs (else 0)
 
 
 class TrainingEngine:
@@ -122,6 +124,8 @@ class TrainingEngine:
         self._optimizer = _strata.Optimizer(self.config.options, len(group_options))
         _strata.check_step_room(runtime.engine, self._optimizer)
         self._progress = _Progress()
+        self._layered = None  # strata.layered.LayeredForwards, made by the first layered train_step
+        self.accumulation_blocks = None  # the name of the blocks a layered step found
         self._grad_sync = GradSync(runtime, table)
         overlap_bytes = parse_size(self.config.options.describe()["optimizer.overlap"])
         self._overlap = Overlap(runtime, table, self._pipeline, self._optimizer, overlap_bytes)
@@ -174,8 +178,16 @@ class TrainingEngine:
         self._check_usable()
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
-        scale = self._optimizer.loss_scale / (self.gradient_accumulation_steps if average else 1)
-        before_step = self._progress.micro_steps + 1 >= self.gradient_accumulation_steps
+        scale = self._loss_scale(average)
+        self._backward([loss if scale == 1.0 else loss * scale])
+
+    def _loss_scale(self, average):
+        """What a micro-batch's loss is multiplied by for its backward."""
+        return self._optimizer.loss_scale / (self._steps_needed() if average else 1)
+
+    def _backward(self, losses):
+        """One backward of the micro-batches' scaled `losses` together (one, or a layered step's every one)."""
+        before_step = self._progress.micro_steps + len(losses) >= self._steps_needed()
         self._grad_sync.begin_backward(before_step)
         self._overlap.begin_backward(before_step, saving=self._checkpoints.pending is not None)
         if self._overlap.active:
@@ -184,7 +196,7 @@ class TrainingEngine:
             self.optimizer.write_groups()
         self._moments.pin_error = None
         try:
-            (loss if scale == 1.0 else loss * scale).backward()
+            torch.autograd.backward(losses)
         except BaseException as error:
             self._hooks.recover()
             self._hooks.end_backward()
@@ -199,7 +211,63 @@ class TrainingEngine:
         if self._overlap.pending:  # the groups backward completed last begin before the step's wait
             self._moments.end_moment()
             self._overlap.begin_ready()
-        self._progress.micro_steps += 1
+        self._progress.micro_steps += len(losses)
+
+    def _steps_needed(self):
+        """Backwards (micro-batches) a step takes: a train_step's micro-batches, or gradient_accumulation_steps."""
+        return self._progress.step_size or self.gradient_accumulation_steps
+
+    def train_step(self, micro_batches, loss_fn, accumulation=None, average=True):
+        """One whole optimizer step over `micro_batches`: loss_fn(model, micro_batch) is each one's loss (a tensor
+        of one element), the gradients are accumulated over them all, then the step (engine.optimizer.step()).
+        Returns the losses, a tensor of one per micro-batch (detached: reading it waits for the device).
+
+        `accumulation` (default: the config's): "standard" runs each micro-batch's forward and backward in turn;
+        "layered" runs every micro-batch through each of the model's repeated blocks before any enters the next,
+        then one backward over them all, block by block, so that each block's chunks move once a step, not once
+        a micro-batch (strata.layered: the blocks found, the cost in held activations). Both give the same
+        result, within rounding. average=False: each loss is already its share of the step's (not divided by the
+        number of micro-batches). Between steps; gradient_accumulation_steps does not apply."""
+        mode = accumulation_mode(self.config.accumulation if accumulation is None else accumulation,
+                                 "engine.train_step: accumulation")
+        micro_batches = list(micro_batches)
+        if not micro_batches:
+            raise ValueError("engine.train_step: micro_batches is empty; give at least one")
+        self._check_usable()
+        if self._progress.micro_steps:  # a forward alone (one that failed, an evaluation) may have run
+            raise RuntimeError("engine.train_step: between steps only (after step()): backwards since the last step "
+                               "are in progress")
+        self._progress.step_size = len(micro_batches)
+        try:
+            if mode == "layered":
+                forwards = self._layered_forwards()
+                losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
+                self._backward(scaled)
+            else:
+                losses, scale = [], self._loss_scale(average)
+                for m, micro_batch in enumerate(micro_batches):
+                    try:
+                        losses.append(checked_loss(loss_fn(self.module, micro_batch), m))
+                    except BaseException as error:
+                        if m > 0:
+                            self._progress.broken = (f"a train_step failed at micro-batch {m} ({type(error).__name__}: "
+                                                     f"{error}); the gradients of the micro-batches before it are in")
+                        raise
+                    self._backward([losses[-1] if scale == 1.0 else losses[-1] * scale])
+            self.optimizer.step()
+        finally:
+            self._progress.step_size = 0
+        self._progress.last_step["accumulation"] = mode
+        self._progress.last_step["micro_batches"] = len(micro_batches)
+        self._progress.last_step["boundary_bytes"] = forwards.boundary_bytes if mode == "layered" else 0
+        return torch.stack([loss.detach() for loss in losses])
+
+    def _layered_forwards(self):
+        if self._layered is None:
+            name, blocks = find_blocks(self.module, self.config.accumulation_blocks)
+            self._layered = LayeredForwards(self._hooks, blocks, self.config.accumulation_checkpoint)
+            self.accumulation_blocks = name
+        return self._layered
 
     def step(self):
         """The optimizer step once gradient_accumulation_steps backwards are in; returns whether it stepped. It goes
@@ -212,7 +280,7 @@ class TrainingEngine:
         """step()'s work: the update once gradient_accumulation_steps backwards are in; whether it ran."""
         self._check_usable()
         self._hooks.end_backward()
-        if self._progress.micro_steps < self.gradient_accumulation_steps:
+        if self._progress.micro_steps < self._steps_needed():
             return False
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")

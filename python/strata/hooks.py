@@ -112,6 +112,7 @@ class Hooks:
         self._lineage = ()           # the call whose backward moment is open, after its enclosing calls
         self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
+        self.layered = False         # the forwards of a layered step run (strata.layered): each has its own state
         # Parameters sharded (comm.shard_params): a param chunk pinned again is gathered again.
         self._sharded = any(chunk["transient"] for chunk in table.chunks if chunk["kind"] == "param")
 
@@ -180,7 +181,8 @@ class Hooks:
 
     def _root_pre_hook(self, module, args):
         self._check_usable()
-        self.recover()  # what a forward that raised left behind
+        if not self.layered:  # the layered step recovers once, before its forwards: each holds pins of its own
+            self.recover()  # what a forward that raised left behind
         # Without autograd there is no backward: chunks are pinned outside the pipeline.
         self._moments.direct = not torch.is_grad_enabled()
         if self._moments.direct:
@@ -195,6 +197,14 @@ class Hooks:
         if not self._active:
             self._moments.direct = False
         return None
+
+    def forward_state(self):
+        """The state of the forward running: its calls and their saved-tensor hooks (a layered step's forwards
+        take turns, each with its own)."""
+        return self._active, self._saved_hooks
+
+    def set_forward_state(self, state):
+        self._active, self._saved_hooks = state
 
     def recover(self):
         """Lets go of every pin of forwards that did not return, and of their saved-tensor hooks."""

@@ -5,7 +5,9 @@ writes the per-step mean loss over the ranks, the parameters at the start
 and at the end (the fp32 masters, gathered from every rank's shard, under
 bf16), and each rank its bytes of each chunk kind and its communication.
 DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params);
-DP_FREEZE=NAME freezes the parameters whose names start with NAME. DP_NO_CLOSE=1
+DP_FREEZE=NAME freezes the parameters whose names start with NAME;
+DP_TRAIN_STEP=standard|layered trains each batch by engine.train_step, in
+`accumulation` micro-batches of that order; DP_DEVICE_BUDGET sets the device's bytes. DP_NO_CLOSE=1
 leaves the engine to the exit hooks, as a script that never closes it does.
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
@@ -31,7 +33,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
         if os.environ.get("DP_FREEZE") and name.startswith(os.environ["DP_FREEZE"]):
             param.requires_grad_(False)
     config = {"optimizer": {"type": "adamw", "lr": 1e-2, "weight_decay": 0.01},
-              "device": {"backend": "emulated", "budget": 96 * 1024}, "host": {"budget": 192 * 1024},
+              "device": {"backend": "emulated", "budget": int(os.environ.get("DP_DEVICE_BUDGET", 96 * 1024))}, "host": {"budget": 192 * 1024},
               "nvme": {"dirs": [nvme_dir], "capacity": "16MiB"}, "chunk": {"size_elems": 4096},
               "precision": precision, "non_model_memory": 0, "log": {"level": "error"},
               "comm": {"timeout_ms": 2000, "shard_params": os.environ.get("DP_SHARD_PARAMS", "false")},
@@ -44,6 +46,11 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     reduced_in_backward = []  # per step: grad chunks whose reduction began before step()
     for step, tokens in enumerate(batches(steps, batch=batch)):
         mine = tokens[engine.rank * share:(engine.rank + 1) * share]
+        if os.environ.get("DP_TRAIN_STEP"):  # the whole step, its micro-batches in that order
+            loss = engine.train_step(mine.chunk(accumulation), lambda m, t: m(t[:, :-1], t[:, 1:]),
+                                     accumulation=os.environ["DP_TRAIN_STEP"]).mean()
+            losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
+            continue
         loss = engine(mine[:, :-1], mine[:, 1:])
         engine.backward(loss)
         if step == die_at_step and engine.rank == engine.world_size - 1:

@@ -1,0 +1,268 @@
+"""Layered gradient accumulation: every micro-batch through block i before any enters block i+1.
+
+``engine.train_step(micro_batches, loss_fn)`` with accumulation "layered" runs
+the step's M forwards on threads of their own, one at a time, that meet at the
+pre-forward hook of each of the model's repeated blocks (``find_blocks``): the
+forward that has reached the lowest block goes on, micro-batches in order on a
+tie. So the code before, between and after the blocks (embeddings, masks, the
+head, the loss) runs unchanged, each micro-batch's on its own thread, and each
+block runs for all M micro-batches in a row: its chunks are pinned M times in
+consecutive moments and move once. One backward over the M losses follows;
+autograd runs the nodes made last first, and each forward thread numbers its
+nodes from zero, so backward too goes block by block, the last first, and a
+block's gradients arrive summed over the micro-batches, once.
+
+Only the order of work changes, never what is computed: a micro-batch's
+forward runs as it would alone, and its parameters are pinned by the same
+hooks, so the losses are the standard order's. The micro-batches' gradients
+are summed in the standard order too (_number_ahead), and the parameters
+come out the same bit for bit, but for a parameter read more than once in a
+micro-batch (a tied embedding), and for a model that calls its blocks out of
+order (with a warning: the chunks then move more than once too), whose sums
+differ within rounding. Blocks a micro-batch skips (layer drop) change
+nothing of this. Random draws (dropout) come in another order than in the
+standard one.
+
+The blocks run under activation checkpointing (``accumulation_checkpoint``,
+on by default): each holds its inputs for all M micro-batches, and backward
+recomputes the rest.
+"""
+
+import contextlib
+import math
+import threading
+import warnings
+
+import torch
+import torch.utils.checkpoint
+
+_DONE = math.inf  # where a finished forward stands
+_CALLER = -1      # whose turn it is when every forward has finished
+
+
+class _Stopped(Exception):
+    """Raised in a parked forward to unwind it: another micro-batch's forward failed."""
+
+
+def find_blocks(model, name=None):
+    """The model's repeated blocks: the nn.ModuleList named `name`, or else the one of two or more modules
+    of one type holding the most parameters. Returns (its name, it); raises ValueError naming what was
+    looked for."""
+    if name is not None:
+        blocks = dict(model.named_modules()).get(name)
+        if not isinstance(blocks, torch.nn.ModuleList) or len(blocks) == 0:
+            found = "nothing" if blocks is None else f"a {type(blocks).__name__}"
+            raise ValueError(f"config: accumulation_blocks {name!r} must name a non-empty torch.nn.ModuleList "
+                             f"in the model (its blocks, as model.named_modules() names it); it names {found}")
+        return name, blocks
+    best = None
+    for module_name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) >= 2 and len({type(m) for m in module}) == 1:
+            size = sum(p.numel() for p in module.parameters())
+            if size > 0 and (best is None or size > best[0]):
+                best = (size, module_name, module)
+    if best is None:
+        raise ValueError(
+            f"layered accumulation: {type(model).__name__} has no repeated blocks (a torch.nn.ModuleList of two or "
+            "more modules of one type, with parameters, such as GPT's blocks or a Hugging Face model's layers); name "
+            "its blocks with the config's accumulation_blocks, or use accumulation \"standard\"")
+    return best[1], best[2]
+
+
+def _thread_settings():
+    """What a forward thread takes from the caller's: grad mode, autocast, the CUDA device and stream."""
+    grad = torch.is_grad_enabled()
+    autocasts = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu") if torch.is_autocast_enabled(kind)]
+    stream = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        stream = torch.cuda.current_stream()
+
+    def apply(stack):
+        stack.enter_context(torch.set_grad_enabled(grad))
+        if stream is not None:
+            torch.cuda.set_device(stream.device)
+            stack.enter_context(torch.cuda.stream(stream))
+        for kind, dtype in autocasts:
+            stack.enter_context(torch.autocast(kind, dtype=dtype))
+    return apply
+
+
+class LayeredForwards:
+    """The forwards of one step's micro-batches, run block by block; the hooks that make them meet."""
+
+    def __init__(self, hooks, blocks, checkpoint):
+        self._hooks = hooks          # strata.hooks.Hooks: each forward's own state is swapped in with its turn
+        self._blocks = blocks
+        self._checkpoint = checkpoint
+        self._local = threading.local()  # .index: the micro-batch a forward thread runs
+        self._turns = threading.Condition()
+        self._turn = _CALLER
+        self._at = []                # micro-batch -> the block its forward waits at (-1: not begun, _DONE)
+        self._last = []              # micro-batch -> the last block its forward entered
+        self._states = []            # micro-batch -> its forward's state in the hooks
+        self._numbers = []
+        self._round = (None, 0)
+        self._stop = False           # a forward failed: the others unwind
+        self.out_of_order = False    # a forward skipped back to an earlier block, or entered one twice
+        self.boundary_bytes = 0      # the blocks' inputs held for backward, this step
+        for index, block in enumerate(blocks):
+            block.register_forward_pre_hook(self._park_hook(index), prepend=True)
+
+    def run(self, model, micro_batches, loss_fn, scale):
+        """loss_fn(model, micro_batch) for every micro-batch, block by block; returns the losses in order, and
+        each multiplied by `scale` for backward (on its own thread: see _number_ahead)."""
+        count = len(micro_batches)
+        self._at, self._last = [-1] * count, [-1] * count
+        self._states = [([], []) for _ in range(count)]
+        self._numbers = [0] * count  # micro-batch -> the autograd number its forward took last, at a block
+        self._round = (None, 0)      # the block running, and the highest number taken by a forward waiting at it
+        self._stop, self.out_of_order, self.boundary_bytes = False, False, 0
+        losses, scaled, errors = [None] * count, [None] * count, [None] * count
+        settings = _thread_settings()
+        caller_state = self._hooks.forward_state()
+        self._hooks.recover()  # what a forward that raised left behind; each thread's root hook leaves it alone
+        self._hooks.layered = True
+        originals = self._wrap_blocks() if self._checkpoint else []
+        threads = [threading.Thread(target=self._forward, daemon=True, name=f"strata-layered-{m}",
+                                    args=(m, model, micro_batch, loss_fn, settings, scale, (losses, scaled, errors)))
+                   for m, micro_batch in enumerate(micro_batches)]
+        try:
+            with self._turns:
+                self._turn = 0
+            for thread in threads:
+                thread.start()
+            with self._turns:
+                self._turns.wait_for(lambda: self._turn == _CALLER)
+            for thread in threads:
+                thread.join()
+        finally:
+            self._hooks.layered = False
+            self._hooks.set_forward_state(caller_state)
+            for block, original in originals:
+                if original is None:
+                    del block.forward
+                else:
+                    block.forward = original
+        failed = [error for error in errors if error is not None]
+        if failed:
+            raise failed[0]
+        if self.out_of_order:
+            warnings.warn("strata: layered accumulation: a forward went back to an earlier block, or entered one "
+                          "twice: the blocks' chunks moved more than once, and gradients summed in another order "
+                          "than the standard one's (within rounding)", stacklevel=3)
+        return losses, scaled
+
+    # --- each forward's thread ---------------------------------------------------------------------------
+
+    def _forward(self, m, model, micro_batch, loss_fn, settings, scale, out):
+        losses, scaled, errors = out
+        self._local.index = m
+        self._wait_turn(m)
+        try:
+            if not self._stop:
+                with contextlib.ExitStack() as stack:
+                    settings(stack)
+                    _number_ahead(len(self._at) - 1 - m)
+                    self._hooks.set_forward_state(self._states[m])
+                    losses[m] = checked_loss(loss_fn(model, micro_batch), m)
+                    scaled[m] = losses[m] if scale == 1.0 else losses[m] * scale
+        except _Stopped:
+            pass
+        except BaseException as error:  # noqa: BLE001 (raised by the caller, first micro-batch first)
+            errors[m] = error
+            self._stop = True
+        finally:
+            self._local.index = None
+            self._at[m] = _DONE
+            self._pass_on()
+
+    def _park_hook(self, index):
+        def hook(module, args):
+            m = getattr(self._local, "index", None)
+            if m is None:  # not a layered forward (a recomputation in backward, another forward)
+                return None
+            if index <= self._last[m]:
+                self.out_of_order = True
+            self._last[m] = self._at[m] = index
+            self._states[m] = self._hooks.forward_state()
+            self._numbers[m] = _number_ahead(1)
+            self._pass_on()
+            self._wait_turn(m)
+            self._hooks.set_forward_state(self._states[m])
+            if self._stop:
+                raise _Stopped()
+            # Every forward at this block starts it from the same number, less its micro-batch, and apart from
+            # the code before it (whatever blocks each one skipped).
+            count = len(self._at)
+            if self._round[0] != index:  # the first forward to run this block: all that will are waiting at it
+                self._round = (index, max(n for n, at in zip(self._numbers, self._at) if at == index))
+            start = self._round[1] + count + (count - 1 - m)
+            _number_ahead(start - self._numbers[m] - 1)
+            return None
+        return hook
+
+    def _pass_on(self):
+        """The turn goes to the forward at the lowest block (the first micro-batch on a tie), or to the caller."""
+        with self._turns:
+            waiting = [(at, m) for m, at in enumerate(self._at) if at != _DONE]
+            self._turn = min(waiting)[1] if waiting else _CALLER
+            self._turns.notify_all()
+
+    def _wait_turn(self, m):
+        with self._turns:
+            self._turns.wait_for(lambda: self._turn == m)
+
+    # --- checkpointing ------------------------------------------------------------------------------------
+
+    def _wrap_blocks(self):
+        """Each block's forward under activation checkpointing while the step's forwards run; returns what to
+        put back: (block, its own forward attribute or None)."""
+        originals = []
+        for block in self._blocks:
+            original = block.__dict__.get("forward")
+            inner = block.forward
+
+            def forward(*args, _inner=inner, **kwargs):
+                if getattr(self._local, "index", None) is None:
+                    return _inner(*args, **kwargs)
+                self.boundary_bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+                # Recomputed whole: stopped early, its modules' post-hooks would not run (their pins stay).
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+            block.forward = forward
+            originals.append((block, original))
+        return originals
+
+
+def _number_ahead(count):
+    """Makes `count` autograd nodes on this thread, whose numbers the forward's nodes then follow; returns the
+    last number taken.
+
+    Autograd numbers the nodes each thread makes from zero, and backward runs
+    the highest number first among those ready (so, on each thread, the reverse
+    of the order made). The forwards run the same code, and each begins each
+    block from the same number less its micro-batch's index: micro-batch m's
+    node at a place in a block has a higher number than micro-batch m+1's at
+    the same place, so that in backward it runs first, and a block's
+    gradients come into autograd's sum in micro-batch order, as the standard
+    order adds them into the grad chunk: the sum is the same bit for bit (a
+    parameter read twice in a micro-batch, such as a tied embedding, sums in
+    another order). M numbers between a block and the code before it keep
+    them apart: else the last nodes before micro-batch 0's block would run
+    among the first of micro-batch M-1's, pinning the block before in the
+    middle of the one after."""
+    number = -1
+    with torch.enable_grad():
+        x = torch.zeros((), requires_grad=True)
+        for _ in range(count):
+            number = x.add(0).grad_fn._sequence_nr()
+    return number
+
+
+def checked_loss(loss, m):
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.requires_grad:
+        what = type(loss).__name__ if not isinstance(loss, torch.Tensor) else (
+            f"a tensor of {loss.numel()} elements" if loss.numel() != 1 else "a tensor that does not require grad")
+        raise ValueError(f"engine.train_step: loss_fn(model, micro_batch) must return the micro-batch's loss, a tensor "
+                         f"of one element that requires grad; micro-batch {m} returned {what}")
+    return loss

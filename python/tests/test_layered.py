@@ -1,0 +1,235 @@
+"""engine.train_step: layered gradient accumulation against the standard order (issue 25).
+
+The two orders compute the same things in another order: with every parameter read once per micro-batch
+they give the same losses and parameters bit for bit; a tied embedding's gradient is summed in another
+order, so there the goal is 1e-6 relative (each parameter tensor's norm, the losses).
+"""
+
+import copy
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+import strata
+from models import TinyGPT, batches, pair, relative_errors, three_tiers
+
+
+def tiers(tmp_path, name, **extra):
+    """models.three_tiers on a directory of its own under tmp_path."""
+    (tmp_path / name).mkdir(parents=True, exist_ok=True)
+    return three_tiers(tmp_path / name, **extra)
+
+
+def gpt_loss(model, tokens):
+    return model(tokens[:, :-1], tokens[:, 1:])
+
+
+def untied(seed=0, **kwargs):
+    """TinyGPT whose output head has a weight of its own (a copy of the embedding's)."""
+    model, _ = pair(seed, **kwargs)
+    model.head.weight = torch.nn.Parameter(model.wte.weight.detach().clone())
+    return model
+
+
+def train(model, config, mode, micro_batches, steps=10, loss_fn=gpt_loss, data=None):
+    """`steps` train_steps of `micro_batches` each in `mode`: the losses (steps x micro-batches), the parameters
+    and the engine."""
+    engine = strata.initialize(model, config)
+    data = data if data is not None else batches(steps * micro_batches, batch=2)
+    losses = [engine.train_step(data[s * micro_batches:(s + 1) * micro_batches], loss_fn, accumulation=mode)
+              for s in range(steps)]
+    return torch.stack(losses), engine.state_dict(), engine
+
+
+def assert_equal(a, b):
+    assert torch.equal(a[0], b[0]), (a[0] - b[0]).abs().max()
+    for name, value in a[1].items():
+        assert torch.equal(value, b[1][name]), name
+
+
+def assert_close(a, b):
+    assert ((a[0] - b[0]).abs() / b[0].abs()).max() <= 1e-6
+    for name, value in a[1].items():
+        assert (b[1][name] - value).norm() <= 1e-6 * value.norm(), name
+
+
+def test_layered_steps_are_the_standard_ones_bit_for_bit_with_states_on_nvme(tmp_path):
+    runs = {mode: train(untied(layers=4), tiers(tmp_path, mode), mode, 4) for mode in ("standard", "layered")}
+    assert_equal(runs["layered"], runs["standard"])
+    stats = runs["layered"][2].stats()
+    assert stats["links"]["nvme->host"]["bytes"] > 0 and stats["links"]["host->nvme"]["bytes"] > 0
+    last = runs["layered"][2].last_step
+    assert (last["accumulation"], last["micro_batches"], last["step"]) == \
+        ("layered", 4, 10)
+    # Each block's input held for backward, for every micro-batch: 4 blocks x 4 x (2 x 16 x 32) fp32.
+    assert last["boundary_bytes"] == 4 * 4 * 2 * 16 * 32 * 4
+    assert runs["standard"][2].last_step["boundary_bytes"] == 0
+
+
+@pytest.mark.parametrize("micro_batches", [4, 8])
+def test_a_tied_embedding_trains_within_rounding_of_the_standard_order(tmp_path, micro_batches):
+    runs = {mode: train(pair(layers=4)[0], tiers(tmp_path, mode), mode, micro_batches)
+            for mode in ("standard", "layered")}
+    assert_close(runs["layered"], runs["standard"])
+
+
+def test_frozen_parameters_and_updates_beside_backward(tmp_path):
+    """Frozen blocks and embedding; the optimizer's updates begin beside the layered backward (issue 24)."""
+    def model():
+        m = untied(layers=4)
+        for name, p in m.named_parameters():
+            if name.startswith(("blocks.0.", "wpe")):
+                p.requires_grad_(False)
+        return m
+    standard = train(model(), tiers(tmp_path, "s"), "standard", 4)
+    layered = train(model(), tiers(tmp_path, "l", optimizer={"overlap": "1MiB"}), "layered", 4)
+    assert_equal(layered, standard)
+    assert layered[2].last_step["beside_groups"] > 0
+    assert torch.equal(layered[1]["blocks.0.up.weight"], untied(layers=4).state_dict()["blocks.0.up.weight"])
+
+
+def test_a_hugging_face_llama_from_its_config(tmp_path):
+    transformers = pytest.importorskip("transformers")
+
+    def llama():
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa"))
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (40, 2, 16), generator=generator)]
+    runs = {}
+    for mode in ("standard", "layered"):
+        runs[mode] = train(llama(), tiers(tmp_path, mode), mode, 4, loss_fn=lambda m, b: m(**b).loss,
+                           data=data)
+    assert_equal(runs["layered"], runs["standard"])
+    assert runs["layered"][2].accumulation_blocks == "model.layers"
+
+
+class SkippingGPT(torch.nn.Module):
+    """TinyGPT's parts, run in a data-dependent order: a micro-batch whose first token is even skips block 1
+    (layer drop); `reverse` runs the blocks last to first."""
+
+    def __init__(self, reverse=False):
+        super().__init__()
+        self.inner = untied(layers=4)
+        self.wpe = self.inner.wpe  # read here, by this module: its hooks materialize it
+        del self.inner.wpe
+        self.reverse = reverse
+
+    def forward(self, tokens, targets):
+        x = self.inner.wte(tokens) + self.wpe[: tokens.shape[1]]
+        blocks = list(self.inner.blocks)
+        for i, block in enumerate(blocks[::-1] if self.reverse else blocks):
+            if not (i == 1 and int(tokens[0, 0]) % 2 == 0):
+                x = block(x)
+        logits = self.inner.head(self.inner.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_blocks_skipped_train_exactly_and_out_of_order_within_rounding(tmp_path, reverse):
+    data = batches(40, batch=2, seed=5)
+    assert len({int(t[0, 0]) % 2 for t in data[:4]}) == 2  # some micro-batches of a step skip, some do not
+    standard = train(SkippingGPT(reverse), tiers(tmp_path, "s"), "standard", 4, data=data)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        layered = train(SkippingGPT(reverse), tiers(tmp_path, "l"), "layered", 4, data=data)
+    # Out of order, the gradients sum in another order.
+    (assert_close if reverse else assert_equal)(layered, standard)
+    out_of_order = [w for w in caught if "entered one twice" in str(w.message)]
+    assert len(out_of_order) == (10 if reverse else 0)
+
+
+def traffic(tmp_path, mode, micro_batches):
+    """Bytes a step moves between tiers, all links and host->device, once the plan is made (the third step)."""
+    config = tiers(tmp_path, "t", device={"budget": 128 * 1024}, host={"budget": "4MiB"})
+    engine = strata.initialize(pair(layers=6)[0], config)
+    data = batches(3 * micro_batches, batch=2)
+    totals = []
+    for s in range(3):
+        engine.train_step(data[s * micro_batches:(s + 1) * micro_batches], gpt_loss, accumulation=mode)
+        links = engine.stats()["links"]
+        totals.append((sum(link["bytes"] for link in links.values()), links["host->device"]["bytes"]))
+    return totals[2][0] - totals[1][0], totals[2][1] - totals[1][1]
+
+
+def test_layered_chunks_move_once_a_step_whatever_the_micro_batches(tmp_path):
+    one = traffic(tmp_path / "1", "layered", 1)
+    eight = traffic(tmp_path / "8", "layered", 8)
+    standard = traffic(tmp_path / "s", "standard", 8)
+    assert pair(layers=6)[0].head.weight.numel() * 4 * 6 < 6 * 128 * 1024  # the parameters exceed the device
+    assert 0 < eight[0] <= 1.15 * one[0], (one, eight)
+    assert standard[1] >= 4 * one[1], (one, standard)
+
+
+def test_a_failed_micro_batch_leaves_the_engine_as_it_was(tmp_path):
+    data = batches(8, batch=2)
+    reference = train(untied(), tiers(tmp_path, "r"), "layered", 4, steps=2, data=data)
+    engine = strata.initialize(untied(), tiers(tmp_path, "f"))
+
+    def failing(model, tokens):
+        if tokens is data[2]:
+            raise KeyError("no such column")
+        return gpt_loss(model, tokens)
+    with pytest.raises(KeyError, match="no such column"):
+        engine.train_step(data[:4], failing, accumulation="layered")
+    with pytest.raises(ValueError, match="micro-batch 1 returned a tensor of 2 elements"):
+        engine.train_step(data[:4], lambda m, t: torch.stack([gpt_loss(m, t)] * 2) if t is data[1] else
+                          gpt_loss(m, t), accumulation="layered")
+    losses = [engine.train_step(data[s * 4:(s + 1) * 4], gpt_loss, accumulation="layered") for s in range(2)]
+    assert torch.equal(torch.stack(losses), reference[0])
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, reference[1][name]), name
+
+
+def test_what_is_refused(tmp_path):
+    class NoBlocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+
+        def forward(self, x):
+            return self.b(self.a(x)).sum()
+
+    engine = strata.initialize(NoBlocks(), tiers(tmp_path, "n"))
+    with pytest.raises(ValueError, match="NoBlocks has no repeated blocks .*accumulation_blocks"):
+        engine.train_step([torch.ones(2, 4)], lambda m, x: m(x), accumulation="layered")
+    assert engine.train_step([torch.ones(2, 4)], lambda m, x: m(x)).shape == (1,)  # standard, the default
+    with pytest.raises(ValueError, match="accumulation 'interleaved' must be one of 'standard', 'layered'"):
+        engine.train_step([torch.ones(2, 4)], lambda m, x: m(x), accumulation="interleaved")
+    with pytest.raises(ValueError, match="micro_batches is empty"):
+        engine.train_step([], lambda m, x: m(x))
+    engine = strata.initialize(TinyGPT(), tiers(tmp_path, "b", accumulation="layered",
+                                                      accumulation_blocks="ln_f"))
+    with pytest.raises(ValueError, match="accumulation_blocks 'ln_f' must name a non-empty torch.nn.ModuleList .* "
+                                         "names a LayerNorm"):
+        engine.train_step(batches(1), gpt_loss)
+    for key, value, message in [("accumulation", "fast", "must be one of"),
+                                ("accumulation_blocks", 3, "must be the name"),
+                                ("accumulation_checkpoint", "yes", "must be true or false")]:
+        with pytest.raises(ValueError, match=f"config: {key} .*{message}"):
+            strata.initialize(TinyGPT(), tiers(tmp_path, "c", **{key: value}))
+
+
+def test_the_configs_order_and_blocks_named(tmp_path):
+    """accumulation from the config; the blocks named; checkpointing off holds no boundary inputs of its own."""
+    config = tiers(tmp_path, "l", accumulation="layered", accumulation_blocks="blocks",
+                         accumulation_checkpoint=False)
+    model, reference = pair(layers=4)
+    engine = strata.initialize(model, config)
+    losses = engine.train_step(batches(4, batch=2), gpt_loss)
+    assert engine.last_step["accumulation"] == "layered" and engine.last_step["boundary_bytes"] == 0
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.01)
+    theirs = []
+    for tokens in batches(4, batch=2):
+        loss = gpt_loss(reference, tokens)
+        (loss / 4).backward()
+        theirs.append(loss.item())
+    opt.step()
+    assert max(relative_errors(losses.tolist(), theirs)) <= 1e-6
+    with torch.no_grad():
+        assert torch.allclose(engine.state_dict()["blocks.3.up.weight"], reference.blocks[3].up.weight, atol=1e-6)
