@@ -12,7 +12,9 @@ keys both work) plus the adapter's own:
   ``accumulation_blocks``: the name of the model's ``nn.ModuleList`` of blocks
   (default: found); ``accumulation_checkpoint``: layered blocks recompute in
   backward, holding only their inputs (default true; false where the model
-  checkpoints them itself);
+  checkpoints them itself); ``accumulation_offload``: host memory for the
+  layered blocks' held inputs (a size; default 0: they stay where the model
+  computes), a step that needs more refused as it begins;
 - ``gradient_clipping``: the global norm gradients are clipped to (0: none);
 - ``non_model_memory``: device memory each moment uses besides chunks, for the
   planner: ``"measured"`` (default: ``torch.cuda.memory_allocated()`` on a GPU;
@@ -38,6 +40,7 @@ class Config:
     accumulation: str = "standard"   # engine.train_step's order: standard or layered
     accumulation_blocks: str = None  # the blocks' ModuleList's name; None: found
     accumulation_checkpoint: bool = True
+    accumulation_offload: int = 0    # host bytes for the layered blocks' held inputs (0: kept where computed)
 
     def describe(self):
         values = dict(self.options.describe())
@@ -45,6 +48,7 @@ class Config:
         values["accumulation"] = self.accumulation
         values["accumulation_blocks"] = self.accumulation_blocks or "found"
         values["accumulation_checkpoint"] = _text(self.accumulation_checkpoint)
+        values["accumulation_offload"] = str(self.accumulation_offload)
         values["non_model_memory"] = "measured" if self.non_model_memory is None else str(self.non_model_memory)
         return values
 
@@ -67,17 +71,23 @@ def _flatten(prefix, value, out):
         out.append((prefix, value))
 
 
-def _non_model_memory(value):
-    if value == "measured":
-        return None
+def _size(value, key, other):
+    """A size in the config: bytes, or a string like "64MiB"."""
+    message = f"config: {key} {value!r} must be {other} or a size (bytes, or like \"64MiB\")"
     if isinstance(value, bool) or not isinstance(value, (int, str)) or (isinstance(value, int) and value < 0):
-        raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")")
+        raise ValueError(message)
     if isinstance(value, int):
         return value
     try:
         return parse_size(value)
     except ValueError:
-        raise ValueError(f"config: non_model_memory {value!r} must be \"measured\" or a size (bytes, or like \"64MiB\")") from None
+        raise ValueError(message) from None
+
+
+def _non_model_memory(value):
+    if value == "measured":
+        return None
+    return _size(value, "non_model_memory", '"measured"')
 
 
 ACCUMULATION_MODES = ("standard", "layered")
@@ -128,6 +138,8 @@ def load_config(config=None):
             if not isinstance(value, bool):
                 raise ValueError(f"config: accumulation_checkpoint {value!r} must be true or false")
             result.accumulation_checkpoint = value
+        elif key == "accumulation_offload":
+            result.accumulation_offload = _size(value, "accumulation_offload", "0 (held where the model computes)")
         elif key == "non_model_memory":
             result.non_model_memory = _non_model_memory(value)
         elif key == "gradient_clipping":

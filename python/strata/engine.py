@@ -221,6 +221,9 @@ class TrainingEngine:
         """One whole optimizer step over `micro_batches`: loss_fn(model, micro_batch) is each one's loss (a tensor
         of one element), the gradients are accumulated over them all, then the step (engine.optimizer.step()).
         Returns the losses, a tensor of one per micro-batch (detached: reading it waits for the device).
+        last_step has the step's accumulation, micro_batches, moved_bytes (each link's, forward to step),
+        boundary_bytes (the blocks' inputs a layered step held for backward) and boundary_host_bytes (of which on
+        the host: accumulation_offload).
 
         `accumulation` (default: the config's): "standard" runs each micro-batch's forward and backward in turn;
         "layered" runs every micro-batch through each of the model's repeated blocks before any enters the next,
@@ -238,6 +241,7 @@ class TrainingEngine:
             raise RuntimeError("engine.train_step: between steps only (after step()): backwards since the last step "
                                "are in progress")
         self._progress.step_size = len(micro_batches)
+        moved = self._moved_bytes()
         try:
             if mode == "layered":
                 forwards = self._layered_forwards()
@@ -260,12 +264,20 @@ class TrainingEngine:
         self._progress.last_step["accumulation"] = mode
         self._progress.last_step["micro_batches"] = len(micro_batches)
         self._progress.last_step["boundary_bytes"] = forwards.boundary_bytes if mode == "layered" else 0
+        self._progress.last_step["boundary_host_bytes"] = forwards.offloaded_bytes if mode == "layered" else 0
+        self._progress.last_step["moved_bytes"] = {link: count - moved.get(link, 0)
+                                                   for link, count in self._moved_bytes().items()}
         return torch.stack([loss.detach() for loss in losses])
+
+    def _moved_bytes(self):
+        """Bytes moved over each link between tiers so far."""
+        return {link: figures["bytes"] for link, figures in self._runtime.engine.stats()["links"].items()}
 
     def _layered_forwards(self):
         if self._layered is None:
             name, blocks = find_blocks(self.module, self.config.accumulation_blocks)
-            self._layered = LayeredForwards(self._hooks, blocks, self.config.accumulation_checkpoint)
+            self._layered = LayeredForwards(self._hooks, blocks, self.config.accumulation_checkpoint,
+                                            self.config.accumulation_offload, self.device)
             self.accumulation_blocks = name
         return self._layered
 

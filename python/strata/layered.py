@@ -25,7 +25,10 @@ standard one.
 
 The blocks run under activation checkpointing (``accumulation_checkpoint``,
 on by default): each holds its inputs for all M micro-batches, and backward
-recomputes the rest.
+recomputes the rest. With ``accumulation_offload`` (a size) those inputs are
+copied to host memory as each block begins (pinned beside a GPU, the copy on
+torch's stream) and back as backward recomputes the block; a step whose inputs
+would take more is refused as its first block begins, with the figures.
 """
 
 import contextlib
@@ -90,10 +93,12 @@ def _thread_settings():
 class LayeredForwards:
     """The forwards of one step's micro-batches, run block by block; the hooks that make them meet."""
 
-    def __init__(self, hooks, blocks, checkpoint):
+    def __init__(self, hooks, blocks, checkpoint, offload_bytes, device):
         self._hooks = hooks          # strata.hooks.Hooks: each forward's own state is swapped in with its turn
         self._blocks = blocks
         self._checkpoint = checkpoint
+        self._offload_bytes = offload_bytes  # host memory the blocks' held inputs may take (0: held where they are)
+        self._device = device        # where the model computes
         self._local = threading.local()  # .index: the micro-batch a forward thread runs
         self._turns = threading.Condition()
         self._turn = _CALLER
@@ -105,6 +110,7 @@ class LayeredForwards:
         self._stop = False           # a forward failed: the others unwind
         self.out_of_order = False    # a forward skipped back to an earlier block, or entered one twice
         self.boundary_bytes = 0      # the blocks' inputs held for backward, this step
+        self.offloaded_bytes = 0     # of which on the host
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._park_hook(index), prepend=True)
 
@@ -116,7 +122,7 @@ class LayeredForwards:
         self._states = [([], []) for _ in range(count)]
         self._numbers = [0] * count  # micro-batch -> the autograd number its forward took last, at a block
         self._round = (None, 0)      # the block running, and the highest number taken by a forward waiting at it
-        self._stop, self.out_of_order, self.boundary_bytes = False, False, 0
+        self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
         losses, scaled, errors = [None] * count, [None] * count, [None] * count
         settings = _thread_settings()
         caller_state = self._hooks.forward_state()
@@ -225,13 +231,41 @@ class LayeredForwards:
             def forward(*args, _inner=inner, **kwargs):
                 if getattr(self._local, "index", None) is None:
                     return _inner(*args, **kwargs)
-                self.boundary_bytes += sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
-                # Recomputed whole: stopped early, its modules' post-hooks would not run (their pins stay).
-                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                    return torch.utils.checkpoint.checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+                return self._checkpointed(_inner, args, kwargs)
             block.forward = forward
             originals.append((block, original))
         return originals
+
+
+    def _checkpointed(self, inner, args, kwargs):
+        """A block's forward, checkpointed: its positional tensor inputs held for backward, on the host with
+        accumulation_offload (brought back as backward recomputes it)."""
+        size = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
+        if self._offload_bytes:
+            # The step's held inputs, as this first block's are for every block and micro-batch.
+            need = max(self.boundary_bytes + size, size * len(self._blocks) * len(self._at))
+            if need > self._offload_bytes:
+                raise ValueError(
+                    f"layered accumulation: the blocks' inputs held on the host for backward take {need} bytes "
+                    f"({len(self._at)} micro-batches x {len(self._blocks)} blocks x {size} bytes), more than "
+                    f"accumulation_offload's {self._offload_bytes}: raise it to at least {need}, or give fewer "
+                    "micro-batches a step")
+            args = tuple(_on_host(a) if isinstance(a, torch.Tensor) else a for a in args)
+            self.offloaded_bytes += size
+        self.boundary_bytes += size
+
+        def run(*held, **named):
+            return inner(*(a.to(self._device, non_blocking=True) if isinstance(a, torch.Tensor) else a
+                           for a in held), **named)
+        # Recomputed whole: stopped early, its modules' post-hooks would not run (their pins stay).
+        with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+def _on_host(tensor):
+    """A copy of `tensor` in host memory (pinned beside a GPU), in autograd's graph."""
+    pinned = tensor.is_cuda
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
 
 
 def _number_ahead(count):

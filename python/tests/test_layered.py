@@ -145,16 +145,15 @@ def test_blocks_skipped_train_exactly_and_out_of_order_within_rounding(tmp_path,
 
 
 def traffic(tmp_path, mode, micro_batches):
-    """Bytes a step moves between tiers, all links and host->device, once the plan is made (the third step)."""
+    """Bytes a step moves between tiers (engine.stats()'s last_step), all links and host->device, once the plan
+    is made (the third step)."""
     config = tiers(tmp_path, "t", device={"budget": 128 * 1024}, host={"budget": "4MiB"})
     engine = strata.initialize(pair(layers=6)[0], config)
     data = batches(3 * micro_batches, batch=2)
-    totals = []
     for s in range(3):
         engine.train_step(data[s * micro_batches:(s + 1) * micro_batches], gpt_loss, accumulation=mode)
-        links = engine.stats()["links"]
-        totals.append((sum(link["bytes"] for link in links.values()), links["host->device"]["bytes"]))
-    return totals[2][0] - totals[1][0], totals[2][1] - totals[1][1]
+    moved = engine.stats()["last_step"]["moved_bytes"]
+    return sum(moved.values()), moved["host->device"]
 
 
 def test_layered_chunks_move_once_a_step_whatever_the_micro_batches(tmp_path):
@@ -210,7 +209,8 @@ def test_what_is_refused(tmp_path):
         engine.train_step(batches(1), gpt_loss)
     for key, value, message in [("accumulation", "fast", "must be one of"),
                                 ("accumulation_blocks", 3, "must be the name"),
-                                ("accumulation_checkpoint", "yes", "must be true or false")]:
+                                ("accumulation_checkpoint", "yes", "must be true or false"),
+                                ("accumulation_offload", -1, "must be 0 .held where the model computes. or a size")]:
         with pytest.raises(ValueError, match=f"config: {key} .*{message}"):
             strata.initialize(TinyGPT(), tiers(tmp_path, "c", **{key: value}))
 
@@ -233,3 +233,23 @@ def test_the_configs_order_and_blocks_named(tmp_path):
     assert max(relative_errors(losses.tolist(), theirs)) <= 1e-6
     with torch.no_grad():
         assert torch.allclose(engine.state_dict()["blocks.3.up.weight"], reference.blocks[3].up.weight, atol=1e-6)
+
+
+def test_held_inputs_on_the_host_within_their_budget(tmp_path):
+    """accumulation_offload: the blocks' inputs copied to host memory, the same step bit for bit; a budget below
+    the step's inputs is refused as the step begins, with the figures, and nothing changes."""
+    need = 4 * 4 * 2 * 16 * 32 * 4  # micro-batches x blocks x one input (2 x 16 x 32 fp32)
+    standard = train(untied(layers=4), tiers(tmp_path, "s"), "standard", 4)
+    layered = train(untied(layers=4), tiers(tmp_path, "l", accumulation_offload=need), "layered", 4)
+    assert_equal(layered, standard)
+    assert layered[2].last_step["boundary_host_bytes"] == layered[2].last_step["boundary_bytes"] == need
+
+    engine = strata.initialize(untied(layers=4), tiers(tmp_path, "r", accumulation_offload="48KiB"))
+    before = engine.state_dict()
+    with pytest.raises(ValueError, match=f"take {need} bytes \\(4 micro-batches x 4 blocks x 4096 bytes\\), more "
+                                         f"than accumulation_offload's 49152: raise it to at least {need}"):
+        engine.train_step(batches(4, batch=2), gpt_loss, accumulation="layered")
+    engine.train_step(batches(2, batch=2), gpt_loss, accumulation="layered")  # 32KiB: within it
+    assert engine.last_step["boundary_host_bytes"] == need // 2
+    assert engine.stats()["steps"] == 1 and not torch.equal(engine.state_dict()["blocks.0.up.weight"],
+                                                            before["blocks.0.up.weight"])
