@@ -49,18 +49,23 @@ WARMUP_STEPS = 2  # the trace, then the first plan
 LEAST = re.compile(r"raise (device|host)\.budget to at least ([0-9.]+ ?[KMGT]?i?B)")
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_model_args(p, layers, batch, steps):
+    """The model's and the run's flags (build_model's), with these defaults."""
     p.add_argument("--device", choices=["emulated", "cuda"], default="emulated")
     p.add_argument("--model", choices=["gpt", "llama"], default="gpt")
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--layers", type=int, default=layers)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--seq", type=int, default=128)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--steps", type=int, default=6, help=f"steps a run; the first {WARMUP_STEPS} are not timed")
+    p.add_argument("--batch", type=int, default=batch, help="sequences a (micro-)batch")
+    p.add_argument("--steps", type=int, default=steps, help=f"steps a run; the first {WARMUP_STEPS} are not timed")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_model_args(p, layers=4, batch=8, steps=6)
     p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     p.add_argument("--link-gbps", type=float, default=25.0, help="the emulated device's links, GB/s")
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: none)")
@@ -247,6 +252,13 @@ def print_table(args, results):
               f"{_figure(r.get('updates_on_device'), 'd'):>7}  {links}")
 
 
+def write_json(args, results):
+    """The run's flags and results into --json's file, if given."""
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=1)
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda") if args.device == "cuda" else torch.device("cpu")
@@ -255,9 +267,7 @@ def main(argv=None):
         for name in args.configs.split(","):
             results[name] = strata_run(args, name, nvme_root)
     print_table(args, results)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=1)
+    write_json(args, results)
 
 
 if __name__ == "__main__":

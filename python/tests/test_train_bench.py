@@ -39,3 +39,18 @@ def test_the_adapter_cost_benchmark_reports_microseconds_a_module(tmp_path):
     result = json.loads(out.read_text())
     assert result["modules"] == 20 and result["strata_s_per_step"] > 0 and result["plain_s_per_step"] > 0
     assert result["host_syncs_per_step"] > 0 and "us a module" in run.stdout
+
+
+def test_the_accumulation_benchmark_compares_both_orders(tmp_path):
+    out = tmp_path / "accumulation.json"
+    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "accumulation_bench.py"), "--layers", "4",
+                          "--hidden", "64", "--seq", "32", "--micro-batches", "1,4", "--steps", "3", "--json",
+                          str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    results = json.loads(out.read_text())["results"]
+    assert list(results) == ["standard/1", "layered/1", "standard/4", "layered/4"]
+    for name, r in results.items():
+        assert r["s_per_step"] > 0 and r["device_budget"] < r["parameter_bytes"], (name, r)
+    assert results["layered/4"]["boundary_bytes"] == 4 * 4 * 32 * 64 * 4  # micro-batches x blocks x input
+    assert results["standard/4"]["moved_bytes"]["host->device"] > 2 * results["layered/4"]["moved_bytes"]["host->device"]
+    assert "x standard" in run.stdout

@@ -1,0 +1,140 @@
+#include "offload/training/accumulated_step.h"
+
+#include <algorithm>
+#include <optional>
+#include <unordered_map>
+
+// Note [Accumulated steps]
+// ~~~~~~~~~~~~~~~~~~~~~~~~
+// Gradient accumulation over M micro-batches is usually run micro-batch by
+// micro-batch: every block's chunks are fetched M times in forward and M
+// times in backward. The layered order (Lamy-Poirier, 2021) runs block b for
+// all M micro-batches before block b+1, and in backward the last block for
+// all of them first: each block's chunks are pinned in M consecutive moments,
+// so the plan keeps them on the device between them and they move once a
+// step. The caller holds each block's inputs of every micro-batch until its
+// backward (checkpointed, they are the block boundaries only).
+//
+// Each pass is a moment of its own, as the Python adapter's module calls
+// are, so the warm-up trace and the plan see the same moments in either
+// order. A grad chunk is final once the last backward pass of the lowest
+// block holding one of its tensors is done (the last micro-batch's, in
+// either order): only then is it handed to the reducer and to the updates
+// beside backward. Gradients are the caller's to add, in micro-batch order
+// for each block in both orders, so a caller that adds them into the grad
+// chunks gets the same sums either way.
+
+namespace strata::offload {
+namespace {
+
+// A block's chunks: its tensors' param chunks, and the trainable ones' grad chunks.
+struct BlockChunks {
+  std::vector<ChunkId> params;
+  std::vector<ChunkId> grads;
+};
+
+void AddOnce(std::vector<ChunkId>& chunks, ChunkId chunk) {
+  if (std::find(chunks.begin(), chunks.end(), chunk) == chunks.end()) chunks.push_back(chunk);
+}
+
+Result<std::vector<BlockChunks>> ChunksOf(const Engine& engine, const AccumulatedStep& step) {
+  if (step.blocks.empty()) return InvalidArgument("accumulated step: no blocks; give the model's blocks");
+  if (step.micro_batches == 0) {
+    return InvalidArgument("accumulated step: micro_batches is 0; give at least 1");
+  }
+  std::vector<BlockChunks> out(step.blocks.size());
+  for (size_t b = 0; b < step.blocks.size(); ++b) {
+    for (TensorId tensor : step.blocks[b]) {
+      std::optional<ChunkId> param = engine.ChunkOf(tensor, ChunkKind::kParam);
+      if (tensor.value() >= engine.tensors().size() || !param) {
+        return InvalidArgument("accumulated step: block {} names tensor {}, which the engine does not have "
+                                       "({} tensors are registered)",
+                                       b, tensor.value(), engine.tensors().size());
+      }
+      AddOnce(out[b].params, *param);
+      if (std::optional<ChunkId> grad = engine.ChunkOf(tensor, ChunkKind::kGrad)) AddOnce(out[b].grads, *grad);
+    }
+  }
+  return out;
+}
+
+// One pass: a moment with the block's chunks pinned on the device, `compute` run in it.
+Status RunPass(Pipeline& pipeline, const BlockChunks& chunks, BlockPass pass,
+               const std::function<Status(const BlockPass&)>& compute) {
+  STRATA_RETURN_IF_ERROR(pipeline.BeginMoment());
+  Status status = Status::Ok();
+  {
+    std::vector<ChunkAccess> params, grads;
+    for (ChunkId chunk : chunks.params) {
+      if (!status.ok()) break;
+      Result<ChunkAccess> access = pipeline.Access(chunk);
+      status = access.status();
+      if (status.ok()) params.push_back(std::move(access).value());
+    }
+    for (ChunkId chunk : pass.backward ? chunks.grads : std::vector<ChunkId>{}) {
+      if (!status.ok()) break;
+      Result<ChunkAccess> access = pipeline.Access(chunk);
+      status = access.status();
+      if (status.ok()) grads.push_back(std::move(access).value());
+    }
+    pass.params = &params;
+    pass.grads = &grads;
+    if (status.ok()) status = compute(pass);
+  }  // the accesses released before the moment ends
+  const Status ended = pipeline.EndMoment();
+  STRATA_RETURN_IF_ERROR(status);
+  return ended;
+}
+
+}  // namespace
+
+Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                                           const AccumulatedStep& step,
+                                           const std::function<Status(const BlockPass&)>& compute,
+                                           const TrainStepOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<BlockChunks> chunks, ChunksOf(engine, step));
+  const auto blocks = static_cast<uint32_t>(chunks.size());
+  const uint32_t micro_batches = step.micro_batches;
+  const bool layered = step.order == AccumulationOrder::kLayered;
+  // Grad chunk -> the lowest block holding one of its tensors: its last backward pass makes the chunk final.
+  std::unordered_map<uint32_t, uint32_t> final_after;
+  for (uint32_t b = blocks; b-- > 0;) {
+    for (ChunkId grad : chunks[b].grads) final_after[grad.value()] = b;
+  }
+  // The passes of one phase in the order asked: (block, micro-batch).
+  auto passes = [&](bool backward) {
+    std::vector<std::pair<uint32_t, uint32_t>> out;
+    for (uint32_t outer = 0; outer < (layered ? blocks : micro_batches); ++outer) {
+      for (uint32_t inner = 0; inner < (layered ? micro_batches : blocks); ++inner) {
+        uint32_t block = layered ? outer : inner;
+        if (backward) block = blocks - 1 - block;
+        out.emplace_back(block, layered ? inner : outer);
+      }
+    }
+    return out;
+  };
+
+  STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
+  Status status = Status::Ok();
+  for (bool backward : {false, true}) {
+    for (auto [block, micro_batch] : passes(backward)) {
+      if (!status.ok()) break;
+      status = RunPass(pipeline, chunks[block], {.block = block, .micro_batch = micro_batch, .backward = backward},
+                       compute);
+      if (!status.ok() || !backward || micro_batch + 1 != micro_batches) continue;
+      for (ChunkId grad : chunks[block].grads) {
+        if (!status.ok() || final_after[grad.value()] != block) continue;
+        if (options.reducer != nullptr) status = options.reducer->Submit(grad);
+        if (status.ok() && options.beside != nullptr) status = options.beside->Begin(grad).status();
+      }
+    }
+  }
+  Result<TrainStepReport> report =
+      status.ok() ? RunTrainStep(engine, pipeline, optimizer, options) : Result<TrainStepReport>(status);
+  const Status ended = pipeline.EndIteration();
+  if (!report.ok()) return report;
+  STRATA_RETURN_IF_ERROR(ended);
+  return report;
+}
+
+}  // namespace strata::offload

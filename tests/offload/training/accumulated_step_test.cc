@@ -1,0 +1,147 @@
+// RunAccumulatedStep: a step over micro-batches in the standard and the
+// layered order, the caller adding each pass's gradients.
+#include "offload/training/accumulated_step.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "tests/offload/training/train_model.h"
+#include "tests/test_util.h"
+
+namespace strata::offload {
+namespace {
+
+void ExpectStatus(const Status& status, StatusCode code, const std::string& text) {
+  EXPECT_EQ(status.code(), code) << status.ToString();
+  EXPECT_NE(status.ToString().find(text), std::string::npos) << status.ToString();
+}
+
+// The frozen tensor (block 0, as an embedding), then three blocks of two layers each (block b: tensors 2b-2 and
+// 2b-1).
+AccumulatedStep FourBlocks(uint32_t micro_batches, AccumulationOrder order) {
+  return {.blocks = {{TensorId(6)}, {TensorId(0), TensorId(1)}, {TensorId(2), TensorId(3)}, {TensorId(4), TensorId(5)}},
+          .micro_batches = micro_batches,
+          .order = order};
+}
+
+// Each backward pass adds micro-batch m's gradient of step k into the block's grad chunks; records every pass.
+struct Passes {
+  Model* model;
+  int step = 0;
+  std::vector<std::pair<uint32_t, uint32_t>> forward, backward;  // (block, micro-batch)
+
+  Status operator()(const BlockPass& pass) {
+    (pass.backward ? backward : forward).emplace_back(pass.block, pass.micro_batch);
+    if (!pass.backward) return Status::Ok();
+    EXPECT_EQ(pass.grads->size(), pass.block == 0 ? 0u : 2u);
+    for (size_t i = 0; i < pass.grads->size(); ++i) {
+      const int layer = static_cast<int>(2 * pass.block - 2 + i);
+      const std::vector<float> grad = RankGrad(static_cast<int>(pass.micro_batch), layer, step);
+      float* data = reinterpret_cast<float*>((*pass.grads)[i].data());
+      for (size_t e = 0; e < grad.size(); ++e) data[e] += grad[e];
+    }
+    return Status::Ok();
+  }
+};
+
+// Bytes moved host <-> device so far.
+uint64_t DeviceTraffic(const Engine& engine) {
+  const MemoryStats stats = engine.stats();
+  return stats.links[static_cast<int>(Tier::kHost)][static_cast<int>(Tier::kDevice)].bytes +
+         stats.links[static_cast<int>(Tier::kDevice)][static_cast<int>(Tier::kHost)].bytes;
+}
+
+// Three steps of `micro_batches` in `order`: every layer's param, master and moments after, and the bytes moved
+// host <-> device in the last step (the first two record the trace and make the plan).
+std::pair<std::vector<std::vector<float>>, uint64_t> Train(uint32_t micro_batches, AccumulationOrder order,
+                                                           Passes* seen = nullptr) {
+  Model model;
+  Passes passes{.model = &model};
+  uint64_t before = 0;
+  for (int k = 0; k < 3; ++k) {
+    passes.step = k;
+    passes.forward.clear();
+    passes.backward.clear();
+    before = DeviceTraffic(*model.engine);
+    auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
+                                     FourBlocks(micro_batches, order), std::ref(passes));
+    EXPECT_TRUE(report.ok()) << report.status().ToString();
+  }
+  const uint64_t moved = DeviceTraffic(*model.engine) - before;
+  std::vector<std::vector<float>> states;
+  for (int l = 0; l < kLayers; ++l) {
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kMaster, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+      if (model.engine->ChunkOf(TensorId(l), kind)) states.push_back(model.Read(l, kind));
+    }
+  }
+  if (seen != nullptr) *seen = passes;
+  return {states, moved};
+}
+
+TEST(AccumulatedStepTest, TheLayeredOrderRunsBlockByBlockAndStepsLikeTheStandardBitForBit) {
+  Passes layered_passes{}, standard_passes{};
+  auto [layered, layered_moved] = Train(4, AccumulationOrder::kLayered, &layered_passes);
+  auto [standard, standard_moved] = Train(4, AccumulationOrder::kStandard, &standard_passes);
+  EXPECT_EQ(layered, standard);
+  std::vector<std::pair<uint32_t, uint32_t>> block_major, batch_major;
+  for (uint32_t outer = 0; outer < 4; ++outer) {
+    for (uint32_t inner = 0; inner < 4; ++inner) {
+      block_major.emplace_back(outer, inner);
+      batch_major.emplace_back(inner, outer);
+    }
+  }
+  EXPECT_EQ(layered_passes.forward, block_major);
+  EXPECT_EQ(standard_passes.forward, batch_major);
+  EXPECT_EQ(layered_passes.backward.front(), std::make_pair(3u, 0u));
+  EXPECT_EQ(layered_passes.backward[4], std::make_pair(2u, 0u));
+  EXPECT_EQ(standard_passes.backward[1], std::make_pair(2u, 0u));
+}
+
+TEST(AccumulatedStepTest, LayeredChunksMoveOnceAStepWhateverTheMicroBatches) {
+  // Six param and six grad chunks through a device of four: every pass moves some.
+  const uint64_t one = Train(1, AccumulationOrder::kLayered).second;
+  const uint64_t layered = Train(8, AccumulationOrder::kLayered).second;
+  const uint64_t standard = Train(8, AccumulationOrder::kStandard).second;
+  EXPECT_GT(one, 0u);
+  EXPECT_LE(layered, one + one * 15 / 100);
+  EXPECT_GE(standard, 4 * one);
+}
+
+TEST(AccumulatedStepTest, EachGroupBeginsBesideBackwardAsItsBlocksLastPassEnds) {
+  Model model;
+  ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+                                                          {.kept_bytes = uint64_t{1} << 20}));
+  Passes passes{.model = &model};
+  auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
+                                   FourBlocks(2, AccumulationOrder::kLayered), std::ref(passes),
+                                   {.beside = beside.get()});
+  ASSERT_OK(report.status());
+  EXPECT_EQ(report->beside_groups, 6u);
+  EXPECT_EQ(report->redone_groups, 0u);
+}
+
+TEST(AccumulatedStepTest, WhatIsRefusedAndAFailedPassEndsTheStepUncounted) {
+  Model model;
+  auto run = [&](const AccumulatedStep& step, const std::function<Status(const BlockPass&)>& compute) {
+    return RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer, step, compute).status();
+  };
+  auto nothing = [](const BlockPass&) { return Status::Ok(); };
+  ExpectStatus(run({}, nothing), StatusCode::kInvalidArgument, "no blocks");
+  ExpectStatus(run(FourBlocks(0, AccumulationOrder::kLayered), nothing), StatusCode::kInvalidArgument,
+                "micro_batches is 0");
+  ExpectStatus(run({.blocks = {{TensorId(0)}, {TensorId(99)}}}, nothing), StatusCode::kInvalidArgument,
+                "block 1 names tensor 99, which the engine does not have (7 tensors are registered)");
+  const Status failed = run(FourBlocks(2, AccumulationOrder::kLayered), [](const BlockPass& pass) {
+    return pass.backward && pass.block == 2 ? IoError("no such batch") : Status::Ok();
+  });
+  ExpectStatus(failed, StatusCode::kIoError, "no such batch");
+  EXPECT_EQ(model.optimizer->steps_taken(), 0u);
+  ASSERT_OK(run(FourBlocks(2, AccumulationOrder::kLayered), nothing));  // the pipeline is ready for the next
+  EXPECT_EQ(model.optimizer->steps_taken(), 1u);
+}
+
+}  // namespace
+}  // namespace strata::offload
