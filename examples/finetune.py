@@ -1,13 +1,16 @@
 """Fine-tune a GPT-style decoder with strata, its states spread over device, host and NVMe.
 
     .venv/bin/python examples/finetune.py [--steps 30] [--out build/demo] [--init state_dict.pt]
+        [--accumulation standard|layered] [--micro-batches M]
     mpirun -np 2 .venv/bin/python examples/finetune.py     # data parallel: each rank a share of every batch
 
 The model is plain PyTorch (examples/gpt.py); strata.initialize moves its
 parameters, gradients and AdamW states into chunks. By default the device
 budget is 20% of the model states (less than the parameters alone), the host
 budget 90% of the optimizer states, and the rest lives on NVMe under
-OUT/nvme. The corpus is strata's own sources and docs, as bytes.
+OUT/nvme. The corpus is strata's own sources and docs, as bytes. Each step is
+engine.train_step over --micro-batches micro-batches, in the --accumulation
+order (layered: each block runs for every micro-batch in a row).
 
 Under mpirun (or torchrun) every rank trains on its share of each batch of
 --batch sequences; the budgets are each rank's, and each rank keeps 1/W of
@@ -65,6 +68,12 @@ def parse_args(argv):
                    help="save a checkpoint every N steps under OUT/ckpt, the newest two kept (default 0: none)")
     p.add_argument("--async-save", action="store_true",
                    help="with --save-every: write each checkpoint while the next steps train")
+    p.add_argument("--accumulation", choices=["standard", "layered"], default="standard",
+                   help="the order of a step's micro-batches (engine.train_step): standard, or layered (each block "
+                        "for every micro-batch in a row: its chunks move once a step)")
+    p.add_argument("--micro-batches", type=int,
+                   help="micro-batches each rank's share of a batch is split into (default: 1 standard, one a "
+                        "sequence layered)")
     p.add_argument("--short", action="store_true", help="a tiny model and a few steps (the test suite's run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (one line per step instead)")
     args = p.parse_args(argv)
@@ -73,6 +82,8 @@ def parse_args(argv):
         args.steps, args.baseline_steps = min(args.steps, 6), min(args.baseline_steps, 3)
     if args.steps < 1:
         p.error("--steps must be >= 1")
+    if args.micro_batches is not None and args.micro_batches < 1:
+        p.error("--micro-batches must be >= 1")
     return args
 
 
@@ -203,6 +214,11 @@ def describe_start(engine, args, sizes, nvme_dir, say):
         print(f"strata: collectives over {engine.comm.describe()}")
     if args.batch % world:
         raise SystemExit(f"finetune: --batch {args.batch} does not split over {world} ranks: use a multiple of {world}")
+    if args.micro_batches is None:
+        args.micro_batches = args.batch // world if args.accumulation == "layered" else 1
+    if (args.batch // world) % args.micro_batches:
+        raise SystemExit(f"finetune: each rank's {args.batch // world} sequences do not split into --micro-batches "
+                         f"{args.micro_batches}: give a divisor of {args.batch // world}")
     homes = {}
     for chunk in engine.engine.chunks():
         homes[chunk["home"]] = homes.get(chunk["home"], 0) + chunk["size_bytes"]
@@ -228,9 +244,9 @@ def train(engine, args, batches, say):
     for step, tokens in enumerate(batches, 1):
         start = time.perf_counter()
         tokens = tokens[rank * share:(rank + 1) * share].to(engine.device)
-        loss = engine(tokens[:, :-1], tokens[:, 1:])
-        engine.backward(loss)
-        engine.step()
+        # The step's micro-batches, their gradients averaged: the whole share's mean gradient.
+        loss = engine.train_step(tokens.chunk(args.micro_batches), lambda m, t: m(t[:, :-1], t[:, 1:]),
+                                 accumulation=args.accumulation).mean()
         losses.append(loss.item() if world == 1 else engine.comm.all_reduce_sum([loss.item()])[0] / world)
         if args.save_every and step % args.save_every == 0:  # the time the training loop spends on it
             saving = time.perf_counter()
@@ -304,6 +320,9 @@ def make_report(args, stats, sizes, homes, per_rank, trained, baseline, hbm):
     return {
         "model": {"parameters": sizes.params, "layers": args.layers, "hidden": args.hidden, "heads": args.heads,
                   "seq": args.seq, "batch": args.batch, "precision": args.precision},
+        "accumulation": {"order": args.accumulation, "micro_batches": args.micro_batches,
+                         "boundary_bytes": stats["last_step"].get("boundary_bytes", 0),
+                         "moved_bytes_last_step": stats["last_step"].get("moved_bytes", {})},
         "world_size": len(rank_kinds),  # one entry per rank
         "rank_chunk_bytes": rank_kinds,
         "rank_stored_bytes": rank_stored,
@@ -336,8 +355,11 @@ def print_summary(args, report, sizes):
     losses, times = report["loss"], report["step_time_s"]
     baseline_losses, baseline_times = report["baseline_loss"], report["baseline_step_times_s"]
     world, save_times = report["world_size"], report["checkpoint_seconds_in_loop"]
+    accumulation = report["accumulation"]
     print(f"strata: {steady(times):.3f} s/step ({report['tokens_per_second']:.0f} tokens/s), loss "
-          f"{losses[0]:.3f} -> {losses[-1]:.3f}")
+          f"{losses[0]:.3f} -> {losses[-1]:.3f}; {accumulation['micro_batches']} micro-batches a step, "
+          f"{accumulation['order']} order, {mib(sum(accumulation['moved_bytes_last_step'].values()))} moved in "
+          "the last step")
     if baseline_times:
         same = max(abs(a - b) / abs(b) for a, b in zip(losses, baseline_losses))
         print(f"plain PyTorch: {steady(baseline_times):.3f} s/step; strata / PyTorch = "

@@ -39,6 +39,20 @@ def test_demo_short_run_writes_its_report(tmp_path):
     assert "strata / PyTorch" in run.stdout
 
 
+def test_demo_in_the_layered_order_trains_as_plain_pytorch(tmp_path):
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune.py"), "--short", "--no-progress",
+                          "--out", str(out), "--accumulation", "layered"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "report.json").read_text())
+    # Each sequence a micro-batch: 4 a step, each of 2 layers' inputs held (32 x 64 fp32).
+    assert report["accumulation"]["order"] == "layered" and report["accumulation"]["micro_batches"] == 4
+    assert report["accumulation"]["boundary_bytes"] == 4 * 2 * 32 * 64 * 4
+    for ours, theirs in zip(report["loss"], report["baseline_loss"]):
+        assert abs(ours - theirs) <= 1e-5 * abs(theirs)
+    assert "4 micro-batches a step, layered order" in run.stdout
+
+
 def test_demo_starts_from_a_saved_state_dict(tmp_path):
     import torch
     sys.path.insert(0, os.path.join(ROOT, "examples"))
