@@ -3,10 +3,11 @@ engine.train_step, with the device below the parameters, so that each step moves
 
     python3 benchmarks/accumulation_bench.py [--device emulated|cuda] [--model gpt|llama] [--layers 8]
         [--hidden 256] [--seq 128] [--batch 1] [--micro-batches 1,2,4,8,16] [--device-fraction 0.5]
-        [--link-gbps 1] [--steps 4] [--json OUT]
+        [--link-gbps 1] [--offload SIZE] [--steps 4] [--json OUT]
 
 For each M and each order: seconds a step (the median after the first two), its bytes over each link, the
-pipeline's stall fraction and the blocks' inputs held for backward (boundary_bytes); then layered / standard.
+pipeline's stall fraction and the blocks' inputs held for backward (boundary_bytes; on the host with --offload,
+a size for accumulation_offload); then the step's time over the standard order's.
 The device holds --device-fraction of the parameters (in the compute dtype), the host all the states; on the
 emulated device the links run at --link-gbps.
 """
@@ -35,6 +36,7 @@ def parse_args(argv=None):
     p.add_argument("--micro-batches", default="1,2,4,8,16", help="micro-batches a step, a list")
     p.add_argument("--device-fraction", type=float, default=0.5, help="the device budget, of the parameters")
     p.add_argument("--link-gbps", type=float, default=1.0, help="the emulated device's links, GB/s")
+    p.add_argument("--offload", default="0", help="accumulation_offload: host bytes for the held inputs (0: none)")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
@@ -54,7 +56,8 @@ def run(args, mode, micro_batches):
     width = 2 if args.precision == "bf16" else 4
     config = {"precision": args.precision, "optimizer": {"type": "adamw", "lr": 1e-4, "weight_decay": 0.01},
               "device": {"backend": args.device, "budget": int(args.device_fraction * width * parameters)},
-              "host": {"budget": 2 * 16 * parameters}, "accumulation": mode, "log": {"level": "error"}}
+              "host": {"budget": 2 * 16 * parameters}, "accumulation": mode, "accumulation_offload": args.offload,
+              "log": {"level": "error"}}
     if args.device == "emulated":
         config["device"]["emulated_bandwidth_gbps"] = args.link_gbps
     engine = initialize_within(model, config)
@@ -72,7 +75,8 @@ def run(args, mode, micro_batches):
     last = stats["last_step"]
     out = {"s_per_step": statistics.median(seconds[WARMUP_STEPS:]), "moved_bytes": last["moved_bytes"],
            "moved_total": sum(last["moved_bytes"].values()), "stall_fraction": stats["pipeline"].get("stall_fraction"),
-           "boundary_bytes": last["boundary_bytes"], "device_budget": stats["tiers"]["device"]["capacity_bytes"],
+           "boundary_bytes": last["boundary_bytes"], "boundary_host_bytes": last["boundary_host_bytes"],
+           "device_budget": stats["tiers"]["device"]["capacity_bytes"],
            "parameter_bytes": width * parameters}
     del engine, model
     gc.collect()
@@ -84,7 +88,7 @@ def print_table(args, results):
           f"tokens, {args.precision}, device {args.device} at {args.device_fraction} of the parameters"
           + (f" (links {args.link_gbps} GB/s)" if args.device == "emulated" else ""))
     print(f"{'M':>3} {'order':<9}{'s/step':>9}{'moved MiB':>11}{'h->d MiB':>10}{'stall':>7}{'held MiB':>10}"
-          f"{'x standard':>12}")
+          f"{'on host':>9}{'x standard':>12}")
     for m in args.micro_batches:
         for mode in MODES:
             r = results[f"{mode}/{m}"]
@@ -92,7 +96,8 @@ def print_table(args, results):
             stall = r["stall_fraction"]
             print(f"{m:>3} {mode:<9}{r['s_per_step']:>9.4f}{r['moved_total'] / 2**20:>11.1f}"
                   f"{r['moved_bytes'].get('host->device', 0) / 2**20:>10.1f}"
-                  f"{'' if stall is None else f'{stall:.2f}':>7}{r['boundary_bytes'] / 2**20:>10.2f}{ratio:>12.2f}")
+                  f"{'' if stall is None else f'{stall:.2f}':>7}{r['boundary_bytes'] / 2**20:>10.2f}"
+                  f"{r['boundary_host_bytes'] / 2**20:>9.2f}{ratio:>12.2f}")
 
 
 def main(argv=None):

@@ -56,6 +56,11 @@ if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (
   PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --model llama --layers 16 \
     --hidden 2048 --heads 16 --vocab 32000 --seq 2048 --batch 4 --precision bf16 --steps 5 --configs fits,streamed,streamed+overlap \
     --peak-tflops 989 --json "$out/train-bench-llama.json" > "$out/train-bench-llama.txt" 2>&1 || status=1
+  # Issue 25 on the GPU: a Hugging Face Llama of 0.2B parameters, the device at half its parameters, a step of 1
+  # and 8 micro-batches of 2 x 1024 tokens in both orders (the held inputs on the host for the layered ones).
+  PYTHONPATH="$bundle/python" python3 benchmarks/accumulation_bench.py --device cuda --model llama --layers 12 \
+    --hidden 1024 --heads 16 --vocab 32000 --seq 1024 --batch 2 --precision bf16 --micro-batches 1,8 \
+    --offload 2GiB --json "$out/accumulation-bench.json" > "$out/accumulation-bench.txt" 2>&1 || status=1
 fi
 cat "$out/gpu.txt"
 printf '%s' "$summary"
@@ -66,4 +71,5 @@ tail -n 4 "$out/bench-optim-fp32.txt" "$out/bench-optim-bf16.txt"
 [[ -f "$out/adapter-cost.txt" ]] && head -n 1 "$out/adapter-cost.txt"
 [[ -f "$out/train-bench.txt" ]] && tail -n 10 "$out/train-bench.txt"
 [[ -f "$out/train-bench-llama.txt" ]] && tail -n 6 "$out/train-bench-llama.txt"
+[[ -f "$out/accumulation-bench.txt" ]] && tail -n 6 "$out/accumulation-bench.txt"
 exit $status
