@@ -1,8 +1,8 @@
 """The PyTorch adapter on a CUDA GPU against plain PyTorch (run by scripts/gpu_check.sh where the bundle holds
 the Python package): Hugging Face models built from their configs, trained through strata with the device
 budget below their model states (chunks on device and host), and in plain PyTorch with the same AdamW; a
-learning-rate schedule over two param groups; PEFT LoRA; model.state_dict() of the held model; StrataTrainer
-against a plain Trainer. Prints one
+learning-rate schedule over two param groups; PEFT LoRA; layered gradient accumulation (engine.train_step);
+model.state_dict() of the held model; StrataTrainer against a plain Trainer. Prints one
 line per check and a table; exit status 1 when a check is out of its tolerance.
 
     python3 scripts/gpu_adapter_check.py [--steps 10] [--json OUT] [--device emulated]
@@ -88,7 +88,8 @@ def plain_training(model, data, precision, lr, groups=None, schedule=None):
     return losses, model
 
 
-def strata_training(model, data, precision, lr, nvme, groups=None, schedule=None):
+def strata_training(model, data, precision, lr, nvme, groups=None, schedule=None, layered=False):
+    """layered: each step engine.train_step over the batch's sequences one a micro-batch, in the layered order."""
     states = sum(p.numel() for p in model.parameters()) * (16 if precision == "fp32" else 18)
     config = {"optimizer": {"type": "adamw", "lr": lr, "weight_decay": 0.01}, "precision": precision,
               "device": {"backend": DEVICE["backend"], "budget": states // 3}, "host": {"budget": 2 * states},
@@ -99,6 +100,10 @@ def strata_training(model, data, precision, lr, nvme, groups=None, schedule=None
     synchronize()
     start = time.perf_counter()
     for tokens in data:
+        if layered:  # the micro-batches' mean loss is the batch's: each sequence has as many labels
+            losses.append(engine.train_step(tokens.split(1), lambda m, t: m(input_ids=t, labels=t).loss,
+                                            accumulation="layered").mean().item())
+            continue
         loss = engine(input_ids=tokens, labels=tokens).loss
         losses.append(loss.item())
         engine.backward(loss)
@@ -126,14 +131,14 @@ def warmup_cosine(optimizer):
     return torch.optim.lr_scheduler.SequentialLR(optimizer, [warmup, cosine], milestones=[3])
 
 
-def check(name, build, precision, steps, lr=1e-3, groups=None, schedule=None):
+def check(name, build, precision, steps, lr=1e-3, groups=None, schedule=None, layered=False):
     torch.manual_seed(0)
     model = build()
     reference = copy.deepcopy(model)
     data = token_batches(steps)
     theirs, plain = plain_training(reference, data, precision, lr, groups, schedule)
     with tempfile.TemporaryDirectory() as nvme:
-        ours, engine, seconds = strata_training(model, data, precision, lr, nvme, groups, schedule)
+        ours, engine, seconds = strata_training(model, data, precision, lr, nvme, groups, schedule, layered)
         loss_error = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
         row = {"check": name, "precision": precision, "steps": steps, "loss_error": loss_error,
                "strata_s_per_step": seconds / steps,
@@ -202,6 +207,8 @@ def main():
     rows.append(check("llama, 2 groups, warm-up + cosine", llama, "fp32", args.steps, groups=two_groups,
                       schedule=warmup_cosine))
     rows.append(check("llama + LoRA", lora_llama, "fp32", args.steps))
+    for precision in ("fp32", "bf16"):  # issue 25: 4 micro-batches a step, each block for all of them in a row
+        rows.append(check("llama, layered accumulation", llama, precision, args.steps, layered=True))
     rows.append(check_trainer(2 * args.steps))
     print("\n| check | precision | steps | loss rel. error | params rel. error | worst tensor | strata s/step | ok |")
     print("|---|---|---|---|---|---|---|---|")

@@ -17,7 +17,9 @@
 //
 // Each pass is a moment of its own, as the Python adapter's module calls
 // are, so the warm-up trace and the plan see the same moments in either
-// order. A grad chunk is final once the last backward pass of the lowest
+// order. Standard runs each micro-batch's forward then its backward; layered
+// every block's forward passes, then the backward ones from the last block.
+// A grad chunk is final once the last backward pass of the lowest
 // block holding one of its tensors is done (the last micro-batch's, in
 // either order): only then is it handed to the reducer and to the updates
 // beside backward. Gradients are the caller's to add, in micro-batch order
@@ -101,33 +103,39 @@ Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, o
   for (uint32_t b = blocks; b-- > 0;) {
     for (ChunkId grad : chunks[b].grads) final_after[grad.value()] = b;
   }
-  // The passes of one phase in the order asked: (block, micro-batch).
-  auto passes = [&](bool backward) {
-    std::vector<std::pair<uint32_t, uint32_t>> out;
-    for (uint32_t outer = 0; outer < (layered ? blocks : micro_batches); ++outer) {
-      for (uint32_t inner = 0; inner < (layered ? micro_batches : blocks); ++inner) {
-        uint32_t block = layered ? outer : inner;
-        if (backward) block = blocks - 1 - block;
-        out.emplace_back(block, layered ? inner : outer);
+  // Every pass in the order asked: standard, each micro-batch's forward then its backward; layered, each block's
+  // forward for every micro-batch, then the same backward from the last block.
+  std::vector<BlockPass> passes;
+  auto add_phase = [&](bool backward, uint32_t micro_batch) {  // micro_batch: one, or all (layered)
+    for (uint32_t i = 0; i < blocks; ++i) {
+      const uint32_t block = backward ? blocks - 1 - i : i;
+      for (uint32_t m = layered ? 0 : micro_batch; m < (layered ? micro_batches : micro_batch + 1); ++m) {
+        passes.push_back({.block = block, .micro_batch = m, .backward = backward});
       }
     }
-    return out;
   };
+  for (uint32_t m = 0; m < (layered ? 1 : micro_batches); ++m) {
+    add_phase(false, m);
+    add_phase(true, m);
+  }
 
   STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
   Status status = Status::Ok();
-  for (bool backward : {false, true}) {
-    for (auto [block, micro_batch] : passes(backward)) {
-      if (!status.ok()) break;
-      status = RunPass(pipeline, chunks[block], {.block = block, .micro_batch = micro_batch, .backward = backward},
-                       compute);
-      if (!status.ok() || !backward || micro_batch + 1 != micro_batches) continue;
-      for (ChunkId grad : chunks[block].grads) {
-        if (!status.ok() || final_after[grad.value()] != block) continue;
-        if (options.reducer != nullptr) status = options.reducer->Submit(grad);
-        if (status.ok() && options.beside != nullptr) status = options.beside->Begin(grad).status();
-      }
+  for (const BlockPass& pass : passes) {
+    status = RunPass(pipeline, chunks[pass.block], pass, compute);
+    if (!status.ok()) break;
+    if (!pass.backward || pass.micro_batch + 1 != micro_batches) continue;
+    for (ChunkId grad : chunks[pass.block].grads) {
+      if (!status.ok() || final_after[grad.value()] != pass.block) continue;
+      if (options.reducer != nullptr) status = options.reducer->Submit(grad);
+      if (status.ok() && options.beside != nullptr) status = options.beside->Begin(grad).status();
     }
+    if (!status.ok()) break;
+  }
+  if (!status.ok() && options.beside != nullptr) {
+    // The groups whose update began are put back as they were; if that fails they stay updated, the worse error.
+    const Status undone = options.beside->Undo();
+    if (!undone.ok()) status = undone;
   }
   Result<TrainStepReport> report =
       status.ok() ? RunTrainStep(engine, pipeline, optimizer, options) : Result<TrainStepReport>(status);

@@ -50,7 +50,10 @@ struct BlockPass {
 // last backward pass is done), and ends the iteration. InvalidArgument,
 // before anything runs, for no blocks, no micro-batches or a tensor the
 // engine does not have. An error from `compute` or a move ends the
-// iteration and is returned: the gradients are partial and the step not run.
+// iteration and is returned, the step not run: the groups whose update began
+// beside backward are put back (BesideUpdates::Undo; its error instead, if
+// that fails), and the grad chunks keep the partial gradients, which the next
+// step would add to: the caller decides whether training goes on.
 Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
                                            const AccumulatedStep& step,
                                            const std::function<Status(const BlockPass&)>& compute,

@@ -100,7 +100,7 @@ class _Progress:
     last_step: dict = field(default_factory=dict)  # the last step's report (train_step's, with seconds)
     broken: str = None                             # why training cannot go on (a step or backward that failed part way)
     syncs_at_step: int = 0                         # the runtime's host synchronizations when the last step ended
-    step_size: int = 0                             # a train_step's micro-batches while it runs (else 0)
+    step_size: int = 0                             # a train_step's micro-batches while it runs, or after its step failed
 
 
 class TrainingEngine:
@@ -238,8 +238,8 @@ class TrainingEngine:
             raise ValueError("engine.train_step: micro_batches is empty; give at least one")
         self._check_usable()
         if self._progress.micro_steps:  # a forward alone (one that failed, an evaluation) may have run
-            raise RuntimeError("engine.train_step: between steps only (after step()): backwards since the last step "
-                               "are in progress")
+            raise RuntimeError("engine.train_step: between steps only: backwards since the last step are in "
+                               "(engine.step() finishes that step)")
         self._progress.step_size = len(micro_batches)
         moved = self._moved_bytes()
         try:
@@ -260,7 +260,8 @@ class TrainingEngine:
                     self._backward([losses[-1] if scale == 1.0 else losses[-1] * scale])
             self.optimizer.step()
         finally:
-            self._progress.step_size = 0
+            if not self._progress.micro_steps:  # else a step that failed: engine.step() may finish it
+                self._progress.step_size = 0
         self._progress.last_step["accumulation"] = mode
         self._progress.last_step["micro_batches"] = len(micro_batches)
         self._progress.last_step["boundary_bytes"] = forwards.boundary_bytes if mode == "layered" else 0
@@ -335,6 +336,7 @@ class TrainingEngine:
         if self._runtime.parallel:
             self._progress.last_step["comm_bytes"] = self._grad_sync.step_bytes(mark)
         self._progress.micro_steps = 0
+        self._progress.step_size = 0
         return True
 
     def _check_usable(self):

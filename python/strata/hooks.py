@@ -199,12 +199,12 @@ class Hooks:
         return None
 
     def forward_state(self):
-        """The state of the forward running: its calls and their saved-tensor hooks (a layered step's forwards
-        take turns, each with its own)."""
-        return self._active, self._saved_hooks
+        """The state of the forward running: its calls, their saved-tensor hooks and whether it pins outside the
+        pipeline (a layered step's forwards take turns, each with its own)."""
+        return self._active, self._saved_hooks, self._moments.direct
 
     def set_forward_state(self, state):
-        self._active, self._saved_hooks = state
+        self._active, self._saved_hooks, self._moments.direct = state
 
     def recover(self):
         """Lets go of every pin of forwards that did not return, and of their saved-tensor hooks."""

@@ -25,7 +25,10 @@ standard one.
 
 The blocks run under activation checkpointing (``accumulation_checkpoint``,
 on by default): each holds its inputs for all M micro-batches, and backward
-recomputes the rest. With ``accumulation_offload`` (a size) those inputs are
+recomputes the rest; a key/value cache passed to a block (a Hugging Face
+model's ``use_cache``) is left out, as transformers' own gradient
+checkpointing does, since the recomputation would write into it again. With
+``accumulation_offload`` (a size) those inputs are
 copied to host memory as each block begins (pinned beside a GPU, the copy on
 torch's stream) and back as backward recomputes the block; a step whose inputs
 would take more is refused as its first block begins, with the figures.
@@ -72,16 +75,29 @@ def find_blocks(model, name=None):
     return best[1], best[2]
 
 
+def _autocasts():
+    """(device type, dtype) of each autocast on in the calling thread (torch 2.4's calls, or the older ones)."""
+    if hasattr(torch, "get_autocast_dtype"):
+        return [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu") if torch.is_autocast_enabled(kind)]
+    kinds = [("cuda", torch.is_autocast_enabled(), torch.get_autocast_gpu_dtype),
+             ("cpu", torch.is_autocast_cpu_enabled(), torch.get_autocast_cpu_dtype)]
+    return [(kind, dtype()) for kind, enabled, dtype in kinds if enabled]
+
+
 def _thread_settings():
-    """What a forward thread takes from the caller's: grad mode, autocast, the CUDA device and stream."""
+    """What a forward thread takes from the caller's: grad mode, autocast, the default device, the CUDA device and
+    stream. (Other thread-local settings, such as a saved_tensors_hooks context around train_step, do not carry.)"""
     grad = torch.is_grad_enabled()
-    autocasts = [(kind, torch.get_autocast_dtype(kind)) for kind in ("cuda", "cpu") if torch.is_autocast_enabled(kind)]
+    autocasts = _autocasts()
+    default_device = torch.get_default_device() if hasattr(torch, "get_default_device") else None
     stream = None
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         stream = torch.cuda.current_stream()
 
     def apply(stack):
         stack.enter_context(torch.set_grad_enabled(grad))
+        if default_device is not None and default_device.type != "cpu":
+            torch.set_default_device(default_device)
         if stream is not None:
             torch.cuda.set_device(stream.device)
             stack.enter_context(torch.cuda.stream(stream))
@@ -113,35 +129,51 @@ class LayeredForwards:
         self.offloaded_bytes = 0     # of which on the host
         for index, block in enumerate(blocks):
             block.register_forward_pre_hook(self._park_hook(index), prepend=True)
+            block.register_forward_hook(self._leave_hook)
 
     def run(self, model, micro_batches, loss_fn, scale):
         """loss_fn(model, micro_batch) for every micro-batch, block by block; returns the losses in order, and
         each multiplied by `scale` for backward (on its own thread: see _number_ahead)."""
+        if self._hooks.layered:
+            raise RuntimeError("engine.train_step: called inside a layered step's loss_fn; a step cannot hold another")
         count = len(micro_batches)
         self._at, self._last = [-1] * count, [-1] * count
-        self._states = [([], []) for _ in range(count)]
+        self._states = [([], [], False) for _ in range(count)]
         self._numbers = [0] * count  # micro-batch -> the autograd number its forward took last, at a block
         self._round = (None, 0)      # the block running, and the highest number taken by a forward waiting at it
         self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
         losses, scaled, errors = [None] * count, [None] * count, [None] * count
         settings = _thread_settings()
-        caller_state = self._hooks.forward_state()
         self._hooks.recover()  # what a forward that raised left behind; each thread's root hook leaves it alone
+        caller_state = self._hooks.forward_state()
         self._hooks.layered = True
         originals = self._wrap_blocks() if self._checkpoint else []
         threads = [threading.Thread(target=self._forward, daemon=True, name=f"strata-layered-{m}",
                                     args=(m, model, micro_batch, loss_fn, settings, scale, (losses, scaled, errors)))
                    for m, micro_batch in enumerate(micro_batches)]
+        started = 0
         try:
             with self._turns:
                 self._turn = 0
             for thread in threads:
                 thread.start()
+                started += 1
             with self._turns:
                 self._turns.wait_for(lambda: self._turn == _CALLER)
-            for thread in threads:
-                thread.join()
+        except BaseException:
+            # Interrupted (or a thread that did not start): the forwards unwind, one at a time, before the caller
+            # goes on; none may run beside what it does next.
+            with self._turns:
+                self._stop = True
+                for m in range(started, count):
+                    self._at[m] = _DONE
+                if self._turn >= started:
+                    self._pass_on()
+                self._turns.wait_for(lambda: self._turn == _CALLER)
+            raise
         finally:
+            for thread in threads[:started]:
+                thread.join()
             self._hooks.layered = False
             self._hooks.set_forward_state(caller_state)
             for block, original in originals:
@@ -207,6 +239,11 @@ class LayeredForwards:
             return None
         return hook
 
+    def _leave_hook(self, module, args, output):
+        if getattr(self._local, "index", None) is not None:
+            _number_ahead(len(self._at))  # the code after the block apart from it, as before it
+        return None
+
     def _pass_on(self):
         """The turn goes to the forward at the lowest block (the first micro-batch on a tie), or to the caller."""
         with self._turns:
@@ -257,9 +294,26 @@ class LayeredForwards:
         def run(*held, **named):
             return inner(*(a.to(self._device, non_blocking=True) if isinstance(a, torch.Tensor) else a
                            for a in held), **named)
+        kwargs = _without_cache(kwargs)
         # Recomputed whole: stopped early, its modules' post-hooks would not run (their pins stay).
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+# A block's keyword arguments that carry a key/value cache (Hugging Face's names): the recomputation in backward
+# would add to it a second time.
+_CACHES = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _without_cache(kwargs):
+    """`kwargs` with no cache for the block to write into, as transformers' own gradient checkpointing does: a
+    training step reads none."""
+    if kwargs.get("use_cache"):
+        kwargs = {**kwargs, "use_cache": False}
+    for name in _CACHES:
+        if kwargs.get(name) is not None:
+            kwargs = {**kwargs, name: None}
+    return kwargs
 
 
 def _on_host(tensor):

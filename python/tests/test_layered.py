@@ -90,14 +90,17 @@ def test_frozen_parameters_and_updates_beside_backward(tmp_path):
     assert torch.equal(layered[1]["blocks.0.up.weight"], untied(layers=4).state_dict()["blocks.0.up.weight"])
 
 
-def test_a_hugging_face_llama_from_its_config(tmp_path):
+@pytest.mark.parametrize("attention", ["sdpa", "eager"])
+def test_a_hugging_face_llama_from_its_config(tmp_path, attention):
+    """Its layers get a key/value cache (use_cache is on in its config): left out of the recomputation, which
+    would add to it again (eager attention then fails on the mask's shape; sdpa's causal mask hid it)."""
     transformers = pytest.importorskip("transformers")
 
     def llama():
         torch.manual_seed(0)
         return transformers.LlamaForCausalLM(transformers.LlamaConfig(
             vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa"))
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation=attention))
 
     generator = torch.Generator().manual_seed(3)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (40, 2, 16), generator=generator)]
@@ -253,3 +256,25 @@ def test_held_inputs_on_the_host_within_their_budget(tmp_path):
     assert engine.last_step["boundary_host_bytes"] == need // 2
     assert engine.stats()["steps"] == 1 and not torch.equal(engine.state_dict()["blocks.0.up.weight"],
                                                             before["blocks.0.up.weight"])
+
+
+def test_a_step_that_fails_is_finished_by_engine_step_and_a_step_inside_a_step_is_refused(tmp_path):
+    data = batches(8, batch=2)
+    reference = train(untied(), tiers(tmp_path, "r"), "layered", 4, steps=2, data=data)
+    engine = strata.initialize(untied(), tiers(tmp_path, "f"))
+    engine.optimizer.param_groups[0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="lr"):
+        engine.train_step(data[:4], gpt_loss, accumulation="layered")
+    with pytest.raises(RuntimeError, match="engine.step\\(\\) finishes that step"):
+        engine.train_step(data[:4], gpt_loss, accumulation="layered")
+    engine.optimizer.param_groups[0]["lr"] = 1e-2
+    assert engine.step()  # the gradients of the 4 micro-batches, and no more
+    engine.train_step(data[4:], gpt_loss, accumulation="layered")
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, reference[1][name]), name
+
+    def nested(model, tokens):
+        engine.train_step([tokens], gpt_loss, accumulation="layered")
+    with pytest.raises(RuntimeError, match="called inside a layered step's loss_fn"):
+        engine.train_step(data[:2], nested, accumulation="layered")
+    engine.train_step(data[:2], gpt_loss, accumulation="layered")  # and the engine goes on

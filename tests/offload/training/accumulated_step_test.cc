@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -32,9 +33,11 @@ struct Passes {
   Model* model;
   int step = 0;
   std::vector<std::pair<uint32_t, uint32_t>> forward, backward;  // (block, micro-batch)
+  std::vector<std::tuple<uint32_t, uint32_t, bool>> order;      // every pass: (block, micro-batch, backward)
 
   Status operator()(const BlockPass& pass) {
     (pass.backward ? backward : forward).emplace_back(pass.block, pass.micro_batch);
+    order.emplace_back(pass.block, pass.micro_batch, pass.backward);
     if (!pass.backward) return Status::Ok();
     EXPECT_EQ(pass.grads->size(), pass.block == 0 ? 0u : 2u);
     for (size_t i = 0; i < pass.grads->size(); ++i) {
@@ -65,6 +68,7 @@ std::pair<std::vector<std::vector<float>>, uint64_t> Train(uint32_t micro_batche
     passes.step = k;
     passes.forward.clear();
     passes.backward.clear();
+    passes.order.clear();
     before = DeviceTraffic(*model.engine);
     auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
                                      FourBlocks(micro_batches, order), std::ref(passes));
@@ -98,6 +102,10 @@ TEST(AccumulatedStepTest, TheLayeredOrderRunsBlockByBlockAndStepsLikeTheStandard
   EXPECT_EQ(layered_passes.backward.front(), std::make_pair(3u, 0u));
   EXPECT_EQ(layered_passes.backward[4], std::make_pair(2u, 0u));
   EXPECT_EQ(standard_passes.backward[1], std::make_pair(2u, 0u));
+  // Standard: each micro-batch's backward before the next one's forward.
+  EXPECT_EQ(standard_passes.order[4], std::make_tuple(3u, 0u, true));
+  EXPECT_EQ(standard_passes.order[8], std::make_tuple(0u, 1u, false));
+  EXPECT_EQ(layered_passes.order[16], std::make_tuple(3u, 0u, true));
 }
 
 TEST(AccumulatedStepTest, LayeredChunksMoveOnceAStepWhateverTheMicroBatches) {
@@ -121,6 +129,19 @@ TEST(AccumulatedStepTest, EachGroupBeginsBesideBackwardAsItsBlocksLastPassEnds) 
   ASSERT_OK(report.status());
   EXPECT_EQ(report->beside_groups, 6u);
   EXPECT_EQ(report->redone_groups, 0u);
+
+  // A pass that fails after the last block's groups began: they are put back as they were.
+  const std::vector<float> before = model.Read(5, ChunkKind::kParam);
+  const Status failed = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
+                                           FourBlocks(2, AccumulationOrder::kLayered), [&](const BlockPass& pass) {
+                                             if (pass.backward && pass.block == 2) return IoError("no such batch");
+                                             return passes(pass);
+                                           },
+                                           {.beside = beside.get()})
+                            .status();
+  ExpectStatus(failed, StatusCode::kIoError, "no such batch");
+  EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);
+  EXPECT_EQ(model.optimizer->steps_taken(), 1);
 }
 
 TEST(AccumulatedStepTest, WhatIsRefusedAndAFailedPassEndsTheStepUncounted) {
