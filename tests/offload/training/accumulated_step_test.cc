@@ -32,6 +32,7 @@ AccumulatedStep FourBlocks(uint32_t micro_batches, AccumulationOrder order) {
 struct Passes {
   Model* model;
   int step = 0;
+  int rank = 0;  // data parallel: whose gradients
   std::vector<std::pair<uint32_t, uint32_t>> forward, backward;  // (block, micro-batch)
   std::vector<std::tuple<uint32_t, uint32_t, bool>> order;      // every pass: (block, micro-batch, backward)
 
@@ -42,7 +43,7 @@ struct Passes {
     EXPECT_EQ(pass.grads->size(), pass.block == 0 ? 0u : 2u);
     for (size_t i = 0; i < pass.grads->size(); ++i) {
       const int layer = static_cast<int>(2 * pass.block - 2 + i);
-      const std::vector<float> grad = RankGrad(static_cast<int>(pass.micro_batch), layer, step);
+      const std::vector<float> grad = RankGrad(10 * rank + static_cast<int>(pass.micro_batch), layer, step);
       float* data = reinterpret_cast<float*>((*pass.grads)[i].data());
       for (size_t e = 0; e < grad.size(); ++e) data[e] += grad[e];
     }
@@ -142,6 +143,32 @@ TEST(AccumulatedStepTest, EachGroupBeginsBesideBackwardAsItsBlocksLastPassEnds) 
   ExpectStatus(failed, StatusCode::kIoError, "no such batch");
   EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);
   EXPECT_EQ(model.optimizer->steps_taken(), 1);
+}
+
+TEST(AccumulatedStepTest, TwoRanksReduceEachGroupAsItsBlockEndsAndStepAlikeInEitherOrder) {
+  std::vector<std::vector<float>> last_layer;  // per order, then rank
+  for (AccumulationOrder order : {AccumulationOrder::kStandard, AccumulationOrder::kLayered}) {
+    std::vector<std::vector<float>> ranks(2);
+    OnRanks(2, [&](int r, Communicator& comm) {
+      Model model(0.0, &comm);
+      GradReducer reducer(*model.engine, comm);
+      Passes passes{.model = &model, .rank = r};
+      for (int k = 0; k < 2; ++k) {
+        passes.step = k;
+        auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer, FourBlocks(3, order),
+                                         std::ref(passes), {.comm = &comm, .reducer = &reducer});
+        ASSERT_OK(report.status());
+      }
+      EXPECT_OK(reducer.Drain());
+      // Each of the six grad chunks reduced once a step, as its block's last pass ended.
+      EXPECT_EQ(comm.stats().reduce_scatter.calls, 2u * kLayers);
+      ranks[r] = model.Read(kLayers - 1, ChunkKind::kParam);
+    });
+    EXPECT_EQ(ranks[0], ranks[1]);
+    last_layer.push_back(ranks[0]);
+  }
+  EXPECT_EQ(last_layer[0], last_layer[1]);
+  EXPECT_NE(last_layer[0], std::vector<float>(kChunkElems, 0.0f));
 }
 
 TEST(AccumulatedStepTest, WhatIsRefusedAndAFailedPassEndsTheStepUncounted) {
