@@ -222,8 +222,9 @@ class TrainingEngine:
         of one element), the gradients are accumulated over them all, then the step (engine.optimizer.step()).
         Returns the losses, a tensor of one per micro-batch (detached: reading it waits for the device).
         last_step has the step's accumulation, micro_batches, moved_bytes (each link's, forward to step),
-        boundary_bytes (the blocks' inputs a layered step held for backward) and boundary_host_bytes (of which on
-        the host: accumulation_offload).
+        boundary_bytes (the blocks' inputs a layered step held for backward), boundary_host_bytes (of which on
+        the host: accumulation_offload) and boundary_fetched_ahead (recomputations whose inputs were back on the
+        device ahead of them).
 
         `accumulation` (default: the config's): "standard" runs each micro-batch's forward and backward in turn;
         "layered" runs every micro-batch through each of the model's repeated blocks before any enters the next,
@@ -246,7 +247,10 @@ class TrainingEngine:
             if mode == "layered":
                 forwards = self._layered_forwards()
                 losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
-                self._backward(scaled)
+                try:
+                    self._backward(scaled)
+                finally:
+                    forwards.held.clear()  # the inputs held on the host, and any copied back not used
             else:
                 losses, scale = [], self._loss_scale(average)
                 for m, micro_batch in enumerate(micro_batches):
@@ -266,6 +270,7 @@ class TrainingEngine:
         self._progress.last_step["micro_batches"] = len(micro_batches)
         self._progress.last_step["boundary_bytes"] = forwards.boundary_bytes if mode == "layered" else 0
         self._progress.last_step["boundary_host_bytes"] = forwards.offloaded_bytes if mode == "layered" else 0
+        self._progress.last_step["boundary_fetched_ahead"] = forwards.held.fetched_ahead if mode == "layered" else 0
         self._progress.last_step["moved_bytes"] = {link: count - moved.get(link, 0)
                                                    for link, count in self._moved_bytes().items()}
         return torch.stack([loss.detach() for loss in losses])

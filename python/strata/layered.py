@@ -30,8 +30,9 @@ model's ``use_cache``) is left out, as transformers' own gradient
 checkpointing does, since the recomputation would write into it again. With
 ``accumulation_offload`` (a size) those inputs are
 copied to host memory as each block begins (pinned beside a GPU, the copy on
-torch's stream) and back as backward recomputes the block; a step whose inputs
-would take more is refused as its first block begins, with the figures.
+torch's stream), and come back a block ahead of their recomputation
+(_HeldInputs); a step whose inputs would take more is refused as its first
+block begins, with the figures.
 """
 
 import contextlib
@@ -115,6 +116,7 @@ class LayeredForwards:
         self._checkpoint = checkpoint
         self._offload_bytes = offload_bytes  # host memory the blocks' held inputs may take (0: held where they are)
         self._device = device        # where the model computes
+        self.held = _HeldInputs(device)
         self._local = threading.local()  # .index: the micro-batch a forward thread runs
         self._turns = threading.Condition()
         self._turn = _CALLER
@@ -142,6 +144,8 @@ class LayeredForwards:
         self._numbers = [0] * count  # micro-batch -> the autograd number its forward took last, at a block
         self._round = (None, 0)      # the block running, and the highest number taken by a forward waiting at it
         self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
+        self.held.clear()
+        self.held.fetched_ahead = 0
         losses, scaled, errors = [None] * count, [None] * count, [None] * count
         settings = _thread_settings()
         self._hooks.recover()  # what a forward that raised left behind; each thread's root hook leaves it alone
@@ -261,22 +265,22 @@ class LayeredForwards:
         """Each block's forward under activation checkpointing while the step's forwards run; returns what to
         put back: (block, its own forward attribute or None)."""
         originals = []
-        for block in self._blocks:
+        for index, block in enumerate(self._blocks):
             original = block.__dict__.get("forward")
             inner = block.forward
 
-            def forward(*args, _inner=inner, **kwargs):
+            def forward(*args, _inner=inner, _index=index, **kwargs):
                 if getattr(self._local, "index", None) is None:
                     return _inner(*args, **kwargs)
-                return self._checkpointed(_inner, args, kwargs)
+                return self._checkpointed(_inner, _index, args, kwargs)
             block.forward = forward
             originals.append((block, original))
         return originals
 
-
-    def _checkpointed(self, inner, args, kwargs):
-        """A block's forward, checkpointed: its positional tensor inputs held for backward, on the host with
-        accumulation_offload (brought back as backward recomputes it)."""
+    def _checkpointed(self, inner, index, args, kwargs):
+        """Block `index`'s forward, checkpointed: its positional tensor inputs held for backward, on the host with
+        accumulation_offload (back on the device ahead of the recomputation: _HeldInputs)."""
+        m, given = self._local.index, args
         size = sum(a.numel() * a.element_size() for a in args if isinstance(a, torch.Tensor))
         if self._offload_bytes:
             # The step's held inputs, as this first block's are for every block and micro-batch.
@@ -287,17 +291,83 @@ class LayeredForwards:
                     f"({len(self._at)} micro-batches x {len(self._blocks)} blocks x {size} bytes), more than "
                     f"accumulation_offload's {self._offload_bytes}: raise it to at least {need}, or give fewer "
                     "micro-batches a step")
-            args = tuple(_on_host(a) if isinstance(a, torch.Tensor) else a for a in args)
+            args = self.held.keep(index, m, args)
             self.offloaded_bytes += size
         self.boundary_bytes += size
 
         def run(*held, **named):
+            if getattr(self._local, "index", None) is not None:
+                held = given  # the step's forward: on the inputs as given (the host copies are for backward)
+            elif self._offload_bytes:  # the recomputation
+                held = self.held.back(index, m, held)
             return inner(*(a.to(self._device, non_blocking=True) if isinstance(a, torch.Tensor) else a
                            for a in held), **named)
         kwargs = _without_cache(kwargs)
         # Recomputed whole: stopped early, its modules' post-hooks would not run (their pins stay).
         with torch.utils.checkpoint.set_checkpoint_early_stop(False):
             return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+
+class _HeldInputs:
+    """The blocks' inputs a layered step holds on the host (accumulation_offload), and their way back.
+
+    Backward recomputes the blocks from the last; as block b's recomputation
+    begins, block b-1's inputs of every micro-batch are copied back to the
+    device (beside a GPU on a stream of their own, which the recomputation
+    waits for), so that they are there when its turn comes: the copies hide
+    behind block b's backward. On the emulated device the copy is a clone."""
+
+    def __init__(self, device):
+        self._device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._host = {}       # (block, micro-batch) -> its positional inputs, tensors copied to the host
+        self._back = {}       # (block, micro-batch) -> the same on the device, copied ahead
+        self._fetched = set()  # blocks whose inputs were copied ahead
+        self.fetched_ahead = 0  # recomputations this step that found their inputs back ahead
+
+    def clear(self):
+        """Forgets the step's inputs (once its backward is done, or failed)."""
+        self._host.clear()
+        self._back.clear()
+        self._fetched.clear()
+
+    def keep(self, block, m, args):
+        """Forward: `args` with their tensors copied to the host, kept for the way back."""
+        held = tuple(_on_host(a) if isinstance(a, torch.Tensor) else a for a in args)
+        self._host[(block, m)] = held
+        return held
+
+    def back(self, block, m, held):
+        """Block `block`'s recomputation for micro-batch m: its inputs, on the device if copied ahead; copies
+        the block before's ahead."""
+        ahead = self._back.pop((block, m), None)
+        if ahead is not None:
+            self.fetched_ahead += 1
+            if self._stream is not None:
+                current = torch.cuda.current_stream(self._device)
+                current.wait_stream(self._stream)
+                for a in ahead:
+                    if isinstance(a, torch.Tensor):
+                        a.record_stream(current)
+            # As the copy the forward made: a tensor autograd records the block's operations on.
+            held = tuple(a.requires_grad_(h.requires_grad) if isinstance(a, torch.Tensor) else a
+                         for a, h in zip(ahead, held))
+        if block > 0 and block - 1 not in self._fetched:
+            self._fetched.add(block - 1)
+            self._fetch([key for key in self._host if key[0] == block - 1])
+        return held
+
+    def _fetch(self, keys):
+        if self._stream is None:
+            for key in keys:
+                self._back[key] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a
+                                        for a in self._host[key])
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._device))
+        with torch.cuda.stream(self._stream):
+            for key in keys:
+                self._back[key] = tuple(a.detach().to(self._device, non_blocking=True)
+                                        if isinstance(a, torch.Tensor) else a for a in self._host[key])
 
 
 # A block's keyword arguments that carry a key/value cache (Hugging Face's names): the recomputation in backward
@@ -317,9 +387,12 @@ def _without_cache(kwargs):
 
 
 def _on_host(tensor):
-    """A copy of `tensor` in host memory (pinned beside a GPU), in autograd's graph."""
+    """A copy of `tensor` in host memory (pinned beside a GPU), out of autograd's graph but requiring grad as it
+    does (the block's recomputation records its operations on it)."""
     pinned = tensor.is_cuda
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
+    with torch.no_grad():
+        held = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pinned).copy_(tensor, non_blocking=pinned)
+    return held.requires_grad_(tensor.requires_grad)
 
 
 def _number_ahead(count):

@@ -278,3 +278,12 @@ def test_a_step_that_fails_is_finished_by_engine_step_and_a_step_inside_a_step_i
     with pytest.raises(RuntimeError, match="called inside a layered step's loss_fn"):
         engine.train_step(data[:2], nested, accumulation="layered")
     engine.train_step(data[:2], gpt_loss, accumulation="layered")  # and the engine goes on
+
+
+def test_held_inputs_come_back_a_block_ahead_of_their_recomputation(tmp_path):
+    """With accumulation_offload, as backward recomputes block b, block b-1's inputs of every micro-batch are
+    copied back: every recomputation but the last block's finds its inputs there, and the step is the same."""
+    standard = train(untied(layers=4), tiers(tmp_path, "s"), "standard", 4, steps=3)
+    layered = train(untied(layers=4), tiers(tmp_path, "l", accumulation_offload="1MiB"), "layered", 4, steps=3)
+    assert_equal(layered, standard)
+    assert layered[2].last_step["boundary_fetched_ahead"] == 3 * 4  # blocks 0 to 2, 4 micro-batches each
