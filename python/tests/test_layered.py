@@ -55,16 +55,17 @@ def assert_close(a, b):
         assert (b[1][name] - value).norm() <= 1e-6 * value.norm(), name
 
 
-def test_layered_steps_are_the_standard_ones_bit_for_bit_with_states_on_nvme(tmp_path):
-    runs = {mode: train(untied(layers=4), tiers(tmp_path, mode), mode, 4) for mode in ("standard", "layered")}
+@pytest.mark.parametrize("micro_batches", [4, 8])
+def test_layered_steps_are_the_standard_ones_bit_for_bit_with_states_on_nvme(tmp_path, micro_batches):
+    runs = {mode: train(untied(layers=4), tiers(tmp_path, mode), mode, micro_batches)
+            for mode in ("standard", "layered")}
     assert_equal(runs["layered"], runs["standard"])
     stats = runs["layered"][2].stats()
     assert stats["links"]["nvme->host"]["bytes"] > 0 and stats["links"]["host->nvme"]["bytes"] > 0
     last = runs["layered"][2].last_step
-    assert (last["accumulation"], last["micro_batches"], last["step"]) == \
-        ("layered", 4, 10)
-    # Each block's input held for backward, for every micro-batch: 4 blocks x 4 x (2 x 16 x 32) fp32.
-    assert last["boundary_bytes"] == 4 * 4 * 2 * 16 * 32 * 4
+    assert (last["accumulation"], last["micro_batches"], last["step"]) == ("layered", micro_batches, 10)
+    # Each block's input held for backward, for every micro-batch: 4 blocks x M x (2 x 16 x 32) fp32.
+    assert last["boundary_bytes"] == 4 * micro_batches * 2 * 16 * 32 * 4
     assert runs["standard"][2].last_step["boundary_bytes"] == 0
 
 
