@@ -5,6 +5,7 @@ gradients and optimizer states live in strata's chunks.
     loss = engine(batch)          # or model(batch): the hooks are on the model
     engine.backward(loss)
     engine.step()                 # optimizer step (every gradient_accumulation_steps micro-batches)
+    losses = engine.train_step(micro_batches, loss_fn)  # or a whole step: standard or layered (strata.layered)
 
 engine.optimizer is that step as a torch.optim.Optimizer (strata.optimizer): its
 param_groups hold each group's lr, weight decay, ..., which a torch.optim.lr_scheduler
@@ -241,39 +242,44 @@ class TrainingEngine:
         if self._progress.micro_steps:  # a forward alone (one that failed, an evaluation) may have run
             raise RuntimeError("engine.train_step: between steps only: backwards since the last step are in "
                                "(engine.step() finishes that step)")
+        forwards = self._layered_forwards() if mode == "layered" else None  # refuses a model without blocks
         self._progress.step_size = len(micro_batches)
         moved = self._moved_bytes()
         try:
-            if mode == "layered":
-                forwards = self._layered_forwards()
+            if forwards is not None:
                 losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
                 try:
                     self._backward(scaled)
                 finally:
                     forwards.held.clear()  # the inputs held on the host, and any copied back not used
             else:
-                losses, scale = [], self._loss_scale(average)
-                for m, micro_batch in enumerate(micro_batches):
-                    try:
-                        losses.append(checked_loss(loss_fn(self.module, micro_batch), m))
-                    except BaseException as error:
-                        if m > 0:
-                            self._progress.broken = (f"a train_step failed at micro-batch {m} ({type(error).__name__}: "
-                                                     f"{error}); the gradients of the micro-batches before it are in")
-                        raise
-                    self._backward([losses[-1] if scale == 1.0 else losses[-1] * scale])
+                losses = self._standard_backwards(micro_batches, loss_fn, average)
             self.optimizer.step()
         finally:
             if not self._progress.micro_steps:  # else a step that failed: engine.step() may finish it
                 self._progress.step_size = 0
-        self._progress.last_step["accumulation"] = mode
-        self._progress.last_step["micro_batches"] = len(micro_batches)
-        self._progress.last_step["boundary_bytes"] = forwards.boundary_bytes if mode == "layered" else 0
-        self._progress.last_step["boundary_host_bytes"] = forwards.offloaded_bytes if mode == "layered" else 0
-        self._progress.last_step["boundary_fetched_ahead"] = forwards.held.fetched_ahead if mode == "layered" else 0
-        self._progress.last_step["moved_bytes"] = {link: count - moved.get(link, 0)
-                                                   for link, count in self._moved_bytes().items()}
+        self._progress.last_step.update({
+            "accumulation": mode, "micro_batches": len(micro_batches),
+            "boundary_bytes": forwards.boundary_bytes if forwards else 0,
+            "boundary_host_bytes": forwards.offloaded_bytes if forwards else 0,
+            "boundary_fetched_ahead": forwards.held.fetched_ahead if forwards else 0,
+            "moved_bytes": {link: count - moved.get(link, 0) for link, count in self._moved_bytes().items()}})
         return torch.stack([loss.detach() for loss in losses])
+
+    def _standard_backwards(self, micro_batches, loss_fn, average):
+        """Each micro-batch's forward and backward in turn; their losses. One that fails after a backward leaves
+        the gradients partial: training cannot go on."""
+        losses, scale = [], self._loss_scale(average)
+        for m, micro_batch in enumerate(micro_batches):
+            try:
+                losses.append(checked_loss(loss_fn(self.module, micro_batch), m))
+            except BaseException as error:
+                if m > 0:
+                    self._progress.broken = (f"a train_step failed at micro-batch {m} ({type(error).__name__}: "
+                                             f"{error}); the gradients of the micro-batches before it are in")
+                raise
+            self._backward([losses[-1] if scale == 1.0 else losses[-1] * scale])
+        return losses
 
     def _moved_bytes(self):
         """Bytes moved over each link between tiers so far."""

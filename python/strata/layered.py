@@ -10,7 +10,7 @@ block runs for all M micro-batches in a row: its chunks are pinned M times in
 consecutive moments and move once. One backward over the M losses follows;
 autograd runs the nodes made last first, and each forward thread numbers its
 nodes from zero, so backward too goes block by block, the last first, and a
-block's gradients arrive summed over the micro-batches, once.
+block's gradients arrive summed over the micro-batches, once (_number_ahead).
 
 Only the order of work changes, never what is computed: a micro-batch's
 forward runs as it would alone, and its parameters are pinned by the same
@@ -123,8 +123,8 @@ class LayeredForwards:
         self._at = []                # micro-batch -> the block its forward waits at (-1: not begun, _DONE)
         self._last = []              # micro-batch -> the last block its forward entered
         self._states = []            # micro-batch -> its forward's state in the hooks
-        self._numbers = []
-        self._round = (None, 0)
+        self._numbers = []           # micro-batch -> the autograd number its forward took last, at a block
+        self._round = (None, 0)      # the block running, and the highest number a forward waiting at it took
         self._stop = False           # a forward failed: the others unwind
         self.out_of_order = False    # a forward skipped back to an earlier block, or entered one twice
         self.boundary_bytes = 0      # the blocks' inputs held for backward, this step
@@ -141,8 +141,8 @@ class LayeredForwards:
         count = len(micro_batches)
         self._at, self._last = [-1] * count, [-1] * count
         self._states = [([], [], False) for _ in range(count)]
-        self._numbers = [0] * count  # micro-batch -> the autograd number its forward took last, at a block
-        self._round = (None, 0)      # the block running, and the highest number taken by a forward waiting at it
+        self._numbers = [0] * count
+        self._round = (None, 0)
         self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
         self.held.clear()
         self.held.fetched_ahead = 0
