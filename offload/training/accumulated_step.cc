@@ -88,23 +88,10 @@ Status RunPass(Pipeline& pipeline, const BlockChunks& chunks, BlockPass pass,
   return ended;
 }
 
-}  // namespace
-
-Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                                           const AccumulatedStep& step,
-                                           const std::function<Status(const BlockPass&)>& compute,
-                                           const TrainStepOptions& options) {
-  STRATA_ASSIGN_OR_RETURN(std::vector<BlockChunks> chunks, ChunksOf(engine, step));
-  const auto blocks = static_cast<uint32_t>(chunks.size());
-  const uint32_t micro_batches = step.micro_batches;
-  const bool layered = step.order == AccumulationOrder::kLayered;
-  // Grad chunk -> the lowest block holding one of its tensors: its last backward pass makes the chunk final.
-  std::unordered_map<uint32_t, uint32_t> final_after;
-  for (uint32_t b = blocks; b-- > 0;) {
-    for (ChunkId grad : chunks[b].grads) final_after[grad.value()] = b;
-  }
-  // Every pass in the order asked: standard, each micro-batch's forward then its backward; layered, each block's
-  // forward for every micro-batch, then the same backward from the last block.
+// Every pass in `order`: standard, each micro-batch's forward then its backward; layered, each block's forward
+// for every micro-batch, then the same backward from the last block.
+std::vector<BlockPass> PassOrder(uint32_t blocks, uint32_t micro_batches, AccumulationOrder order) {
+  const bool layered = order == AccumulationOrder::kLayered;
   std::vector<BlockPass> passes;
   auto add_phase = [&](bool backward, uint32_t micro_batch) {  // micro_batch: one, or all (layered)
     for (uint32_t i = 0; i < blocks; ++i) {
@@ -118,7 +105,24 @@ Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, o
     add_phase(false, m);
     add_phase(true, m);
   }
+  return passes;
+}
 
+}  // namespace
+
+Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                                           const AccumulatedStep& step,
+                                           const std::function<Status(const BlockPass&)>& compute,
+                                           const TrainStepOptions& options) {
+  STRATA_ASSIGN_OR_RETURN(std::vector<BlockChunks> chunks, ChunksOf(engine, step));
+  const auto blocks = static_cast<uint32_t>(chunks.size());
+  const uint32_t micro_batches = step.micro_batches;
+  // Grad chunk -> the lowest block holding one of its tensors: its last backward pass makes the chunk final.
+  std::unordered_map<uint32_t, uint32_t> final_after;
+  for (uint32_t b = blocks; b-- > 0;) {
+    for (ChunkId grad : chunks[b].grads) final_after[grad.value()] = b;
+  }
+  const std::vector<BlockPass> passes = PassOrder(blocks, micro_batches, step.order);
   STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
   Status status = Status::Ok();
   for (const BlockPass& pass : passes) {
