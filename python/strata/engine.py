@@ -44,6 +44,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 
 from . import _strata
 from ._strata import parse_size
@@ -250,6 +251,10 @@ class TrainingEngine:
                 losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
                 try:
                     self._backward(scaled)
+                except torch.utils.checkpoint.CheckpointError as error:
+                    raise RuntimeError(f"{error}\nstrata: a layered step checkpoints each block itself; where the "
+                                       "model checkpoints its blocks too (non-reentrant), set the config's "
+                                       "accumulation_checkpoint to false") from error
                 finally:
                     forwards.held.clear()  # the inputs held on the host, and any copied back not used
             else:

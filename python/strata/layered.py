@@ -27,7 +27,9 @@ The blocks run under activation checkpointing (``accumulation_checkpoint``,
 on by default): each holds its inputs for all M micro-batches, and backward
 recomputes the rest; a key/value cache passed to a block (a Hugging Face
 model's ``use_cache``) is left out, as transformers' own gradient
-checkpointing does, since the recomputation would write into it again. With
+checkpointing does, since the recomputation would write into it again. A
+block the model checkpoints itself (transformers' gradient checkpointing) is
+left to it. With
 ``accumulation_offload`` (a size) those inputs are
 copied to host memory as each block begins (pinned beside a GPU, the copy on
 torch's stream), and come back a block ahead of their recomputation
@@ -266,6 +268,8 @@ class LayeredForwards:
         put back: (block, its own forward attribute or None)."""
         originals = []
         for index, block in enumerate(self._blocks):
+            if getattr(block, "gradient_checkpointing", False) and block.training:
+                continue  # checkpointed by the model itself (transformers' gradient_checkpointing_enable())
             original = block.__dict__.get("forward")
             inner = block.forward
 

@@ -288,3 +288,38 @@ def test_held_inputs_come_back_a_block_ahead_of_their_recomputation(tmp_path):
     layered = train(untied(layers=4), tiers(tmp_path, "l", accumulation_offload="1MiB"), "layered", 4, steps=3)
     assert_equal(layered, standard)
     assert layered[2].last_step["boundary_fetched_ahead"] == 3 * 4  # blocks 0 to 2, 4 micro-batches each
+
+
+def test_models_that_checkpoint_their_blocks_themselves(tmp_path):
+    """A Hugging Face model after gradient_checkpointing_enable() keeps its own checkpointing; GPT's reentrant
+    checkpointing runs under ours; GPT's non-reentrant one needs accumulation_checkpoint off, and says so."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(reentrant):
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32, attn_implementation="eager"))
+        if reentrant is not None:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        return model
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (12, 2, 16), generator=generator)]
+    hf_loss = lambda m, b: m(**b).loss  # noqa: E731
+    plain = train(llama(None), tiers(tmp_path, "p"), "standard", 4, steps=3, loss_fn=hf_loss, data=data)
+    for reentrant in (False, True):
+        layered = train(llama(reentrant), tiers(tmp_path, f"h{reentrant}"), "layered", 4, steps=3, loss_fn=hf_loss,
+                        data=data)
+        assert_equal(layered, plain)
+
+    def gpt(checkpoint):
+        model = untied(layers=4)
+        model.checkpoint = checkpoint
+        return model
+    standard = train(gpt(False), tiers(tmp_path, "s"), "standard", 4, steps=3)
+    assert_equal(train(gpt(True), tiers(tmp_path, "r"), "layered", 4, steps=3), standard)
+    assert_equal(train(gpt("non_reentrant"), tiers(tmp_path, "n", accumulation_checkpoint=False), "layered", 4,
+                       steps=3), standard)
+    with pytest.raises(RuntimeError, match="set the config's accumulation_checkpoint to false"):
+        train(gpt("non_reentrant"), tiers(tmp_path, "f"), "layered", 4, steps=1)
