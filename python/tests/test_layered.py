@@ -323,3 +323,25 @@ def test_models_that_checkpoint_their_blocks_themselves(tmp_path):
                        steps=3), standard)
     with pytest.raises(RuntimeError, match="set the config's accumulation_checkpoint to false"):
         train(gpt("non_reentrant"), tiers(tmp_path, "f"), "layered", 4, steps=1)
+
+
+def test_a_lora_model_bit_for_bit(tmp_path):
+    """PEFT LoRA on a Llama: the blocks found under the PEFT wrapper, the frozen base and the adapters trained."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from models import with_lora
+
+    def model():
+        torch.manual_seed(0)
+        return with_lora(transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32)), r=4)
+
+    generator = torch.Generator().manual_seed(3)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 96, (12, 2, 16), generator=generator)]
+    standard = train(model(), tiers(tmp_path, "s"), "standard", 4, steps=3, loss_fn=lambda m, b: m(**b).loss,
+                     data=data)
+    layered = train(model(), tiers(tmp_path, "l"), "layered", 4, steps=3, loss_fn=lambda m, b: m(**b).loss,
+                    data=data)
+    assert_equal(layered, standard)
+    assert layered[2].accumulation_blocks == "base_model.model.model.layers"
