@@ -5,8 +5,6 @@ they give the same losses and parameters bit for bit; a tied embedding's gradien
 order, so there the goal is 1e-6 relative (each parameter tensor's norm, the losses).
 """
 
-import copy
-import tempfile
 import warnings
 
 import pytest
@@ -206,8 +204,7 @@ def test_what_is_refused(tmp_path):
         engine.train_step([torch.ones(2, 4)], lambda m, x: m(x), accumulation="interleaved")
     with pytest.raises(ValueError, match="micro_batches is empty"):
         engine.train_step([], lambda m, x: m(x))
-    engine = strata.initialize(TinyGPT(), tiers(tmp_path, "b", accumulation="layered",
-                                                      accumulation_blocks="ln_f"))
+    engine = strata.initialize(TinyGPT(), tiers(tmp_path, "b", accumulation="layered", accumulation_blocks="ln_f"))
     with pytest.raises(ValueError, match="accumulation_blocks 'ln_f' must name a non-empty torch.nn.ModuleList .* "
                                          "names a LayerNorm"):
         engine.train_step(batches(1), gpt_loss)
@@ -221,8 +218,7 @@ def test_what_is_refused(tmp_path):
 
 def test_the_configs_order_and_blocks_named(tmp_path):
     """accumulation from the config; the blocks named; checkpointing off holds no boundary inputs of its own."""
-    config = tiers(tmp_path, "l", accumulation="layered", accumulation_blocks="blocks",
-                         accumulation_checkpoint=False)
+    config = tiers(tmp_path, "l", accumulation="layered", accumulation_blocks="blocks", accumulation_checkpoint=False)
     model, reference = pair(layers=4)
     engine = strata.initialize(model, config)
     losses = engine.train_step(batches(4, batch=2), gpt_loss)
@@ -253,6 +249,8 @@ def test_held_inputs_on_the_host_within_their_budget(tmp_path):
     with pytest.raises(ValueError, match=f"take {need} bytes \\(4 micro-batches x 4 blocks x 4096 bytes\\), more "
                                          f"than accumulation_offload's 49152: raise it to at least {need}"):
         engine.train_step(batches(4, batch=2), gpt_loss, accumulation="layered")
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, before[name]), name
     engine.train_step(batches(2, batch=2), gpt_loss, accumulation="layered")  # 32KiB: within it
     assert engine.last_step["boundary_host_bytes"] == need // 2
     assert engine.stats()["steps"] == 1 and not torch.equal(engine.state_dict()["blocks.0.up.weight"],
