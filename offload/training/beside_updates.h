@@ -98,6 +98,7 @@ class BesideUpdates {
   const optim::StepPlan& plan_ahead() const { return plan_; }
   const std::vector<optim::GroupHyperparams>& hyperparams() const { return hyperparams_; }
   const std::vector<Group>& groups() const { return groups_; }
+  uint64_t kept_bytes() const { return options_.kept_bytes; }
   // Group `group`'s chunks as they were before its update (UpdatedKinds
   // order, each chunk's used bytes one after another).
   const std::byte* kept(size_t group) const { return kept_[group].bytes(); }

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -200,12 +201,16 @@ void BindTrainStep(py::module_& m) {
       m, "BesideUpdates",
       "optimizer updates begun in backward, each once its chunk group's gradients are final, beside the rest of "
       "it; the step confirms or redoes them (offload/training/beside_updates.h)")
-      .def(py::init([](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer, uint64_t kept_bytes) {
-             return ValueOrThrow(
-                 offload::BesideUpdates::Create(engine, pipeline, optimizer, {.kept_bytes = kept_bytes}));
+      .def(py::init([](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
+                       std::optional<uint64_t> kept_bytes) {
+             // Default: the engine's optimizer.overlap, exactly (a size read back from describe() is rounded).
+             const uint64_t kept = kept_bytes.value_or(engine.options().optimizer.overlap_bytes);
+             return ValueOrThrow(offload::BesideUpdates::Create(engine, pipeline, optimizer, {.kept_bytes = kept}));
            }),
-           py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("kept_bytes"),
+           py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("kept_bytes") = std::nullopt,
            py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+      .def_property_readonly("kept_bytes", &offload::BesideUpdates::kept_bytes,
+                             "host memory the updates' copies may take (optimizer.overlap)")
       .def(
           "begin",
           [](offload::BesideUpdates& b, uint32_t grad) {

@@ -129,8 +129,8 @@ class TrainingEngine:
         self._layered = None  # strata.layered.LayeredForwards, made by the first layered train_step
         self.accumulation_blocks = None  # the name of the blocks a layered step found
         self._grad_sync = GradSync(runtime, table)
-        overlap_bytes = parse_size(self.config.options.describe()["optimizer.overlap"])
-        self._overlap = Overlap(runtime, table, self._pipeline, self._optimizer, overlap_bytes)
+        overlap_on = parse_size(self.config.options.describe()["optimizer.overlap"]) > 0
+        self._overlap = Overlap(runtime, table, self._pipeline, self._optimizer, overlap_on)
         self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)
         self._moments.overlap = self._overlap if self._overlap.beside is not None else None
         self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable,

@@ -21,13 +21,13 @@ from . import _strata
 class Overlap:
     """The updates begun beside this backward, and which grad chunks are complete."""
 
-    def __init__(self, runtime, table, pipeline, optimizer, kept_bytes):
+    def __init__(self, runtime, table, pipeline, optimizer, on):
         self.beside = None
-        if kept_bytes > 0:
+        if on:
             if runtime.parallel:  # a communicator, even of one rank (NCCL on one GPU): the reducer's step
                 raise ValueError("config: optimizer.overlap is for one rank without a communicator (data-parallel "
                                  "updates take the gradients reduced at the step); set it to 0")
-            self.beside = _strata.BesideUpdates(runtime.engine, pipeline, optimizer, kept_bytes)
+            self.beside = _strata.BesideUpdates(runtime.engine, pipeline, optimizer)  # optimizer.overlap's bytes
         self._params_of = {}  # grad chunk -> how many trainable parameters it holds
         for record in table.records:
             if record.trainable:

@@ -215,3 +215,9 @@ def test_a_hugging_face_llama_trains_the_same_with_overlap(tmp_path):
 def test_a_bad_size_is_refused_naming_the_option(tmp_path):
     with pytest.raises(ValueError, match="optimizer.overlap"):
         strata.initialize(Scales(), three_tiers(tmp_path, optimizer={"overlap": "lots"}))
+
+
+def test_the_size_reaches_the_updates_exactly(tmp_path):
+    """123456789 bytes, which describe() writes as 117.7MiB: the updates get the bytes given, not that."""
+    engine = strata.initialize(Scales(), three_tiers(tmp_path, optimizer={"overlap": 123456789}))
+    assert engine._overlap.beside.kept_bytes == 123456789
