@@ -168,15 +168,7 @@ Status BesideUpdates::Undo() {
     if (!u.updated) continue;
     STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     HeldChunks held;
-    Status accessed = Status::Ok();
-    for (ChunkKind kind : UpdatedKinds(groups_[u.group], optimizer_.num_states())) {
-      Result<ChunkAccess> access = pipeline_.Access(groups_[u.group][kind].id);
-      if (!access.ok()) {
-        accessed = access.status();
-        break;
-      }
-      held[static_cast<int>(kind)] = std::move(access).value();
-    }
+    const Status accessed = AccessGroup(pipeline_, groups_[u.group], optimizer_.num_states(), held);
     // Gradients that came late, after the update zeroed the chunk, are kept: added to those of before.
     if (accessed.ok()) PutBack(u.group, held, u.late ? Grads::kAdd : Grads::kCopy);
     for (ChunkAccess& a : held) a.Release();

@@ -117,4 +117,11 @@ optim::ChunkTensors GroupUpdate::TensorsOf(const Group& g, const HeldChunks& hel
   return part;
 }
 
+Status AccessGroup(Pipeline& pipeline, const Group& g, int num_states, HeldChunks& held) {
+  for (ChunkKind kind : UpdatedKinds(g, num_states)) {
+    STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline.Access(g[kind].id));
+  }
+  return Status::Ok();
+}
+
 }  // namespace strata::offload

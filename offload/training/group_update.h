@@ -11,6 +11,7 @@
 #include <optional>
 #include <vector>
 
+#include "offload/schedule/pipeline.h"
 #include "optim/optimizer.h"
 #include "strata/access.h"
 #include "strata/engine.h"
@@ -41,6 +42,11 @@ size_t UsedElems(const ChunkInfo& chunk);
 double DeviceUpdateSeconds(const Group& g, int num_states);
 
 using HeldChunks = std::array<ChunkAccess, kNumChunkKinds>;
+
+// Pins the chunks of `g` an update reads or writes (UpdatedKinds) into
+// `held`, in `pipeline`'s open moment; the first error, `held` keeping what
+// was pinned before it.
+Status AccessGroup(Pipeline& pipeline, const Group& g, int num_states, HeldChunks& held);
 
 // A step's update of one group at a time, with the plan the step made.
 class GroupUpdate {

@@ -268,15 +268,11 @@ class TrainStep {
       return InvalidArgument("train step: the updates beside backward were made for another engine");
     }
     const Clock::time_point start = Clock::now();
+    const Status waited = options_.beside->Wait();
     beside_ = options_.beside->Take();
     report_.beside_wait_seconds = SecondsSince(start);
-    Status first;
-    for (const BesideUpdates::Update& u : beside_) {
-      beside_of_[u.group] = &u;
-      const Status done = u.done.get();
-      if (first.ok() && !done.ok()) first = done.WithContext("an update beside backward");
-    }
-    STRATA_RETURN_IF_ERROR(first);
+    for (const BesideUpdates::Update& u : beside_) beside_of_[u.group] = &u;
+    STRATA_RETURN_IF_ERROR(waited);
     for (const BesideUpdates::Update& u : beside_) {
       if (u.late && u.updated) STRATA_RETURN_IF_ERROR(MergeLateInMoment(u.group));  // else never zeroed
     }
@@ -324,7 +320,7 @@ class TrainStep {
     if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(g[ChunkKind::kParam].group));
     STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     HeldChunks held;
-    Status updated = AccessGroup(g, held);
+    Status updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
     if (updated.ok()) {
       // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
       options_.beside->PutBack(k, held, beside_of_[k]->late ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
@@ -409,7 +405,7 @@ class TrainStep {
   // chunks are pinned on a GPU, and the update is queued on the
   // framework's stream (Note [Updates on the device]).
   Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced, bool on_gpu, HeldChunks& held) {
-    STRATA_RETURN_IF_ERROR(AccessGroup(g, held));
+    STRATA_RETURN_IF_ERROR(AccessGroup(pipeline_, g, optimizer_.num_states(), held));
     return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
         .Run(g, lo, hi, reduced, held, on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
   }
@@ -437,14 +433,6 @@ class TrainStep {
   std::optional<double> DeviceSeconds(const Group& g) const {
     if (parallel_) return std::nullopt;
     return DeviceUpdateSeconds(g, optimizer_.num_states());
-  }
-
-  // Pins the chunks of `g` the update reads or writes into `held`.
-  Status AccessGroup(const Group& g, HeldChunks& held) {
-    for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
-      STRATA_ASSIGN_OR_RETURN(held[static_cast<int>(kind)], pipeline_.Access(g[kind].id));
-    }
-    return Status::Ok();
   }
 
   // The tensors the step leaves out, for their step counts.
