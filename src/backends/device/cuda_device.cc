@@ -369,12 +369,27 @@ bool CudaDeviceAvailable() {
   return count > 0;
 }
 
-Result<size_t> CudaAutoBudget(int device_index) {
+namespace {
+
+// NotSupported where no CUDA device is visible; InvalidArgument for an index beyond those that are.
+Status CheckCudaIndex(int device_index) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || device_index < 0 || device_index >= count) {
+  const cudaError_t count_error = cudaGetDeviceCount(&count);
+  if (count_error != cudaSuccess || count == 0) {
+    std::string why = count_error != cudaSuccess ? cudaGetErrorString(count_error) : "0 devices";
     static_cast<void>(cudaGetLastError());
-    return NotSupported("device.budget auto: no CUDA device {} visible", device_index);
+    return NotSupported("no CUDA device visible ({})", why);
   }
+  if (device_index < 0 || device_index >= count) {
+    return InvalidArgument("CUDA device index {} out of range: {} device(s) visible", device_index, count);
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+Result<size_t> CudaAutoBudget(int device_index) {
+  STRATA_RETURN_IF_ERROR(CheckCudaIndex(device_index).WithContext("device.budget auto"));
   STRATA_RETURN_IF_ERROR(SetDevice(device_index));
   size_t free_bytes = 0, total_bytes = 0;
   STRATA_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
@@ -388,16 +403,7 @@ Result<size_t> CudaAutoBudget(int device_index) {
 }
 
 Result<std::unique_ptr<Device>> CreateCudaDevice(int device_index, size_t capacity_bytes) {
-  int count = 0;
-  const cudaError_t count_error = cudaGetDeviceCount(&count);
-  if (count_error != cudaSuccess || count == 0) {
-    std::string why = count_error != cudaSuccess ? cudaGetErrorString(count_error) : "0 devices";
-    static_cast<void>(cudaGetLastError());
-    return NotSupported("no CUDA device visible ({})", why);
-  }
-  if (device_index < 0 || device_index >= count) {
-    return InvalidArgument("CUDA device index {} out of range: {} device(s) visible", device_index, count);
-  }
+  STRATA_RETURN_IF_ERROR(CheckCudaIndex(device_index));
   if (capacity_bytes == 0) return InvalidArgument("cuda:{}: capacity must be > 0 bytes", device_index);
 
   CudaDeviceParts parts;

@@ -18,7 +18,9 @@ Result<std::unique_ptr<Device>> CreateCudaDevice(int /*device_index*/, size_t /*
   return NotSupported("this build has no CUDA backend (configure with the CUDA toolkit and STRATA_ENABLE_CUDA=ON)");
 }
 
-Result<size_t> CudaAutoBudget(int /*device_index*/) { return NotSupported("this build has no CUDA backend"); }
+Result<size_t> CudaAutoBudget(int /*device_index*/) {
+  return NotSupported("device.budget auto: this build has no CUDA backend");
+}
 
 // The pattern kernels (src/backends/device/cuda_pattern.cu) likewise, so that the gpu
 // tests build everywhere and skip where there is no device.

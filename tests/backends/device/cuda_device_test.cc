@@ -65,6 +65,15 @@ TEST(CudaDeviceTest, AnAutoBudgetIsHalfTheFreeMemory) {
   EXPECT_EQ(device->capacity_bytes(), 64 * kMiB);
 }
 
+TEST(CudaDeviceTest, AnAutoBudgetForADeviceNotThereIsAnErrorNamingIt) {
+  // Runs without a GPU too: then no device is visible at all.
+  const Result<size_t> budget = CudaAutoBudget(-1);
+  ASSERT_FALSE(budget.ok());
+  EXPECT_EQ(budget.status().code(),
+            strata::CudaDeviceAvailable() ? StatusCode::kInvalidArgument : StatusCode::kNotSupported);
+  EXPECT_NE(budget.status().ToString().find("device.budget auto"), std::string::npos) << budget.status().ToString();
+}
+
 TEST(CudaDeviceTest, PatternFilledOnTheDeviceArrivesOnTheHost) {
   if (!strata::CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   const uint64_t seed = testing::TestSeed();
