@@ -629,7 +629,7 @@ void PredictWithStrataPlan(const ReplayBenchConfig& config, const Options& optio
       config.model.layers, config.model.hidden, config.model.vocab, config.model.sequence, config.model.batch,
       machine.hbm_bytes, machine.dram_bytes, machine.nvme_bytes, config.pcie_gbps, machine.nvme_read_gbps,
       machine.nvme_write_gbps, config.gpu_tflops, config.cpu_adam_gparams, config.gpu_adam_gparams,
-      config.accumulation.micro_batches, config.accumulation.layered ? "layered" : "standard");
+      config.accumulation.micro_batches, config.accumulation.order_name());
 }
 
 }  // namespace

@@ -32,7 +32,7 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
       r.config.model.layers, r.config.model.hidden, r.config.model.vocab, r.config.model.sequence, r.config.model.batch,
       r.config.accumulation.micro_batches > 1
           ? fmt::format(" x {} micro-batches ({})", r.config.accumulation.micro_batches,
-                        r.config.accumulation.layered ? "layered" : "standard")
+                        r.config.accumulation.order_name())
           : std::string(),
       FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
       r.boundary_bytes > 0 ? fmt::format(" ({} of them the micro-batches' layer inputs)", FormatSize(r.boundary_bytes))
@@ -126,7 +126,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"net_gbps", r.config.net_gbps},
                  {"overlap", r.config.overlap},
                  {"micro_batches", r.config.accumulation.micro_batches},
-                 {"accumulation", r.config.accumulation.layered ? "layered" : "standard"}};
+                 {"accumulation", r.config.accumulation.order_name()}};
   j["model_states_bytes"] = r.model_states_bytes;
   j["chunks"] = r.chunks;
   j["moments"] = r.moments;

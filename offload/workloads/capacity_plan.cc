@@ -286,7 +286,7 @@ std::string FormatCapacityPlan(const CapacityPlan& p) {
       p.accumulation.micro_batches <= 1
           ? std::string()
           : fmt::format(" x {} micro-batches, {} accumulation", p.accumulation.micro_batches,
-                        p.accumulation.layered ? "layered" : "standard");
+                        p.accumulation.order_name());
   return fmt::format(
       "strata plan: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {:.2f} B parameters\n"
       "  params (bf16) {}   grads (bf16) {}   optimizer states (fp32 master, exp_avg, exp_avg_sq) {}\n"
@@ -315,7 +315,7 @@ std::string CapacityPlanJson(const CapacityPlan& p) {
   j["model"] = {{"layers", p.model.layers}, {"hidden", p.model.hidden}, {"vocab", p.model.vocab},
                 {"seq", p.model.sequence},  {"batch", p.model.batch}};
   j["micro_batches"] = p.accumulation.micro_batches;
-  j["accumulation"] = p.accumulation.layered ? "layered" : "standard";
+  j["accumulation"] = p.accumulation.order_name();
   j["boundary_bytes"] = p.boundary_bytes;
   if (p.other_step_seconds > 0) {
     j["other_accumulation"] = {{"step_seconds", p.other_step_seconds}, {"bytes_moved", p.other_bytes_moved}};

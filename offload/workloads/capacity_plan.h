@@ -38,6 +38,8 @@ struct MachineSpec {
 struct Accumulation {
   uint32_t micro_batches = 1;
   bool layered = false;
+  // "layered" or "standard", as the command line and the reports spell it.
+  const char* order_name() const { return layered ? "layered" : "standard"; }
 };
 
 struct CapacityPlan {

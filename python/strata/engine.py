@@ -52,7 +52,7 @@ from .checkpoint import Checkpoints
 from .config import accumulation_mode, load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
-from .layered import LayeredForwards, checked_loss, find_blocks
+from .layered import LayeredForwards, checked_loss, find_blocks, scaled_loss
 from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .overlap import Overlap
@@ -181,7 +181,7 @@ class TrainingEngine:
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             raise ValueError("engine.backward: loss must be a tensor with one element")
         scale = self._loss_scale(average)
-        self._backward([loss if scale == 1.0 else loss * scale])
+        self._backward([scaled_loss(loss, scale)])
 
     def _loss_scale(self, average):
         """What a micro-batch's loss is multiplied by for its backward."""
@@ -283,7 +283,7 @@ class TrainingEngine:
                     self._progress.broken = (f"a train_step failed at micro-batch {m} ({type(error).__name__}: "
                                              f"{error}); the gradients of the micro-batches before it are in")
                 raise
-            self._backward([losses[-1] if scale == 1.0 else losses[-1] * scale])
+            self._backward([scaled_loss(losses[-1], scale)])
         return losses
 
     def _moved_bytes(self):

@@ -209,7 +209,7 @@ class LayeredForwards:
                     _number_ahead(len(self._at) - 1 - m)
                     self._hooks.set_forward_state(self._states[m])
                     losses[m] = checked_loss(loss_fn(model, micro_batch), m)
-                    scaled[m] = losses[m] if scale == 1.0 else losses[m] * scale
+                    scaled[m] = scaled_loss(losses[m], scale)
         except _Stopped:
             pass
         except BaseException as error:  # noqa: BLE001 (raised by the caller, first micro-batch first)
@@ -324,21 +324,19 @@ class _HeldInputs:
     def __init__(self, device):
         self._device = device
         self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._host = {}       # (block, micro-batch) -> its positional inputs, tensors copied to the host
-        self._back = {}       # (block, micro-batch) -> the same on the device, copied ahead
-        self._fetched = set()  # blocks whose inputs were copied ahead
+        self._host = {}  # block -> {micro-batch: its positional inputs, tensors copied to the host}, until fetched
+        self._back = {}  # (block, micro-batch) -> the same on the device, copied ahead
         self.fetched_ahead = 0  # recomputations this step that found their inputs back ahead
 
     def clear(self):
         """Forgets the step's inputs (once its backward is done, or failed)."""
         self._host.clear()
         self._back.clear()
-        self._fetched.clear()
 
     def keep(self, block, m, args):
         """Forward: `args` with their tensors copied to the host, kept for the way back."""
         held = tuple(_on_host(a) if isinstance(a, torch.Tensor) else a for a in args)
-        self._host[(block, m)] = held
+        self._host.setdefault(block, {})[m] = held
         return held
 
     def back(self, block, m, held):
@@ -356,22 +354,23 @@ class _HeldInputs:
             # As the copy the forward made: a tensor autograd records the block's operations on.
             held = tuple(a.requires_grad_(h.requires_grad) if isinstance(a, torch.Tensor) else a
                          for a, h in zip(ahead, held))
-        if block > 0 and block - 1 not in self._fetched:
-            self._fetched.add(block - 1)
-            self._fetch([key for key in self._host if key[0] == block - 1])
+        before = self._host.pop(block - 1, None)
+        if before is not None:
+            self._fetch(block - 1, before)
         return held
 
-    def _fetch(self, keys):
+    def _fetch(self, block, inputs):
+        """Copies `inputs` ({micro-batch: held}) of `block` back to the device: on the copy stream beside a GPU,
+        a clone on the emulated device."""
         if self._stream is None:
-            for key in keys:
-                self._back[key] = tuple(a.detach().clone() if isinstance(a, torch.Tensor) else a
-                                        for a in self._host[key])
-            return
-        self._stream.wait_stream(torch.cuda.current_stream(self._device))
-        with torch.cuda.stream(self._stream):
-            for key in keys:
-                self._back[key] = tuple(a.detach().to(self._device, non_blocking=True)
-                                        if isinstance(a, torch.Tensor) else a for a in self._host[key])
+            copy, context = (lambda a: a.detach().clone()), contextlib.nullcontext()
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self._device))
+            copy = lambda a: a.detach().to(self._device, non_blocking=True)  # noqa: E731
+            context = torch.cuda.stream(self._stream)
+        with context:
+            for m, held in inputs.items():
+                self._back[(block, m)] = tuple(copy(a) if isinstance(a, torch.Tensor) else a for a in held)
 
 
 # A block's keyword arguments that carry a key/value cache (Hugging Face's names): the recomputation in backward
@@ -422,6 +421,11 @@ def _number_ahead(count):
         for _ in range(count):
             number = x.add(0).grad_fn._sequence_nr()
     return number
+
+
+def scaled_loss(loss, scale):
+    """`loss` times `scale`, for its backward (itself when the scale is 1)."""
+    return loss if scale == 1.0 else loss * scale
 
 
 def checked_loss(loss, m):
