@@ -343,3 +343,27 @@ def test_a_lora_model_bit_for_bit(tmp_path):
                     data=data)
     assert_equal(layered, standard)
     assert layered[2].accumulation_blocks == "base_model.model.model.layers"
+
+
+def test_a_forward_thread_that_cannot_start_stops_the_others_first(tmp_path, monkeypatch):
+    """The caller's side failing while the forwards run (a thread not started; so too Ctrl-C): the forwards
+    begun unwind before the error is raised, and the next step is as on a fresh engine."""
+    import threading
+    data = batches(8, batch=2)
+    reference = train(untied(), tiers(tmp_path, "r"), "layered", 4, steps=2, data=data)
+    engine = strata.initialize(untied(), tiers(tmp_path, "f"))
+    start = threading.Thread.start
+
+    def refuse_the_third(thread):
+        if thread.name == "strata-layered-2":
+            raise RuntimeError("can't start new thread")
+        start(thread)
+    monkeypatch.setattr(threading.Thread, "start", refuse_the_third)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        engine.train_step(data[:4], gpt_loss, accumulation="layered")
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("strata-layered-")]
+    losses = [engine.train_step(data[s * 4:(s + 1) * 4], gpt_loss, accumulation="layered") for s in range(2)]
+    assert torch.equal(torch.stack(losses), reference[0])
+    for name, value in engine.state_dict().items():
+        assert torch.equal(value, reference[1][name]), name
