@@ -651,17 +651,25 @@ Result<Buffer> ResidencyManager::AcquireStaging() {
     staging_free_.pop_back();
     return buffer;
   }
-  staging_count_++;
+  staging_count_++;  // the slot is this caller's from here: every failure below gives it back
   lock.unlock();
+  const auto give_back = [&](const Status& failed) {
+    {
+      std::lock_guard relock(staging_mu_);
+      staging_count_--;
+    }
+    staging_cv_.notify_one();
+    return failed;
+  };
   Result<Buffer> buffer = config_.device->AllocatePinnedHost(max_chunk_bytes_, kNumaNodeNearDevice);
   if (!buffer.ok()) {
-    std::lock_guard relock(staging_mu_);
-    staging_count_--;
-    staging_cv_.notify_one();
-    return buffer.status().WithContext("allocating a pinned staging buffer for a device<->nvme move");
+    return give_back(buffer.status().WithContext("allocating a pinned staging buffer for a device<->nvme move"));
   }
   if (config_.nvme_pool != nullptr) {  // device <-> NVMe moves read and write it
-    STRATA_RETURN_IF_ERROR(config_.nvme_pool->storage().RegisterBuffer(buffer->data(), buffer->size_bytes()));
+    Status registered = config_.nvme_pool->storage().RegisterBuffer(buffer->data(), buffer->size_bytes());
+    if (!registered.ok()) {  // the buffer is freed as it goes out of scope
+      return give_back(registered.WithContext("registering a pinned staging buffer with the NVMe storage"));
+    }
   }
   return buffer;
 }

@@ -737,6 +737,67 @@ TEST(ResidencyTest, BounceBufferOfATimedOutCopyIsNeverReused) {
   for (uint64_t i = 0; i < copy.size_bytes(); ++i) ASSERT_EQ(copy.bytes()[i], std::byte{0}) << i;
 }
 
+// Storage that refuses the next `refusals` RegisterBuffer calls, as a backend
+// whose kernel registration fails would; reads and writes pass through.
+class RefusingRegistration final : public Storage {
+ public:
+  RefusingRegistration(std::unique_ptr<Storage> base, int refusals) : base_(std::move(base)), refusals_(refusals) {}
+  std::string Describe() const override { return base_->Describe(); }
+  size_t capacity_bytes() const override { return base_->capacity_bytes(); }
+  size_t alignment_bytes() const override { return base_->alignment_bytes(); }
+  Status Write(uint64_t offset, const std::byte* src, size_t size_bytes) override {
+    return base_->Write(offset, src, size_bytes);
+  }
+  Status Read(uint64_t offset, std::byte* dst, size_t size_bytes) override { return base_->Read(offset, dst, size_bytes); }
+  Status RegisterBuffer(void* data, size_t size_bytes) override {
+    if (refusals_.fetch_sub(1, std::memory_order_relaxed) > 0) {  // a count only: no data rides on it
+      return IoError("injected fault: registering {} bytes refused", size_bytes);
+    }
+    return base_->RegisterBuffer(data, size_bytes);
+  }
+
+ private:
+  std::unique_ptr<Storage> base_;
+  std::atomic<int> refusals_;
+};
+
+TEST(ResidencyTest, ABounceBufferWhoseRegistrationFailsGivesItsPlaceBack) {
+  // The stack's device and memory tiers, with an NVMe tier whose storage refuses
+  // more registrations than the manager may hold bounce buffers (transfer
+  // workers + 2): a place kept by each refusal would leave none, and the next
+  // move would wait out the timeout for one.
+  ResidencyStack s({.nvme_chunks = 0, .timeout_ms = 2'000});
+  s.residency.reset();  // this test's manager takes the stack's tiers
+  constexpr int kRefusals = 8;
+  RefusingRegistration storage(std::move(CreateMemoryStorage(16 * s.config.chunk_bytes)).value(), kRefusals);
+  NvmeTierPool nvme(storage);
+  std::vector<ChunkDesc> chunks;
+  const uint64_t elements = s.config.chunk_bytes / 4;
+  for (uint32_t i = 0; i < 2; ++i) chunks.push_back({ChunkId(i), ChunkKind::kParam, DType::kFloat32, i, elements, elements});
+  ResidencyManager residency({.device = s.device.get(),
+                              .device_pool = s.device_pool.get(),
+                              .host_pool = s.host_pool.get(),
+                              .nvme_pool = &nvme,
+                              .transfer_workers = 2,
+                              .wait_timeout_ms = s.config.timeout_ms},
+                             chunks);
+  {
+    ASSERT_OK_AND_ASSIGN(ChunkAccess on_device, residency.Access(ChunkId(0), Tier::kDevice));
+    std::memset(on_device.data(), 0x3A, on_device.size_bytes());
+  }
+  for (int i = 0; i < kRefusals; ++i) {
+    const Status moved = residency.Move(ChunkId(0), Tier::kNvme);  // device -> NVMe goes through a bounce buffer
+    ASSERT_EQ(moved.code(), StatusCode::kIoError) << "move " << i << ": " << moved.ToString();
+    EXPECT_NE(moved.message().find("registering a pinned staging buffer"), std::string::npos) << moved.ToString();
+    EXPECT_EQ(residency.tier(ChunkId(0)), Tier::kDevice);
+    EXPECT_EQ(nvme.usage().used_bytes, 0u);  // the NVMe slot was never written: returned
+  }
+  ASSERT_OK(residency.Move(ChunkId(0), Tier::kNvme));  // registration accepted: a buffer is had at once
+  Buffer copy = AllocateAlignedHost(s.config.chunk_bytes, 4096);
+  ASSERT_OK(residency.ReadChunk(ChunkId(0), copy.bytes()));
+  for (uint64_t i = 0; i < copy.size_bytes(); ++i) ASSERT_EQ(copy.bytes()[i], std::byte{0x3A}) << i;
+}
+
 TEST(ResidencyTest, ReadChunkRejectsMisalignedDestination) {
   ResidencyStack s({});
   Buffer copy = AllocateAlignedHost(s.config.chunk_bytes + 4096, 4096);
