@@ -62,74 +62,134 @@ Status Validate(const ModelShape& m, const MachineSpec& x) {
   return Status::Ok();
 }
 
-}  // namespace
+// Bytes and FLOPs of one micro-batch through each module (Note [The GPT step
+// estimate]).
+struct GptCosts {
+  explicit GptCosts(const ModelShape& model) {
+    const double s = model.sequence, b = model.batch, h = model.hidden, v = model.vocab;
+    const double heads = model.heads > 0 ? model.heads : std::max(1.0, h / 64);
+    layer_activations = static_cast<uint64_t>(s * b * h * 34 + 5 * heads * s * s * b);
+    embed_activations = static_cast<uint64_t>(2 * s * b * h);
+    logits = static_cast<uint64_t>(2 * s * b * v);
+    boundary = static_cast<uint64_t>(2 * s * b * h);
+    layer_flops = 24 * b * s * h * h + 4 * b * s * s * h;
+    head_flops = 2 * b * s * h * v;
+  }
+  uint64_t layer_activations = 0;
+  uint64_t embed_activations = 0;
+  uint64_t logits = 0;
+  uint64_t boundary = 0;  // a layer's input, bf16: what a checkpoint keeps
+  double layer_flops = 0;
+  double head_flops = 0;
+};
 
-GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
-                     const MachineSpec& machine, const Accumulation& accumulation) {
-  GptStep step;
-  const uint32_t micro_batches = std::max<uint32_t>(accumulation.micro_batches, 1);
-  const bool layered = accumulation.layered;
-  const double s = model.sequence, b = model.batch, h = model.hidden, v = model.vocab;
-  const double heads = model.heads > 0 ? model.heads : std::max(1.0, h / 64);
-  const uint64_t layer_activations = static_cast<uint64_t>(s * b * h * 34 + 5 * heads * s * s * b);
-  const uint64_t embed_activations = static_cast<uint64_t>(2 * s * b * h);
-  const uint64_t logits = static_cast<uint64_t>(2 * s * b * v);
-  const uint64_t boundary = static_cast<uint64_t>(2 * s * b * h);  // a layer's input, bf16: what a checkpoint keeps
-  const double layer_flops = 24 * b * s * h * h + 4 * b * s * s * h;
-  const double head_flops = 2 * b * s * h * v;
-  std::vector<std::vector<uint32_t>> groups(model.layers + 2);
-  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, model.layers)].push_back(t);
+// The tensors of each forward group: the embedding (0), each layer, the head.
+std::vector<std::vector<uint32_t>> GptForwardGroups(const std::vector<TensorSpec>& specs, uint32_t layers) {
+  std::vector<std::vector<uint32_t>> groups(layers + 2);
+  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
   // The output head is tied to the token embedding: the logits need it again.
   for (uint32_t t = 0; t < specs.size(); ++t) {
     if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
   }
-  const auto moment = [&](uint32_t g, bool backward) {
-    TraceMoment m;
-    double passes = 1;  // of one micro-batch
-    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
-      if (kind == ChunkKind::kGrad && !backward) continue;
-      for (uint32_t t : groups[g]) {
-        std::optional<ChunkId> c = layout.ChunkOf(TensorId(t), kind);
-        if (c && std::find(m.chunks.begin(), m.chunks.end(), *c) == m.chunks.end()) m.chunks.push_back(*c);
+  return groups;
+}
+
+// The step's forward and backward moments, once per micro-batch or layered
+// (Note [Layered accumulation]), with the step's FLOPs, activation peak and
+// passes.
+class ForwardBackwardTrace {
+ public:
+  ForwardBackwardTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout,
+                       const ModelShape& model, const MachineSpec& machine, const Accumulation& accumulation)
+      : layout_(layout),
+        model_(model),
+        machine_(machine),
+        micro_batches_(std::max<uint32_t>(accumulation.micro_batches, 1)),
+        layered_(accumulation.layered),
+        costs_(model),
+        groups_(GptForwardGroups(specs, model.layers)) {}
+
+  GptStep Run() && {
+    for (uint32_t pass = 0; pass < (layered_ ? 1 : micro_batches_); ++pass) {
+      for (uint32_t g = 0; g < groups_.size(); ++g) step_.trace.moments.push_back(Moment(g, false));
+      for (uint32_t g = static_cast<uint32_t>(groups_.size()); g-- > 0;) {
+        step_.trace.moments.push_back(Moment(g, true));
       }
     }
-    const uint32_t layers_alive = std::min(g, model.layers);
-    const uint64_t own = g == 0 ? embed_activations : g <= model.layers ? layer_activations : logits;
-    const double flops = g == 0 ? 0 : g <= model.layers ? layer_flops : head_flops;
+    return std::move(step_);
+  }
+
+ private:
+  TraceMoment Moment(uint32_t g, bool backward) {
+    TraceMoment m;
+    m.chunks = ChunksOf(g, backward);
+    double passes = 1;  // of one micro-batch
+    const uint32_t layers_alive = std::min(g, model_.layers);
+    const uint64_t own = g == 0 ? costs_.embed_activations
+                                : g <= model_.layers ? costs_.layer_activations : costs_.logits;
+    const double flops = g == 0 ? 0 : g <= model_.layers ? costs_.layer_flops : costs_.head_flops;
     double work = (backward ? 2 : 1) * flops;
-    if (!layered) {
+    if (!layered_) {
       // Activations alive: every layer up to this one (kept for backward).
-      m.non_model_bytes = embed_activations + layers_alive * layer_activations + (g == model.layers + 1 ? logits : 0);
+      m.non_model_bytes = costs_.embed_activations + layers_alive * costs_.layer_activations +
+                          (g == model_.layers + 1 ? costs_.logits : 0);
     } else {
       // Every micro-batch's layer inputs up to this one, and one micro-batch's working set (Note [Layered
       // accumulation]); its backward recomputes its forward first.
-      const uint64_t held = micro_batches * (embed_activations + layers_alive * boundary);
+      const uint64_t held = micro_batches_ * (costs_.embed_activations + layers_alive * costs_.boundary);
       m.non_model_bytes = held + (g == 0 ? 0 : own);
-      step.boundary_bytes = std::max(step.boundary_bytes, held);
-      step.model_flops += (micro_batches - 1) * work;
-      passes = micro_batches * (backward ? 2.0 : 1.0);  // a backward pass, and the forward's again
-      work = micro_batches * (work + (backward ? flops : 0));
+      step_.boundary_bytes = std::max(step_.boundary_bytes, held);
+      step_.model_flops += (micro_batches_ - 1) * work;
+      passes = micro_batches_ * (backward ? 2.0 : 1.0);  // a backward pass, and the forward's again
+      work = micro_batches_ * (work + (backward ? flops : 0));
     }
-    m.compute_seconds = work / (machine.gpu_tflops * 1e12);
-    step.model_flops += (backward ? 2 : 1) * flops;
-    step.activation_peak_bytes = std::max(step.activation_peak_bytes, m.non_model_bytes);
-    step.passes.push_back(passes);
+    m.compute_seconds = work / (machine_.gpu_tflops * 1e12);
+    step_.model_flops += (backward ? 2 : 1) * flops;
+    step_.activation_peak_bytes = std::max(step_.activation_peak_bytes, m.non_model_bytes);
+    step_.passes.push_back(passes);
     return m;
-  };
-  for (uint32_t pass = 0; pass < (layered ? 1 : micro_batches); ++pass) {
-    for (uint32_t g = 0; g < groups.size(); ++g) step.trace.moments.push_back(moment(g, false));
-    for (uint32_t g = static_cast<uint32_t>(groups.size()); g-- > 0;) step.trace.moments.push_back(moment(g, true));
   }
-  // The update of each trainable chunk group: every chunk of the group, in
-  // the order backward finishes with them (the last layers' first).
+
+  // The param chunks of group g's tensors, and in backward their grad chunks.
+  std::vector<ChunkId> ChunksOf(uint32_t g, bool backward) const {
+    std::vector<ChunkId> chunks;
+    for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kGrad}) {
+      if (kind == ChunkKind::kGrad && !backward) continue;
+      for (uint32_t t : groups_[g]) {
+        std::optional<ChunkId> c = layout_.ChunkOf(TensorId(t), kind);
+        if (c && std::find(chunks.begin(), chunks.end(), *c) == chunks.end()) chunks.push_back(*c);
+      }
+    }
+    return chunks;
+  }
+
+  const memory::ChunkLayout& layout_;
+  const ModelShape& model_;
+  const MachineSpec& machine_;
+  const uint32_t micro_batches_;
+  const bool layered_;
+  const GptCosts costs_;
+  const std::vector<std::vector<uint32_t>> groups_;
+  GptStep step_;
+};
+
+// The chunk groups in the order the trace last uses them (stable).
+std::vector<uint32_t> GroupsByLastUse(const memory::ChunkLayout& layout, const Trace& trace) {
   std::vector<size_t> last_use(layout.groups().size(), 0);
-  for (size_t k = 0; k < step.trace.moments.size(); ++k) {
-    for (ChunkId c : step.trace.moments[k].chunks) last_use[layout.chunk(c).group] = k;
+  for (size_t k = 0; k < trace.moments.size(); ++k) {
+    for (ChunkId c : trace.moments[k].chunks) last_use[layout.chunk(c).group] = k;
   }
   std::vector<uint32_t> order(layout.groups().size());
   for (uint32_t g = 0; g < order.size(); ++g) order[g] = g;
   std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return last_use[x] < last_use[y]; });
-  for (uint32_t g : order) {
+  return order;
+}
+
+// The update of each trainable chunk group: every chunk of the group, in the
+// order backward finishes with them (the last layers' first).
+void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout,
+                   const MachineSpec& machine, GptStep& step) {
+  for (uint32_t g : GroupsByLastUse(layout, step.trace)) {
     const memory::ChunkGroup& group = layout.groups()[g];
     if (!group.trainable) continue;
     TraceMoment m{.tier = Tier::kHost};
@@ -143,6 +203,14 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
     step.trace.moments.push_back(std::move(m));
     step.passes.push_back(0);
   }
+}
+
+}  // namespace
+
+GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
+                     const MachineSpec& machine, const Accumulation& accumulation) {
+  GptStep step = ForwardBackwardTrace(specs, layout, model, machine, accumulation).Run();
+  AppendUpdates(specs, layout, machine, step);
   return step;
 }
 
