@@ -101,7 +101,7 @@ __attribute__((target("avx2"))) void BoundBlockAvx2(float* p, const float* g, fl
 // One pass over the chunk's fp32 master and states with `bound_grad` (fp32)
 // as the gradient.
 void BoundPass(const optim::ChunkTensors& t, const float* bound_grad) {
-  const bool avx512 = optim::CpuSupports(optim::CpuIsa::kAvx512);
+  const bool avx512 = optim::ActiveCpuIsa() == optim::CpuIsa::kAvx512;  // the width the kernel runs at
   const size_t blocks = (t.n + kBlockElems - 1) / kBlockElems;
   tbb::parallel_for(size_t{0}, blocks, [&](size_t block) {
     const size_t begin = block * kBlockElems, size = std::min(t.n - begin, kBlockElems);
@@ -265,7 +265,7 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   OptimBenchReport report;
   report.config = config;
   report.threads = threads;
-  report.isa = std::string(optim::CpuIsaName(optim::BestCpuIsa()));
+  report.isa = std::string(optim::CpuIsaName(optim::ActiveCpuIsa()));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
   STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
@@ -474,7 +474,7 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   OptimNvmeBenchReport report;
   report.config = config;
   report.threads = threads;
-  report.isa = std::string(optim::CpuIsaName(optim::BestCpuIsa()));
+  report.isa = std::string(optim::CpuIsaName(optim::ActiveCpuIsa()));
   report.groups = sizes.size();
   tbb::task_arena update_arena(static_cast<int>(stream->update_threads()));
   report.update_threads = stream->update_threads();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 
 #include "optim/cpu/cpu_kernels.h"
 #ifdef STRATA_OPTIM_CUDA
@@ -177,6 +178,7 @@ int NumStates(const OptimizerConfig& config) {
 Result<std::unique_ptr<Optimizer>> Optimizer::Create(const OptimizerConfig& config,
                                                      std::optional<LossScalerConfig> scaler, uint32_t num_groups) {
   STRATA_RETURN_IF_ERROR(ValidateOptimizerConfig(config));
+  STRATA_RETURN_IF_ERROR(CpuIsaFromSetting(std::getenv(kCpuIsaVariable)).status());
   if (scaler) STRATA_RETURN_IF_ERROR(ValidateLossScalerConfig(*scaler));
   if (num_groups == 0) return InvalidArgument("optimizer: 0 param groups: every tensor needs one, so at least 1");
   return std::unique_ptr<Optimizer>(new Optimizer(config, scaler, num_groups));

@@ -337,9 +337,9 @@ Status GradReducer::PackGatherShard(const GatherJob& job) {
   if (job.dtype == job.master_dtype) {
     std::memcpy(send.data(), gather_shard_.data(), mine * DTypeSizeBytes(job.dtype));
   } else if (job.dtype == DType::kBFloat16) {  // as the optimizer writes a param chunk (the same rounding)
-    optim::ConvertToBf16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+    optim::ConvertToBf16(optim::ActiveCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
   } else {
-    optim::ConvertToFp16(optim::BestCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
+    optim::ConvertToFp16(optim::ActiveCpuIsa(), weights, reinterpret_cast<uint16_t*>(send.data()), mine);
   }
   return Status::Ok();
 }

@@ -391,9 +391,9 @@ Status StateStream::RestoreComputeCopies(std::span<const GroupIo> io, size_t cou
     const float* master = reinterpret_cast<const float*>(ring_.bytes());
     uint16_t* param = static_cast<uint16_t*>(io[i].param);
     if (io[i].param_dtype == DType::kBFloat16) {
-      optim::ConvertToBf16(optim::BestCpuIsa(), master, param, groups_[i].n);
+      optim::ConvertToBf16(optim::ActiveCpuIsa(), master, param, groups_[i].n);
     } else {
-      optim::ConvertToFp16(optim::BestCpuIsa(), master, param, groups_[i].n);
+      optim::ConvertToFp16(optim::ActiveCpuIsa(), master, param, groups_[i].n);
     }
   }
   if (first.ok()) return first;

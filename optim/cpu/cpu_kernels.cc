@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 namespace strata::optim {
@@ -45,6 +47,29 @@ CpuIsa BestCpuIsa() {
                              : CpuSupports(CpuIsa::kAvx2) ? CpuIsa::kAvx2
                                                           : CpuIsa::kScalar;
   return best;
+}
+
+Result<CpuIsa> CpuIsaFromSetting(const char* setting) {
+  if (setting == nullptr || *setting == '\0') return BestCpuIsa();
+  const std::string_view name(setting);
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (name != CpuIsaName(isa)) continue;
+    if (!CpuSupports(isa)) {
+      return NotSupported("{}={}: this CPU lacks it (the widest it runs is {}); unset it or name a narrower one",
+                          kCpuIsaVariable, name, CpuIsaName(BestCpuIsa()));
+    }
+    return isa;
+  }
+  return InvalidArgument("{}={}: not a kernel version; one of scalar, avx2, avx512 (or unset: the widest the CPU runs)",
+                         kCpuIsaVariable, name);
+}
+
+CpuIsa ActiveCpuIsa() {
+  static const CpuIsa active = [] {
+    Result<CpuIsa> isa = CpuIsaFromSetting(std::getenv(kCpuIsaVariable));
+    return isa.ok() ? *isa : BestCpuIsa();
+  }();
+  return active;
 }
 
 // Note [torch.optim's arithmetic]
@@ -108,7 +133,7 @@ void UpdateParallel(const UpdateConstants& c, std::span<const ChunkTensors> chun
   for (size_t k = 0; k < chunks.size(); ++k) {
     for (size_t begin = 0; begin < chunks[k].n; begin += kBlockElems) blocks.emplace_back(k, begin);
   }
-  const CpuIsa isa = BestCpuIsa();
+  const CpuIsa isa = ActiveCpuIsa();
   tbb::parallel_for(size_t{0}, blocks.size(), [&](size_t b) {
     const auto [k, begin] = blocks[b];
     UpdateRange(isa, c, chunks[k], begin, std::min(chunks[k].n, begin + kBlockElems));
@@ -144,7 +169,7 @@ void GradStats::Add(const void* grad, DType grad_dtype, size_t n) {
   // Per-block sums added in block order: the total does not depend on how
   // oneTBB scheduled the blocks, so a rerun gives the same norm bit for bit.
   std::vector<double> partial(NumBlocks(n));
-  const CpuIsa isa = BestCpuIsa();
+  const CpuIsa isa = ActiveCpuIsa();
   tbb::parallel_for(size_t{0}, partial.size(), [&](size_t block) {
     const size_t begin = block * kBlockElems;
     partial[block] = SumSquaresRange(isa, grad, grad_dtype, begin, std::min(n, begin + kBlockElems));

@@ -5,7 +5,9 @@
 //   avx512   optim/cpu/cpu_avx512.cc (AVX-512F + FMA + F16C), 16 lanes
 // The vector versions are one template (optim/cpu/cpu_kernels_impl.h, with
 // their tolerance against the reference); the dispatcher only calls a
-// version the CPU supports.
+// version the CPU supports: the widest, or the one the environment variable
+// STRATA_CPU_ISA names (scalar, avx2 or avx512), so that one machine can run
+// the paths of a narrower one.
 //
 // Pure functions over caller-owned arrays; thread-safe on disjoint ranges.
 #pragma once
@@ -16,6 +18,7 @@
 #include <string_view>
 
 #include "optim/optimizer.h"
+#include "strata/status.h"
 
 namespace strata::optim {
 
@@ -24,6 +27,15 @@ std::string_view CpuIsaName(CpuIsa isa);
 bool CpuSupports(CpuIsa isa);
 // The widest version this CPU runs.
 CpuIsa BestCpuIsa();
+// The version a setting of STRATA_CPU_ISA names: InvalidArgument for a name
+// that is none of scalar, avx2 and avx512, NotSupported for one this CPU
+// lacks. nullptr or "" is BestCpuIsa().
+Result<CpuIsa> CpuIsaFromSetting(const char* setting);
+inline constexpr const char* kCpuIsaVariable = "STRATA_CPU_ISA";
+// The version the kernels run: the one STRATA_CPU_ISA names, read once, else
+// BestCpuIsa(). A setting CpuIsaFromSetting refuses is BestCpuIsa() here;
+// Optimizer::Create returns its error, so no engine trains with it.
+CpuIsa ActiveCpuIsa();
 
 // The per-step constants of every kernel, computed once per step.
 struct UpdateConstants {
@@ -47,7 +59,7 @@ UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step,
 // should be a multiple of 16 so every element takes the same path (vector
 // or tail) however the chunk is split.
 void UpdateRange(CpuIsa isa, const UpdateConstants& constants, const ChunkTensors& chunk, size_t begin, size_t end);
-// The same over whole chunks with BestCpuIsa(), split over oneTBB's threads
+// The same over whole chunks with ActiveCpuIsa(), split over oneTBB's threads
 // across and within chunks (blocks of 64 Ki elements from all of them).
 void UpdateParallel(const UpdateConstants& constants, std::span<const ChunkTensors> chunks);
 inline void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk) {

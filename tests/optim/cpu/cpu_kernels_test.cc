@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <vector>
 
@@ -95,42 +96,55 @@ TEST(CpuKernelsTest, ScalarSgdMatchesTorchForMomentumAndNesterov) {
   EXPECT_FLOAT_EQ(w, w1 - 0.1f * (d + 0.9f * b));
 }
 
-TEST(CpuKernelsTest, VectorVersionsMatchTheReferenceForEveryKindDtypeAndTail) {
+// Each vector version on its own, skipped with its reason on a CPU that
+// lacks it (STRATA_CPU_ISA forces the narrower paths on a wider CPU: see
+// scripts/test.sh --isa).
+class VectorKernelTest : public ::testing::TestWithParam<CpuIsa> {
+ protected:
+  void SetUp() override {
+    if (!CpuSupports(GetParam())) GTEST_SKIP() << "this CPU lacks " << CpuIsaName(GetParam());
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Isas, VectorKernelTest, ::testing::ValuesIn(kVectorIsas),
+                         [](const ::testing::TestParamInfo<CpuIsa>& info) { return std::string(CpuIsaName(info.param)); });
+
+TEST_P(VectorKernelTest, MatchesTheReferenceForEveryKindDtypeAndTail) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
   std::vector<size_t> sizes;
   for (size_t n = 1; n <= 33; ++n) sizes.push_back(n);  // every tail length of both widths
   sizes.push_back(1000);
   sizes.push_back(4099);
-  for (CpuIsa isa : kVectorIsas) {
-    if (!CpuSupports(isa)) continue;
-    for (const Case& c : Cases()) {
-      for (DType grad_dtype : kAllDTypes) {
-        for (DType param_dtype : kAllDTypes) {
-          for (size_t n : sizes) {
-            SCOPED_TRACE(fmt::format("{} {} grad {} param {} n={}", CpuIsaName(isa), c.name, DTypeName(grad_dtype),
-                                     DTypeName(param_dtype), n));
-            CompareWithReference(isa, c, RandomChunk(n, grad_dtype, param_dtype, rng));
-            if (HasFatalFailure()) return;
-          }
+  for (const Case& c : Cases()) {
+    for (DType grad_dtype : kAllDTypes) {
+      for (DType param_dtype : kAllDTypes) {
+        for (size_t n : sizes) {
+          SCOPED_TRACE(fmt::format("{} grad {} param {} n={}", c.name, DTypeName(grad_dtype), DTypeName(param_dtype), n));
+          CompareWithReference(GetParam(), c, RandomChunk(n, grad_dtype, param_dtype, rng));
+          if (HasFatalFailure()) return;
         }
       }
     }
   }
 }
 
-TEST(CpuKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
+TEST_P(VectorKernelTest, NanAndInfGradientsPropagateLikeTheReference) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
   for (DType grad_dtype : kAllDTypes) {
     ChunkArrays start = RandomChunk(67, grad_dtype, DType::kBFloat16, rng);
     start.set_grad(3, std::numeric_limits<float>::quiet_NaN());
     start.set_grad(20, std::numeric_limits<float>::infinity());
     start.set_grad(66, -std::numeric_limits<float>::infinity());  // in the tail of both vector versions
-    for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
-      if (!CpuSupports(isa)) continue;
-      SCOPED_TRACE(fmt::format("{} grad {}", CpuIsaName(isa), DTypeName(grad_dtype)));
-      for (const Case& c : Cases()) CompareWithReference(isa, c, start);
-    }
-    ChunkArrays after = start;
+    SCOPED_TRACE(fmt::format("grad {}", DTypeName(grad_dtype)));
+    for (const Case& c : Cases()) CompareWithReference(GetParam(), c, start);
+  }
+}
+
+TEST(CpuKernelsTest, NanAndInfGradientsPropagate) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (DType grad_dtype : kAllDTypes) {
+    ChunkArrays after = RandomChunk(67, grad_dtype, DType::kBFloat16, rng);
+    after.set_grad(3, std::numeric_limits<float>::quiet_NaN());
     UpdateRange(CpuIsa::kScalar, MakeUpdateConstants(Cases()[0].config, 2, 1.0f), after.view(), 0, 67);
     EXPECT_TRUE(std::isnan(after.master[3]));
     EXPECT_EQ(after.param16[3], 0xFFFF);  // bf16's NaN, as PyTorch writes it
@@ -143,7 +157,7 @@ TEST(CpuKernelsTest, ParallelUpdateEqualsOneThreadBitForBit) {
   ChunkArrays start = RandomChunk((size_t{1} << 18) + 13, DType::kBFloat16, DType::kBFloat16, rng);
   ChunkArrays serial = start, parallel = start;
   const UpdateConstants c = MakeUpdateConstants({.weight_decay = 0.01f}, 10, 0.25f);
-  UpdateRange(BestCpuIsa(), c, serial.view(), 0, serial.master.size());
+  UpdateRange(ActiveCpuIsa(), c, serial.view(), 0, serial.master.size());  // UpdateParallel's version
   UpdateParallel(c, parallel.view());
   EXPECT_EQ(parallel.master, serial.master);  // same version, same elements: bit-identical
   EXPECT_EQ(parallel.state1, serial.state1);
@@ -233,7 +247,7 @@ TEST(HalfTest, EverySixteenBitValueSurvivesTheRoundTrip) {
   }
 }
 
-TEST(HalfTest, VectorConversionsAreBitIdenticalToTheReference) {
+TEST_P(VectorKernelTest, ConversionsAreBitIdenticalToTheReference) {
   // Every upper half (all signs, exponents, kept mantissas, NaNs and
   // infinities) with the lower halves that decide rounding: zero, just above
   // zero, just below the tie, the tie, just above, all ones, and random.
@@ -249,35 +263,38 @@ TEST(HalfTest, VectorConversionsAreBitIdenticalToTheReference) {
   for (uint32_t b = 0x477FE000u; b < 0x47800000u; ++b) src.push_back(std::bit_cast<float>(b));
   src.push_back(1.0f);  // an odd count: a tail as well
   std::vector<uint16_t> want(src.size()), got(src.size());
-  for (CpuIsa isa : kVectorIsas) {
-    if (!CpuSupports(isa)) continue;
-    SCOPED_TRACE(std::string(CpuIsaName(isa)));
-    ConvertToBf16(CpuIsa::kScalar, src.data(), want.data(), src.size());
-    ConvertToBf16(isa, src.data(), got.data(), src.size());
-    for (size_t i = 0; i < src.size(); ++i) {
-      ASSERT_EQ(got[i], want[i]) << "bf16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
-    }
-    ConvertToFp16(CpuIsa::kScalar, src.data(), want.data(), src.size());
-    ConvertToFp16(isa, src.data(), got.data(), src.size());
-    for (size_t i = 0; i < src.size(); ++i) {
-      ASSERT_EQ(got[i], want[i]) << "fp16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
-    }
+  const CpuIsa isa = GetParam();
+  ConvertToBf16(CpuIsa::kScalar, src.data(), want.data(), src.size());
+  ConvertToBf16(isa, src.data(), got.data(), src.size());
+  for (size_t i = 0; i < src.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "bf16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
+  }
+  ConvertToFp16(CpuIsa::kScalar, src.data(), want.data(), src.size());
+  ConvertToFp16(isa, src.data(), got.data(), src.size());
+  for (size_t i = 0; i < src.size(); ++i) {
+    ASSERT_EQ(got[i], want[i]) << "fp16 of bits " << std::hex << std::bit_cast<uint32_t>(src[i]);
   }
 }
 
 // --- gradient sum of squares ------------------------------------------------
 
-TEST(CpuKernelsTest, SumOfSquaresMatchesTheReferenceAndSeesInfAndNan) {
+TEST_P(VectorKernelTest, SumOfSquaresMatchesTheReference) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
   for (DType dtype : kAllDTypes) {
     for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{4099}}) {
       ChunkArrays a = RandomChunk(n, dtype, DType::kFloat32, rng);
       const void* grad = a.view().grad;
       const double ref = SumSquaresRange(CpuIsa::kScalar, grad, dtype, 0, n);
-      for (CpuIsa isa : kVectorIsas) {
-        if (!CpuSupports(isa)) continue;
-        EXPECT_NEAR(SumSquaresRange(isa, grad, dtype, 0, n), ref, 1e-12 * ref) << CpuIsaName(isa);
-      }
+      EXPECT_NEAR(SumSquaresRange(GetParam(), grad, dtype, 0, n), ref, 1e-12 * ref) << DTypeName(dtype) << " n=" << n;
+    }
+  }
+}
+
+TEST(CpuKernelsTest, SumOfSquaresSeesInfAndNan) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (DType dtype : kAllDTypes) {
+    for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{4099}}) {
+      ChunkArrays a = RandomChunk(n, dtype, DType::kFloat32, rng);
       a.set_grad(n - 1, std::numeric_limits<float>::infinity());
       GradStats inf_stats;
       inf_stats.Add(a.view());
@@ -293,6 +310,41 @@ TEST(CpuKernelsTest, SumOfSquaresMatchesTheReferenceAndSeesInfAndNan) {
   GradStats stats;
   stats.Add(huge.data(), DType::kFloat32, huge.size());
   EXPECT_TRUE(stats.finite());
+}
+
+// --- the version STRATA_CPU_ISA selects ---------------------------------------
+
+TEST(CpuIsaSettingTest, UnsetOrEmptyIsTheWidestVersion) {
+  EXPECT_EQ(*CpuIsaFromSetting(nullptr), BestCpuIsa());
+  EXPECT_EQ(*CpuIsaFromSetting(""), BestCpuIsa());
+}
+
+TEST(CpuIsaSettingTest, NamesAVersionTheCpuRunsOrSaysItLacksIt) {
+  for (CpuIsa isa : {CpuIsa::kScalar, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    const std::string name(CpuIsaName(isa));
+    Result<CpuIsa> chosen = CpuIsaFromSetting(name.c_str());
+    if (CpuSupports(isa)) {
+      ASSERT_TRUE(chosen.ok()) << chosen.status().ToString();
+      EXPECT_EQ(*chosen, isa);
+    } else {
+      EXPECT_EQ(chosen.status().code(), StatusCode::kNotSupported) << name;
+      EXPECT_NE(chosen.status().message().find("lacks"), std::string::npos) << name;
+    }
+  }
+}
+
+TEST(CpuIsaSettingTest, AnUnknownNameIsRefusedWithTheChoices) {
+  Result<CpuIsa> chosen = CpuIsaFromSetting("avx1024");
+  EXPECT_EQ(chosen.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(chosen.status().message().find("STRATA_CPU_ISA=avx1024"), std::string::npos);
+  EXPECT_NE(chosen.status().message().find("scalar, avx2, avx512"), std::string::npos);
+}
+
+TEST(CpuIsaSettingTest, TheKernelsRunTheVersionTheEnvironmentNames) {
+  // Whatever this process was started with (scripts/test.sh --isa sets it).
+  Result<CpuIsa> named = CpuIsaFromSetting(std::getenv(kCpuIsaVariable));
+  ASSERT_TRUE(named.ok()) << named.status().ToString();
+  EXPECT_EQ(ActiveCpuIsa(), *named);
 }
 
 }  // namespace
