@@ -2,6 +2,9 @@
 # Installs what is needed, builds into build/ and runs every test (ctest).
 #   scripts/test.sh              all tests, in build/
 #   scripts/test.sh --sanitize   the unit and nvme tests under ASan+UBSan, in build-asan/ (not gpu, not mpi)
+#   scripts/test.sh --isa avx2   the Python tests and the optimizer's C++ tests, in build/, with the kernels of
+#                                a narrower CPU forced: torch's (ATEN_CPU_CAPABILITY) and strata's
+#                                (STRATA_CPU_ISA); avx2, or scalar (strata's reference kernels, torch's default)
 # GPU tests (label gpu) skip themselves where no CUDA device is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,6 +15,23 @@ python3 scripts/check_layers.py  # every #include within its layer (docs/design.
 build_dir=build
 cmake_args=()
 ctest_args=()
+if [ "${1:-}" = "--isa" ]; then
+  isa=${2:-}
+  case "$isa" in
+    avx2) export ATEN_CPU_CAPABILITY=avx2 ;;
+    scalar) export ATEN_CPU_CAPABILITY=default ;;
+    *) echo "test.sh: --isa takes avx2 or scalar (the kernels of a narrower CPU than this one), not '${isa}'" >&2
+       exit 2 ;;
+  esac
+  if [ "$isa" = avx2 ] && ! grep -qw avx2 /proc/cpuinfo; then
+    echo "test.sh: --isa avx2: this CPU lacks AVX2; the plain run already takes the narrowest paths" >&2
+    exit 2
+  fi
+  export STRATA_CPU_ISA=$isa
+  echo "test.sh: torch's kernels at ATEN_CPU_CAPABILITY=$ATEN_CPU_CAPABILITY, strata's at STRATA_CPU_ISA=$isa"
+  # What the kernels' width can change: the kernels' own tests, the step's, and every Python test.
+  ctest_args=(-R '^(CpuKernelsTest|Isas/VectorKernelTest|CpuIsaSettingTest|OptimizerTest|TrainStepTest)\.|^(python_tests|python_parallel_tests|python_hf_tests|differential_tests)$')
+fi
 if [ "${1:-}" = "--sanitize" ]; then
   build_dir=build-asan
   cmake_args=(-DSTRATA_SANITIZE=ON -DCMAKE_BUILD_TYPE=Debug)
