@@ -3,9 +3,10 @@
 Each model is built from its config class with tiny sizes and seeded random weights (nothing is downloaded)
 and trained for 10 steps with AdamW both ways by differential.run_case: keyword inputs (`engine(**batch)`),
 the model's own `labels=` loss (`outputs.loss` of its ModelOutput), budgets that put chunks on the device,
-the host and NVMe. fp32: losses and parameters within 1e-5 relative, but for the elements torch's two AdamW
-kernels disagree on by more (differential.unsettled: attention key biases, experts first reached); bf16: losses
-within 1e-2 of the mixed-precision recipe. The figures of docs/benchmarks.md ("Hugging Face models against plain
+the host and NVMe. fp32: losses and parameters within 1e-5 relative; bf16: losses within 1e-2 of the
+mixed-precision recipe and parameters within 2e-2; in both, but for the elements torch's two AdamW kernels
+disagree on by more (differential.unsettled: attention key biases, experts first reached), which are held to
+the bound of noise instead (differential.noise_atol). The figures of docs/benchmarks.md ("Hugging Face models against plain
 PyTorch (issue 23)") are what each case prints:
 
     PYTHONPATH=build/python python -m pytest -q -s python/tests/test_hf_models.py -k trains_as_in_torch
@@ -103,7 +104,7 @@ def hf_loss(run, model, position, batch):
     return output.loss
 
 
-def hf_workload(name, checkpointing="", twin=True):
+def hf_workload(name, checkpointing=""):
     """`name`'s model, data and loss for differential.run_case; `checkpointing`: "" (none), "default" (HF's
     gradient_checkpointing_enable() as it is: non-reentrant in transformers 5) or "reentrant". Returns the
     workload, and a list that gets a True for each recomputation of a model's first checkpointable layer (a
@@ -123,7 +124,7 @@ def hf_workload(name, checkpointing="", twin=True):
         layers = [m for m in model.modules() if isinstance(m, transformers.modeling_layers.GradientCheckpointingLayer)]
         layers[0].register_forward_pre_hook(count)
         return model.train()
-    workload = Workload(build=build, batches=hf_batches(name), loss=hf_loss, twin=twin)
+    workload = Workload(build=build, batches=hf_batches(name), loss=hf_loss)
     return workload, recomputed
 
 
@@ -144,13 +145,12 @@ def train_both_ways(name, precision, checkpointing):
     run_case's stats."""
     device_fraction = DEVICE_FRACTION.get(name, CASE.device_fraction)
     case = dataclasses.replace(CASE, precision=precision, device_fraction=device_fraction)
-    twin = precision == "fp32"  # bf16 parameters are compared at 2e-2 (see differential.TOLERANCE)
-    workload, recomputed = hf_workload(name, checkpointing, twin)
+    workload, recomputed = hf_workload(name, checkpointing)
     stats = run_case(case, at_the_least=False, workload=workload)
     held = {tier for tiers in stats["chunk_tiers"].values() for tier, size in tiers.items() if size > 0}
     assert held == {"device", "host", "nvme"}, stats["chunk_tiers"]
     assert stats["parity"]["loss"] <= TOLERANCE[precision], stats["parity"]
-    trainings = 3 if twin else 2  # strata's, torch's (and torch's fused kernel's)
+    trainings = 3  # strata's, torch's and torch's fused kernel's (differential.unsettled)
     assert len(recomputed) == (trainings * case.steps if checkpointing else 0)
     print(f"\n{name} {precision} checkpointing={checkpointing or 'none'}: parity {stats['parity']}, "
           f"peaks { {tier: usage['peak_bytes'] for tier, usage in stats['tiers'].items()} }")
