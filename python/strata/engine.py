@@ -248,7 +248,11 @@ class TrainingEngine:
         moved = self._moved_bytes()
         try:
             if forwards is not None:
-                losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
+                try:
+                    losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
+                except TimeoutError as error:
+                    self._progress.broken = f"a layered forward was given up on ({error})"
+                    raise
                 try:
                     self._backward(scaled)
                 except torch.utils.checkpoint.CheckpointError as error:
@@ -294,7 +298,8 @@ class TrainingEngine:
         if self._layered is None:
             name, blocks = find_blocks(self.module, self.config.accumulation_blocks)
             self._layered = LayeredForwards(self._hooks, blocks, self.config.accumulation_checkpoint,
-                                            self.config.accumulation_offload, self.device)
+                                            self.config.accumulation_offload, self.device,
+                                            self.config.wait_timeout_seconds())
             self.accumulation_blocks = name
         return self._layered
 

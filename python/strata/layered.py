@@ -50,7 +50,12 @@ _CALLER = -1      # whose turn it is when every forward has finished
 
 
 class _Stopped(Exception):
-    """Raised in a parked forward to unwind it: another micro-batch's forward failed."""
+    """Raised in a parked forward to unwind it: another micro-batch's forward failed, or the step gave up on one
+    that held its turn too long."""
+
+
+class _Stuck(Exception):
+    """A turn held longer than the wait timeout, seen by a waiter."""
 
 
 def find_blocks(model, name=None):
@@ -112,9 +117,10 @@ def _thread_settings():
 class LayeredForwards:
     """The forwards of one step's micro-batches, run block by block; the hooks that make them meet."""
 
-    def __init__(self, hooks, blocks, checkpoint, offload_bytes, device):
+    def __init__(self, hooks, blocks, checkpoint, offload_bytes, device, timeout_s):
         self._hooks = hooks          # strata.hooks.Hooks: each forward's own state is swapped in with its turn
         self._blocks = blocks
+        self._timeout_s = timeout_s  # the longest one forward may hold its turn (the engine's wait timeout)
         self._checkpoint = checkpoint
         self._offload_bytes = offload_bytes  # host memory the blocks' held inputs may take (0: held where they are)
         self._device = device        # where the model computes
@@ -122,6 +128,8 @@ class LayeredForwards:
         self._local = threading.local()  # .index: the micro-batch a forward thread runs
         self._turns = threading.Condition()
         self._turn = _CALLER
+        self._passes = 0             # turns passed on so far: what a waiter sees as progress
+        self._abandoned = False      # a forward held its turn too long: the others unwind at once, not in turn
         self._at = []                # micro-batch -> the block its forward waits at (-1: not begun, _DONE)
         self._last = []              # micro-batch -> the last block its forward entered
         self._states = []            # micro-batch -> its forward's state in the hooks
@@ -146,6 +154,7 @@ class LayeredForwards:
         self._numbers = [0] * count
         self._round = (None, 0)
         self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
+        self._abandoned = False
         self.held.clear()
         self.held.fetched_ahead = 0
         losses, scaled, errors = [None] * count, [None] * count, [None] * count
@@ -164,8 +173,10 @@ class LayeredForwards:
             for thread in threads:
                 thread.start()
                 started += 1
-            with self._turns:
-                self._turns.wait_for(lambda: self._turn == _CALLER)
+            self._wait_turn(_CALLER)
+        except _Stuck as stuck:
+            self._abandon()
+            raise TimeoutError(self._stuck_message(stuck, threads)) from None
         except BaseException:
             # Interrupted (or a thread that did not start): the forwards unwind, one at a time, before the caller
             # goes on; none may run beside what it does next.
@@ -175,11 +186,14 @@ class LayeredForwards:
                     self._at[m] = _DONE
                 if self._turn >= started:
                     self._pass_on()
-                self._turns.wait_for(lambda: self._turn == _CALLER)
+            try:
+                self._wait_turn(_CALLER)
+            except _Stuck:
+                self._abandon()
             raise
         finally:
             for thread in threads[:started]:
-                thread.join()
+                thread.join(timeout=self._timeout_s if self._abandoned else None)
             self._hooks.layered = False
             self._hooks.set_forward_state(caller_state)
             for block, original in originals:
@@ -201,8 +215,8 @@ class LayeredForwards:
     def _forward(self, m, model, micro_batch, loss_fn, settings, scale, out):
         losses, scaled, errors = out
         self._local.index = m
-        self._wait_turn(m)
         try:
+            self._wait_turn(m)
             if not self._stop:
                 with contextlib.ExitStack() as stack:
                     settings(stack)
@@ -255,11 +269,39 @@ class LayeredForwards:
         with self._turns:
             waiting = [(at, m) for m, at in enumerate(self._at) if at != _DONE]
             self._turn = min(waiting)[1] if waiting else _CALLER
+            self._passes += 1
             self._turns.notify_all()
 
     def _wait_turn(self, m):
+        """Waits for `m`'s turn (a micro-batch, or _CALLER). Raises _Stuck in the caller when one forward holds its
+        turn longer than the wait timeout, and _Stopped in a forward when the step gave up on it."""
         with self._turns:
-            self._turns.wait_for(lambda: self._turn == m)
+            while self._turn != m:
+                passes = self._passes
+                progressed = self._turns.wait_for(
+                    lambda: self._turn == m or self._passes != passes or self._abandoned, self._timeout_s)
+                if self._abandoned and m != _CALLER:
+                    raise _Stopped()
+                if not progressed and m == _CALLER:  # the caller alone gives up: it knows the step's threads
+                    raise _Stuck(self._turn)
+
+    def _abandon(self):
+        """The step gives up on a forward that holds its turn: the others unwind at once (each raises _Stopped
+        where it waits), all but that one, which is left to end when it may (its thread is a daemon)."""
+        with self._turns:
+            self._stop = self._abandoned = True
+            self._turns.notify_all()
+
+    def _stuck_message(self, stuck, threads):
+        m = stuck.args[0]
+        block = self._last[m]
+        where = f"in block {block} of the model's blocks" if block >= 0 else "before the first block"
+        state = "its thread is still running" if threads[m].is_alive() else "its thread ended without passing on"
+        return (f"layered accumulation: micro-batch {m}'s forward has held its turn {where} for more than "
+                f"{self._timeout_s:g} s with nothing passed on ({state}): a deadlock in the model or its loss_fn, or "
+                "a block slower than the engine's wait timeout (the larger of device.copy_timeout_ms and "
+                "nvme.io_timeout_ms; raise it for such a block). The step's other forwards were stopped; the engine "
+                "cannot train on")
 
     # --- checkpointing ------------------------------------------------------------------------------------
 

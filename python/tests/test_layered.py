@@ -367,3 +367,34 @@ def test_a_forward_thread_that_cannot_start_stops_the_others_first(tmp_path, mon
     assert torch.equal(torch.stack(losses), reference[0])
     for name, value in engine.state_dict().items():
         assert torch.equal(value, reference[1][name]), name
+
+
+def test_a_forward_that_holds_its_turn_past_the_wait_timeout_fails_the_step_naming_it(tmp_path):
+    """A forward that deadlocks inside a block (here: micro-batch 1 waits in block 1 for an event never set) is
+    given up on after the engine's wait timeout, with an error naming the micro-batch and the block; the other
+    forwards unwind, and the engine refuses to train on."""
+    import threading
+    import time
+    model = untied()
+    release = threading.Event()
+
+    def deadlock(module, args):
+        if threading.current_thread().name == "strata-layered-1":
+            release.wait(60)
+    model.blocks[1].register_forward_pre_hook(deadlock)
+    engine = strata.initialize(model, tiers(tmp_path, "t", device={"copy_timeout_ms": 300},
+                                            nvme={"io_timeout_ms": 300}))
+    begun = time.monotonic()
+    try:
+        with pytest.raises(TimeoutError, match=r"micro-batch 1's forward has held its turn in block 1 .* 0\.3 s"):
+            engine.train_step(batches(4, batch=2), gpt_loss, accumulation="layered")
+        assert time.monotonic() - begun < 10
+        running = [t.name for t in threading.enumerate() if t.name.startswith("strata-layered-")]
+        assert running == ["strata-layered-1"], running  # the others unwound
+        with pytest.raises(RuntimeError, match="training cannot go on: a layered forward was given up on"):
+            engine.train_step(batches(4, batch=2), gpt_loss, accumulation="layered")
+    finally:
+        release.set()
+    for thread in threading.enumerate():
+        if thread.name.startswith("strata-layered-"):
+            thread.join(10)
