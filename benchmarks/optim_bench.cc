@@ -34,11 +34,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Bytes Adam moves per parameter: fp32 reads param, grad, exp_avg and
-// exp_avg_sq and writes three of them back (7 x 4); bf16-mixed reads a bf16
-// grad and fp32 master, exp_avg, exp_avg_sq, writes the three back and the
-// bf16 param (2 + 12 + 12 + 2). Both 28.
-constexpr double kBytesPerParam = 28.0;
+// Bytes the bound moves per parameter: it reads an fp32 param, grad, m and v
+// and writes param, m and v back (7 x 4).
+constexpr double kBoundBytesPerParam = 28.0;
 // The same blocks as the optimizer's parallel step, and the same software
 // prefetch distance (optim/cpu_kernels_impl.h), so both run alike.
 constexpr size_t kBlockElems = size_t{1} << 16;
@@ -128,6 +126,16 @@ double TimeSeconds(Fn&& fn) {
   Clock::time_point start = Clock::now();
   fn();
   return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Bytes the update moves per parameter of `t`, from the arrays it is given:
+// the gradient read, the fp32 master and each state read and written back,
+// the compute copy written when there is one. Adam: fp32 4 + 8 + 16, bf16
+// 2 + 8 + 16 + 2; both 28.
+double BytesPerParam(const optim::ChunkTensors& t, int num_states) {
+  double bytes = static_cast<double>(DTypeSizeBytes(t.grad_dtype)) + 2.0 * sizeof(float) * (1 + num_states);
+  if (t.param != nullptr) bytes += static_cast<double>(DTypeSizeBytes(t.param_dtype));
+  return bytes;
 }
 
 // The dtype of --dtype: fp32 or bf16.
@@ -278,8 +286,9 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   report.bound_seconds = Median(timings.bound);
   report.grad_norm_seconds = Median(timings.norm);
   report.gparams_per_s = static_cast<double>(n) / report.step_seconds / 1e9;
-  report.gbps = kBytesPerParam * static_cast<double>(n) / report.step_seconds / 1e9;
-  report.bound_gbps = kBytesPerParam * static_cast<double>(n) / report.bound_seconds / 1e9;
+  report.bytes_per_param = BytesPerParam(arrays.chunk, optimizer->num_states());
+  report.gbps = report.bytes_per_param * static_cast<double>(n) / report.step_seconds / 1e9;
+  report.bound_gbps = kBoundBytesPerParam * static_cast<double>(n) / report.bound_seconds / 1e9;
   return report;
 }
 
@@ -301,6 +310,7 @@ std::string OptimBenchJson(const OptimBenchReport& r) {
                  {"repetitions", r.config.repetitions},
                  {"isa", r.isa}};
   j["gparams_per_s"] = r.gparams_per_s;
+  j["bytes_per_param"] = r.bytes_per_param;
   j["gbps"] = r.gbps;
   j["bound_gbps"] = r.bound_gbps;
   j["ratio_to_bound"] = r.ratio();

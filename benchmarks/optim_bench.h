@@ -27,8 +27,9 @@ struct OptimBenchReport {
   double bound_seconds = 0;  // median
   double grad_norm_seconds = 0;  // median
   double gparams_per_s = 0;
-  double gbps = 0;        // 28 bytes per parameter / step time
-  double bound_gbps = 0;  // 28 bytes per parameter / bound time
+  double bytes_per_param = 0;  // the update's reads and writes, from the arrays it is given
+  double gbps = 0;             // bytes_per_param / step time
+  double bound_gbps = 0;       // the bound's 28 bytes per parameter / bound time
   double ratio() const { return bound_gbps > 0 ? gbps / bound_gbps : 0; }
 };
 
