@@ -1,11 +1,28 @@
 #include "benchmarks/io_bench.h"
 
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <sstream>
+
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
 
 namespace strata::bench {
 namespace {
+
+// Whether `program` is an executable in a directory of $PATH.
+bool OnPath(const std::string& program) {
+  const char* path = std::getenv("PATH");
+  std::stringstream dirs(path != nullptr ? path : "");
+  for (std::string dir; std::getline(dirs, dir, ':');) {
+    const std::string file = (std::filesystem::path(dir.empty() ? "." : dir) / program).string();
+    if (::access(file.c_str(), X_OK) == 0) return true;
+  }
+  return false;
+}
 
 TEST(IoBenchTest, MedianOfOddAndEvenLists) {
   EXPECT_DOUBLE_EQ(Median({3, 1, 2}), 2);
@@ -59,6 +76,30 @@ TEST(IoBenchTest, SweepMeasuresEveryRowAndWritesTheJsonKeys) {
   EXPECT_GT(json["write_gbps"].get<double>(), 0);
   EXPECT_EQ(json["config"]["queue_depths"].size(), 2u);
   EXPECT_NE(FormatIoBench(report).find("striped/1-dir"), std::string::npos);
+}
+
+// The headline: strata's engine reads and writes at least at fio's order of
+// magnitude, on the same file, block size and queue depth, alternating. Each
+// run's ratio compares passes made back to back, and the median of three is
+// kept: a tenth leaves room for a noisy disk, not for an engine that lost
+// its queue depth or its direct I/O path (about 3 x fio at this size, where
+// fio's start weighs on its figure).
+TEST(IoBenchTest, StrataMovesTheBytesAtFiosOrderOfMagnitude) {
+  if (!OnPath("fio")) GTEST_SKIP() << "fio is not installed (scripts/install_deps.sh installs it): no reference to compare with";
+  testing::ScratchDir dir("bench-vs-fio");
+  IoBenchConfig config;
+  config.dirs = {dir.path()};
+  config.file_size_bytes = 16 << 20;
+  config.block_sizes_bytes = {1 << 20};
+  config.queue_depths = {8};
+  config.runs = 3;
+  config.compare_fio = true;
+  ASSERT_OK_AND_ASSIGN(IoBenchReport report, RunIoBench(config));
+  ASSERT_EQ(report.rows.size(), 2u);  // write, read
+  for (const IoBenchRow& row : report.rows) {
+    ASSERT_EQ(row.fio_gbps.size(), 3u);
+    EXPECT_GE(row.ratio_median, 0.1) << FormatIoBench(report);
+  }
 }
 
 TEST(IoBenchTest, DeviceDestinationGoesThroughBounceBuffersToTheDevice) {
