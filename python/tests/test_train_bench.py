@@ -26,6 +26,10 @@ def test_the_training_benchmark_reports_every_run(tmp_path):
         assert results[name]["beside_groups"] == 0, results[name]
     for name in ("streamed+overlap", "nvme+overlap"):
         assert results[name]["beside_groups"] > 0, results[name]
+    # What each run is named for: everything on the device moves nothing a step; a device below the parameters
+    # streams them; states on NVMe are read from there.
+    assert not any(results["fits"]["bytes_per_step"].values()), results["fits"]
+    assert results["streamed"]["bytes_per_step"]["host->device"] > 0, results["streamed"]
     assert results["nvme"]["bytes_per_step"]["nvme->host"] > 0, results["nvme"]
     assert results["fits"]["budgets"]["device"] > results["streamed"]["budgets"]["device"]
     assert "x plain" in run.stdout and "nvme" in run.stdout
