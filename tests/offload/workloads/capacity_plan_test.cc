@@ -103,6 +103,12 @@ TEST(CapacityPlanTest, ATightGpuStreamsChunksAndPredictsTheirStall) {
   EXPECT_EQ(roomy.prediction.bytes_moved(), 0u);
   EXPECT_GT(tight.prediction.bytes_moved(), 0u);
   EXPECT_GE(tight.step_seconds, roomy.step_seconds);
+  // The stall: the step takes at least its bytes to the GPU at 1 GB/s, far beyond the compute, and is mostly
+  // waiting for them.
+  const double to_gpu_seconds = static_cast<double>(tight.prediction.bytes[static_cast<int>(Link::kHostToDevice)]) / 1e9;
+  EXPECT_GE(tight.step_seconds, to_gpu_seconds);
+  EXPECT_GT(to_gpu_seconds, 100 * tight.compute_seconds);
+  EXPECT_GT(tight.prediction.stall_seconds, 0.5 * tight.step_seconds);
 }
 
 TEST(CapacityPlanTest, BadInputsAreInvalidArgument) {
