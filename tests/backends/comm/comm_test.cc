@@ -131,7 +131,7 @@ TEST_P(LoopbackTest, StatsCountCallsAndTheBytesEachRankSends) {
     EXPECT_EQ(s.all_reduce.bytes, 2 * others * 6 * sizeof(double));
     EXPECT_EQ(s.broadcast.bytes, world > 1 ? 100u : 0u);
     EXPECT_EQ(s.total_bytes(), s.all_gather.bytes + s.reduce_scatter.bytes + s.all_reduce.bytes + s.broadcast.bytes);
-    EXPECT_GE(s.all_gather.seconds, 0.0);
+    EXPECT_GT(s.all_gather.seconds, 0.0);  // three calls were timed
   }
 }
 
