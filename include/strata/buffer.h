@@ -57,6 +57,13 @@ class Buffer {
 // Returns an empty Buffer when the allocation fails.
 Buffer AllocateAlignedHost(size_t size_bytes, size_t alignment_bytes, int numa_node = -1);
 
+// Host memory for a long-lived region (a tier's arena): page-aligned (2 MiB
+// and advised huge pages as above from 2 MiB on), bound to `numa_node` as
+// above. Its pages are committed as they are first written and all given
+// back to the kernel when the Buffer dies (Note [Reserved regions] in
+// src/base/buffer.cc). Returns an empty Buffer when the mapping fails.
+Buffer ReserveHostRegion(size_t size_bytes, int numa_node = -1);
+
 // Process-wide switch for the huge-page backing above (option
 // host.huge_pages, default on). Thread-safe.
 void SetHugePagesEnabled(bool enabled);

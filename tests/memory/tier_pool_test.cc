@@ -2,6 +2,8 @@
 
 #include <cerrno>
 #include <cstring>
+#include <fstream>
+#include <string>
 
 #include "test_util.h"
 
@@ -14,6 +16,16 @@ std::unique_ptr<Device> Emulated(size_t capacity) {
   Result<std::unique_ptr<Device>> device = CreateEmulatedDevice(options);
   STRATA_CHECK(device.ok(), "{}", device.status().ToString());
   return std::move(device).value();
+}
+
+// The process's resident memory (VmRSS of /proc/self/status), in bytes.
+uint64_t ResidentBytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;  // in kB
+  }
+  return 0;
 }
 
 struct NvmeFixture {
@@ -43,6 +55,24 @@ TEST(MemoryTierPoolTest, SlotsAreDisjointAddressesInTheArena) {
   pool->Free(*a);
   EXPECT_EQ(pool->usage().used_bytes, 12288u);
   EXPECT_EQ(pool->usage().peak_bytes, 2u * 12288);
+}
+
+// Note [Reserved regions]: slots cost memory once written, and the arena's
+// pages all go back when the pool dies.
+TEST(MemoryTierPoolTest, TheHostArenaCostsWhatItsSlotsHoldAndGivesItAllBack) {
+  auto device = Emulated(1 << 20);
+  constexpr uint64_t kMiB = 1 << 20;
+  const uint64_t before = ResidentBytes();
+  {
+    ASSERT_OK_AND_ASSIGN(auto pool, MemoryTierPool::CreateHost(*device, 512 * kMiB, -1));
+    EXPECT_LT(ResidentBytes(), before + 8 * kMiB);
+    std::optional<Extent> slot = pool->Allocate(64 * kMiB);
+    ASSERT_TRUE(slot);
+    std::memset(pool->Address(*slot), 0x5a, 64 * kMiB);
+    EXPECT_GE(ResidentBytes(), before + 60 * kMiB);
+    EXPECT_LT(ResidentBytes(), before + 72 * kMiB);
+  }
+  EXPECT_LT(ResidentBytes(), before + 4 * kMiB);
 }
 
 TEST(MemoryTierPoolTest, DeviceAllocationFailureIsReportedWithTheOption) {

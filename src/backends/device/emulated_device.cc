@@ -29,7 +29,6 @@
 #include <utility>
 
 #include "src/backends/device/capacity_ledger.h"
-#include "src/base/alignment.h"
 #include "src/base/logging.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
@@ -39,9 +38,8 @@
 namespace strata {
 namespace {
 
-// Device and pinned buffers are page-aligned, like cudaMalloc's (256 B at
-// least, in practice 2 MiB) and like O_DIRECT needs.
-constexpr size_t kAlignmentBytes = kIoAlignmentBytes;
+// Device and pinned buffers are whole pages (ReserveHostRegion), aligned
+// like cudaMalloc's (256 B at least, in practice 2 MiB) and as O_DIRECT needs.
 // A throttled copy moves this much, then sleeps until the bandwidth allows the
 // next piece: 1 MiB is 0.1 ms at 10 GB/s, fine enough that a large copy is
 // paced evenly, coarse enough that the sleeps cost nothing measurable.
@@ -207,7 +205,9 @@ class EmulatedDevice final : public Device {
       return OutOfMemory("device (emulated): cannot allocate {}: {} allocated of {} capacity", FormatSize(size_bytes),
                          FormatSize(allocated_before_bytes), FormatSize(ledger_->capacity_bytes()));
     }
-    Buffer host = AllocateAlignedHost(size_bytes, kAlignmentBytes);
+    // Reserved, not committed: the device tier's arena costs the host what
+    // its slots have held (Note [Reserved regions] in src/base/buffer.cc).
+    Buffer host = ReserveHostRegion(size_bytes);
     if (!host) {
       ledger_->Release(size_bytes);
       return OutOfMemory("device (emulated): host memory exhausted allocating {} ({} allocated of {} capacity)",
@@ -228,9 +228,9 @@ class EmulatedDevice final : public Device {
 
   Result<Buffer> AllocatePinnedHost(size_t size_bytes, int numa_node) override {
     if (size_bytes == 0) return InvalidArgument("pinned host (emulated): cannot allocate 0 bytes");
-    // No page-locking: nothing here does DMA, so plain aligned memory behaves
-    // the same.
-    Buffer buffer = AllocateAlignedHost(size_bytes, kAlignmentBytes, numa_node);
+    // No page-locking: nothing here does DMA, so plain pages behave the same,
+    // committed as they are first written.
+    Buffer buffer = ReserveHostRegion(size_bytes, numa_node);
     if (!buffer) return OutOfMemory("pinned host (emulated): cannot allocate {}", FormatSize(size_bytes));
     return buffer;
   }
