@@ -1,10 +1,12 @@
 #include "strata/engine.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <limits>
 #include <optional>
 #include <string>
 #include <unordered_set>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -13,15 +15,46 @@
 #include "memory/placement.h"
 #include "memory/residency.h"
 #include "memory/tier_pool.h"
+#include "src/base/buffer.h"
 #include "src/base/logging.h"
 
 // Note [Engine teardown]
 // The engine's parts depend on each other downwards: the residency manager's
 // handles and moves use the tier pools, the pools hold memory the device (and
-// the storage, for NVMe slots) gave them. So ~Engine destroys them top down,
+// the storage, for NVMe slots) gave them. So they are destroyed top down,
 // explicitly rather than by member order: the residency manager, the NVMe,
-// host and device pools, then the storage, then the device. The communicator
-// is the caller's and outlives the engine.
+// host and device pools, then the storage and its backing files (where the
+// engine opened it from nvme.dirs: they hold nothing past the engine, and
+// are preallocated to the tier's size), then the device. Close() does all of
+// that but the device, whose streams the framework's fences and whoever
+// still holds the engine may use (Engine::device() stays valid); ~Engine
+// finishes with it. The communicator is the caller's and outlives the
+// engine.
+
+// Note [Host budget auto]
+// With host.budget auto (0) the host tier is sized at Finalize, once the
+// model is known: what its chunks need there (memory::HostBytesNeeded: the
+// chunks homed on the host, an eighth more for pieces too small to use
+// while pins block compaction, and two of the largest chunks, as the host
+// reserve keeps), and at most half the memory available then
+// (AvailableHostMemoryBytes: MemAvailable, less under a cgroup limit). The
+// other half is the rest of the process's: activations, the data loader,
+// the optimizer's stream ring, the emulated device's arena. Chunks are homed
+// with that half as the host's capacity, so a model whose states exceed it
+// homes the rest on NVMe (and the host tier is then the whole half, which
+// its staging and slack need) or, without nvme.dirs, is refused naming both
+// figures. Ranks sharing a machine each see the same available memory: where
+// their states together exceed half of it, give host.budget a size. A size
+// given is the tier's capacity, allocated at Create.
+//
+// The arena is reserved, not committed, where nothing page-locks it (Note
+// [Reserved regions] in src/base/buffer.cc): a slot costs memory once
+// written. The CUDA backend page-locks the whole arena at once: DMA needs
+// every page resident and registered, and registering slots as they are
+// first used would put a cudaHostRegister (milliseconds) in front of the
+// first move of each and split the arena's one registration into many. So
+// there the arena's size is what keeps the cost down, and auto makes it
+// what the model needs.
 
 // Note [Ranks]
 // With a communicator of more than one rank, Create checks that every rank
@@ -51,9 +84,12 @@ struct Engine::Impl {
   Communicator* comm = nullptr;                         // the data-parallel group, or null
   std::vector<std::string> nvme_dirs;                   // this rank's nvme.dirs
   FileSystem* files = nullptr;                          // where their free space is read
+  std::vector<std::string> nvme_files;                  // the backing files of the storage it opened
+  std::optional<uint64_t> available_host_bytes;         // EngineSeams::available_host_bytes
+  bool closed = false;                                  // Close() has released the tiers
 
-  // io_uring storage over nvme_dirs, `capacity_bytes` in all.
-  Result<std::unique_ptr<Storage>> OpenNvme(uint64_t capacity_bytes) const {
+  // io_uring storage over nvme_dirs, `capacity_bytes` in all, as `storage`.
+  Status OpenNvme(uint64_t capacity_bytes) {
     UringStorageOptions storage_options;
     storage_options.dirs = nvme_dirs;
     storage_options.capacity_bytes = capacity_bytes;
@@ -62,32 +98,93 @@ struct Engine::Impl {
     storage_options.allow_buffered_io = options.nvme.allow_buffered_io;
     storage_options.io_timeout_ms = options.nvme.io_timeout_ms;
     storage_options.sqpoll = options.nvme.sqpoll;
-    return CreateUringStorage(storage_options, *files);
+    STRATA_ASSIGN_OR_RETURN(storage, CreateUringStorage(storage_options, *files));
+    for (const std::string& dir : nvme_dirs) {
+      nvme_files.push_back((std::filesystem::path(dir) / storage_options.file_name).string());
+    }
+    return Status::Ok();
   }
-  // The NVMe tier over `storage`; host <-> NVMe moves read and write the
-  // host arena: let the kernel keep it mapped.
+  // The host tier, `capacity_bytes`, on the NUMA node nearest the device
+  // when asked (hwloc finds the GPU's node; a one-node machine has nothing
+  // to choose).
+  Status OpenHost(uint64_t capacity_bytes) {
+    const int numa_node = options.host.numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
+    STRATA_ASSIGN_OR_RETURN(host_pool, memory::MemoryTierPool::CreateHost(*device, capacity_bytes, numa_node));
+    return RegisterHostArena();
+  }
+  // The NVMe tier over `storage`.
   Status AttachNvme() {
     nvme_pool = std::make_unique<memory::NvmeTierPool>(*storage);
+    return RegisterHostArena();
+  }
+  // Host <-> NVMe moves read and write the host arena: let the kernel keep
+  // it mapped, once both tiers exist (whichever comes second registers it).
+  Status RegisterHostArena() {
+    if (host_pool == nullptr || nvme_pool == nullptr) return Status::Ok();
     const Buffer& arena = host_pool->arena();
     return storage->RegisterBuffer(arena.data(), arena.size_bytes());
+  }
+  // host.budget auto: the most the host tier may take, half the memory
+  // available now; the most there is where that cannot be read. See Note
+  // [Host budget auto].
+  uint64_t AutoHostCapBytes() const {
+    const std::optional<uint64_t> available = available_host_bytes ? available_host_bytes : AvailableHostMemoryBytes();
+    if (!available) {
+      STRATA_LOG_WARNING("host.budget auto: the memory available cannot be read (/proc/meminfo): the host tier takes "
+                         "what the model's chunks need, however much that is");
+      return std::numeric_limits<uint64_t>::max();
+    }
+    return *available / 2 / memory::kSlotAlignmentBytes * memory::kSlotAlignmentBytes;
+  }
+  // host.budget auto, once the chunks are homed under `cap_bytes`: the host
+  // tier they need, at most the cap; the whole cap where some are homed on
+  // NVMe (the placement kept staging room in it). The engine's options say
+  // what it took.
+  Status SizeHost(const std::vector<memory::ChunkDesc>& chunks, const std::vector<Tier>& homes, uint64_t cap_bytes) {
+    const uint64_t needed = RoundUp(memory::HostBytesNeeded(chunks, homes), memory::kSlotAlignmentBytes);
+    const bool spilled = std::find(homes.begin(), homes.end(), Tier::kNvme) != homes.end();
+    STRATA_RETURN_IF_ERROR(OpenHost(spilled ? cap_bytes : std::min(needed, cap_bytes)));
+    options.host.budget_bytes = host_pool->usage().capacity_bytes;
+    STRATA_LOG_DEBUG("host.budget auto: {} (the model's chunks need {}; at most {})",
+                     FormatSize(options.host.budget_bytes), FormatSize(needed), FormatSize(cap_bytes));
+    return Status::Ok();
+  }
+  // See Note [Engine teardown].
+  void ReleaseTiers() {
+    residency.reset();
+    nvme_pool.reset();
+    host_pool.reset();
+    device_pool.reset();
+    storage.reset();
+    for (const std::string& path : std::exchange(nvme_files, {})) {
+      Status removed = files->RemoveAll(path);
+      if (!removed.ok()) STRATA_LOG_WARNING("the NVMe tier's file stays: {}", removed.ToString());
+    }
   }
   // nvme.capacity unset: the NVMe tier, sized to what the chunks homed as
   // `homes` need there (Note [NVMe capacity by default] in memory/placement.cc).
   Status SizeNvme(const std::vector<memory::ChunkDesc>& chunks, const std::vector<Tier>& homes) {
     const uint64_t capacity = memory::NvmeBytesNeeded(chunks, homes);
-    Result<std::unique_ptr<Storage>> opened = OpenNvme(capacity);
+    Status opened = OpenNvme(capacity);
     if (!opened.ok()) {
-      return opened.status().WithContext(fmt::format(
+      return opened.WithContext(fmt::format(
           "nvme.capacity is not set, so the NVMe tier is sized to what the model states need there, {} (the chunks "
           "homed on NVMe and room to move the largest ones); free space there, add nvme.dirs on other drives, "
           "raise host.budget or set nvme.capacity",
           FormatSize(capacity)));
     }
-    storage = std::move(opened).value();
     return AttachNvme();
   }
 
+  Status CheckOpen(std::string_view what) const {
+    if (closed) {
+      return InvalidArgument("{}: the engine is closed: Close() gave its memory and files back; create a new engine",
+                             what);
+    }
+    return Status::Ok();
+  }
   Status CheckFinalized(std::string_view what) const {
+    STRATA_RETURN_IF_ERROR(CheckOpen(what));
     if (!residency) return InvalidArgument("{}: the engine is not finalized: call Finalize() after registering tensors", what);
     return Status::Ok();
   }
@@ -100,10 +197,11 @@ struct Engine::Impl {
     }
     return CheckSameOnAllRanks(*comm, "registered tensors", model);
   }
+  // The tiers' capacities; the host's is AutoHostCapBytes() until host.budget auto has sized it.
   memory::TierCapacities Capacities() const {
     memory::TierCapacities capacities;
     capacities.device_bytes = device_pool->usage().capacity_bytes;
-    capacities.host_bytes = host_pool->usage().capacity_bytes;
+    capacities.host_bytes = host_pool ? host_pool->usage().capacity_bytes : AutoHostCapBytes();
     capacities.nvme_bytes = nvme_pool ? nvme_pool->usage().capacity_bytes : 0;
     capacities.has_nvme = nvme_pool != nullptr;
     return capacities;
@@ -135,13 +233,31 @@ Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 Engine::~Engine() {
   if (impl_ == nullptr) return;
   // See Note [Engine teardown].
-  impl_->residency.reset();
-  impl_->nvme_pool.reset();
-  impl_->host_pool.reset();
-  impl_->device_pool.reset();
-  impl_->storage.reset();
+  impl_->ReleaseTiers();
   impl_->device.reset();
 }
+
+Status Engine::Close() {
+  if (impl_->closed) return Status::Ok();
+  if (impl_->residency) {
+    std::vector<uint32_t> pinned;
+    for (uint32_t i = 0; i < impl_->residency->num_chunks(); ++i) {
+      if (impl_->residency->state(ChunkId(i)) == memory::ChunkState::kCompute) pinned.push_back(i);
+    }
+    if (!pinned.empty()) {
+      return InvalidArgument("Close(): {} chunks are still pinned (chunk {}{}): release every ChunkAccess and "
+                             "TensorAccess first",
+                             pinned.size(), fmt::join(pinned.begin(), pinned.begin() + std::min<size_t>(8, pinned.size()), ", "),
+                             pinned.size() > 8 ? ", ..." : "");
+    }
+  }
+  impl_->ReleaseTiers();  // see Note [Engine teardown]
+  impl_->closed = true;
+  ReturnFreeHeapPages();
+  return Status::Ok();
+}
+
+bool Engine::closed() const { return impl_->closed; }
 
 namespace {
 
@@ -168,6 +284,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   std::vector<std::string>& nvme_dirs = impl->nvme_dirs;
   nvme_dirs = options.nvme.dirs;
   impl->files = seams.files != nullptr ? seams.files : &PosixFileSystem();
+  impl->available_host_bytes = seams.available_host_bytes;
   const bool ranks = seams.comm != nullptr && seams.comm->world_size() > 1;
   if (ranks) STRATA_RETURN_IF_ERROR(CheckSameOnAllRanks(*seams.comm, "options", RankIndependentOptions(options)));
   for (std::string& dir : nvme_dirs) {
@@ -192,7 +309,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   if (seams.storage) {
     impl->storage = std::move(seams.storage);
   } else if (!nvme_dirs.empty() && options.nvme.capacity_bytes > 0) {
-    STRATA_ASSIGN_OR_RETURN(impl->storage, impl->OpenNvme(options.nvme.capacity_bytes));
+    STRATA_RETURN_IF_ERROR(impl->OpenNvme(options.nvme.capacity_bytes));
   }  // else with nvme.dirs: Finalize sizes the tier
 
   // device.budget auto on a GPU: what the device took (its capacity); the
@@ -203,11 +320,8 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   impl->options.device.budget_auto = false;
   STRATA_ASSIGN_OR_RETURN(impl->device_pool,
                           memory::MemoryTierPool::CreateDevice(*impl->device, impl->options.device.budget_bytes));
-  // Host chunks go on the NUMA node nearest the device when asked (hwloc
-  // finds the GPU's node; a one-node machine has nothing to choose).
-  int numa_node = options.host.numa_local ? kNumaNodeNearDevice : kNumaNodeUnbound;
-  STRATA_ASSIGN_OR_RETURN(impl->host_pool,
-                          memory::MemoryTierPool::CreateHost(*impl->device, options.host.budget_bytes, numa_node));
+  // host.budget auto: Finalize sizes the tier (Note [Host budget auto]).
+  if (options.host.budget_bytes > 0) STRATA_RETURN_IF_ERROR(impl->OpenHost(options.host.budget_bytes));
   if (impl->storage) STRATA_RETURN_IF_ERROR(impl->AttachNvme());
 
   auto engine = std::unique_ptr<Engine>(new Engine(std::move(impl)));
@@ -216,6 +330,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
 }
 
 Result<TensorId> Engine::RegisterTensor(const TensorSpec& spec) {
+  STRATA_RETURN_IF_ERROR(impl_->CheckOpen("RegisterTensor"));
   if (impl_->residency) {
     return InvalidArgument("tensor '{}': cannot register after Finalize(): register every tensor first", spec.name);
   }
@@ -237,13 +352,18 @@ bool Engine::finalized() const { return impl_->residency != nullptr; }
 
 uint64_t Engine::host_staging_bytes() const { return impl_->host_staging_bytes; }
 
-const Buffer& Engine::device_arena() const { return impl_->device_pool->arena(); }
+const Buffer& Engine::device_arena() const {
+  static const Buffer kReleased;
+  return impl_->device_pool ? impl_->device_pool->arena() : kReleased;
+}
 
 Status Engine::Finalize() {
+  STRATA_RETURN_IF_ERROR(impl_->CheckOpen("Finalize()"));
   if (impl_->residency) return InvalidArgument("Finalize(): already finalized");
   const Options& o = impl_->options;
   STRATA_RETURN_IF_ERROR(impl_->CheckSameModelOnAllRanks());
   memory::TierCapacities capacities = impl_->Capacities();
+  const bool size_host = impl_->host_pool == nullptr;  // host.budget auto
   const bool size_nvme = impl_->nvme_pool == nullptr && !impl_->nvme_dirs.empty();
   if (size_nvme) {  // homes first, with NVMe unbounded; the tier is sized to them below
     capacities.nvme_bytes = std::numeric_limits<uint64_t>::max();
@@ -255,8 +375,19 @@ Status Engine::Finalize() {
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, bounds.min_elems,
                                                      bounds.max_elems, {rank(), world_size(), o.comm.shard_params}));
-  STRATA_ASSIGN_OR_RETURN(memory::Placement placement, memory::PlaceChunks(layout, capacities, o));
-  if (size_nvme) STRATA_RETURN_IF_ERROR(impl_->SizeNvme(layout.chunks(), placement.homes));
+  Result<memory::Placement> placed = memory::PlaceChunks(layout, capacities, o);
+  if (!placed.ok() && size_host) {
+    return placed.status().WithContext(fmt::format(
+        "host.budget auto takes at most half the memory available now, {} (set host.budget to a size to take more)",
+        FormatSize(capacities.host_bytes)));
+  }
+  STRATA_ASSIGN_OR_RETURN(memory::Placement placement, std::move(placed));
+  if (size_host) STRATA_RETURN_IF_ERROR(impl_->SizeHost(layout.chunks(), placement.homes, capacities.host_bytes));
+  if (size_nvme) {
+    Status sized = impl_->SizeNvme(layout.chunks(), placement.homes);
+    if (!sized.ok() && size_host) impl_->host_pool.reset();  // Finalize again sizes it again
+    STRATA_RETURN_IF_ERROR(sized);
+  }
   impl_->host_staging_bytes = placement.host_staging_bytes;
   impl_->residency = impl_->MakeResidency(layout, placement.homes);
   impl_->layout = std::move(layout);
@@ -411,9 +542,10 @@ LayoutSummary Engine::layout() const {
 MemoryStats Engine::stats() const {
   if (impl_->residency) return impl_->residency->stats();
   MemoryStats stats;
+  if (impl_->closed) return stats;  // no tier left
   stats.tier_present = {true, true, impl_->nvme_pool != nullptr};
   stats.tiers[0] = impl_->device_pool->usage();
-  stats.tiers[1] = impl_->host_pool->usage();
+  if (impl_->host_pool) stats.tiers[1] = impl_->host_pool->usage();  // else sized at Finalize
   if (impl_->nvme_pool) stats.tiers[2] = impl_->nvme_pool->usage();
   return stats;
 }
@@ -421,8 +553,10 @@ MemoryStats Engine::stats() const {
 Device& Engine::device() { return *impl_->device; }
 
 std::string Engine::DescribeBackends() const {
-  return fmt::format("device: {}; host: {} pinned; nvme: {}{}", impl_->device->Describe(),
-                     FormatSize(impl_->host_pool->usage().capacity_bytes),
+  if (impl_->closed) return fmt::format("device: {}; closed: no tier left", impl_->device->Describe());
+  return fmt::format("device: {}; host: {}; nvme: {}{}", impl_->device->Describe(),
+                     impl_->host_pool ? FormatSize(impl_->host_pool->usage().capacity_bytes) + " pinned"
+                                      : std::string("auto, sized at Finalize"),
                      impl_->storage             ? impl_->storage->Describe()
                      : impl_->nvme_dirs.empty() ? std::string("none (option nvme.dirs)")
                                                 : fmt::format("in {}, sized at Finalize", fmt::join(impl_->nvme_dirs, ", ")),

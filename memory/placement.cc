@@ -61,6 +61,8 @@ namespace {
 // See Note [NVMe capacity by default].
 constexpr uint64_t kFragmentationShare = 8;  // an eighth more
 constexpr uint64_t kSpareNvmeChunks = 3;
+// See Note [Host budget auto] in memory/engine.cc.
+constexpr uint64_t kSpareHostChunks = 2;
 
 struct StateTotals {
   uint64_t bytes = 0;
@@ -165,15 +167,30 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
   return homes;
 }
 
-// See Note [NVMe capacity by default].
-uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes) {
+namespace {
+
+// The chunks homed on `tier` (a transient one is stored nowhere), an eighth
+// more, and `spare_chunks` of the largest chunk.
+uint64_t HomedBytesWithSlack(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes, Tier tier,
+                             uint64_t spare_chunks) {
   uint64_t homed = 0;
   uint64_t largest = 0;
   for (size_t i = 0; i < chunks.size(); ++i) {
-    if (homes[i] == Tier::kNvme) homed += chunks[i].size_bytes();
+    if (homes[i] == tier && !chunks[i].transient) homed += chunks[i].size_bytes();
     largest = std::max(largest, chunks[i].size_bytes());
   }
-  return homed + RoundUp(homed / kFragmentationShare, kSlotAlignmentBytes) + kSpareNvmeChunks * largest;
+  return homed + RoundUp(homed / kFragmentationShare, kSlotAlignmentBytes) + spare_chunks * largest;
+}
+
+}  // namespace
+
+// See Note [NVMe capacity by default].
+uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes) {
+  return HomedBytesWithSlack(chunks, homes, Tier::kNvme, kSpareNvmeChunks);
+}
+
+uint64_t HostBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes) {
+  return HomedBytesWithSlack(chunks, homes, Tier::kHost, kSpareHostChunks);
 }
 
 // See Note [Host reserve].

@@ -52,6 +52,11 @@ struct Placement {
 // capacity by default].
 uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes);
 
+// Host memory the chunks need when homed as `homes`: those homed on the host
+// (transient ones take none), an eighth more and room for two of the largest
+// chunks. See Note [Host budget auto] in memory/engine.cc.
+uint64_t HostBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes);
+
 // The homes of every chunk of `layout` under options.placement (adaptive:
 // the host while it has room; static: at most placement.host_states of the
 // optimizer states on the host), beside the host reserve. OutOfMemory, naming

@@ -12,9 +12,11 @@
 // pools and the residency manager. Create() fails early on bad options, a
 // device budget the device cannot give, NVMe directories without enough free
 // space or refusing O_DIRECT (with nvme.capacity unset, Finalize sizes the
-// NVMe tier and checks the free space). Thread-safety: RegisterTensor and Finalize
-// from one thread before anything else; after Finalize, Access, MoveChunk
-// and stats may be called from any thread.
+// NVMe tier and checks the free space; with host.budget auto, the host
+// tier). Close() gives every tier's memory and files back before the engine
+// dies. Thread-safety: RegisterTensor and Finalize from one thread before
+// anything else; after Finalize, Access, MoveChunk and stats may be called
+// from any thread; Close from one thread once nothing else uses the engine.
 #pragma once
 
 #include <functional>
@@ -41,13 +43,18 @@ namespace strata {
 struct EngineSeams {
   std::unique_ptr<Device> device;    // null: CreateDevice(options)
   std::unique_ptr<Storage> storage;  // null: io_uring over options.nvme.dirs (if any)
-  FileSystem* files = nullptr;       // the NVMe dirs' free space is read through it (null: PosixFileSystem())
+  // The NVMe dirs' free space is read and the tier's files removed through
+  // it (borrowed: it must outlive the engine; null: PosixFileSystem()).
+  FileSystem* files = nullptr;
   // The data-parallel group this engine is one rank of (borrowed: it must
   // outlive the engine; null: a single rank). Every rank must have the same
   // options and register the same tensors (else InvalidArgument on every
   // rank); each keeps its NVMe files under `rank<r>` of every nvme.dirs
   // entry and only its shard of the states. See Note [Ranks] in engine.cc.
   Communicator* comm = nullptr;
+  // Host memory available, as host.budget auto reads it (nullopt: this
+  // machine's, MemAvailable or less under a cgroup limit).
+  std::optional<uint64_t> available_host_bytes;
 };
 
 // One chunk as the API describes it.
@@ -145,6 +152,13 @@ class Engine {
   Status WriteChunk(ChunkId chunk, const void* src);
   // Sends every unpinned chunk that has a payload back to its home tier.
   Status OffloadAll();
+  // Releases every tier now: the residency manager, the pools' memory and
+  // the NVMe files. InvalidArgument, releasing nothing, while a chunk is
+  // pinned. Idempotent. After it every call that needs the tiers is
+  // InvalidArgument saying the engine is closed; device() stays valid until
+  // the engine dies.
+  Status Close();
+  bool closed() const;
 
   Result<Tier> ChunkTier(ChunkId chunk) const;  // InvalidArgument when the chunk is free (no payload yet)
   Result<Tier> ChunkHome(ChunkId chunk) const;

@@ -44,9 +44,13 @@ struct DeviceOptions {
 };
 
 struct HostOptions {
-  size_t budget_bytes = size_t{4} << 30;  // host.budget
-  bool numa_local = true;                 // host.numa_local
-  bool huge_pages = true;                 // host.huge_pages
+  // host.budget: a size, or 0 (auto): what the model's chunks need, at most
+  // half the memory available as the engine is finalized (Note [Host budget
+  // auto] in memory/engine.cc). Engine options() hold the budget it took
+  // once finalized.
+  size_t budget_bytes = 0;
+  bool numa_local = true;  // host.numa_local
+  bool huge_pages = true;  // host.huge_pages
 };
 
 struct NvmeOptions {

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -80,17 +81,22 @@ py::list ChunksList(const Engine& engine) {
   return chunks;
 }
 
-}  // namespace
+using EngineClass = py::class_<Engine, std::unique_ptr<Engine>>;
 
-void BindEngine(py::module_& m) {
-  py::class_<Engine, std::unique_ptr<Engine>>(m, "Engine", "the engine: tensors in chunks on three tiers")
-      .def(py::init([](const Options& options, Communicator* comm) {
+// Making an engine, registering and finalizing its tensors, closing it.
+void BindEngineLifetime(EngineClass& cls) {
+  cls
+      .def(py::init([](const Options& options, Communicator* comm, std::optional<uint64_t> available_host_bytes) {
              EngineSeams seams;
              seams.comm = comm;
+             seams.available_host_bytes = available_host_bytes;
              return ValueOrThrow(Engine::Create(options, std::move(seams)));
            }),
-           py::arg("options"), py::arg("comm") = nullptr, py::keep_alive<1, 3>(),
-           "with `comm`: one rank of a data-parallel group (options and tensors checked alike on every rank)")
+           py::arg("options"), py::arg("comm") = nullptr, py::arg("available_host_bytes") = py::none(),
+           py::keep_alive<1, 3>(),
+           "with `comm`: one rank of a data-parallel group (options and tensors checked alike on every rank); "
+           "available_host_bytes: the host memory host.budget auto takes at most half of (None: this machine's "
+           "available memory)")
       .def(
           "register_tensor",
           [](Engine& engine, const std::string& name, const std::vector<int64_t>& shape, const std::string& dtype,
@@ -104,6 +110,19 @@ void BindEngine(py::module_& m) {
       .def(
           "finalize", [](Engine& engine) { ThrowIfError(engine.Finalize()); },
           "packs the registered tensors into chunks and gives each a home tier")
+      .def(
+          "close", [](Engine& engine) { ThrowIfError(Unlocked([&] { return engine.Close(); })); },
+          "gives every tier's memory and NVMe files back now (ValueError, releasing nothing, while a chunk is "
+          "pinned); idempotent; after it the engine's calls raise, saying it is closed")
+      .def_property_readonly("closed", &Engine::closed);
+}
+
+}  // namespace
+
+void BindEngine(py::module_& m) {
+  EngineClass cls(m, "Engine", "the engine: tensors in chunks on three tiers");
+  BindEngineLifetime(cls);
+  cls
       .def("chunks", &ChunksList,
            "after finalize: every chunk (id, kind, dtype, group, size_bytes, used_bytes, home, tensors, "
            "tensor_offsets in the group's whole chunk; sharded and shard_offset: a data-parallel rank's master and "

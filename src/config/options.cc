@@ -101,6 +101,28 @@ OptionEntry DeviceBudgetEntry() {
           }};
 }
 
+// host.budget: a size, or auto (HostOptions::budget_bytes 0).
+OptionEntry HostBudgetEntry() {
+  return {{"host.budget", "size or auto", "auto",
+           "bytes of pinned host memory strata may use for chunks; auto: what the model's chunks need there (every "
+           "chunk homed on the host, an eighth more and two of the largest), at most half the memory available "
+           "when the engine is finalized (MemAvailable, or less under a cgroup limit); states beyond that go to "
+           "nvme.dirs, or are refused naming both figures"},
+          [](Options& options, std::string_view text) -> Status {
+            if (Trim(text) == "auto") {
+              options.host.budget_bytes = 0;
+              return Status::Ok();
+            }
+            Result<size_t> bytes = ParseSize(text);
+            if (!bytes.ok()) return InvalidArgument("option host.budget: {} (or auto)", bytes.status().message());
+            options.host.budget_bytes = *bytes;
+            return Status::Ok();
+          },
+          [](const Options& options) {
+            return options.host.budget_bytes == 0 ? std::string("auto") : FormatSize(options.host.budget_bytes);
+          }};
+}
+
 template <typename Int>
 OptionEntry IntEntry(std::string key, std::string description, Field<Int> field, uint64_t min_value,
                      uint64_t max_value) {
@@ -195,8 +217,7 @@ void AddDeviceAndHostKeys(Table& t) {
                          In(&Options::device, &DeviceOptions::emulated_bandwidth_gbps), 0, 1e9));
   t.push_back(IntEntry("device.copy_timeout_ms", "milliseconds a host<->device copy may take before it is a Timeout",
                        In(&Options::device, &DeviceOptions::copy_timeout_ms), 1, 86'400'000));
-  t.push_back(SizeEntry("host.budget", "bytes of pinned host memory strata may use for chunks",
-                        In(&Options::host, &HostOptions::budget_bytes)));
+  t.push_back(HostBudgetEntry());
   t.push_back(BoolEntry("host.numa_local", "place host chunks on the NUMA node nearest the device (hwloc)",
                         In(&Options::host, &HostOptions::numa_local)));
   t.push_back(BoolEntry("host.huge_pages",

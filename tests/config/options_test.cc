@@ -94,6 +94,36 @@ TEST(OptionsTest, TheDeviceBudgetIsAutoUnlessGivenASize) {
   EXPECT_EQ(engine->stats().tiers[static_cast<int>(Tier::kDevice)].capacity_bytes, uint64_t{8} << 20);
 }
 
+TEST(OptionsTest, TheHostBudgetIsAutoUnlessGivenASize) {
+  Options options;
+  EXPECT_EQ(options.host.budget_bytes, 0u);
+  EXPECT_EQ(Described(options, "host.budget"), "auto");
+  ASSERT_OK(SetOption(options, "host.budget", "3GiB"));
+  EXPECT_EQ(options.host.budget_bytes, size_t{3} << 30);
+  EXPECT_EQ(Described(options, "host.budget"), "3GiB");
+  ASSERT_OK(SetOption(options, "host.budget", "auto"));
+  EXPECT_EQ(options.host.budget_bytes, 0u);
+  ASSERT_OK(ValidateOptions(options));
+  Status bad = SetOption(options, "host.budget", "plenty");
+  EXPECT_EQ(bad.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.message().find("or auto"), std::string::npos) << bad.ToString();
+  // A size set directly, as C++ callers do, is taken as it is, at Create; auto is sized at Finalize.
+  options.device.backend = DeviceBackendKind::kEmulated;
+  options.device.budget_bytes = 8 << 20;
+  options.log_level = LogLevel::kWarning;
+  options.host.budget_bytes = 32 << 20;
+  ASSERT_OK_AND_ASSIGN(auto sized, Engine::Create(options));
+  EXPECT_EQ(sized->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, uint64_t{32} << 20);
+  options.host.budget_bytes = 0;
+  ASSERT_OK_AND_ASSIGN(auto automatic, Engine::Create(options));
+  EXPECT_EQ(automatic->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, 0u);
+  ASSERT_OK(automatic->RegisterTensor({"w", {1024}, DType::kFloat32, true, "m"}).status());
+  ASSERT_OK(automatic->Finalize());
+  EXPECT_GT(automatic->options().host.budget_bytes, 0u);
+  EXPECT_EQ(automatic->options().host.budget_bytes,
+            automatic->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes);
+}
+
 TEST(OptionsTest, BadValuesNameKeyValueAndWhatIsAllowed) {
   Options options;
   ExpectInvalid(SetOption(options, "device.budget", "lots"), "device.budget");

@@ -1,7 +1,9 @@
 #include "strata/engine.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <filesystem>
 
 #include "tools/selftest.h"
 #include "test_util.h"
@@ -207,6 +209,111 @@ TEST(EngineTest, StaticPolicyHomesItsShareOfTheStatesOnTheHostOrSaysWhyNot) {
   EXPECT_EQ(refused.status().code(), StatusCode::kOutOfMemory);
   EXPECT_NE(refused.status().message().find("placement.host_states 1"), std::string::npos) << refused.status().ToString();
   EXPECT_NE(refused.status().message().find("host.budget"), std::string::npos);
+}
+
+// host.budget auto (Note [Host budget auto] in memory/engine.cc), with the
+// machine's available memory given.
+Options AutoHostOptions() {
+  Options options = SmallOptions();
+  options.host.budget_bytes = 0;
+  return options;
+}
+
+EngineSeams AvailableHost(uint64_t bytes) {
+  EngineSeams seams;
+  seams.available_host_bytes = bytes;
+  return seams;
+}
+
+TEST(EngineTest, HostBudgetAutoIsWhatTheModelsChunksNeed) {
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(AutoHostOptions(), AvailableHost(uint64_t{1} << 30)));
+  EXPECT_NE(engine->DescribeBackends().find("host: auto, sized at Finalize"), std::string::npos)
+      << engine->DescribeBackends();
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  ASSERT_OK(engine->Finalize());
+  uint64_t states = 0, largest = 0;
+  for (const ChunkInfo& chunk : engine->chunks()) {
+    EXPECT_EQ(*engine->ChunkHome(chunk.id), Tier::kHost);
+    states += chunk.size_bytes;
+    largest = std::max(largest, chunk.size_bytes);
+  }
+  // Every chunk, an eighth more in whole 4KiB slots, two of the largest: about 1.4 MiB, of the 512 MiB allowed.
+  const uint64_t expected = states + (states / 8 + 4095) / 4096 * 4096 + 2 * largest;
+  EXPECT_EQ(engine->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, expected);
+  EXPECT_EQ(engine->options().host.budget_bytes, expected);
+  EXPECT_LT(expected, 2 * states);
+  // The tier holds them: every chunk on the host, then each on the device and back.
+  for (const ChunkInfo& chunk : engine->chunks()) ASSERT_OK(engine->AccessChunk(chunk.id, Tier::kHost).status());
+  for (const ChunkInfo& chunk : engine->chunks()) ASSERT_OK(engine->MoveChunk(chunk.id, Tier::kDevice));
+  ASSERT_OK(engine->OffloadAll());
+}
+
+TEST(EngineTest, HostBudgetAutoTakesAtMostHalfTheAvailableMemoryAndSaysSo) {
+  // Four layers' chunks are 1 MiB; with 1 MiB available auto takes 512 KiB.
+  Options options = AutoHostOptions();
+  options.chunk.size_elems = 0;
+  ASSERT_OK_AND_ASSIGN(auto alone, Engine::Create(options, AvailableHost(1 << 20)));
+  for (int l = 0; l < 4; ++l) {
+    ASSERT_OK(alone->RegisterTensor({"layer" + std::to_string(l), {16384}, DType::kFloat32, true, "l" + std::to_string(l)})
+                  .status());
+  }
+  Status refused = alone->Finalize();
+  EXPECT_EQ(refused.code(), StatusCode::kOutOfMemory) << refused.ToString();
+  for (const char* figure : {"host.budget auto takes at most half the memory available now, 512KiB",
+                             "set host.budget to a size", "model states need 1MiB", "add nvme.dirs"}) {
+    EXPECT_NE(refused.message().find(figure), std::string::npos) << figure << " in " << refused.ToString();
+  }
+  EXPECT_FALSE(alone->finalized());
+
+  // With an NVMe tier the states beyond the half go there, and the host tier is the half.
+  options.nvme.capacity_bytes = 4 << 20;
+  EngineSeams seams = AvailableHost(1 << 20);
+  ASSERT_OK_AND_ASSIGN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+  ASSERT_OK_AND_ASSIGN(auto spilled, Engine::Create(options, std::move(seams)));
+  for (int l = 0; l < 4; ++l) {
+    ASSERT_OK(spilled->RegisterTensor({"layer" + std::to_string(l), {16384}, DType::kFloat32, true, "l" + std::to_string(l)})
+                  .status());
+  }
+  ASSERT_OK(spilled->Finalize());
+  EXPECT_EQ(spilled->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, 512u << 10);
+  EXPECT_GT(HomedBytes(*spilled, Tier::kNvme, /*states=*/true), 0u);
+  ASSERT_OK(spilled->OffloadAll());
+  for (const ChunkInfo& chunk : spilled->chunks()) ASSERT_OK(spilled->AccessChunk(chunk.id, Tier::kHost).status());
+}
+
+TEST(EngineTest, CloseGivesEveryTiersMemoryAndFilesBackAndLaterCallsSaySo) {
+  testing::ScratchDir dir("close");
+  Options options = AutoHostOptions();
+  options.nvme.dirs = {dir.path()};
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  ASSERT_OK(engine->Finalize());
+  ASSERT_OK(engine->OffloadAll());
+  EXPECT_GT(engine->device().allocated_bytes(), 0u);  // the device tier's arena
+  EXPECT_FALSE(std::filesystem::is_empty(dir.path()));  // the NVMe tier's file
+
+  // A pinned chunk holds everything back.
+  ASSERT_OK_AND_ASSIGN(ChunkAccess pinned, engine->AccessChunk(ChunkId(0), Tier::kDevice));
+  Status held = engine->Close();
+  EXPECT_EQ(held.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(held.message().find("1 chunks are still pinned (chunk 0)"), std::string::npos) << held.ToString();
+  EXPECT_FALSE(engine->closed());
+  ASSERT_OK(engine->AccessChunk(ChunkId(1), Tier::kHost).status());
+  pinned.Release();
+
+  ASSERT_OK(engine->Close());
+  EXPECT_TRUE(engine->closed());
+  EXPECT_EQ(engine->device().allocated_bytes(), 0u);
+  EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
+  ASSERT_OK(engine->Close());  // again: nothing to do
+  for (const Status& after : {engine->AccessChunk(ChunkId(0), Tier::kHost).status(), engine->OffloadAll(),
+                              engine->Finalize(), engine->RegisterTensor({"late", {4}}).status()}) {
+    EXPECT_EQ(after.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(after.message().find("the engine is closed"), std::string::npos) << after.ToString();
+  }
+  EXPECT_FALSE(engine->stats().tier_present[static_cast<int>(Tier::kHost)]);
+  EXPECT_FALSE(engine->device_arena());
+  EXPECT_NE(engine->DescribeBackends().find("closed"), std::string::npos);
 }
 
 TEST(EngineTest, TensorsWithoutANameWithTheSameNameOrAnEmptyDimensionAreRefused) {
