@@ -5,6 +5,7 @@
     engine.backward(loss)
     engine.step()
     engine.stats()
+    engine.close()   # every tier's memory and NVMe files given back now (or: with strata.initialize(...) as engine:)
 
 ``initialize`` (strata.engine) moves the model's parameters, gradients and
 optimizer states into strata's chunks; ``load_config`` reads configurations

@@ -6,6 +6,7 @@ gradients and optimizer states live in strata's chunks.
     engine.backward(loss)
     engine.step()                 # optimizer step (every gradient_accumulation_steps micro-batches)
     losses = engine.train_step(micro_batches, loss_fn)  # or a whole step: standard or layered (strata.layered)
+    engine.close()                # every tier's memory and files given back (or: with strata.initialize(...) as engine)
 
 engine.optimizer is that step as a torch.optim.Optimizer (strata.optimizer): its
 param_groups hold each group's lr, weight decay, ..., which a torch.optim.lr_scheduler
@@ -83,6 +84,15 @@ _LOAD_FAILED = "a load failed part way"
 # placeholders whose values live in that engine's chunks.
 _HELD = "_strata_held"
 
+_CLOSED = ("the engine was closed (engine.close()): its memory and files were given back, the parameters' values "
+           "with them; engine.state_dict() or export_safetensors() before close() keeps them. Make a new engine "
+           "with strata.initialize")
+
+
+def _refuse_closed(module, args):
+    """The forward pre-hook a closed engine leaves on its model."""
+    raise RuntimeError(f"strata: this model cannot run: {_CLOSED}")
+
 
 def _refuse_held(model):
     for name, module in model.named_modules():
@@ -112,6 +122,7 @@ class TrainingEngine:
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"strata.initialize: model must be a torch.nn.Module, got {type(model).__name__}")
         _refuse_held(model)
+        self._closed = False
         self.config = load_config(config)
         self.module = model
         self.gradient_accumulation_steps = self.config.gradient_accumulation_steps
@@ -160,6 +171,13 @@ class TrainingEngine:
         if weights is not None:
             self.load_weights(weights)
         self._weights.check_buffers()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, traceback):
+        self.close()
+        return False
 
     # --- training ------------------------------------------------------------
 
@@ -360,7 +378,12 @@ class TrainingEngine:
         self._progress.step_size = 0
         return True
 
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError(f"strata: {_CLOSED}")
+
     def _check_usable(self):
+        self._check_open()
         if self._state.gathering is not None:
             raise RuntimeError("strata: engine.gathered() is open: the model cannot run forward, backward, a step, a "
                                "save or a load inside it (its parameters hold copies there); leave the block first")
@@ -371,6 +394,7 @@ class TrainingEngine:
                                "model's initial or saved state")
 
     def _check_between_steps(self, what, usable=True):
+        self._check_open()
         if usable:
             self._check_usable()
         if self._moments.in_iteration or self._progress.micro_steps:
@@ -392,6 +416,7 @@ class TrainingEngine:
         """Tier usage and peaks, bytes moved per link, the pipeline's stall time, the last step (with its
         host_syncs: the times the adapter waited for the device since the step before; host_syncs in all;
         fence_waits: moves that waited for the GPU to finish with a chunk torch let go)."""
+        self._check_open()
         stats = self._runtime.engine.stats()
         pipeline = json.loads(self._pipeline.stats_json())
         stats["pipeline"] = pipeline
@@ -419,6 +444,7 @@ class TrainingEngine:
         module needs it (in forward, and again in backward unless it is one
         of the last two gathered), as ZeRO-3 does.
         """
+        self._check_open()
         out = self._runtime.comm.stats()
         width = torch.finfo(self.dtype).bits // 8
         model_bytes = sum(r.numel for r in self._table.records) * width
@@ -432,6 +458,7 @@ class TrainingEngine:
 
     def chunk_tiers(self):
         """Bytes of each chunk kind on each tier now: {kind: {tier: bytes}}."""
+        self._check_open()
         out = {}
         for chunk in self._table.chunks:
             kinds = out.setdefault(chunk["kind"], {})
@@ -454,6 +481,7 @@ class TrainingEngine:
         every rank must call it (with comm.shard_params, always: the masters
         are the only stored copy of the parameters).
         """
+        self._check_open()
         self._overlap.wait()  # read after the updates begun beside backward, not during them
         return self._weights.state_dict(master)
 
@@ -562,6 +590,7 @@ class TrainingEngine:
     def wait_checkpoint(self):
         """Waits for the asynchronous save in flight, if any, and returns its dict (else None); raises its
         error. Data parallel, every rank calls it at the same point."""
+        self._check_open()
         if self._checkpoints.pending is None:
             return None
         self._grad_sync.drain()  # the reducer's collectives (gathers queued ahead) before the save's agreement
@@ -598,17 +627,49 @@ class TrainingEngine:
     # --- the group ---------------------------------------------------------------------
 
     def close(self):
-        """Ends data-parallel training: waits for the collectives in flight (the gathers queued ahead for a
-        forward that will not come included) and stops the reducer's thread, here and now rather than when
-        the engine is collected or at exit. Waits for an asynchronous save first (raising its error). Every
-        rank calls it; the engine trains no more after."""
+        """Ends the engine and gives every tier's memory and NVMe files back, here and now rather than when the
+        engine and its model are collected: waits for an asynchronous save (raising its error) and, data
+        parallel, for the collectives in flight (the gathers queued ahead for a forward that will not come
+        included), stops the reducer's thread, lets go of every chunk and takes the engine's hooks off the model.
+        Idempotent; ``with strata.initialize(...) as engine:`` calls it on leaving. Every rank calls it. After
+        it, the engine's calls and the model's forward raise, saying it was closed: the parameters' values went
+        with the tiers (engine.state_dict() or export_safetensors() before close() keeps them)."""
+        if self._closed:
+            return
         try:
             self._grad_sync.drain()
             self.wait_checkpoint()
         finally:
-            if self._grad_sync.reducer is not None:
-                self._progress.broken = self._progress.broken or "the engine was closed"
-                self._grad_sync.close()
+            self._release()
+
+    def _release(self):
+        """close()'s teardown: the parts that hold chunks let go of them and are dropped (the pipeline's pins
+        with it), then the C++ engine releases the tiers. Nothing here waits on a collective."""
+        self._closed = True
+        self._progress.broken = self._progress.broken or "the engine was closed"
+        layered = self._layered
+        failed = []
+        for let_go in (self._grad_sync.close,     # the reducer's thread stopped
+                       self._overlap.discard,     # the updates begun beside backward done, their copies dropped
+                       lambda: layered is not None and layered.held.clear(),
+                       lambda: self._hooks.remove(self.module),  # every pin of forward and backward let go
+                       self._moments.end_iteration, self.optimizer.close):
+            try:
+                let_go()
+            except Exception as error:  # noqa: BLE001 (the rest is let go all the same; the first is raised)
+                failed.append(error)
+        self.module.register_forward_pre_hook(_refuse_closed)
+        # Every part that may hold a pin or a buffer goes now, the pipeline's pins with it; what the model
+        # keeps (its state_dict hooks) reaches only the closed engine.
+        self._pipeline = self._optimizer = self._overlap = self._moments = self._hooks = None
+        self._layered = self._checkpoints = self._grad_sync = None
+        try:
+            self._runtime.engine.close()
+        except ValueError as error:  # a chunk pinned by a ChunkAccess held outside the engine
+            raise RuntimeError(f"strata: engine.close(): {error}; the tiers are given back once it is released "
+                               "and the engine collected") from error
+        if failed:
+            raise failed[0]
 
     @property
     def comm(self):
@@ -619,9 +680,11 @@ class TrainingEngine:
         all are waited for first, since one communicator carries one
         collective at a time, in the same order on every rank.
         """
+        self._check_open()
         return self._grad_sync.drained_comm()
 
     @property
     def engine(self):
         """The C++ engine (strata._strata.Engine): chunks, tiers."""
+        self._check_open()
         return self._runtime.engine

@@ -112,6 +112,7 @@ class Hooks:
         self._lineage = ()           # the call whose backward moment is open, after its enclosing calls
         self._calls = 0              # forward calls so far: each one's number
         self._end_queued = False     # end_backward is queued on autograd's engine
+        self._own_forward = None     # a forward set on the model instance before install() wrapped it
         self.layered = False         # the forwards of a layered step run (strata.layered): each has its own state
         # Parameters sharded (comm.shard_params): a param chunk pinned again is gathered again.
         self._sharded = any(chunk["transient"] for chunk in table.chunks if chunk["kind"] == "param")
@@ -163,6 +164,7 @@ class Hooks:
         # A forward that raises skips the post-hooks: its pins and saved-tensor
         # hooks are let go as the exception leaves the model.
         original, hooks = model.forward, weakref.proxy(self)
+        self._own_forward = model.__dict__.get("forward")  # the model's own, put back by remove()
 
         @functools.wraps(original)  # its signature, which callers inspect (the HF Trainer: which inputs to keep)
         def forward(*args, **kwargs):
@@ -172,6 +174,19 @@ class Hooks:
                 hooks.forward_raised()
                 raise
         model.forward = forward
+
+    def remove(self, model):
+        """The engine closes: every pin of forward and backward let go, the hooks and the forward wrapper taken
+        off `model` (the parameters' gradient hooks stay, reaching nothing once this is collected)."""
+        self.recover()
+        self.end_backward()
+        for handle in self._handles:
+            handle.remove()
+        self._handles, self._accumulators = [], []
+        if self._own_forward is None:
+            model.__dict__.pop("forward", None)
+        else:
+            model.forward = self._own_forward
 
     def forward_raised(self):
         self.recover()

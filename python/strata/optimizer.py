@@ -167,6 +167,10 @@ class Optimizer(torch.optim.Optimizer):
         self._stepped = self._engine._step()
         return loss
 
+    def close(self):
+        """The engine closed: strata's optimizer (and the host memory it holds) let go; step() raises after."""
+        self._core = None
+
     def zero_grad(self, set_to_none=True):
         """Nothing to do: gradients are added into strata's grad chunks (a parameter's .grad stays None) and each
         step zeroes them; accumulating over micro-batches is the config's gradient_accumulation_steps."""
