@@ -43,16 +43,22 @@ def train(step, call, optimizer, scheduler, data):
     return losses, lrs
 
 
-def assert_same_parameters(engine, reference, rtol=1e-6):
-    """Every parameter within `rtol` of torch's, relative to its norm. strata's kernel rounds as torch.optim does
-    (Note [torch.optim's arithmetic]), but the sqrt of torch's default AdamW is a last bit off in some elements of
-    a tensor of 1,000 or more, and Adam amplifies that where the second moment is small: here
-    torch's default and fused AdamW end 7e-7 apart, and strata 7e-7 from the default."""
+def assert_same_parameters(engine, reference, rtol=1e-6, twin=None):
+    """Every parameter within `rtol` of torch's, relative to its norm, or else no further from it than torch's
+    fused AdamW ends (`twin`: the reference trained again with it), and a little more. strata's kernel rounds as
+    torch.optim does (Note [torch.optim's arithmetic]), bit for bit as the fused kernel, but the sqrt of torch's
+    default AdamW is a last bit off in some elements of a tensor of 1,000 or more, how many depending on the CPU's
+    vector width, and Adam amplifies that where the second moment is small: here torch's default and fused AdamW
+    end 7e-7 apart with AVX2 kernels and 1.9e-6 with AVX-512 ones."""
     state = engine.state_dict()
     params = dict(reference.named_parameters())
     assert set(params) <= set(state), set(params) - set(state)
     for name, value in params.items():
-        assert (state[name] - value.detach()).norm() <= rtol * value.detach().norm(), name
+        value = value.detach()
+        bound = rtol * value.norm()
+        if twin is not None:
+            bound = max(bound, 1.25 * (twin[name] - value).norm())
+        assert (state[name] - value).norm() <= bound, (name, (state[name] - value).norm() / value.norm())
 
 
 def fused_adamw(params, **kwargs):
@@ -87,10 +93,16 @@ def test_two_groups_under_warmup_and_cosine_match_torch_adamw(tmp_path):
     adamw = torch.optim.AdamW([{"params": ref_decay, **GROUPS[0]}, {"params": ref_rest, **GROUPS[1]}], lr=1e-2)
     theirs, their_lrs = train(lambda loss: loss.backward(), reference, adamw, warmup_cosine(adamw), data)
 
+    _, twin_model = pair()
+    fused = fused_adamw([{"params": p, **g} for p, g in zip(split(twin_model), GROUPS)], lr=1e-2)
+    if fused is not None:
+        train(lambda loss: loss.backward(), twin_model, fused, warmup_cosine(fused), data)
+
     assert our_lrs == their_lrs and our_lrs[0] != our_lrs[-1]
     assert max(relative_errors(ours, theirs)) <= 1e-6, (ours, theirs)
     assert ours[-1] < ours[0]
-    assert_same_parameters(engine, reference)
+    assert_same_parameters(engine, reference,
+                           twin=None if fused is None else {n: p.detach() for n, p in twin_model.named_parameters()})
     assert engine.stats()["steps"] == STEPS
 
 
