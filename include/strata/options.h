@@ -133,7 +133,7 @@ struct Options {
   LogLevel log_level = LogLevel::kInfo;  // log.level
 };
 
-// One documented key: for `strata options`, the README and error messages.
+// One documented key: for `strata options`, docs/options.md (generated from it) and error messages.
 struct OptionDoc {
   std::string key;
   std::string type;           // "size", "int", "float", "bool", "string", "list", "enum"

@@ -416,7 +416,7 @@ void AddCommAndRuntimeKeys(Table& t) {
                                      {"off", LogLevel::kOff}}));
 }
 
-// Every key, in the order `strata options` and the README list them.
+// Every key, in the order `strata options` and docs/options.md list them.
 const Table& AllKeys() {
   static const Table table = [] {
     Table t;
