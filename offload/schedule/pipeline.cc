@@ -207,11 +207,18 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
       p.moment_tier = p.plan->compute_tier[p.moment];
       // The caller allocates the moment's non-model memory once this returns:
       // the chunks that make room for it must be off the device by then (a
-      // failed eviction is reported at EndIteration; the wait is a stall).
-      std::vector<std::shared_future<Status>> room = p.Issue(p.moment);
+      // failed eviction is reported at EndIteration; the wait is a stall; one
+      // that does not end is this moment's error: Note [Waits on queued moves]).
+      std::vector<Impl::QueuedMove> room = p.Issue(p.moment);
       room.insert(room.end(), p.reconcile_room.begin(), p.reconcile_room.end());
       p.reconcile_room.clear();
-      for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
+      for (const Impl::QueuedMove& r : room) {
+        if (Status ended = WaitEnded(r.done, p.options.wait_timeout_ms, r.chunk, "eviction"); !ended.ok()) {
+          p.in_moment = false;  // it did not begin: the caller ends the iteration, which records again
+          p.Diverge("room for the moment's non-model memory not made in time");
+          return ended.WithContext(fmt::format("making room on the device for moment {}", p.moment));
+        }
+      }
       p.moment_stall += SecondsSince(p.moment_start);
       p.stats.stall_per_link[static_cast<int>(Link::kDeviceToHost)] += SecondsSince(p.moment_start);  // evictions
     }
@@ -248,10 +255,16 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
       charge(link, wait);
     }
   }
-  if (auto it = p.beside_busy.find(chunk.value()); it != p.beside_busy.end()) {
-    // Held by an update beside backward (its outcome is its caller's).
-    it->second.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms));
-    p.beside_busy.erase(it);
+  // Held by an update beside backward: its outcome is its caller's, but until
+  // it ends the chunk is pinned on the host and being written.
+  if (auto it = p.beside_busy.find(chunk.value());
+      it != p.beside_busy.end() && (prefetched.ok() || prefetched.code() == StatusCode::kOutOfMemory)) {
+    if (Status ended = WaitEnded(it->second, p.options.wait_timeout_ms, chunk, "update beside backward");
+        !ended.ok()) {
+      prefetched = ended;
+    } else {
+      p.beside_busy.erase(it);
+    }
   }
   if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
     if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {

@@ -54,7 +54,9 @@ struct PipelineOptions {
   // framework keeps its activations in host memory). On a GPU the adapter
   // gives the budget and the memory free beside it.
   uint64_t device_bytes = 0;
-  uint32_t wait_timeout_ms = 60'000;  // an access waiting for its chunk
+  // Any wait for a queued move (an access for its chunk's, a moment for its
+  // room, a move for its chunk's last): a Timeout past it.
+  uint32_t wait_timeout_ms = 60'000;
   // Host memory the plan may fill with NVMe-homed chunks read ahead of a
   // host moment: 0 = what the engine keeps free for it
   // (Engine::host_staging_bytes; with 0 there each is read when its moment begins).
@@ -103,7 +105,8 @@ class Pipeline {
   Status BeginIteration();
   // A moment computing on the device. `non_model_bytes`: device memory the
   // moment uses besides chunks. When the plan makes room for it, this
-  // returns once that room is free.
+  // returns once that room is free: Timeout, and no moment begun, when it is
+  // not within wait_timeout_ms.
   Status BeginMoment(uint64_t non_model_bytes = 0);
   // A moment computing on the host: a CPU optimizer update. With
   // `device_compute_seconds` (how long it would take on the device) the

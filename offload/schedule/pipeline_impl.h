@@ -45,10 +45,51 @@ inline constexpr double kBandwidthDrift = 0.25;
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
+// Note [Waits on queued moves]
+// A queued move that has not ended within wait_timeout_ms is never taken as
+// done. Where it was waited for, the wait is a Timeout naming the chunk, the
+// move and the time waited (WaitEnded), and nothing moves on its account:
+//  - a move of a chunk queued behind that chunk's last move or update (a
+//    fetch or a read ahead behind an eviction, a write-back or an update
+//    beside backward; a write-back behind the update) returns the Timeout,
+//    which reaches the access that needs the chunk, or EndIteration for a
+//    write-back; the chunk stays where the move before leaves it;
+//  - BeginMoment waiting for room for the moment's non-model memory fails:
+//    nothing else makes that room, and the caller would allocate into
+//    memory still held;
+//  - an access waiting for an update beside backward fails: until the
+//    update ends it holds the chunk pinned on the host and writes it.
+// Three waits go on after their timeout, because going on is safe there:
+//  - a fetch waiting for its victims to leave (WaitForRoom): they only make
+//    room, and the fetch's own move makes room by itself (the residency
+//    manager evicts, or waits within its own deadline for chunks in flight:
+//    Note [Waiting for room] in memory/residency.cc);
+//  - an eviction waiting for the fetch of its chunk: the residency manager
+//    moves one chunk at a time, so the eviction moves the chunk off the
+//    device if it is there or moves nothing (the chunk then stays on the
+//    device, costing room, never bytes), and the fetch is reported by the
+//    access that waits for it;
+//  - a read ahead waiting for staging memory (Note [Staging memory at run
+//    time]): it waits for the training loop to reach a moment, not for a
+//    transfer, so a loop that pauses (an evaluation) is no fault; past the
+//    timeout it reads beyond the bound, which costs host room (the residency
+//    manager evicts homed chunks for it), never bytes.
+// What an ended move returned is reported by its own waiter (WaitFor): a
+// wait that only orders moves, or room, takes its end alone (WaitEnded).
+
+// Waits for a queued move to end, whatever it returned; Timeout naming
+// `chunk`, `what` and `timeout_ms` when it has not within `timeout_ms`.
+inline Status WaitEnded(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk,
+                        std::string_view what) {
   if (done.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
     return Timeout("pipeline: the {} of chunk {} did not finish within {} ms", what, chunk.value(), timeout_ms);
   }
+  return Status::Ok();
+}
+
+// WaitEnded, then what the move returned.
+inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
+  STRATA_RETURN_IF_ERROR(WaitEnded(done, timeout_ms, chunk, what));
   return done.get();
 }
 
@@ -59,6 +100,7 @@ using pipeline_detail::Clock;
 using pipeline_detail::kBandwidthDrift;
 using pipeline_detail::kMinMeasuredBytes;
 using pipeline_detail::SecondsSince;
+using pipeline_detail::WaitEnded;
 using pipeline_detail::WaitFor;
 
 struct Pipeline::Impl {
@@ -95,7 +137,12 @@ struct Pipeline::Impl {
   // there (none while a host moment has the chunk on the host).
   std::vector<ChunkId> kept_on_device;
   std::unordered_map<uint32_t, ChunkAccess> pins;
-  std::vector<std::shared_future<Status>> reconcile_room;  // evictions Reconcile queued; the first moment waits
+  struct QueuedMove {
+    ChunkId chunk;
+    const char* what;  // "evicting chunk {} from the device" and the like
+    std::shared_future<Status> done;
+  };
+  std::vector<QueuedMove> reconcile_room;  // evictions Reconcile queued; the first moment waits
   std::optional<Plan> plan;
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
@@ -103,11 +150,6 @@ struct Pipeline::Impl {
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
-  struct QueuedMove {
-    ChunkId chunk;
-    const char* what;  // "evicting chunk {} from the device" and the like
-    std::shared_future<Status> done;
-  };
   std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
   std::atomic<bool> cancelled{false};
   // Note [Staging memory at run time]
@@ -192,19 +234,23 @@ struct Pipeline::Impl {
   // of one chunk happen in the order they are queued, across queues: the
   // eviction waits for a fetch of the same chunk still under way, and a
   // later fetch waits for the eviction.
-  std::shared_future<Status> QueueEviction(ChunkId v, std::optional<Tier> to = std::nullopt) {
+  QueuedMove QueueEviction(ChunkId v, std::optional<Tier> to = std::nullopt) {
     std::optional<std::shared_future<Status>> arriving;
     if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
     const Tier target = to.value_or(homes[v.value()]);
     std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target]() -> Status {
-      if (arriving) arriving->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (arriving && !WaitEnded(*arriving, options.wait_timeout_ms, v, "fetch").ok()) {
+        // Still under way: the eviction goes on (Note [Waits on queued moves]).
+        STRATA_LOG_INFO("pipeline: evicting chunk {} while its fetch is still under way after {} ms", v.value(),
+                        options.wait_timeout_ms);
+      }
       return MoveOff(v, Tier::kDevice, target);
     });
     leaving[v.value()] = done;
     evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
                                                   : "evicting chunk {} from the device",
                          done});
-    return done;
+    return evictions.back();
   }
 
   // Queues the read of NVMe-homed `r.chunk` into host memory for the host
@@ -217,15 +263,20 @@ struct Pipeline::Impl {
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
     host_pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
-      if (before) before->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
       {
         std::unique_lock lock(staging_mu);
-        staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
+        // Past the timeout the read goes on beyond the bound (Note [Waits on queued moves]).
+        const bool room = staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
           if (cancelled.load(std::memory_order_relaxed)) return true;
           if (staged_bytes + chunk_bytes[c.value()] <= staging_budget) return true;
           if (begun.load(std::memory_order_relaxed) < due) return false;
           return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
         });
+        if (!room) {
+          STRATA_LOG_INFO("pipeline: chunk {} is read ahead beyond the staging memory after {} ms of waiting for room",
+                          c.value(), options.wait_timeout_ms);
+        }
         if (staged_due.emplace(c.value(), due).second) staged_bytes += chunk_bytes[c.value()];
       }
       Status read = MoveOff(c, Tier::kNvme, Tier::kHost);
@@ -275,8 +326,8 @@ struct Pipeline::Impl {
       std::optional<std::shared_future<Status>> in_use;
       if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
       std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
-        if (in_use) in_use->wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
-        Status written = MoveOff(c, Tier::kHost, Tier::kNvme);
+        Status written = in_use ? WaitEnded(*in_use, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
+        if (written.ok()) written = MoveOff(c, Tier::kHost, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
         return written;
       });
@@ -286,23 +337,39 @@ struct Pipeline::Impl {
     host_accessed.clear();
   }
 
-  // Queues the fetch of `c` to the device after `room` (its victims leaving).
-  void QueueFetch(ChunkId c, std::vector<std::shared_future<Status>> room) {
-    if (auto it = leaving.find(c.value()); it != leaving.end()) room.push_back(it->second);
+  // Waits for a move's victims to leave, at most wait_timeout_ms in all;
+  // then it goes on (Note [Waits on queued moves]).
+  void WaitForRoom(const std::vector<QueuedMove>& room) const {
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
+    for (const QueuedMove& r : room) {
+      if (r.done.wait_until(deadline) != std::future_status::ready) return;
+    }
+  }
+
+  // Queues the fetch of `c` to the device after `room` (its victims leaving)
+  // and after its own last move.
+  void QueueFetch(ChunkId c, std::vector<QueuedMove> room) {
+    std::optional<std::shared_future<Status>> before;
+    if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
+    const auto after_before = [this, c, before]() -> Status {
+      return before ? WaitEnded(*before, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
+    };
     std::optional<std::shared_future<Status>> staged;
     if (homes[c.value()] == Tier::kNvme) {
-      staged = nvme_read.Push([this, c, room]() -> Status {
+      staged = nvme_read.Push([this, c, room, after_before]() -> Status {
         if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
-        for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+        STRATA_RETURN_IF_ERROR(after_before());
+        WaitForRoom(room);
         return MoveOff(c, Tier::kNvme, Tier::kHost);
       });
     }
-    pending[c.value()] = host_to_device.Push([this, c, room, staged]() -> Status {
-      if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+    pending[c.value()] = host_to_device.Push([this, c, room, staged, after_before]() -> Status {
       // A victim that could not leave only costs room (the move below
       // evicts by itself; the eviction's error is reported at EndIteration).
       // A failed staging read is this chunk's error.
-      for (const std::shared_future<Status>& r : room) r.wait_for(std::chrono::milliseconds(options.wait_timeout_ms));
+      if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
+      if (!staged) STRATA_RETURN_IF_ERROR(after_before());  // else the staging read waited for it
+      WaitForRoom(room);
       if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
       return engine.MoveChunk(c, Tier::kDevice);
     });
@@ -310,8 +377,8 @@ struct Pipeline::Impl {
 
   // Queues moment k's moves; returns the evictions that make room for its
   // non-model memory, which the moment must wait for before it allocates.
-  std::vector<std::shared_future<Status>> Issue(uint32_t k) {
-    std::vector<std::shared_future<Status>> room_for_activations;
+  std::vector<QueuedMove> Issue(uint32_t k) {
+    std::vector<QueuedMove> room_for_activations;
     const std::vector<ChunkId>& traced = planned_trace.moments[k].chunks;
     const bool on_host = plan->compute_tier[k] == Tier::kHost;
     for (ChunkId v : plan->evictions_at[k]) {
@@ -324,7 +391,7 @@ struct Pipeline::Impl {
       }
     }
     for (const PlannedFetch& f : plan->fetches_at[k]) {
-      std::vector<std::shared_future<Status>> room;
+      std::vector<QueuedMove> room;
       for (ChunkId v : f.victims) room.push_back(QueueEviction(v));
       QueueFetch(f.chunk, std::move(room));
     }
@@ -372,7 +439,7 @@ struct Pipeline::Impl {
   void Reconcile() {
     std::vector<bool> expected(chunk_bytes.size(), false);
     for (ChunkId c : plan->resident_at_start) expected[c.value()] = true;
-    std::vector<std::shared_future<Status>> room;
+    std::vector<QueuedMove> room;
     for (uint32_t c = 0; c < chunk_bytes.size(); ++c) {
       if (expected[c] || pending.count(c) > 0) continue;
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));

@@ -3,7 +3,9 @@
 #include <atomic>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <mutex>
 #include <random>
 #include <thread>
 
@@ -61,6 +63,36 @@ void BusyFor(std::chrono::microseconds how_long) {
   while (std::chrono::steady_clock::now() < end) {
   }
 }
+
+// An event the test completes: a fence that keeps a chunk from moving
+// (ChunkAccess::ReleaseAfter: the framework still reads it), or a gate an
+// update beside backward waits at.
+class Gate final : public Event {
+ public:
+  void Open() {
+    {
+      std::lock_guard lock(mu_);
+      open_ = true;
+    }
+    opened_.notify_all();
+  }
+  Status Wait(uint32_t timeout_ms) override {
+    std::unique_lock lock(mu_);
+    if (!opened_.wait_for(lock, std::chrono::milliseconds(timeout_ms), [&] { return open_; })) {
+      return Timeout("test gate: still closed after {} ms", timeout_ms);
+    }
+    return Status::Ok();
+  }
+  bool Done() override {
+    std::lock_guard lock(mu_);
+    return open_;
+  }
+
+ private:
+  std::mutex mu_;  // guards open_
+  std::condition_variable opened_;
+  bool open_ = false;
+};
 
 // Writes layer `l`'s pattern into its chunk, or checks it.
 Status WriteOrCheck(ChunkAccess& access, uint32_t l, bool write) {
@@ -610,6 +642,241 @@ TEST(PipelineTest, RandomStepsKeepEveryByteAndTheDeviceBudget) {
     }
   }
   EXPECT_GE(pipeline->stats().planned_iterations, 8u);
+}
+
+// Note [Waits on queued moves] in pipeline_impl.h: a move that does not end
+// within the pipeline's wait is a Timeout naming the chunk, the move and the
+// time waited, never taken as done.
+constexpr uint32_t kShortWaitMs = 200;
+
+bool Names(const Status& status, const std::string& what) {
+  return status.message().find(what) != std::string::npos;
+}
+
+// An update beside backward that outlasts the wait: the access of its chunk
+// and the chunk's write-back behind it fail, and once the update ends the
+// chunk holds what it wrote.
+TEST(PipelineTest, AnUpdateBesideBackwardThatOutlastsTheWaitFailsWhatWaitsForItAndLosesNothing) {
+  LayerModel model(4, /*device_chunks=*/2, /*host_chunks=*/2, /*nvme=*/true);
+  const uint32_t l = 1;
+  const ChunkId chunk = model.layers[l];
+  ASSERT_EQ(*model.engine->ChunkHome(chunk), Tier::kNvme);  // written back after its update
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = kShortWaitMs}));
+  Gate gate;
+  ASSERT_OK(pipeline->BeginIteration());
+  ASSERT_OK_AND_ASSIGN(std::shared_future<Status> update,
+                       pipeline->RunBeside({chunk}, std::nullopt, [&](Tier, std::vector<ChunkAccess>& held) -> Status {
+                         STRATA_RETURN_IF_ERROR(gate.Wait(10'000));
+                         WriteVersion(held[0], l, 1);
+                         return Status::Ok();
+                       }));
+  ASSERT_OK(pipeline->BeginHostMoment().status());
+  const auto start = std::chrono::steady_clock::now();
+  Status accessed = pipeline->Access(chunk).status();
+  EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kShortWaitMs));
+  EXPECT_EQ(accessed.code(), StatusCode::kTimeout) << accessed.ToString();
+  EXPECT_TRUE(Names(accessed, fmt::format("the update beside backward of chunk {} did not finish within {} ms",
+                                          chunk.value(), kShortWaitMs)))
+      << accessed.ToString();
+  ASSERT_OK(pipeline->EndMoment());
+  std::this_thread::sleep_for(std::chrono::milliseconds(5 * kShortWaitMs));  // the write-back's wait runs out too
+  gate.Open();
+  ASSERT_OK(update.get());
+  const Status ended = pipeline->EndIteration();
+  EXPECT_EQ(ended.code(), StatusCode::kTimeout) << ended.ToString();
+  EXPECT_TRUE(Names(ended, fmt::format("writing chunk {} back to NVMe after its host moment: pipeline: the last move "
+                                       "or update of chunk {} did not finish within {} ms",
+                                       chunk.value(), chunk.value(), kShortWaitMs)))
+      << ended.ToString();
+  // The chunk holds the update, wherever it is read: on the host where the
+  // write-back left it, then back from NVMe after a write-back that ran.
+  for (int it = 0; it < 3; ++it) {
+    SCOPED_TRACE("iteration " + std::to_string(it));
+    ASSERT_OK(pipeline->BeginIteration());
+    ASSERT_OK(pipeline->BeginHostMoment().status());
+    {
+      ASSERT_OK_AND_ASSIGN(ChunkAccess access, pipeline->Access(chunk));
+      ASSERT_OK(CheckVersion(access, l, 1));
+    }
+    ASSERT_OK(pipeline->EndMoment());
+    ASSERT_OK(pipeline->EndIteration());
+  }
+}
+
+// A replayed moment whose room for activations is not free in time does not
+// begin: the chunk it waited for cannot leave the device (the framework has
+// not let it go), and BeginMoment says which and how long it waited.
+TEST(PipelineTest, RoomNotMadeInTimeFailsTheMomentAndLosesNothing) {
+  LayerModel model(6, /*device_chunks=*/4);
+  const auto n = static_cast<uint32_t>(model.layers.size());
+  const uint64_t activations = 2 * kChunkElems * 4;  // in backward
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = kShortWaitMs}));
+  const auto layer_at = [n](uint32_t m) { return m < n ? m : 2 * n - 1 - m; };
+  // One iteration, forward then backward, writing each layer (`first`) or
+  // checking it; the access of moment `fenced` is let go after `gate`. Stops
+  // at the first error, with the iteration ended.
+  const auto run = [&](bool first, std::optional<uint32_t> fenced, std::shared_ptr<Gate> gate) -> Status {
+    STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+    Status status = Status::Ok();
+    for (uint32_t m = 0; m < 2 * n && status.ok(); ++m) {
+      status = pipeline->BeginMoment(m < n ? 0 : activations);
+      if (!status.ok()) break;
+      {
+        Result<ChunkAccess> access = pipeline->Access(model.layers[layer_at(m)]);
+        status = access.status();
+        if (status.ok() && (first ? m < n : true)) status = WriteOrCheck(*access, layer_at(m), first && m < n);
+        if (status.ok() && fenced == m) access->ReleaseAfter(gate);
+      }
+      const Status ended = pipeline->EndMoment();
+      if (status.ok()) status = ended;
+    }
+    if (gate != nullptr) gate->Open();
+    const Status ended = pipeline->EndIteration();
+    return status.ok() ? ended : status;
+  };
+  ASSERT_OK(run(true, std::nullopt, nullptr));
+  ASSERT_OK(run(false, std::nullopt, nullptr));
+  // A moment k whose room the plan makes by evicting a layer used before it,
+  // last at moment j: the access of moment j is let go after a closed gate.
+  const Plan* plan = pipeline->plan();
+  ASSERT_NE(plan, nullptr);
+  std::optional<uint32_t> k, j;
+  for (uint32_t m = 1; m < 2 * n && !k; ++m) {
+    for (ChunkId evicted : plan->evictions_at[m]) {
+      for (uint32_t before = m; before-- > 0 && !k;) {
+        if (model.layers[layer_at(before)] == evicted) k = m, j = before;
+      }
+    }
+  }
+  ASSERT_TRUE(k.has_value()) << "no moment's room is made by evicting a layer used before it";
+  const Status status = run(false, *j, std::make_shared<Gate>());
+  EXPECT_EQ(status.code(), StatusCode::kTimeout) << status.ToString();
+  EXPECT_TRUE(Names(status, fmt::format("making room on the device for moment {}: pipeline: the eviction of chunk {} "
+                                        "did not finish within {} ms",
+                                        *k, model.layers[layer_at(*j)].value(), kShortWaitMs)))
+      << status.ToString();
+  for (int it = 0; it < 3; ++it) ASSERT_OK(run(false, std::nullopt, nullptr));  // every layer intact
+  EXPECT_GE(pipeline->stats().planned_iterations, 1u);
+}
+
+// A fetch queued behind an update beside backward of its chunk that
+// outlasts the wait moves nothing, and the access that needs the chunk says
+// why; the update's bytes are kept.
+TEST(PipelineTest, AFetchBehindAnUpdateThatOutlastsTheWaitFailsItsAccessAndLosesNothing) {
+  LayerModel model(2, /*device_chunks=*/2);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = kShortWaitMs}));
+  // Forward 0 1, backward 1 with layer 1's update beside it, backward 0, and
+  // layer 1 again (a fetch the plan queues behind the update). Layer 1 is at
+  // `version`, and the update moves it on; `gate`: where the update waits.
+  const auto run = [&](uint32_t version, Gate* gate) -> Status {
+    STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+    const auto device_moment = [&](uint32_t l, uint32_t v) -> Status {
+      STRATA_RETURN_IF_ERROR(pipeline->BeginMoment());
+      Status status = Status::Ok();
+      {
+        Result<ChunkAccess> access = pipeline->Access(model.layers[l]);
+        status = access.status();
+        if (status.ok() && version == 0 && v == 0) WriteVersion(*access, l, 0);
+        if (status.ok()) status = CheckVersion(*access, l, v);
+      }
+      const Status ended = pipeline->EndMoment();
+      return status.ok() ? ended : status;
+    };
+    Status status = Status::Ok();
+    for (uint32_t l : {0u, 1u, 1u}) {
+      if (status.ok()) status = device_moment(l, l == 0 ? 0 : version);
+    }
+    std::optional<std::shared_future<Status>> update;
+    if (status.ok()) {
+      Result<std::shared_future<Status>> begun = pipeline->RunBeside(
+          {model.layers[1]}, std::nullopt, [&, version, gate](Tier, std::vector<ChunkAccess>& held) -> Status {
+            if (gate != nullptr) STRATA_RETURN_IF_ERROR(gate->Wait(10'000));
+            STRATA_RETURN_IF_ERROR(CheckVersion(held[0], 1, version));
+            WriteVersion(held[0], 1, version + 1);
+            return Status::Ok();
+          });
+      status = begun.status();
+      if (begun.ok()) update = *begun;
+    }
+    if (status.ok()) status = device_moment(0, 0);
+    // The fetch's wait runs out before the access begins to wait.
+    if (gate != nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(3 * kShortWaitMs));
+    if (status.ok()) status = device_moment(1, version + 1);
+    if (gate != nullptr) gate->Open();
+    if (update) {
+      const Status updated = update->get();
+      if (status.ok()) status = updated;
+    }
+    const Status ended = pipeline->EndIteration();
+    return status.ok() ? ended : status;
+  };
+  uint32_t version = 0;
+  for (; version < 3; ++version) ASSERT_OK(run(version, nullptr));
+  ASSERT_NE(pipeline->plan(), nullptr);
+  ASSERT_EQ(pipeline->plan()->fetches_at[4].size(), 1u);  // layer 1's, queued as the update runs
+  ASSERT_EQ(pipeline->plan()->fetches_at[4][0].chunk, model.layers[1]);
+  Gate gate;
+  const Status status = run(version++, &gate);
+  EXPECT_EQ(status.code(), StatusCode::kTimeout) << status.ToString();
+  EXPECT_TRUE(Names(status, fmt::format("prefetching chunk {}: pipeline: the last move or update of chunk {} did not "
+                                        "finish within {} ms",
+                                        model.layers[1].value(), model.layers[1].value(), kShortWaitMs)))
+      << status.ToString();
+  for (int it = 0; it < 3; ++it, ++version) ASSERT_OK(run(version, nullptr));  // the update landed
+}
+
+// A read ahead of a host moment queued behind its chunk's write-back that
+// outlasts the wait (a slow drive) reads nothing, and the host moment's
+// access says why; the chunk keeps its bytes.
+TEST(PipelineTest, AReadBehindAWriteBackThatOutlastsTheWaitFailsItsAccessAndLosesNothing) {
+  LayerModel model(10, /*device_chunks=*/2, /*host_chunks=*/8, /*nvme=*/true);
+  const uint32_t x = 9;  // updated twice an iteration, on the host
+  ASSERT_EQ(*model.engine->ChunkHome(model.layers[x]), Tier::kNvme);
+  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = kShortWaitMs}));
+  constexpr uint32_t kSlowWriteMs = 5 * kShortWaitMs;
+  // Moments: 0 on the device, x on the host, 1 on the device, x on the host.
+  // `slow`: the write-back after the first host moment takes kSlowWriteMs.
+  const auto run = [&](bool first, bool slow) -> Status {
+    STRATA_RETURN_IF_ERROR(pipeline->BeginIteration());
+    Status status = Status::Ok();
+    uint32_t m = 0;
+    for (uint32_t l : {0u, x, 1u, x}) {
+      status = l == x ? pipeline->BeginHostMoment().status() : pipeline->BeginMoment();
+      if (!status.ok()) break;
+      {
+        Result<ChunkAccess> access = pipeline->Access(model.layers[l]);
+        status = access.status();
+        if (status.ok()) status = WriteOrCheck(*access, l, /*write=*/first && m < 3);
+      }
+      const int writes = model.faults->writes();
+      if (slow && m == 1) model.faults->SetDelayMs(kSlowWriteMs);
+      const Status ended = pipeline->EndMoment();
+      if (slow && m == 1) {
+        // Only the write-back is slow: the delay is lifted once it has begun.
+        while (model.faults->writes() == writes) std::this_thread::yield();
+        model.faults->SetDelayMs(0);
+      }
+      // The read's wait runs out before the access begins to wait.
+      if (slow && m == 2) std::this_thread::sleep_for(std::chrono::milliseconds(2 * kShortWaitMs));
+      if (status.ok()) status = ended;
+      if (!status.ok()) break;
+      m++;
+    }
+    const Status ended = pipeline->EndIteration();
+    return status.ok() ? ended : status;
+  };
+  ASSERT_OK(run(true, false));
+  ASSERT_OK(run(false, false));
+  ASSERT_NE(pipeline->plan(), nullptr);
+  ASSERT_EQ(pipeline->plan()->host_reads_at[2], (std::vector<PlannedRead>{{model.layers[x], 3}}));
+  const Status status = run(false, true);
+  EXPECT_EQ(status.code(), StatusCode::kTimeout) << status.ToString();
+  EXPECT_TRUE(Names(status, fmt::format("prefetching chunk {}: pipeline: the last move or update of chunk {} did not "
+                                        "finish within {} ms",
+                                        model.layers[x].value(), model.layers[x].value(), kShortWaitMs)))
+      << status.ToString();
+  std::this_thread::sleep_for(std::chrono::milliseconds(kSlowWriteMs));  // the write-back ends
+  for (int it = 0; it < 3; ++it) ASSERT_OK(run(false, false));  // every layer intact
 }
 
 }  // namespace
