@@ -12,6 +12,7 @@ cd "$(dirname "$0")/.."
 scripts/install_deps.sh
 scripts/venv.sh   # .venv: PyTorch 2.13 and the other pinned Python packages
 python3 scripts/check_layers.py  # every #include within its layer (docs/design.md, "Layers")
+.venv/bin/python scripts/check_functions.py  # no function over 80 lines (docs/design.md, "Rules for the code")
 
 build_dir=build
 cmake_args=()

@@ -337,6 +337,57 @@ Status Pipeline::EndMoment() {
   return pinned;
 }
 
+namespace {
+
+// An update beside backward that runs in its place (another policy, or the
+// plan has it on the device): accesses its chunks, computes and ends the
+// moment now; the outcome is ready when this returns.
+std::shared_future<Status> RunInPlace(Pipeline& pipeline, const std::vector<ChunkId>& chunks, Tier where,
+                                      const Pipeline::BesideCompute& compute) {
+  std::vector<ChunkAccess> held;
+  Status computed = Status::Ok();
+  for (ChunkId c : chunks) {
+    Result<ChunkAccess> access = pipeline.Access(c);
+    if (!access.ok()) {
+      computed = access.status();
+      break;
+    }
+    held.push_back(std::move(access).value());
+  }
+  if (computed.ok()) computed = compute(where, held);
+  held.clear();
+  const Status ended = pipeline.EndMoment();
+  std::promise<Status> done;
+  done.set_value(computed.ok() ? ended : computed);
+  return done.get_future().share();
+}
+
+// An update beside backward on the host's lane (Note [Updates beside
+// backward]): waits for the moves queued before it, pins its chunks in host
+// memory and computes; `seconds` gets the compute's time.
+Status ComputeBeside(Engine& engine, const std::vector<ChunkId>& chunks,
+                     const std::vector<std::pair<ChunkId, std::shared_future<Status>>>& before, uint32_t timeout_ms,
+                     const Pipeline::BesideCompute& compute, double& seconds) {
+  for (const auto& [c, move] : before) {
+    const Status moved = WaitFor(move, timeout_ms, c, "move ahead of an update beside backward");
+    // One that found no room moved nothing: the access below moves it.
+    if (!moved.ok() && moved.code() != StatusCode::kOutOfMemory) {
+      return moved.WithContext(fmt::format("moving chunk {} to the host for its update", c.value()));
+    }
+  }
+  std::vector<ChunkAccess> held;
+  for (ChunkId c : chunks) {
+    STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(c, Tier::kHost));
+    held.push_back(std::move(access));
+  }
+  const Clock::time_point start = Clock::now();
+  Status computed = compute(Tier::kHost, held);
+  seconds = SecondsSince(start);
+  return computed;
+}
+
+}  // namespace
+
 Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId>& chunks,
                                                        std::optional<double> device_compute_seconds,
                                                        BesideCompute compute) {
@@ -351,24 +402,7 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
   STRATA_ASSIGN_OR_RETURN(const Tier where, p.Begin(TraceMoment{.tier = Tier::kHost,
                                                                 .device_compute_seconds = device_compute_seconds,
                                                                 .beside = adaptive}));
-  if (!adaptive || where != Tier::kHost) {  // now, in its place
-    std::vector<ChunkAccess> held;
-    Status computed = Status::Ok();
-    for (ChunkId c : chunks) {
-      Result<ChunkAccess> access = Access(c);
-      if (!access.ok()) {
-        computed = access.status();
-        break;
-      }
-      held.push_back(std::move(access).value());
-    }
-    if (computed.ok()) computed = compute(where, held);
-    held.clear();
-    const Status ended = EndMoment();
-    std::promise<Status> done;
-    done.set_value(computed.ok() ? ended : computed);
-    return done.get_future().share();
-  }
+  if (!adaptive || where != Tier::kHost) return RunInPlace(*this, chunks, where, compute);
   // The moves the update waits for, on the update's thread: a planned read
   // from NVMe, a move off the device, a write-back.
   std::vector<std::pair<ChunkId, std::shared_future<Status>>> before;
@@ -393,22 +427,7 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
   Engine& engine = p.engine;
   std::shared_future<Status> done =
       p.beside.Push([&engine, chunks, before, timeout_ms, seconds, compute = std::move(compute)]() -> Status {
-        for (const auto& [c, move] : before) {
-          const Status moved = WaitFor(move, timeout_ms, c, "move ahead of an update beside backward");
-          // One that found no room moved nothing: the access below moves it.
-          if (!moved.ok() && moved.code() != StatusCode::kOutOfMemory) {
-            return moved.WithContext(fmt::format("moving chunk {} to the host for its update", c.value()));
-          }
-        }
-        std::vector<ChunkAccess> held;
-        for (ChunkId c : chunks) {
-          STRATA_ASSIGN_OR_RETURN(ChunkAccess access, engine.AccessChunk(c, Tier::kHost));
-          held.push_back(std::move(access));
-        }
-        const Clock::time_point start = Clock::now();
-        Status computed = compute(Tier::kHost, held);
-        *seconds = SecondsSince(start);
-        return computed;
+        return ComputeBeside(engine, chunks, before, timeout_ms, compute, *seconds);
       });
   p.beside_runs.push_back({p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1)
                                                              : std::nullopt,
