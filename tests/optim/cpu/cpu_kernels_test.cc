@@ -107,7 +107,7 @@ class VectorKernelTest : public ::testing::TestWithParam<CpuIsa> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Isas, VectorKernelTest, ::testing::ValuesIn(kVectorIsas),
-                         [](const ::testing::TestParamInfo<CpuIsa>& info) { return std::string(CpuIsaName(info.param)); });
+                         [](const ::testing::TestParamInfo<CpuIsa>& isa) { return std::string(CpuIsaName(isa.param)); });
 
 TEST_P(VectorKernelTest, MatchesTheReferenceForEveryKindDtypeAndTail) {
   std::mt19937_64 rng(::strata::testing::TestSeed());
