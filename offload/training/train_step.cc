@@ -96,13 +96,15 @@ double SecondsSince(Clock::time_point start) {
 
 // The gradients' statistics, each grad chunk read where it lies: those on the
 // device pinned there (read in place on the emulated device, whose memory is
-// the host's; summed on a GPU in one pass: Note [Updates on the device]), the
-// others copied into host memory.
+// the host's; summed on a GPU in one pass: Note [Updates on the device]),
+// those in host memory pinned there and summed in place by every core, and
+// only the others (on NVMe, or moving) copied into host memory first; their
+// bytes are `copied_bytes`.
 // Each group's sum of squares is its own, added to the total in group order:
 // `known[k]`, where set, is group k's taken beforehand (an update beside
 // backward took it), so the norm is the same bit for bit whichever took it.
 Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>& groups, uintptr_t stream,
-                                       const std::vector<std::optional<double>>& known) {
+                                       const std::vector<std::optional<double>>& known, uint64_t& copied_bytes) {
   uint64_t largest = 0;
   for (const Group& g : groups) largest = std::max(largest, g[ChunkKind::kGrad].size_bytes);
   optim::GradStats stats;
@@ -124,19 +126,23 @@ Result<optim::GradStats> ReadGradStats(Engine& engine, const std::vector<Group>&
     const Group& g = groups[k];
     const ChunkInfo& grad = g[ChunkKind::kGrad];
     const size_t n = grad.used_bytes / DTypeSizeBytes(grad.dtype);
-    // Pinned only where it lies and not moving: a planned move off the device runs as planned.
+    // Pinned only where it lies and not moving: a planned move runs as planned.
     STRATA_ASSIGN_OR_RETURN(std::optional<ChunkAccess> access, engine.AccessChunkIfOn(grad.id, Tier::kDevice));
-    if (access && in_place) {
-      add(access->data(), grad, n);
-      continue;
-    }
-    if (access) {
+    if (access && !in_place) {
       device_grads.push_back({.n = n, .grad = access->data(), .grad_dtype = grad.dtype});
       on_device.push_back(std::move(*access));
       continue;
     }
+    if (!access) {
+      STRATA_ASSIGN_OR_RETURN(access, engine.AccessChunkIfOn(grad.id, Tier::kHost));
+    }
+    if (access) {
+      add(access->data(), grad, n);
+      continue;
+    }
     if (!scratch) scratch = AllocateAlignedHost(largest, kIoAlignmentBytes);
     STRATA_RETURN_IF_ERROR(engine.ReadChunk(grad.id, scratch.data()).WithContext("reading gradients for their norm"));
+    copied_bytes += grad.size_bytes;
     add(scratch.data(), grad, n);
   }
   if (!device_grads.empty()) {
@@ -354,7 +360,8 @@ class TrainStep {
       for (const BesideUpdates::Update& u : beside_) {
         if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
       }
-      STRATA_ASSIGN_OR_RETURN(stats, ReadGradStats(engine_, groups_, options_.compute_stream, known));
+      STRATA_ASSIGN_OR_RETURN(
+          stats, ReadGradStats(engine_, groups_, options_.compute_stream, known, report_.stats_copied_bytes));
       optimizer_.SetAllReduceHook(nullptr);
     }
     STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));

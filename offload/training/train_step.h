@@ -22,6 +22,7 @@ namespace strata::offload {
 struct TrainStepReport {
   optim::StepPlan plan;
   double stats_seconds = 0;   // reading the grads for their norm
+  uint64_t stats_copied_bytes = 0;  // of the grads read for the norm, those copied first (on NVMe, or moving)
   double update_seconds = 0;  // the host moments
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included

@@ -62,6 +62,7 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
   d["grad_norm"] = report.plan.grad_norm;
   d["loss_scale"] = report.plan.loss_scale;
   d["stats_seconds"] = report.stats_seconds;
+  d["stats_copied_bytes"] = report.stats_copied_bytes;
   d["update_seconds"] = report.update_seconds;
   d["groups"] = report.groups;
   d["comm_bytes"] = report.comm_bytes;

@@ -6,9 +6,11 @@
 
 #include <array>
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 #include <random>
 #include <thread>
 #include <vector>
@@ -58,6 +60,31 @@ TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) 
   EXPECT_EQ(model.optimizer->steps_taken(), 3);
   // The states did not all fit the host: some groups were read from NVMe and written back.
   EXPECT_GT(model.engine->stats().links[static_cast<int>(Tier::kNvme)][static_cast<int>(Tier::kHost)].bytes, 0u);
+}
+
+TEST(TrainStepTest, TheNormSumsGradsWhereTheyLieAndCopiesOnlyThoseElsewhere) {
+  Model model;
+  std::mt19937 rng(11);
+  double sum_squares = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    model.Write(l, ChunkKind::kParam, Random(rng, 1.0f));
+    const std::vector<float> grad = Random(rng, 0.1f);
+    model.Write(l, ChunkKind::kGrad, grad);
+    for (float g : grad) sum_squares += double{g} * g;
+  }
+  std::map<Tier, uint64_t> grads_on;  // where the grad chunks lie as the step begins: bytes
+  model.before_step = [&] {
+    for (int l = 0; l < kLayers; ++l) {
+      const ChunkInfo grad = model.engine->chunks()[model.engine->ChunkOf(TensorId(l), ChunkKind::kGrad)->value()];
+      Result<Tier> tier = model.engine->ChunkTier(grad.id);
+      STRATA_CHECK(tier.ok(), "{}", tier.status().ToString());
+      grads_on[*tier] += grad.size_bytes;
+    }
+  };
+  ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
+  ASSERT_GT(grads_on[Tier::kHost], 0u) << "the test means some grads in host memory";
+  EXPECT_EQ(report.stats_copied_bytes, grads_on[Tier::kNvme]);  // the device's and the host's summed in place
+  EXPECT_NEAR(report.plan.grad_norm, std::sqrt(sum_squares), 1e-9 * std::sqrt(sum_squares));
 }
 
 // An engine of one trainable tensor of one 4096-element fp32 chunk, whose
