@@ -33,7 +33,11 @@
 // smallest is a 64th of it (the widest bounds' ratio), at most
 // kWidestSearchMinElems and at most the model (a model smaller than that is
 // one chunk). On the default budgets (1GiB device, 4GiB host) the largest is
-// 21Mi elements for fp32 and 43Mi for bf16.
+// 21Mi elements for fp32 and 43Mi for bf16. Under host.budget auto the host
+// tier is sized after the layout, from the machine's free memory, which a
+// resumed run or another rank may not share; the search then assumes
+// kAutoHostSearchBytes, so the chunk size depends on the model and the
+// options only (a checkpoint names it and refuses another).
 
 #include "memory/chunk_layout.h"
 
@@ -202,6 +206,7 @@ SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBound
   if (largest_elems > device_max && largest_elems * device_elem_bytes < device_bytes) {
     device_max = (device_bytes - largest_elems * device_elem_bytes) / (kDeviceChunksPerKind * device_elem_bytes);
   }
+  if (host_bytes == 0) host_bytes = kAutoHostSearchBytes;
   const uint64_t host_max = host_bytes / (kHostChunkGroups * host_elem_bytes);
   const uint64_t max_elems =
       std::max(kTensorAlignmentElems, std::min({kWidestSearchMaxElems, device_max, host_max}) /

@@ -122,10 +122,17 @@ struct SearchBounds {
 inline constexpr uint64_t kWidestSearchMinElems = uint64_t{1} << 20;
 inline constexpr uint64_t kWidestSearchMaxElems = uint64_t{1} << 26;
 
+// The host tier the search assumes under host.budget auto (host_bytes 0),
+// whose size follows the machine's free memory: a fixed figure, so that a
+// resumed run and every rank build the same layout (the default host budget
+// the search used before auto).
+inline constexpr uint64_t kAutoHostSearchBytes = uint64_t{4} << 30;
+
 // `given`'s bounds where set; the others derived so that the device tier of
 // `device_bytes` holds several chunks of each kind compute touches (beside
 // the largest tensor when it gets a chunk of its own) and the host tier of
-// `host_bytes` several chunk groups. Never min > max.
+// `host_bytes` (0: host.budget auto, kAutoHostSearchBytes) several chunk
+// groups. Never min > max.
 SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBounds given, uint64_t device_bytes,
                              uint64_t host_bytes);
 

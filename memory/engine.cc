@@ -214,7 +214,7 @@ struct Engine::Impl {
     config.host_pool = host_pool.get();
     config.nvme_pool = nvme_pool.get();
     config.transfer_workers = options.transfer_workers;
-    config.wait_timeout_ms = std::max(options.device.copy_timeout_ms, options.nvme.io_timeout_ms);
+    config.wait_timeout_ms = EngineWaitTimeoutMs(options);
     auto manager = std::make_unique<memory::ResidencyManager>(config, chunk_layout.chunks());
     for (size_t i = 0; i < homes.size(); ++i) manager->SetHome(ChunkId(static_cast<uint32_t>(i)), homes[i]);
     return manager;
@@ -371,7 +371,7 @@ Status Engine::Finalize() {
   }
   const memory::SearchBounds bounds = memory::SearchBoundsFor(
       impl_->tensors, {o.chunk.search_min_elems, o.chunk.search_max_elems}, capacities.device_bytes,
-      capacities.host_bytes);
+      size_host ? 0 : capacities.host_bytes);  // auto: a fixed figure (Note [Chunk size bounds])
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, bounds.min_elems,
                                                      bounds.max_elems, {rank(), world_size(), o.comm.shard_params}));

@@ -281,6 +281,30 @@ TEST(EngineTest, HostBudgetAutoTakesAtMostHalfTheAvailableMemoryAndSaysSo) {
   for (const ChunkInfo& chunk : spilled->chunks()) ASSERT_OK(spilled->AccessChunk(chunk.id, Tier::kHost).status());
 }
 
+TEST(EngineTest, HostBudgetAutoChoosesTheSameChunkSizeWhateverMemoryIsAvailable) {
+  // The chunk size a checkpoint is bound to, and every rank must share, may
+  // not follow the machine's free memory (Note [Chunk size bounds]).
+  Options options = AutoHostOptions();
+  options.chunk.size_elems = 0;
+  options.device.budget_bytes = 4 << 20;
+  options.nvme.capacity_bytes = 32 << 20;
+  std::vector<uint64_t> chosen;
+  for (uint64_t available : {uint64_t{2} << 20, uint64_t{1} << 30, uint64_t{64} << 30}) {
+    EngineSeams seams = AvailableHost(available);
+    ASSERT_OK_AND_ASSIGN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+    ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options, std::move(seams)));
+    for (int l = 0; l < 8; ++l) {  // 8 MiB of states in all
+      ASSERT_OK(engine->RegisterTensor({"layer" + std::to_string(l), {65536}, DType::kFloat32, true,
+                                        "l" + std::to_string(l)})
+                    .status());
+    }
+    ASSERT_OK(engine->Finalize());
+    chosen.push_back(engine->layout().chunk_size_elems);
+  }
+  EXPECT_EQ(chosen[0], chosen[1]);
+  EXPECT_EQ(chosen[1], chosen[2]);
+}
+
 TEST(EngineTest, CloseGivesEveryTiersMemoryAndFilesBackAndLaterCallsSaySo) {
   testing::ScratchDir dir("close");
   Options options = AutoHostOptions();
