@@ -41,9 +41,12 @@
 // other half is the rest of the process's: activations, the data loader,
 // the optimizer's stream ring, the emulated device's arena. Chunks are homed
 // with that half as the host's capacity, so a model whose states exceed it
-// homes the rest on NVMe (and the host tier is then the whole half, which
-// its staging and slack need) or, without nvme.dirs, is refused naming both
-// figures. Ranks sharing a machine each see the same available memory: where
+// homes the rest on NVMe or, without nvme.dirs, is refused naming both
+// figures. Where chunks are homed on NVMe (the rest of a large model, or the
+// static policy's states beyond placement.host_states, however small the
+// model), the tier also holds staging for them: the placement's, at most
+// their bytes (memory::AutoHostSizeFor), so a small model keeps a small
+// host tier and a large one takes at most the half. Ranks sharing a machine each see the same available memory: where
 // their states together exceed half of it, give host.budget a size. A size
 // given is the tier's capacity, allocated at Create.
 //
@@ -137,16 +140,17 @@ struct Engine::Impl {
     return *available / 2 / memory::kSlotAlignmentBytes * memory::kSlotAlignmentBytes;
   }
   // host.budget auto, once the chunks are homed under `cap_bytes`: the host
-  // tier they need, at most the cap; the whole cap where some are homed on
-  // NVMe (the placement kept staging room in it). The engine's options say
-  // what it took.
-  Status SizeHost(const std::vector<memory::ChunkDesc>& chunks, const std::vector<Tier>& homes, uint64_t cap_bytes) {
-    const uint64_t needed = RoundUp(memory::HostBytesNeeded(chunks, homes), memory::kSlotAlignmentBytes);
-    const bool spilled = std::find(homes.begin(), homes.end(), Tier::kNvme) != homes.end();
-    STRATA_RETURN_IF_ERROR(OpenHost(spilled ? cap_bytes : std::min(needed, cap_bytes)));
+  // tier they need, staging for those homed on NVMe included, at most the
+  // cap (memory::AutoHostSizeFor); `placement` keeps the staging it took. The
+  // engine's options say what it took.
+  Status SizeHost(const std::vector<memory::ChunkDesc>& chunks, memory::Placement& placement, uint64_t cap_bytes) {
+    const memory::AutoHostSize wanted = memory::AutoHostSizeFor(chunks, placement);
+    STRATA_RETURN_IF_ERROR(OpenHost(std::min(wanted.capacity_bytes, cap_bytes)));
+    if (wanted.capacity_bytes <= cap_bytes) placement.host_staging_bytes = wanted.staging_bytes;
     options.host.budget_bytes = host_pool->usage().capacity_bytes;
-    STRATA_LOG_DEBUG("host.budget auto: {} (the model's chunks need {}; at most {})",
-                     FormatSize(options.host.budget_bytes), FormatSize(needed), FormatSize(cap_bytes));
+    STRATA_LOG_DEBUG("host.budget auto: {} (the model's chunks need {}, staging {} of it; at most {})",
+                     FormatSize(options.host.budget_bytes), FormatSize(wanted.capacity_bytes),
+                     FormatSize(placement.host_staging_bytes), FormatSize(cap_bytes));
     return Status::Ok();
   }
   // See Note [Engine teardown].
@@ -382,7 +386,7 @@ Status Engine::Finalize() {
         FormatSize(capacities.host_bytes)));
   }
   STRATA_ASSIGN_OR_RETURN(memory::Placement placement, std::move(placed));
-  if (size_host) STRATA_RETURN_IF_ERROR(impl_->SizeHost(layout.chunks(), placement.homes, capacities.host_bytes));
+  if (size_host) STRATA_RETURN_IF_ERROR(impl_->SizeHost(layout.chunks(), placement, capacities.host_bytes));
   if (size_nvme) {
     Status sized = impl_->SizeNvme(layout.chunks(), placement.homes);
     if (!sized.ok() && size_host) impl_->host_pool.reset();  // Finalize again sizes it again

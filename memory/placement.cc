@@ -15,7 +15,8 @@
 // (moved off the device, it is dropped).
 //
 // Note [Host reserve]
-// When some chunks must live on NVMe, part of the host tier stays free of
+// When some chunks must live on NVMe (the model exceeds the host, or the
+// static policy sends the states beyond its share there), part of the host tier stays free of
 // homes: staging room for NVMe-homed states read ahead of their CPU update —
 // four typical (median) chunk groups' optimizer states (one updated, one
 // being written back, two read ahead), at least an eighth of the host tier,
@@ -193,9 +194,21 @@ uint64_t HostBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector
   return HomedBytesWithSlack(chunks, homes, Tier::kHost, kSpareHostChunks);
 }
 
+AutoHostSize AutoHostSizeFor(const std::vector<ChunkDesc>& chunks, const Placement& placement) {
+  uint64_t nvme_homed = 0;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    if (placement.homes[i] == Tier::kNvme) nvme_homed += chunks[i].size_bytes();
+  }
+  AutoHostSize size;
+  size.staging_bytes = std::min(placement.host_staging_bytes, nvme_homed);
+  size.capacity_bytes = RoundUp(HostBytesNeeded(chunks, placement.homes) + size.staging_bytes, kSlotAlignmentBytes);
+  return size;
+}
+
 // See Note [Host reserve].
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring) {
-  if (layout.report().total_bytes <= host_bytes || nvme_bytes == 0) return {};
+HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring,
+                           bool states_on_nvme) {
+  if ((layout.report().total_bytes <= host_bytes && !states_on_nvme) || nvme_bytes == 0) return {};
   std::vector<uint64_t> group_states;
   uint64_t largest_chunk = 0;
   for (const ChunkGroup& group : layout.groups()) {
@@ -218,9 +231,10 @@ HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint6
 
 Result<Placement> PlaceChunks(const ChunkLayout& layout, const TierCapacities& capacities, const Options& options) {
   const std::vector<ChunkDesc>& chunks = layout.chunks();
-  const HostReserve reserve =
-      HostReserveFor(layout, capacities.host_bytes, capacities.nvme_bytes, options.optimizer.stream_ring_bytes);
   const bool fixed = options.placement.policy == PlacementPolicy::kStatic;
+  const HostReserve reserve = HostReserveFor(layout, capacities.host_bytes, capacities.nvme_bytes,
+                                             options.optimizer.stream_ring_bytes,
+                                             fixed && options.placement.host_states < 1.0);
   const StateTotals states = StatesOf(chunks);
   const auto share_bytes = static_cast<uint64_t>(options.placement.host_states * static_cast<double>(states.bytes));
   const std::vector<std::optional<Tier>> assigned =

@@ -26,13 +26,15 @@ std::vector<std::optional<Tier>> AssignHomes(const std::vector<ChunkDesc>& chunk
                                              uint64_t max_host_state_bytes = std::numeric_limits<uint64_t>::max());
 
 // Host memory kept free of homes when some chunks must live on NVMe; zero
-// when the host holds every chunk or there is no NVMe tier. See Note [Host
-// reserve].
+// when the host holds every chunk (and `states_on_nvme`, the static policy's
+// share below one, does not send states there anyway) or there is no NVMe
+// tier. See Note [Host reserve].
 struct HostReserve {
   uint64_t staging_bytes = 0;   // for NVMe-homed chunks read ahead of their CPU update
   uint64_t reserved_bytes = 0;  // staging and slack: what homes may not use
 };
-HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring);
+HostReserve HostReserveFor(const ChunkLayout& layout, uint64_t host_bytes, uint64_t nvme_bytes, uint64_t stream_ring,
+                           bool states_on_nvme = false);
 
 // The capacities of the tiers, in bytes.
 struct TierCapacities {
@@ -56,6 +58,16 @@ uint64_t NvmeBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector
 // (transient ones take none), an eighth more and room for two of the largest
 // chunks. See Note [Host budget auto] in memory/engine.cc.
 uint64_t HostBytesNeeded(const std::vector<ChunkDesc>& chunks, const std::vector<Tier>& homes);
+
+// host.budget auto: the host tier the chunks homed as `placement.homes` need
+// (HostBytesNeeded) and, where some are homed on NVMe, staging for them: the
+// placement's, at most their bytes (staging more than there is to read gains
+// nothing). See Note [Host budget auto] in memory/engine.cc.
+struct AutoHostSize {
+  uint64_t capacity_bytes = 0;
+  uint64_t staging_bytes = 0;
+};
+AutoHostSize AutoHostSizeFor(const std::vector<ChunkDesc>& chunks, const Placement& placement);
 
 // The homes of every chunk of `layout` under options.placement (adaptive:
 // the host while it has room; static: at most placement.host_states of the

@@ -281,6 +281,39 @@ TEST(EngineTest, HostBudgetAutoTakesAtMostHalfTheAvailableMemoryAndSaysSo) {
   for (const ChunkInfo& chunk : spilled->chunks()) ASSERT_OK(spilled->AccessChunk(chunk.id, Tier::kHost).status());
 }
 
+// `layers` trainable fp32 tensors of `elems` elements, each its own module.
+Status RegisterLayers(Engine& engine, int layers, int64_t elems) {
+  for (int l = 0; l < layers; ++l) {
+    STRATA_RETURN_IF_ERROR(
+        engine.RegisterTensor({"layer" + std::to_string(l), {elems}, DType::kFloat32, true, "l" + std::to_string(l)})
+            .status());
+  }
+  return Status::Ok();
+}
+
+TEST(EngineTest, HostBudgetAutoWithStatesOnNvmeIsWhatTheHostHomedChunksAndTheirStagingNeed) {
+  // The static policy with no states on the host: a small model spills them
+  // to NVMe, and the host tier is still sized to the model, not to the cap.
+  Options options = AutoHostOptions();
+  options.placement.policy = PlacementPolicy::kStatic;
+  options.placement.host_states = 0;
+  options.nvme.capacity_bytes = 4 << 20;
+  EngineSeams seams = AvailableHost(uint64_t{1} << 30);
+  ASSERT_OK_AND_ASSIGN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options, std::move(seams)));
+  ASSERT_OK(RegisterLayers(*engine, 4, 16384));
+  ASSERT_OK(engine->Finalize());
+  EXPECT_EQ(HomedBytes(*engine, Tier::kNvme, /*states=*/true), 8u * (64 << 10));
+  EXPECT_EQ(HomedBytes(*engine, Tier::kHost, /*states=*/false), 8u * (64 << 10));
+  // Staging: all the NVMe-homed states (512 KiB), less than the placement's
+  // share of the cap. Host: the params and grads, an eighth more, two of the
+  // largest chunks, and the staging: 1216 KiB of the 512 MiB allowed.
+  EXPECT_EQ(engine->host_staging_bytes(), 512u << 10);
+  EXPECT_EQ(engine->stats().tiers[static_cast<int>(Tier::kHost)].capacity_bytes, 1216u << 10);
+  ASSERT_OK(engine->OffloadAll());
+  for (const ChunkInfo& chunk : engine->chunks()) ASSERT_OK(engine->AccessChunk(chunk.id, Tier::kHost).status());
+}
+
 TEST(EngineTest, HostBudgetAutoChoosesTheSameChunkSizeWhateverMemoryIsAvailable) {
   // The chunk size a checkpoint is bound to, and every rank must share, may
   // not follow the machine's free memory (Note [Chunk size bounds]).
@@ -293,11 +326,7 @@ TEST(EngineTest, HostBudgetAutoChoosesTheSameChunkSizeWhateverMemoryIsAvailable)
     EngineSeams seams = AvailableHost(available);
     ASSERT_OK_AND_ASSIGN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
     ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options, std::move(seams)));
-    for (int l = 0; l < 8; ++l) {  // 8 MiB of states in all
-      ASSERT_OK(engine->RegisterTensor({"layer" + std::to_string(l), {65536}, DType::kFloat32, true,
-                                        "l" + std::to_string(l)})
-                    .status());
-    }
+    ASSERT_OK(RegisterLayers(*engine, 8, 65536));  // 8 MiB of states in all
     ASSERT_OK(engine->Finalize());
     chosen.push_back(engine->layout().chunk_size_elems);
   }
