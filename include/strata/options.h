@@ -154,6 +154,10 @@ Status ApplyOptionsFile(Options& options, const std::string& path);
 // Checks relations between keys (e.g. block size a multiple of 4096).
 Status ValidateOptions(const Options& options);
 
+// The longest one of the engine's waits for a move may take before it is a
+// Timeout: the larger of device.copy_timeout_ms and nvme.io_timeout_ms.
+uint32_t EngineWaitTimeoutMs(const Options& options);
+
 // The current value of every key, as text, in OptionDocs() order.
 std::vector<std::pair<std::string, std::string>> DescribeOptions(const Options& options);
 

@@ -127,6 +127,7 @@ PipelineOptions PipelineOptionsOf(const Options& options) {
   PipelineOptions pipeline;
   pipeline.policy = options.placement.policy == PlacementPolicy::kStatic ? Policy::kStatic : Policy::kAdaptive;
   pipeline.static_device_params = options.placement.device_params;
+  pipeline.wait_timeout_ms = EngineWaitTimeoutMs(options);  // as long as the moves it waits for may take
   return pipeline;
 }
 

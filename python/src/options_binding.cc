@@ -31,7 +31,10 @@ void BindOptions(py::module_& m) {
             for (const auto& [key, value] : DescribeOptions(options)) values[py::str(key)] = value;
             return values;
           },
-          "every key and its value, as text");
+          "every key and its value, as text")
+      .def("wait_timeout_ms", &EngineWaitTimeoutMs,
+           "the longest one of the engine's waits may take: the larger of device.copy_timeout_ms and "
+           "nvme.io_timeout_ms");
   m.def(
       "parse_size", [](const std::string& text) { return ValueOrThrow(ParseSize(text)); }, py::arg("text"),
       "'64MiB', '1.5GiB', '4096', '2GB' -> bytes; ValueError otherwise");

@@ -53,10 +53,8 @@ class Config:
         return values
 
     def wait_timeout_seconds(self):
-        """The longest the engine waits for one thing before it is an error: the larger of device.copy_timeout_ms
-        and nvme.io_timeout_ms, as the C++ engine's waits take it."""
-        options = self.options.describe()
-        return max(int(options["device.copy_timeout_ms"]), int(options["nvme.io_timeout_ms"])) / 1000
+        """The longest the engine waits for one thing before it is an error, as its C++ waits take it."""
+        return self.options.wait_timeout_ms() / 1000
 
 
 def _text(value):

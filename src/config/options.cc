@@ -556,6 +556,10 @@ Status ValidateOptions(const Options& options) {
   return CheckLossScaleRelations(options.loss_scale);
 }
 
+uint32_t EngineWaitTimeoutMs(const Options& options) {
+  return std::max(options.device.copy_timeout_ms, options.nvme.io_timeout_ms);
+}
+
 std::vector<std::pair<std::string, std::string>> DescribeOptions(const Options& options) {
   std::vector<std::pair<std::string, std::string>> values;
   for (const OptionEntry& entry : AllKeys()) values.emplace_back(entry.doc.key, entry.get(options));

@@ -292,5 +292,13 @@ TEST(OptionsTest, EveryDocumentedKeyHasADefaultThatParses) {
   }
 }
 
+TEST(OptionsTest, TheEngineWaitsAsLongAsTheSlowerOfItsMovesMayTake) {
+  Options options;
+  ASSERT_OK(SetOption(options, "nvme.io_timeout_ms", "90000"));  // a slow drive's, past the copies' 60 s
+  EXPECT_EQ(EngineWaitTimeoutMs(options), 90'000u);
+  ASSERT_OK(SetOption(options, "device.copy_timeout_ms", "120000"));
+  EXPECT_EQ(EngineWaitTimeoutMs(options), 120'000u);
+}
+
 }  // namespace
 }  // namespace strata
