@@ -53,7 +53,7 @@ from .checkpoint import Checkpoints
 from .config import accumulation_mode, load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
-from .layered import LayeredForwards, checked_loss, find_blocks, scaled_loss
+from .layered import LayeredForwards, LayeredTimeout, checked_loss, find_blocks, scaled_loss
 from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .overlap import Overlap
@@ -268,7 +268,7 @@ class TrainingEngine:
             if forwards is not None:
                 try:
                     losses, scaled = forwards.run(self.module, micro_batches, loss_fn, self._loss_scale(average))
-                except TimeoutError as error:
+                except LayeredTimeout as error:
                     self._progress.broken = f"a layered forward was given up on ({error})"
                     raise
                 try:
@@ -644,14 +644,15 @@ class TrainingEngine:
 
     def _release(self):
         """close()'s teardown: the parts that hold chunks let go of them and are dropped (the pipeline's pins
-        with it), then the C++ engine releases the tiers. Nothing here waits on a collective."""
+        with it), then the C++ engine releases the tiers. Nothing here waits on a collective, and nothing is let
+        go while a layered forward given up on still runs (it raises, the engine open)."""
+        if self._layered is not None:
+            self._layered.close()  # its blocks' hooks off, its held inputs let go
         self._closed = True
         self._progress.broken = self._progress.broken or "the engine was closed"
-        layered = self._layered
         failed = []
         for let_go in (self._grad_sync.close,     # the reducer's thread stopped
                        self._overlap.discard,     # the updates begun beside backward done, their copies dropped
-                       lambda: layered is not None and layered.held.clear(),
                        lambda: self._hooks.remove(self.module),  # every pin of forward and backward let go
                        self._moments.end_iteration, self.optimizer.close):
             try:

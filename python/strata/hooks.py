@@ -33,6 +33,7 @@ recovery) stays out of them.
 """
 
 import functools
+import threading
 import weakref
 
 import torch
@@ -114,6 +115,7 @@ class Hooks:
         self._end_queued = False     # end_backward is queued on autograd's engine
         self._own_forward = None     # a forward set on the model instance before install() wrapped it
         self.layered = False         # the forwards of a layered step run (strata.layered): each has its own state
+        self._refused = set()        # idents of threads whose forward a layered step gave up on
         # Parameters sharded (comm.shard_params): a param chunk pinned again is gathered again.
         self._sharded = any(chunk["transient"] for chunk in table.chunks if chunk["kind"] == "param")
 
@@ -188,7 +190,19 @@ class Hooks:
         else:
             model.forward = self._own_forward
 
+    def refuse(self, thread):
+        """`thread`'s forward was given up on (strata.layered): from now on every hook it reaches raises before
+        touching anything, and the forward that raises leaves the others' state alone."""
+        self._refused.add(thread.ident)
+
+    def _check_refused(self):
+        if self._refused and threading.get_ident() in self._refused:
+            raise RuntimeError("strata: this forward was given up on by its layered step (it held its turn past the "
+                               "engine's wait timeout); it runs no further through the engine")
+
     def forward_raised(self):
+        if self._refused and threading.get_ident() in self._refused:
+            return
         self.recover()
         self._moments.saved_bytes = 0  # its graph is gone
 
@@ -241,6 +255,7 @@ class Hooks:
         moments, own = self._moments, self._module_params[index]
 
         def hook(module, args):
+            self._check_refused()
             if not moments.direct:
                 if self._lineage:
                     # A forward inside backward (a checkpointed function's
@@ -266,6 +281,7 @@ class Hooks:
         moments, own = self._moments, self._module_params[index]
 
         def hook(module, args, output):
+            self._check_refused()
             # A parameter, or a view of one, returned by the module outlives
             # it: copied while its chunk is still pinned.
             output = _map_tensors(output, self._unalias)

@@ -55,7 +55,11 @@ class _Stopped(Exception):
 
 
 class _Stuck(Exception):
-    """A turn held longer than the wait timeout, seen by a waiter."""
+    """A turn held longer than the wait timeout, seen by the caller."""
+
+
+class LayeredTimeout(TimeoutError):
+    """A layered step gave up on a forward that held its turn longer than the engine's wait timeout."""
 
 
 def find_blocks(model, name=None):
@@ -129,7 +133,7 @@ class LayeredForwards:
         self._turns = threading.Condition()
         self._turn = _CALLER
         self._passes = 0             # turns passed on so far: what a waiter sees as progress
-        self._abandoned = False      # a forward held its turn too long: the others unwind at once, not in turn
+        self._given_up = {}          # micro-batch -> its thread, for forwards that held their turn too long
         self._at = []                # micro-batch -> the block its forward waits at (-1: not begun, _DONE)
         self._last = []              # micro-batch -> the last block its forward entered
         self._states = []            # micro-batch -> its forward's state in the hooks
@@ -139,9 +143,28 @@ class LayeredForwards:
         self.out_of_order = False    # a forward skipped back to an earlier block, or entered one twice
         self.boundary_bytes = 0      # the blocks' inputs held for backward, this step
         self.offloaded_bytes = 0     # of which on the host
+        self._handles = []
         for index, block in enumerate(blocks):
-            block.register_forward_pre_hook(self._park_hook(index), prepend=True)
-            block.register_forward_hook(self._leave_hook)
+            self._handles.append(block.register_forward_pre_hook(self._park_hook(index), prepend=True))
+            self._handles.append(block.register_forward_hook(self._leave_hook))
+
+    def close(self):
+        """The engine closes: the blocks' hooks taken off and the held inputs let go. Raises RuntimeError, changing
+        nothing, while a forward given up on still runs: it may yet call into the engine."""
+        stuck = self.stuck_threads()
+        if stuck:
+            raise RuntimeError(f"a layered forward given up on is still running ({', '.join(stuck)}): the engine's "
+                               "tiers can be given back once it ends")
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.held.clear()
+
+    def stuck_threads(self):
+        """The names of the forward threads given up on that still run, after waiting up to the wait timeout."""
+        for thread in self._given_up.values():
+            thread.join(self._timeout_s)
+        return [thread.name for thread in self._given_up.values() if thread.is_alive()]
 
     def run(self, model, micro_batches, loss_fn, scale):
         """loss_fn(model, micro_batch) for every micro-batch, block by block; returns the losses in order, and
@@ -154,7 +177,6 @@ class LayeredForwards:
         self._numbers = [0] * count
         self._round = (None, 0)
         self._stop, self.out_of_order, self.boundary_bytes, self.offloaded_bytes = False, False, 0, 0
-        self._abandoned = False
         self.held.clear()
         self.held.fetched_ahead = 0
         losses, scaled, errors = [None] * count, [None] * count, [None] * count
@@ -166,7 +188,7 @@ class LayeredForwards:
         threads = [threading.Thread(target=self._forward, daemon=True, name=f"strata-layered-{m}",
                                     args=(m, model, micro_batch, loss_fn, settings, scale, (losses, scaled, errors)))
                    for m, micro_batch in enumerate(micro_batches)]
-        started = 0
+        started, stuck = 0, None
         try:
             with self._turns:
                 self._turn = 0
@@ -174,26 +196,18 @@ class LayeredForwards:
                 thread.start()
                 started += 1
             self._wait_turn(_CALLER)
-        except _Stuck as stuck:
-            self._abandon()
-            raise TimeoutError(self._stuck_message(stuck, threads)) from None
+        except _Stuck as error:
+            stuck = self._stuck_message(error.args[0], threads)
+            self._unwind(started, threads, error.args[0])
         except BaseException:
             # Interrupted (or a thread that did not start): the forwards unwind, one at a time, before the caller
             # goes on; none may run beside what it does next.
-            with self._turns:
-                self._stop = True
-                for m in range(started, count):
-                    self._at[m] = _DONE
-                if self._turn >= started:
-                    self._pass_on()
-            try:
-                self._wait_turn(_CALLER)
-            except _Stuck:
-                self._abandon()
+            self._unwind(started, threads)
             raise
         finally:
-            for thread in threads[:started]:
-                thread.join(timeout=self._timeout_s if self._abandoned else None)
+            for m, thread in enumerate(threads[:started]):
+                if m not in self._given_up:
+                    thread.join()
             self._hooks.layered = False
             self._hooks.set_forward_state(caller_state)
             for block, original in originals:
@@ -201,6 +215,8 @@ class LayeredForwards:
                     del block.forward
                 else:
                     block.forward = original
+        if stuck is not None:
+            raise LayeredTimeout(stuck)
         failed = [error for error in errors if error is not None]
         if failed:
             raise failed[0]
@@ -231,14 +247,17 @@ class LayeredForwards:
             self._stop = True
         finally:
             self._local.index = None
-            self._at[m] = _DONE
-            self._pass_on()
+            if m not in self._given_up:  # one given up on ends when it may, after its step: it touches nothing
+                self._at[m] = _DONE
+                self._pass_on()
 
     def _park_hook(self, index):
         def hook(module, args):
             m = getattr(self._local, "index", None)
             if m is None:  # not a layered forward (a recomputation in backward, another forward)
                 return None
+            if m in self._given_up:
+                raise _Stopped()
             if index <= self._last[m]:
                 self.out_of_order = True
             self._last[m] = self._at[m] = index
@@ -267,33 +286,43 @@ class LayeredForwards:
     def _pass_on(self):
         """The turn goes to the forward at the lowest block (the first micro-batch on a tie), or to the caller."""
         with self._turns:
-            waiting = [(at, m) for m, at in enumerate(self._at) if at != _DONE]
+            waiting = [(at, m) for m, at in enumerate(self._at) if at != _DONE and m not in self._given_up]
             self._turn = min(waiting)[1] if waiting else _CALLER
             self._passes += 1
             self._turns.notify_all()
 
     def _wait_turn(self, m):
-        """Waits for `m`'s turn (a micro-batch, or _CALLER). Raises _Stuck in the caller when one forward holds its
-        turn longer than the wait timeout, and _Stopped in a forward when the step gave up on it."""
+        """Waits for `m`'s turn (a micro-batch, or _CALLER). In the caller, raises _Stuck(micro-batch) when one
+        forward holds its turn longer than the wait timeout; a forward waits for as long as the others progress."""
         with self._turns:
             while self._turn != m:
                 passes = self._passes
-                progressed = self._turns.wait_for(
-                    lambda: self._turn == m or self._passes != passes or self._abandoned, self._timeout_s)
-                if self._abandoned and m != _CALLER:
-                    raise _Stopped()
+                progressed = self._turns.wait_for(lambda: self._turn == m or self._passes != passes, self._timeout_s)
                 if not progressed and m == _CALLER:  # the caller alone gives up: it knows the step's threads
                     raise _Stuck(self._turn)
 
-    def _abandon(self):
-        """The step gives up on a forward that holds its turn: the others unwind at once (each raises _Stopped
-        where it waits), all but that one, which is left to end when it may (its thread is a daemon)."""
-        with self._turns:
-            self._stop = self._abandoned = True
-            self._turns.notify_all()
+    def _unwind(self, started, threads, stuck=None):
+        """The step ends early: every forward begun unwinds in its turn (raising _Stopped where it waits), those
+        not begun never start, and one that holds its turn past the wait timeout (`stuck`, or found so here) is
+        given up on: the turn passes on without it, and strata's hooks refuse it from then on (its thread is a
+        daemon, left to end when it may)."""
+        while True:
+            with self._turns:
+                self._stop = True
+                for m in range(started, len(self._at)):
+                    self._at[m] = _DONE
+                if stuck is not None:
+                    self._given_up[stuck] = threads[stuck]
+                    self._hooks.refuse(threads[stuck])
+                if stuck is not None or self._turn >= started:
+                    self._pass_on()
+            try:
+                self._wait_turn(_CALLER)
+                return
+            except _Stuck as error:
+                stuck = error.args[0]
 
-    def _stuck_message(self, stuck, threads):
-        m = stuck.args[0]
+    def _stuck_message(self, m, threads):
         block = self._last[m]
         where = f"in block {block} of the model's blocks" if block >= 0 else "before the first block"
         state = "its thread is still running" if threads[m].is_alive() else "its thread ended without passing on"

@@ -370,9 +370,10 @@ def test_a_forward_thread_that_cannot_start_stops_the_others_first(tmp_path, mon
 
 
 def test_a_forward_that_holds_its_turn_past_the_wait_timeout_fails_the_step_naming_it(tmp_path):
-    """A forward that deadlocks inside a block (here: micro-batch 1 waits in block 1 for an event never set) is
+    """A forward that deadlocks inside a block (here: micro-batch 1 waits in block 1 for an event not yet set) is
     given up on after the engine's wait timeout, with an error naming the micro-batch and the block; the other
-    forwards unwind, and the engine refuses to train on."""
+    forwards unwind in turn, and the engine refuses to train on. The forward given up on, once it wakes, is refused
+    by the engine's hooks; close() waits for it to end before it gives the tiers back."""
     import threading
     import time
     model = untied()
@@ -393,8 +394,25 @@ def test_a_forward_that_holds_its_turn_past_the_wait_timeout_fails_the_step_nami
         assert running == ["strata-layered-1"], running  # the others unwound
         with pytest.raises(RuntimeError, match="training cannot go on: a layered forward was given up on"):
             engine.train_step(batches(4, batch=2), gpt_loss, accumulation="layered")
+        with pytest.raises(RuntimeError, match="a layered forward given up on is still running .strata-layered-1"):
+            engine.close()  # it may yet call into the engine: nothing is given back
     finally:
         release.set()
-    for thread in threading.enumerate():
-        if thread.name.startswith("strata-layered-"):
-            thread.join(10)
+    engine.close()  # it woke, was refused at the next block, and ended
+    assert not [t for t in threading.enumerate() if t.name.startswith("strata-layered-")]
+    with pytest.raises(RuntimeError, match="the engine was closed"):
+        engine.stats()
+
+
+def test_a_timeout_raised_by_the_loss_fn_is_the_loss_fns_not_a_given_up_forward(tmp_path):
+    data = batches(4, batch=2)
+    engine = strata.initialize(untied(), tiers(tmp_path, "t"))
+
+    def timing_out(model, tokens):
+        if tokens is data[2]:
+            raise TimeoutError("the data loader timed out")
+        return gpt_loss(model, tokens)
+    with pytest.raises(TimeoutError, match="the data loader timed out"):
+        engine.train_step(data, timing_out, accumulation="layered")
+    engine.train_step(data, gpt_loss, accumulation="layered")  # the engine trains on
+    engine.close()
