@@ -45,10 +45,12 @@ constexpr size_t kHugePageBytes = size_t{2} << 20;
 // freed) from an arena that keeps freed pages resident until its top is
 // trimmed, so a closed engine's arena could stay in the process's RSS. A
 // region bound to a NUMA node gets the node's policy before any page exists,
-// so each page is placed as it is first written. Memory page-locked for DMA
-// (the CUDA backend registers the arena) is committed whole by the locking:
-// there only the size of the arena keeps the cost down (Note [Host budget
-// auto] in memory/engine.cc).
+// so each page is placed as it is first written. Memory pinned for DMA is
+// committed whole by the pinning, whatever the slots have held: the CUDA
+// backend page-locks the host arena, and with an NVMe tier the engine
+// registers it with io_uring as fixed buffers, which pins every page. There
+// only the size of the arena keeps the cost down (Note [Host budget auto] in
+// memory/engine.cc).
 
 // Relaxed: a configuration switch read at allocation time, not a
 // synchronization point.
