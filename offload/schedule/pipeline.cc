@@ -74,6 +74,9 @@ namespace strata::offload {
 //                least-recently-used eviction (the baseline of `strata bench replay`).
 
 Result<std::unique_ptr<Pipeline>> Pipeline::Create(Engine& engine, const PipelineOptions& options) {
+  if (engine.closed()) {
+    return InvalidArgument("pipeline: the engine is closed: Close() gave its memory and files back; create a new engine");
+  }
   if (!engine.finalized()) return InvalidArgument("pipeline: the engine is not finalized (call Finalize first)");
   if (options.wait_timeout_ms == 0) return InvalidArgument("pipeline: wait_timeout_ms must be > 0");
   for (double b : options.links.bytes_per_second) {

@@ -351,6 +351,15 @@ TEST(PipelineTest, UpdatesBesideBackwardRunWhileItGoesOnAndTheirChunksWaitForThe
   }
 }
 
+TEST(PipelineTest, CreateOnAClosedEngineSaysTheEngineIsClosed) {
+  LayerModel model(2, /*device_chunks=*/2);
+  ASSERT_OK(model.engine->Close());
+  Result<std::unique_ptr<Pipeline>> refused = Pipeline::Create(*model.engine, {});
+  EXPECT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.status().message().find("the engine is closed"), std::string::npos) << refused.status().ToString();
+  EXPECT_EQ(refused.status().message().find("not finalized"), std::string::npos) << refused.status().ToString();
+}
+
 TEST(PipelineTest, AnUpdateBesideBackwardOfAChunkThatDoesNotExistIsRefusedBeforeItBegins) {
   LayerModel model(2, /*device_chunks=*/2);
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
