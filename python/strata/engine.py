@@ -58,7 +58,7 @@ from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .overlap import Overlap
 from .params import ParamTable
-from .runtime import open_runtime
+from .runtime import CLOSED as _CLOSED, open_runtime
 from .state import ModelState
 from .weights import Weights
 
@@ -83,10 +83,6 @@ _LOAD_FAILED = "a load failed part way"
 # Set on every module of a model an engine took: its parameters are then
 # placeholders whose values live in that engine's chunks.
 _HELD = "_strata_held"
-
-_CLOSED = ("the engine was closed (engine.close()): its memory and files were given back, the parameters' values "
-           "with them; engine.state_dict() or export_safetensors() before close() keeps them. Make a new engine "
-           "with strata.initialize")
 
 
 def _refuse_closed(module, args):

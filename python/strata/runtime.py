@@ -25,6 +25,11 @@ class _CudaBytes:
         return {"shape": (self.size_bytes,), "typestr": "|u1", "data": (self.address, False), "version": 2}
 
 
+# What every call on a closed engine (and its model's forward and state_dict) raises.
+CLOSED = ("the engine was closed (engine.close()): its memory and files were given back, the parameters' values "
+          "with them; engine.state_dict() or export_safetensors() before close() keeps them. Make a new engine "
+          "with strata.initialize")
+
 _ITEM_BYTES = {dtype: torch.tensor([], dtype=dtype).element_size() for dtype in TORCH_DTYPES.values()}
 
 

@@ -43,6 +43,8 @@ import weakref
 
 import torch
 
+from .runtime import CLOSED
+
 Tensor = torch.Tensor
 
 # What a held tensor answers: metadata, its identity, its gradient.
@@ -170,7 +172,12 @@ class ModelState:
             post(ends)
             module.load_state_dict = functools.partial(self._load_state_dict, module, load)
 
+    def _check_open(self):
+        if self._runtime.engine.closed:
+            raise RuntimeError(f"strata: {CLOSED}")
+
     def _state_dict_begins(self, module, prefix, keep_vars):
+        self._check_open()
         if self._saving and not _nested(self._saving[-1], module, prefix):
             self._saving.clear()  # what a state_dict call that raised left
         self._saving.append((module, prefix))
@@ -190,6 +197,7 @@ class ModelState:
 
     def _load_state_dict(self, module, load, state_dict, strict=True, assign=False):
         """torch's Module.load_state_dict on `module`, its parameters' values written once it has returned."""
+        self._check_open()
         return load("load_state_dict", lambda: self._plan_load(module, state_dict, strict, assign),
                     self._apply_load).result
 
