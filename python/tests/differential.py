@@ -273,7 +273,6 @@ class Workload:
     build: object = build_model
     batches: object = batches
     loss: object = net_loss
-    twin: bool = True  # the reference trained twice, to tell noise from error (see unsettled())
 
 
 NET = Workload()
@@ -514,7 +513,7 @@ def run_case(case, refusal_ok=False, at_the_least=True, workload=NET):
         finally:
             gc.collect()  # the engines (the probe's too) hold their NVMe files open until they are collected
     theirs, params = torch_training(case, reference, data, workload.loss)
-    unsettled_elements = unsettled(case, workload, data, params) if workload.twin else {}
+    unsettled_elements = unsettled(case, workload, data, params)
     where = f"\nreproduce: run_case({case!r})"
     parity = _compare(case, (ours, state), (theirs, params), unsettled_elements, where)
     for tier in ("device", "host"):  # the tier's arena is its budget: nothing is held beside it
