@@ -376,6 +376,8 @@ Status Optimizer::UpdateChunkOnDevice(const StepPlan& plan, const ChunkTensors& 
 #endif
 }
 
+void Optimizer::ZeroOnHost(void* host_dst, size_t size_bytes) { ZeroParallel(host_dst, size_bytes); }
+
 Status Optimizer::ZeroOnDevice(void* device_dst, size_t size_bytes, void* cuda_stream) {
 #ifdef STRATA_OPTIM_CUDA
   return ZeroCuda(device_dst, size_bytes, cuda_stream);

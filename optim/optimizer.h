@@ -182,6 +182,9 @@ class Optimizer {
   // Enqueues zeroing `size_bytes` of device memory (a grad chunk after its
   // update) on `cuda_stream`; NotSupported without CUDA.
   static Status ZeroOnDevice(void* device_dst, size_t size_bytes, void* cuda_stream);
+  // Zeroes `size_bytes` of host memory (a grad chunk after its update) on
+  // every core.
+  static void ZeroOnHost(void* host_dst, size_t size_bytes);
   // The sum of squares of gradients in CUDA device memory (only each chunk's
   // n, grad and grad_dtype are read), in fp64 and non-finite when one is;
   // waits for `cuda_stream`. NotSupported without CUDA.

@@ -1,7 +1,6 @@
 #include "offload/training/group_update.h"
 
 #include <algorithm>
-#include <cstring>
 #include <map>
 
 namespace strata::offload {
@@ -47,7 +46,7 @@ Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduc
   }
   std::byte* const grad = held[static_cast<int>(ChunkKind::kGrad)].data();
   if (stream != nullptr) return optim::Optimizer::ZeroOnDevice(grad, g[ChunkKind::kGrad].used_bytes, stream);
-  std::memset(grad, 0, g[ChunkKind::kGrad].used_bytes);
+  optim::Optimizer::ZeroOnHost(grad, g[ChunkKind::kGrad].used_bytes);
   return Status::Ok();
 }
 

@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstdlib>
+#include <cstring>
 #include <string_view>
 #include <vector>
 
@@ -137,6 +139,15 @@ void UpdateParallel(const UpdateConstants& c, std::span<const ChunkTensors> chun
   tbb::parallel_for(size_t{0}, blocks.size(), [&](size_t b) {
     const auto [k, begin] = blocks[b];
     UpdateRange(isa, c, chunks[k], begin, std::min(chunks[k].n, begin + kBlockElems));
+  });
+}
+
+void ZeroParallel(void* dst, size_t bytes) {
+  constexpr size_t kZeroBlockBytes = size_t{1} << 20;  // a task's share: large enough to hide the scheduling
+  auto* const out = static_cast<std::byte*>(dst);
+  tbb::parallel_for(size_t{0}, (bytes + kZeroBlockBytes - 1) / kZeroBlockBytes, [&](size_t block) {
+    const size_t begin = block * kZeroBlockBytes;
+    std::memset(out + begin, 0, std::min(kZeroBlockBytes, bytes - begin));
   });
 }
 

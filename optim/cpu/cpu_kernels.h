@@ -66,6 +66,11 @@ inline void UpdateParallel(const UpdateConstants& constants, const ChunkTensors&
   UpdateParallel(constants, std::span<const ChunkTensors>(&chunk, 1));
 }
 
+// Zeroes `bytes` at `dst`, split over oneTBB's threads in blocks of 1 MiB:
+// the grads after their update, at every core's share of the memory
+// bandwidth rather than one core's.
+void ZeroParallel(void* dst, size_t bytes);
+
 // Sum of squares of grad[begin, end) in fp64.
 double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end);
 

@@ -312,6 +312,19 @@ TEST(CpuKernelsTest, SumOfSquaresSeesInfAndNan) {
   EXPECT_TRUE(stats.finite());
 }
 
+TEST(CpuKernelsTest, ZeroParallelZeroesExactlyItsBytes) {
+  constexpr size_t kGuard = 64;
+  const size_t mib = size_t{1} << 20;
+  for (size_t bytes : {size_t{0}, size_t{1}, size_t{4095}, mib, mib + 3, 3 * mib + 7}) {
+    std::vector<uint8_t> buffer(bytes + 2 * kGuard, 0xA5);
+    ZeroParallel(buffer.data() + kGuard, bytes);
+    for (size_t i = 0; i < buffer.size(); ++i) {
+      const bool inside = i >= kGuard && i < kGuard + bytes;
+      ASSERT_EQ(buffer[i], inside ? 0 : 0xA5) << "byte " << i << " of " << bytes << " zeroed";
+    }
+  }
+}
+
 // --- the version STRATA_CPU_ISA selects ---------------------------------------
 
 TEST(CpuIsaSettingTest, UnsetOrEmptyIsTheWidestVersion) {
