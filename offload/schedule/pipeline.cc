@@ -135,6 +135,19 @@ PipelineOptions PipelineOptionsOf(const Options& options) {
 }
 
 Pipeline::Pipeline(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+
+Status Pipeline::Drain() {
+  Impl& p = *impl_;
+  // Each queue has one worker, in order: a job pushed last ends after every one before it.
+  for (TaskQueue* queue : {&p.nvme_read, &p.host_read, &p.nvme_write, &p.device_to_host, &p.host_to_device, &p.beside}) {
+    const std::shared_future<Status> last = queue->Push([] { return Status::Ok(); });
+    if (last.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms)) != std::future_status::ready) {
+      return Timeout("pipeline: the moves queued before the engine closes did not end within {} ms",
+                     p.options.wait_timeout_ms);
+    }
+  }
+  return Status::Ok();
+}
 Pipeline::~Pipeline() = default;
 
 Status Pipeline::BeginIteration() {

@@ -134,6 +134,9 @@ class Pipeline {
   // Also returns the first error of a planned eviction (a failed NVMe
   // write) that finished during the iteration.
   Status EndIteration();
+  // Waits for every move and update the pipeline has queued to end (each
+  // queue within the wait timeout): before the engine under it closes.
+  Status Drain();
 
   const Plan* plan() const;
   const Trace* trace() const;  // the last recorded trace

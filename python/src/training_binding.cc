@@ -145,6 +145,8 @@ void BindPipeline(py::module_& m) {
           "pins a chunk where the moment computes (the pipeline's engine); waits for its planned transfer")
       .def("end_moment", [](Pipeline& p) { ThrowIfError(p.EndMoment()); })
       .def("end_iteration", [](Pipeline& p) { ThrowIfError(Unlocked([&] { return p.EndIteration(); })); })
+      .def("drain", [](Pipeline& p) { ThrowIfError(Unlocked([&] { return p.Drain(); })); },
+           "waits for every move and update queued to end: before the engine closes")
       .def("stats_json", &Pipeline::StatsJson)
       .def(
           "timeline",

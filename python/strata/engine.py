@@ -650,7 +650,8 @@ class TrainingEngine:
         for let_go in (self._grad_sync.close,     # the reducer's thread stopped
                        self._overlap.discard,     # the updates begun beside backward done, their copies dropped
                        lambda: self._hooks.remove(self.module),  # every pin of forward and backward let go
-                       self._moments.end_iteration, self.optimizer.close):
+                       self._moments.end_iteration, self.optimizer.close,
+                       self._pipeline.drain):  # its queued moves end while the tiers are there
             try:
                 let_go()
             except Exception as error:  # noqa: BLE001 (the rest is let go all the same; the first is raised)
