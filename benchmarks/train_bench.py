@@ -17,6 +17,12 @@ tokens/s, model TFLOPS (6 N + 12 L h s a token) and MFU against --peak-tflops, t
 synchronizations a step (engine.stats()'s), the pipeline's stall fraction and the bytes a step over each link.
 The phases are timed with the device synchronized at their ends (on CUDA; the benchmark's own waits, not
 counted among strata's). On the emulated device the links run at --link-gbps; compute is the CPU's.
+
+And where the step phase goes (a second table): last_step's phases (means over the timed steps), against the
+step's parts: its updates at the rate `strata bench optim` measures for as many parameters on this machine in
+the same run (--strata-bin), plus the bytes the step phase moved at --link-gbps (emulated device); the kernel's
+rate inside the step against that rate; and the step phase against the whole model's update at that rate
+(with optimizer.overlap, what is left of the update after backward).
 """
 
 import argparse
@@ -25,6 +31,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,6 +53,7 @@ CONFIGS = {  # (device budget, host budget) as fractions of the model states; ho
     "nvme+overlap": (1 / 6, 1 / 3),
 }
 WARMUP_STEPS = 2  # the trace, then the first plan
+STRATA_BIN = os.path.join(os.path.dirname(strata.__file__), "..", "..", "bin", "strata")  # build/python -> build/bin
 LEAST = re.compile(r"raise (device|host)\.budget to at least ([0-9.]+ ?[KMGT]?i?B)")
 
 
@@ -71,6 +79,8 @@ def parse_args(argv=None):
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: none)")
     p.add_argument("--nvme-dir", help="where the nvme run's states go (default: a temporary directory)")
     p.add_argument("--json", help="write the results here")
+    p.add_argument("--strata-bin", default=STRATA_BIN,
+                   help="the strata CLI, for `strata bench optim`'s rate (default: the build's; none: not measured)")
     args = p.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps {args.steps}: more than the {WARMUP_STEPS} warm-up steps, so that some are timed")
@@ -191,6 +201,7 @@ def strata_run(args, name, nvme_root):
     nvme_dir = tempfile.mkdtemp(prefix=f"train-bench-{name.replace('+', '-')}-", dir=nvme_root)
     engine = initialize_within(model, strata_config(args, name, 16 * parameters, nvme_dir))
     before = {}  # the links' bytes and the pipeline's counts once warm
+    steps = []    # each timed step's last_step, and the bytes its step phase moved by link
 
     def warm():
         stats = engine.stats()
@@ -198,8 +209,15 @@ def strata_run(args, name, nvme_root):
         before["planned_iterations"] = stats["pipeline"].get("planned_iterations", 0)
         before["fence_waits"] = stats["fence_waits"]
 
+    def step():
+        moved = link_bytes(engine)
+        engine.step()
+        if before:
+            steps.append(dict(engine.last_step,
+                              step_bytes={k: v - moved[k] for k, v in link_bytes(engine).items()}))
+
     phases = timed_steps(args, engine.device, lambda tokens: loss_of(model, args, tokens), engine.backward,
-                         engine.step, warm)
+                         step, warm)
     stats = engine.stats()
     out = summary(args, phases, parameters)
     out.update({
@@ -214,16 +232,74 @@ def strata_run(args, name, nvme_root):
         # optimizer.overlap: the last step's groups updated beside backward (confirmed, and redone) and its wait
         "beside_groups": stats["last_step"].get("beside_groups"),
         "redone_groups": stats["last_step"].get("redone_groups"),
-        "beside_wait_s": stats["last_step"].get("beside_wait_seconds"),
+        "beside_wait_s": stats["last_step"].get("phases", {}).get("beside_wait"),
         "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
                            for link, v in stats["links"].items()},
         "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],
         "budgets": {tier: usage["capacity_bytes"] for tier, usage in stats["tiers"].items()},
+        "accounting": step_accounting(args, steps, [p[2] for p in phases], parameters),
     })
     engine.close()  # its chunks leave the device before the next run's
     del engine, model
     gc.collect()  # the engine and its optimizer refer to each other
     return out
+
+
+def link_bytes(engine):
+    return {link: v["bytes"] for link, v in engine.stats()["links"].items()}
+
+
+def optimizer_rate(args, parameters):
+    """Parameters a second `strata bench optim` updates on this machine, `parameters` of them in the precision
+    of the run (its bf16: bf16 parameters and gradients, fp32 master and states); None without the CLI."""
+    if not args.strata_bin or not os.path.exists(args.strata_bin):
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        out = os.path.join(scratch, "optim.json")
+        subprocess.run([args.strata_bin, "bench", "optim", "--params", str(parameters), "--dtype", args.precision,
+                        "--json", out], check=True, capture_output=True, text=True)
+        with open(out) as f:
+            return json.load(f)["gparams_per_s"] * 1e9
+
+
+def step_accounting(args, steps, step_phases, parameters):
+    """Where the timed steps' step phases went (means), against their parts (the module docstring)."""
+    mean = statistics.fmean
+    names = sorted({name for s in steps for name in s["phases"]})
+    phases = {name: mean(s["phases"].get(name, 0.0) for s in steps) for name in names}
+    links = sorted({link for s in steps for link in s["step_bytes"]})
+    moved = {link: mean(s["step_bytes"][link] for s in steps) for link in links}
+    kernel_s = sum(s["phases"].get("kernel", 0.0) for s in steps)
+    kernel_rate = sum(s["kernel_elems"] for s in steps) / kernel_s if kernel_s else None
+    bench_rate = args.optimizer_rate
+    out = {"phases_s": phases, "accounted_s": mean(s["seconds"] for s in steps),
+           "step_phase_s": mean(step_phases), "step_bytes": moved, "kernel_params_per_s": kernel_rate,
+           "bench_params_per_s": bench_rate, "parts_s": None, "step_over_parts": None, "kernel_over_bench": None,
+           "step_over_update": None}
+    if bench_rate:
+        kernel_elems = mean(s["kernel_elems"] for s in steps)
+        link_seconds = sum(moved.values()) / (args.link_gbps * 1e9) if args.device == "emulated" else 0.0
+        out["parts_s"] = kernel_elems / bench_rate + link_seconds
+        out["step_over_parts"] = out["step_phase_s"] / out["parts_s"] if out["parts_s"] else None
+        out["kernel_over_bench"] = kernel_rate / bench_rate if kernel_rate else None
+        out["step_over_update"] = out["step_phase_s"] / (parameters / bench_rate)
+    return out
+
+
+def print_accounting(results):
+    """The second table: where each strata run's step phase went."""
+    print(f"\n{'step phase':<17}{'ms':>8}{'parts':>8}{'x parts':>8}{'x update':>9}{'kernel':>8}{'unacc.':>8}"
+          "  largest phases (ms)")
+    for name, r in results.items():
+        a = r.get("accounting")
+        if a is None:
+            continue
+        top = sorted(a["phases_s"].items(), key=lambda kv: -kv[1])[:5]
+        unaccounted = a["step_phase_s"] - sum(a["phases_s"].values())
+        print(f"{name:<17}{1e3 * a['step_phase_s']:>8.1f}{_figure(a['parts_s'] and 1e3 * a['parts_s'], '.1f'):>8}"
+              f"{_figure(a['step_over_parts'], '.2f'):>8}{_figure(a['step_over_update'], '.2f'):>9}"
+              f"{_figure(a['kernel_over_bench'], '.2f'):>8}{1e3 * unaccounted:>8.1f}  "
+              + ", ".join(f"{k} {1e3 * v:.1f}" for k, v in top))
 
 
 def _figure(value, spec):
@@ -263,10 +339,14 @@ def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda") if args.device == "cuda" else torch.device("cpu")
     results = {"plain": plain_run(args, device)}
+    model = build_model(args)
+    args.optimizer_rate = optimizer_rate(args, sum(p.numel() for p in model.parameters()))
+    del model
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_root:
         for name in args.configs.split(","):
             results[name] = strata_run(args, name, nvme_root)
     print_table(args, results)
+    print_accounting(results)
     write_json(args, results)
 
 

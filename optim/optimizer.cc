@@ -399,12 +399,14 @@ Result<double> Optimizer::SumSquaresOnDevice(std::span<const ChunkTensors> grads
 #endif
 }
 
-Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step) const {
+Status Optimizer::UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step,
+                              const BlockWork& work) const {
   STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
   STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
   const OptimizerConfig& group = groups_[chunk.param_group];
-  UpdateParallel(MakeUpdateConstants(group, step == 0 ? plan.step : step, plan.grad_multiplier), ForGroup(chunk));
+  UpdateParallel(MakeUpdateConstants(group, step == 0 ? plan.step : step, plan.grad_multiplier), ForGroup(chunk),
+                 work);
   return Status::Ok();
 }
 

@@ -96,6 +96,15 @@ struct ChunkTensors {
   uint32_t param_group = 0;              // whose hyperparameters update them
 };
 
+// Work done on each block of a chunk's elements beside its update, by the
+// thread that updates it, while the block's bytes are in that core's cache:
+// `before` (a copy of what the update overwrites) and `after` (the
+// gradients it read, zeroed), given the block's elements [begin, end) of
+// the chunk. Either may be empty.
+struct BlockWork {
+  std::function<void(size_t begin, size_t end)> before, after;
+};
+
 // The sum of squares of gradients as stored (still scaled by the loss
 // scale), in fp64: large enough that no finite fp32 gradient overflows it,
 // so the sum is non-finite exactly when some gradient is inf or NaN.
@@ -170,7 +179,10 @@ class Optimizer {
   // InvalidArgument when the chunk's arrays do not fit this optimizer (a
   // missing state, a null grad) or the plan is not one (a step below 1, a
   // non-finite multiplier), or `step` is above plan.step.
-  Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step = 0) const;
+  // `work`: done beside each block of the update (BlockWork), unless the
+  // plan skips.
+  Status UpdateChunk(const StepPlan& plan, const ChunkTensors& chunk, int64_t step = 0,
+                     const BlockWork& work = {}) const;
   // The same for many chunks at once, spread over oneTBB's threads across
   // and within chunks; every chunk is checked before any is changed.
   Status UpdateChunks(const StepPlan& plan, std::span<const ChunkTensors> chunks) const;

@@ -122,20 +122,16 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   const Group& g = groups_[group];
   const std::vector<ChunkKind> kinds = UpdatedKinds(g, optimizer_.num_states());
   HeldChunks by_kind;
-  std::byte* copy = kept_[group].bytes();
-  for (size_t i = 0; i < kinds.size(); ++i) {
-    const uint64_t bytes = g[kinds[i]].used_bytes;
-    std::memcpy(copy, held[i].data(), bytes);
-    copy += bytes;
-    by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
-  }
+  for (size_t i = 0; i < kinds.size(); ++i) by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
   const ChunkInfo& grad = g[ChunkKind::kGrad];
   update.stats.Add(by_kind[static_cast<int>(ChunkKind::kGrad)].data(), grad.dtype, UsedElems(grad));
   update.stats_taken = true;
   if (!update.stats.finite()) return Status::Ok();  // the step skips
   static const std::vector<bool> kNoneSkipped;  // its gradients are all in
+  // The copy is taken block by block as the update reads them (Note [One pass over a group] in group_update.cc).
   STRATA_RETURN_IF_ERROR(GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
-                             .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind));
+                             .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind, nullptr,
+                                  kept_[group].bytes()));
   update.updated = true;
   return Status::Ok();
 }

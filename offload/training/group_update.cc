@@ -1,6 +1,7 @@
 #include "offload/training/group_update.h"
 
 #include <algorithm>
+#include <cstring>
 #include <map>
 
 namespace strata::offload {
@@ -38,16 +39,63 @@ double DeviceUpdateSeconds(const Group& g, int num_states) {
 }
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                        void* stream) const {
+                        void* stream, std::byte* keep) const {
+  if (stream == nullptr) return RunOnHost(g, lo, hi, reduced, held, keep);
   for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
-    const optim::ChunkTensors tensors = TensorsOf(g, held, lo, r.begin, r.end, reduced);
-    STRATA_RETURN_IF_ERROR(stream != nullptr ? optimizer_.UpdateChunkOnDevice(plan_, tensors, r.step, stream)
-                                             : optimizer_.UpdateChunk(plan_, tensors, r.step));
+    STRATA_RETURN_IF_ERROR(
+        optimizer_.UpdateChunkOnDevice(plan_, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step, stream));
   }
-  std::byte* const grad = held[static_cast<int>(ChunkKind::kGrad)].data();
-  if (stream != nullptr) return optim::Optimizer::ZeroOnDevice(grad, g[ChunkKind::kGrad].used_bytes, stream);
-  optim::Optimizer::ZeroOnHost(grad, g[ChunkKind::kGrad].used_bytes);
+  return optim::Optimizer::ZeroOnDevice(held[static_cast<int>(ChunkKind::kGrad)].data(),
+                                        g[ChunkKind::kGrad].used_bytes, stream);
+}
+
+// Note [One pass over a group]
+// On the host an update is bound by memory bandwidth, so what else touches
+// the group's bytes rides on its pass: each block of elements is copied into
+// `keep` just before the kernel updates it, and its gradients are zeroed just
+// after the kernel read them, by the core that updates it, while the block is
+// in that core's cache (optim::BlockWork). Elements no range covers (skipped
+// tensors, padding between ranges of different step counts, a skipped step)
+// get the same after the update. Data parallel, the kernel reads the reduced
+// gradients, and the grad chunk is zeroed in a pass of its own.
+Status GroupUpdate::RunOnHost(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
+                              std::byte* keep) const {
+  const ChunkInfo& grad = g[ChunkKind::kGrad];
+  std::byte* const grads = held[static_cast<int>(ChunkKind::kGrad)].data();
+  const size_t width = DTypeSizeBytes(grad.dtype);
+  const bool zero_as_read = reduced == nullptr;
+  const auto zero = [&](size_t a, size_t b) { std::memset(grads + a * width, 0, (b - a) * width); };
+  std::vector<Range> ranges;
+  if (!plan_.skip) ranges = RangesToUpdate(g[ChunkKind::kParam], lo, hi);
+  for (const Range& r : ranges) {
+    optim::BlockWork work;
+    if (keep != nullptr) work.before = [&](size_t a, size_t b) { Keep(g, held, keep, r.begin + a, r.begin + b); };
+    if (zero_as_read) work.after = [&](size_t a, size_t b) { zero(r.begin + a, r.begin + b); };
+    STRATA_RETURN_IF_ERROR(
+        optimizer_.UpdateChunk(plan_, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step, work));
+  }
+  if (!zero_as_read) optim::Optimizer::ZeroOnHost(grads, grad.used_bytes);
+  size_t at = 0;  // the elements between the ranges, and after the last
+  const auto between = [&](size_t end) {
+    if (at >= end) return;
+    if (keep != nullptr) Keep(g, held, keep, at, end);
+    if (zero_as_read) zero(at, end);
+  };
+  for (const Range& r : ranges) {
+    between(r.begin);
+    at = r.end;
+  }
+  between(UsedElems(grad));
   return Status::Ok();
+}
+
+void GroupUpdate::Keep(const Group& g, const HeldChunks& held, std::byte* keep, size_t a, size_t b) const {
+  for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
+    const ChunkInfo& chunk = g[kind];
+    const size_t width = DTypeSizeBytes(chunk.dtype), end = std::min(b, UsedElems(chunk));
+    if (a < end) std::memcpy(keep + a * width, held[static_cast<int>(kind)].data() + a * width, (end - a) * width);
+    keep += chunk.used_bytes;
+  }
 }
 
 // The element ranges to update: [lo, hi), less the skipped tensors, split

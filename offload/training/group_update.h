@@ -62,9 +62,12 @@ class GroupUpdate {
   // rank); else this rank's reduced fp32 gradients of [lo, hi) (data
   // parallel). `stream`: the chunks are on a GPU, and the update and the
   // zeroing are queued on that stream (Note [Updates on the device] in
-  // train_step.cc); null on the host.
+  // train_step.cc); null on the host. `keep` (on the host, one rank): the
+  // group's chunks as they were before are copied there, in UpdatedKinds
+  // order, each chunk's used bytes one after another (BesideUpdates's
+  // copy). See Note [One pass over a group].
   Status Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-             void* stream = nullptr) const;
+             void* stream = nullptr, std::byte* keep = nullptr) const;
 
   const optim::StepPlan& plan() const { return plan_; }
 
@@ -78,6 +81,11 @@ class GroupUpdate {
   std::vector<Range> RangesToUpdate(const ChunkInfo& param, size_t lo, size_t hi) const;
   optim::ChunkTensors TensorsOf(const Group& g, const HeldChunks& held, size_t lo, size_t a, size_t b,
                                 const float* reduced) const;
+  Status RunOnHost(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
+                   std::byte* keep) const;
+  // Elements [a, b) of every chunk of `g` the update touches, into `keep`
+  // (Run's layout).
+  void Keep(const Group& g, const HeldChunks& held, std::byte* keep, size_t a, size_t b) const;
 
   const Engine& engine_;
   const optim::Optimizer& optimizer_;

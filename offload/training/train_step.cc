@@ -94,6 +94,19 @@ double SecondsSince(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
+// Adds the seconds from its making to its end into `into`.
+class Timed {
+ public:
+  explicit Timed(double& into) : into_(into), start_(Clock::now()) {}
+  ~Timed() { into_ += SecondsSince(start_); }
+  Timed(const Timed&) = delete;
+  Timed& operator=(const Timed&) = delete;
+
+ private:
+  double& into_;
+  const Clock::time_point start_;
+};
+
 // The gradients' statistics, each grad chunk read where it lies: those on the
 // device pinned there (read in place on the emulated device, whose memory is
 // the host's; summed on a GPU in one pass: Note [Updates on the device]),
@@ -209,15 +222,13 @@ class TrainStep {
         reducer_(options.reducer) {}
 
   Result<TrainStepReport> Run() {
-    Clock::time_point start = Clock::now();
+    const Clock::time_point start = Clock::now();
     STRATA_RETURN_IF_ERROR(TakeBesideUpdates());  // first: whatever follows, the next step begins its own
     STRATA_RETURN_IF_ERROR(CheckSeams());
     STRATA_RETURN_IF_ERROR(CheckStepRoom(engine_, optimizer_));
     STRATA_RETURN_IF_ERROR(PlanFromGradients());
-    report_.stats_seconds = SecondsSince(start);
     if (parallel_) GatherFrozenAhead();
 
-    start = Clock::now();
     const bool beside_stands = BesideUpdatesStand();
     for (size_t k = 0; k < groups_.size(); ++k) {
       const BesideUpdates::Update* early = beside_of_[k];
@@ -231,9 +242,12 @@ class TrainStep {
         report_.redone_groups++;
       }
     }
-    report_.update_seconds = SecondsSince(start);
     for (std::vector<float>& shard : reduced_) reducer_->Recycle(std::move(shard));
-    STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan, LeftOut()));
+    {
+      Timed timed(report_.seconds.finish);
+      STRATA_RETURN_IF_ERROR(optimizer_.FinishStep(report_.plan, LeftOut()));
+    }
+    report_.seconds.total = SecondsSince(start);
     return std::move(report_);
   }
 
@@ -273,10 +287,12 @@ class TrainStep {
     if (options_.beside->groups().size() != groups_.size()) {
       return InvalidArgument("train step: the updates beside backward were made for another engine");
     }
-    const Clock::time_point start = Clock::now();
-    const Status waited = options_.beside->Wait();
-    beside_ = options_.beside->Take();
-    report_.beside_wait_seconds = SecondsSince(start);
+    Status waited;
+    {
+      Timed timed(report_.seconds.beside_wait);
+      waited = options_.beside->Wait();
+      beside_ = options_.beside->Take();
+    }
     for (const BesideUpdates::Update& u : beside_) beside_of_[u.group] = &u;
     STRATA_RETURN_IF_ERROR(waited);
     for (const BesideUpdates::Update& u : beside_) {
@@ -290,6 +306,7 @@ class TrainStep {
   // in a host moment of its own, so that it holds what autograd's sum
   // would have; the step reads it as any other.
   Status MergeLateInMoment(size_t k) {
+    Timed timed(report_.seconds.merge);
     const ChunkInfo& grad = groups_[k][ChunkKind::kGrad];
     STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     Result<ChunkAccess> access = pipeline_.Access(grad.id);
@@ -324,21 +341,33 @@ class TrainStep {
   Status RedoInMoment(size_t k) {
     const Group& g = groups_[k];
     if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(g[ChunkKind::kParam].group));
-    STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     HeldChunks held;
-    Status updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
+    Status updated;
+    {
+      Timed timed(report_.seconds.access);
+      STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
+      updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
+    }
     if (updated.ok()) {
+      Timed timed(report_.seconds.put_back);
       // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
       options_.beside->PutBack(k, held, beside_of_[k]->late ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
-      updated = GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
-                    .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held);
     }
-    for (ChunkAccess& a : held) a.Release();
-    const Status ended = pipeline_.EndMoment();
+    if (updated.ok()) updated = UpdateAndZero(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held, nullptr);
+    const Status ended = LetGo(false, held);
     STRATA_RETURN_IF_ERROR(updated);
     STRATA_RETURN_IF_ERROR(ended);
     report_.groups++;
     return Status::Ok();
+  }
+
+  // Group `g`'s update (GroupUpdate::Run's arguments), its seconds and
+  // elements into the report.
+  Status UpdateAndZero(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
+                       void* stream) {
+    Timed timed(report_.seconds.kernel);
+    report_.kernel_elems += hi - lo;
+    return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip).Run(g, lo, hi, reduced, held, stream);
   }
 
   // Phase 1: the gradients' statistics (data parallel: their reduction, into
@@ -348,7 +377,10 @@ class TrainStep {
     if (parallel_) {
       if (reducer_ == nullptr) reducer_ = (own_reducer_ = std::make_unique<GradReducer>(engine_, *comm_)).get();
       const double waited = reducer_->wait_seconds();
-      STRATA_ASSIGN_OR_RETURN(reduced_, ReduceScatterGrads(*reducer_, *comm_, groups_, stats, report_.comm_bytes));
+      {
+        Timed timed(report_.seconds.stats);
+        STRATA_ASSIGN_OR_RETURN(reduced_, ReduceScatterGrads(*reducer_, *comm_, groups_, stats, report_.comm_bytes));
+      }
       report_.comm_wait_seconds = reducer_->wait_seconds() - waited;
       reducer_->ReleaseGathered();  // gathered from the masters this step updates
       sent_before_ = comm_->stats().total_bytes();
@@ -360,10 +392,12 @@ class TrainStep {
       for (const BesideUpdates::Update& u : beside_) {
         if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
       }
+      Timed timed(report_.seconds.stats);
       STRATA_ASSIGN_OR_RETURN(
           stats, ReadGradStats(engine_, groups_, options_.compute_stream, known, report_.stats_copied_bytes));
       optimizer_.SetAllReduceHook(nullptr);
     }
+    Timed timed(report_.seconds.plan);
     STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));
     CountSent();  // the norm's all-reduce
     return Status::Ok();
@@ -387,19 +421,27 @@ class TrainStep {
     const size_t n = UsedElems(param);
     const memory::ShardRange range = parallel_ ? RankShard(n, *comm_) : memory::ShardRange{.begin = 0, .end = n};
     if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(param.group));
-    STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(DeviceSeconds(g)));
-    const bool on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
     // Released before EndMoment, so the plan's write-backs may take them.
     HeldChunks held;
-    Status updated = UpdateGroup(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, on_gpu, held);
+    Status updated;
+    bool on_gpu = false;
+    {
+      Timed timed(report_.seconds.access);
+      STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(DeviceSeconds(g)));
+      on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
+      updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
+    }
+    if (updated.ok()) {
+      updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held,
+                              on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
+    }
     if (updated.ok() && parallel_ && !param.transient) {
+      Timed timed(report_.seconds.gather);
       sent_before_ = comm_->stats().total_bytes();
       updated = GatherParams(*comm_, param, held[static_cast<int>(ChunkKind::kParam)].data());
       CountSent();
     }
-    const Status released = LetGo(on_gpu, held);
-    const Status ended = pipeline_.EndMoment();
-    STRATA_RETURN_IF_ERROR(released);
+    const Status ended = LetGo(on_gpu, held);
     STRATA_RETURN_IF_ERROR(updated);
     STRATA_RETURN_IF_ERROR(ended);
     report_.groups++;
@@ -407,19 +449,17 @@ class TrainStep {
     return Status::Ok();
   }
 
-  // Accesses group `g`'s chunks in the open host moment (into `held`) and
-  // updates them (GroupUpdate::Run; `reduced` as there). `on_gpu`: the
-  // chunks are pinned on a GPU, and the update is queued on the
-  // framework's stream (Note [Updates on the device]).
-  Status UpdateGroup(const Group& g, size_t lo, size_t hi, const float* reduced, bool on_gpu, HeldChunks& held) {
-    STRATA_RETURN_IF_ERROR(AccessGroup(pipeline_, g, optimizer_.num_states(), held));
-    return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
-        .Run(g, lo, hi, reduced, held, on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
+  // Lets the group's chunks go (on a GPU, after a fence behind the update
+  // queued on the framework's stream), then ends the host moment: the
+  // first error.
+  Status LetGo(bool on_gpu, HeldChunks& held) {
+    Timed timed(report_.seconds.release);
+    const Status released = Release(on_gpu, held);
+    const Status ended = pipeline_.EndMoment();
+    return released.ok() ? ended : released;
   }
 
-  // Lets the group's chunks go: on a GPU, after a fence behind the update
-  // queued on the framework's stream.
-  Status LetGo(bool on_gpu, HeldChunks& held) {
+  Status Release(bool on_gpu, HeldChunks& held) {
     if (!on_gpu) {
       for (ChunkAccess& a : held) a.Release();
       return Status::Ok();

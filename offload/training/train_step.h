@@ -19,17 +19,35 @@
 
 namespace strata::offload {
 
+// Where a step's time went, phase by phase (RunTrainStep's own time, less
+// the bookkeeping between phases).
+struct StepSeconds {
+  double beside_wait = 0;  // waiting for the updates beside backward to end
+  double merge = 0;        // late gradients added to the part an update beside backward kept
+  double stats = 0;        // reading the grads for their norm (data parallel: taking them reduced)
+  double plan = 0;         // the plan from the norm (data parallel: the norm's all-reduce)
+  double access = 0;       // the groups' host moments begun and their chunks pinned: waits for them to arrive
+  double kernel = 0;       // the update kernels, the grads zeroed with them (Note [One pass over a group])
+  double put_back = 0;     // groups put back from their copy before they are updated again
+  double gather = 0;       // data parallel: the updated param chunks all-gathered
+  double release = 0;      // chunks let go and moments ended (write-backs queued)
+  double finish = 0;       // Optimizer::FinishStep
+  double total = 0;        // RunTrainStep, all of it
+  double Sum() const {
+    return beside_wait + merge + stats + plan + access + kernel + put_back + gather + release + finish;
+  }
+};
+
 struct TrainStepReport {
   optim::StepPlan plan;
-  double stats_seconds = 0;   // reading the grads for their norm
+  StepSeconds seconds;
+  uint64_t kernel_elems = 0;  // elements the update kernels ran over (redone groups' twice)
   uint64_t stats_copied_bytes = 0;  // of the grads read for the norm, those copied first (on NVMe, or moving)
-  double update_seconds = 0;  // the host moments
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
   uint32_t beside_groups = 0;    // of `groups`: updated beside backward, their update confirmed
   uint32_t redone_groups = 0;    // of `groups`: updated beside backward, then again from their copy (the plan differed)
-  double beside_wait_seconds = 0;  // waiting for the updates beside backward to end (in stats_seconds)
 };
 
 // What a step runs with besides the engine, the pipeline and the optimizer.

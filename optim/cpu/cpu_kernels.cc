@@ -142,6 +142,17 @@ void UpdateParallel(const UpdateConstants& c, std::span<const ChunkTensors> chun
   });
 }
 
+void UpdateParallel(const UpdateConstants& c, const ChunkTensors& chunk, const BlockWork& work) {
+  if (!work.before && !work.after) return UpdateParallel(c, std::span<const ChunkTensors>(&chunk, 1));
+  const CpuIsa isa = ActiveCpuIsa();
+  tbb::parallel_for(size_t{0}, (chunk.n + kBlockElems - 1) / kBlockElems, [&](size_t block) {
+    const size_t begin = block * kBlockElems, end = std::min(chunk.n, begin + kBlockElems);
+    if (work.before) work.before(begin, end);
+    UpdateRange(isa, c, chunk, begin, end);
+    if (work.after) work.after(begin, end);
+  });
+}
+
 void ZeroParallel(void* dst, size_t bytes) {
   constexpr size_t kZeroBlockBytes = size_t{1} << 20;  // a task's share: large enough to hide the scheduling
   auto* const out = static_cast<std::byte*>(dst);

@@ -62,9 +62,8 @@ void UpdateRange(CpuIsa isa, const UpdateConstants& constants, const ChunkTensor
 // The same over whole chunks with ActiveCpuIsa(), split over oneTBB's threads
 // across and within chunks (blocks of 64 Ki elements from all of them).
 void UpdateParallel(const UpdateConstants& constants, std::span<const ChunkTensors> chunks);
-inline void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk) {
-  UpdateParallel(constants, std::span<const ChunkTensors>(&chunk, 1));
-}
+// One chunk, with `work` done beside each block (BlockWork).
+void UpdateParallel(const UpdateConstants& constants, const ChunkTensors& chunk, const BlockWork& work = {});
 
 // Zeroes `bytes` at `dst`, split over oneTBB's threads in blocks of 1 MiB:
 // the grads after their update, at every core's share of the memory

@@ -61,15 +61,19 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
   d["step"] = report.plan.step;
   d["grad_norm"] = report.plan.grad_norm;
   d["loss_scale"] = report.plan.loss_scale;
-  d["stats_seconds"] = report.stats_seconds;
+  const offload::StepSeconds& s = report.seconds;
+  d["phases"] = py::dict(py::arg("beside_wait") = s.beside_wait, py::arg("merge") = s.merge,
+                         py::arg("stats") = s.stats, py::arg("plan") = s.plan, py::arg("access") = s.access,
+                         py::arg("kernel") = s.kernel, py::arg("put_back") = s.put_back,
+                         py::arg("gather") = s.gather, py::arg("release") = s.release, py::arg("finish") = s.finish);
+  d["train_step_seconds"] = s.total;
+  d["kernel_elems"] = report.kernel_elems;
   d["stats_copied_bytes"] = report.stats_copied_bytes;
-  d["update_seconds"] = report.update_seconds;
   d["groups"] = report.groups;
   d["comm_bytes"] = report.comm_bytes;
   d["comm_wait_seconds"] = report.comm_wait_seconds;
   d["beside_groups"] = report.beside_groups;
   d["redone_groups"] = report.redone_groups;
-  d["beside_wait_seconds"] = report.beside_wait_seconds;
   return d;
 }
 

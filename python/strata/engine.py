@@ -100,6 +100,29 @@ def _refuse_held(model):
                 "chunks. Train it through that engine (engine.state_dict() gives the values), or build a fresh model")
 
 
+class _PhaseClock:
+    """A step's phases: each lap's seconds under its name."""
+
+    def __init__(self):
+        self.start = self._last = time.perf_counter()
+        self.phases = {}
+
+    def lap(self, name):
+        """The seconds since the last lap are `name`'s."""
+        now = time.perf_counter()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self._last
+        self._last = now
+
+    def split(self, name, parts):
+        """A lap whose seconds `parts` (name: seconds) account for; what they leave is `name`_other's."""
+        self.lap(name)
+        self.phases[name + "_other"] = self.phases.pop(name) - sum(parts.values())
+        self.phases.update(parts)
+
+    def seconds(self):
+        return time.perf_counter() - self.start
+
+
 @dataclass
 class _Progress:
     """Where training stands between the public calls."""
@@ -332,7 +355,7 @@ class TrainingEngine:
             return False
         if not self._moments.in_iteration:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
-        start = time.perf_counter()
+        clock = _PhaseClock()
         try:
             self._overlap.wait()  # no update beside backward runs while the values change
         except BaseException as error:
@@ -340,6 +363,7 @@ class TrainingEngine:
             self._overlap.discard()
             self._moments.end_iteration()
             raise
+        clock.lap("overlap_wait")
         self.optimizer.write_groups()  # the values param_groups holds now (a bad one refused: nothing changed)
         records = self._table.records
         try:
@@ -350,10 +374,13 @@ class TrainingEngine:
                 stepped = self._grad_sync.reduce_rest(stepped)
             skip = [r.tensor_id for r, s in zip(records, stepped) if r.trainable and s == 0]
             mark = self._grad_sync.comm_total()  # see GradSync.step_bytes
+            clock.lap("backward_end")
             # An asynchronous save reads each group out before its update changes it.
-            self._progress.last_step = self._table.checked(
+            report = self._table.checked(
                 _strata.train_step, self._runtime.engine, self._pipeline, self._optimizer, skip, self._runtime.comm,
                 self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream(), self._overlap.beside)
+            clock.split("train_step", report.pop("phases"))
+            self._progress.last_step = report
         except BaseException as error:
             self._progress.broken = (f"a step failed part way ({type(error).__name__}: {error}); some chunk "
                                      "groups are updated and others not")
@@ -362,9 +389,11 @@ class TrainingEngine:
         finally:
             self._overlap.stepped()  # train_step took them (or failed: the engine is broken)
             self._moments.end_iteration()
+        clock.lap("end_iteration")
         for record in records:
             record.stepped = False
-        self._progress.last_step["seconds"] = time.perf_counter() - start
+        self._progress.last_step["seconds"] = clock.seconds()
+        self._progress.last_step["phases"] = clock.phases
         syncs = self._runtime.syncs[0]
         self._progress.last_step["host_syncs"] = syncs - self._progress.syncs_at_step
         self._progress.syncs_at_step = syncs

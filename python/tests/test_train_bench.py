@@ -33,6 +33,17 @@ def test_the_training_benchmark_reports_every_run(tmp_path):
     assert results["nvme"]["bytes_per_step"]["nvme->host"] > 0, results["nvme"]
     assert results["fits"]["budgets"]["device"] > results["streamed"]["budgets"]["device"]
     assert "x plain" in run.stdout and "nvme" in run.stdout
+    # Where the step phase went: last_step's phases account for the step (and no more), the kernel ran over every
+    # parameter a step, and the step's parts are priced at `strata bench optim`'s rate from the same run.
+    for name in ("fits", "streamed", "streamed+overlap", "nvme", "nvme+overlap"):
+        a = results[name]["accounting"]
+        assert sum(a["phases_s"].values()) <= a["accounted_s"] + 1e-6 <= a["step_phase_s"] + 2e-6, (name, a)
+        assert a["bench_params_per_s"] > 0 and a["parts_s"] > 0 and a["step_over_parts"] > 0, (name, a)
+    for name in ("fits", "streamed", "nvme"):
+        a = results[name]["accounting"]
+        assert a["phases_s"]["kernel"] > 0 and a["kernel_over_bench"] > 0 and a["phases_s"]["stats"] > 0, (name, a)
+    assert results["nvme"]["accounting"]["phases_s"]["access"] > 0  # its states come from NVMe
+    assert "largest phases" in run.stdout
 
 
 def test_the_adapter_cost_benchmark_reports_microseconds_a_module(tmp_path):

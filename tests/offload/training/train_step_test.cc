@@ -48,6 +48,13 @@ TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) 
     ASSERT_OK_AND_ASSIGN(TrainStepReport report, model.Iteration());
     ASSERT_OK_AND_ASSIGN(optim::StepPlan plan, reference_config.optimizer->Step(arrays));
     EXPECT_EQ(report.groups, static_cast<uint32_t>(kLayers));  // the frozen tensor has no group to update
+    EXPECT_EQ(report.kernel_elems, kLayers * kChunkElems);
+    // The phases account for the step: each measured, none beyond the whole.
+    EXPECT_GT(report.seconds.kernel, 0);
+    EXPECT_GT(report.seconds.stats, 0);
+    EXPECT_GT(report.seconds.access, 0);
+    EXPECT_LE(report.seconds.Sum(), report.seconds.total);
+    EXPECT_EQ(report.seconds.beside_wait + report.seconds.put_back + report.seconds.gather, 0);
     EXPECT_EQ(report.plan.step, step);
     EXPECT_NEAR(report.plan.grad_norm, plan.grad_norm, 1e-9 * plan.grad_norm);
     EXPECT_LT(report.plan.clip_coefficient, 1.0f);  // the norm is above 1: clipped
@@ -871,6 +878,10 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
       EXPECT_EQ(early.beside_groups, stands ? beside_groups : 0u);
       // A group whose gradients overflowed was left as it was, and is updated (skipped) by the step.
       EXPECT_EQ(early.redone_groups, stands ? 0u : beside_groups - (steps[k].overflow && kept >> 30 ? 1 : 0));
+      // The step's kernels ran over the groups it updated itself, and again over those it redid from their copy.
+      EXPECT_EQ(early.kernel_elems, (kLayers - early.beside_groups) * kChunkElems);
+      EXPECT_EQ(early.seconds.put_back > 0, early.redone_groups > 0);
+      EXPECT_LE(early.seconds.Sum(), early.seconds.total);
       for (int l = 0; l < kLayers; ++l) {
         for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
           EXPECT_EQ(pair.early.Read(l, kind), pair.after.Read(l, kind)) << "layer " << l << " kind " << int(kind);
