@@ -113,9 +113,9 @@ def synchronize(device):
         torch.cuda.synchronize(device)
 
 
-def timed_steps(args, device, forward, backward, step, warm=lambda: None):
+def timed_steps(args, device, forward, backward, step, warm=lambda: None, before_step=None, after_step=None):
     """Each timed step's (forward, backward, step) seconds, the phases ended by a synchronization; `warm` is
-    called once the warm-up steps are done."""
+    called once the warm-up steps are done, `before_step` and `after_step` around each step, untimed."""
     generator = torch.Generator().manual_seed(1)
     phases = []
     for number in range(args.steps):
@@ -130,9 +130,14 @@ def timed_steps(args, device, forward, backward, step, warm=lambda: None):
         backward(loss)
         synchronize(device)
         backwarded = time.perf_counter()
+        if before_step is not None:
+            before_step()
+        stepping = time.perf_counter()
         step()
         synchronize(device)
-        phases.append((forwarded - start, backwarded - forwarded, time.perf_counter() - backwarded))
+        phases.append((forwarded - start, backwarded - forwarded, time.perf_counter() - stepping))
+        if after_step is not None:
+            after_step()
     return phases[WARMUP_STEPS:]
 
 
@@ -209,15 +214,17 @@ def strata_run(args, name, nvme_root):
         before["planned_iterations"] = stats["pipeline"].get("planned_iterations", 0)
         before["fence_waits"] = stats["fence_waits"]
 
-    def step():
-        moved = link_bytes(engine)
-        engine.step()
+    moved = {}  # the links' bytes as the step begins
+
+    def before_step():
+        moved.update(link_bytes(engine))
+
+    def after_step():
         if before:
-            steps.append(dict(engine.last_step,
-                              step_bytes={k: v - moved[k] for k, v in link_bytes(engine).items()}))
+            steps.append(dict(engine.last_step, step_bytes={k: v - moved[k] for k, v in link_bytes(engine).items()}))
 
     phases = timed_steps(args, engine.device, lambda tokens: loss_of(model, args, tokens), engine.backward,
-                         step, warm)
+                         engine.step, warm, before_step, after_step)
     stats = engine.stats()
     out = summary(args, phases, parameters)
     out.update({
