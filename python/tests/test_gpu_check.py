@@ -1,4 +1,5 @@
-"""scripts/gpu_goals.py (the GPU goals table) on fabricated benchmark figures."""
+"""scripts/gpu_goals.py (the GPU goals table) on fabricated benchmark figures, and benchmarks/large_bench.py
+in a tiny shape on the emulated device: its weights written as shards, streamed in with weights=, steps run."""
 
 import importlib.util
 import json
@@ -10,6 +11,7 @@ import pytest
 
 ROOT = os.path.join(os.path.dirname(__file__), "..", "..")
 GOALS = os.path.join(ROOT, "scripts", "gpu_goals.py")
+LARGE = os.path.join(ROOT, "benchmarks", "large_bench.py")
 
 
 def _module(path, name):
@@ -93,3 +95,40 @@ def test_the_goals_table_says_so_when_a_run_left_no_figures(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert run.returncode == 0, run.stderr
     assert "left no figures" in run.stdout and "goals met: 0 of 0" in run.stdout
+
+
+def test_the_budgets_of_a_7b_llama_on_a_128_gib_host():
+    large = _module(LARGE, "large_bench")
+    gib = 2**30
+    plan = large.plan_budgets(6_738_415_616, 124 * gib, 20 * gib, 8 * gib)
+    assert plan["homes_bytes"] == 16 * 6_738_415_616                     # 100.4 GiB: more than the room
+    assert plan["host_budget_bytes"] == 96 * gib
+    assert plan["states_on_nvme_bytes"] == plan["homes_bytes"] - 96 * gib  # about 4.4 GiB of states
+    small = large.plan_budgets(1_000_000, 124 * gib, 20 * gib, 8 * gib)
+    assert small["host_budget_bytes"] == int(16 * 1_000_000 * 1.125) and small["states_on_nvme_bytes"] == 0
+    with pytest.raises(ValueError, match="no room"):
+        large.plan_budgets(6_738_415_616, 32 * gib, 20 * gib, 8 * gib)
+
+
+def test_the_large_benchmark_trains_from_sharded_weights_in_a_tiny_shape(tmp_path):
+    out = tmp_path / "large.json"
+    args = [sys.executable, LARGE, "--dir", str(tmp_path / "run"), "--device", "emulated", "--layers", "2",
+            "--hidden", "128", "--heads", "4", "--intermediate", "352", "--vocab", "512", "--seq", "32",
+            "--batch", "2", "--micro-batches", "2", "--steps", "3", "--shard-size", "512KiB",
+            "--host-memory", "2GiB", "--host-reserve", "512MiB", "--overlap", "16MiB", "--device-budget", "32MiB",
+            "--peak-tflops", "1", "--json", str(out)]
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())["result"]
+    weights = tmp_path / "run" / "weights"
+    index = json.loads((weights / "model.safetensors.index.json").read_text())
+    shards = set(index["weight_map"].values())
+    assert len(shards) > 1 and all((weights / s).is_file() for s in shards)
+    assert result["weights_bytes_written"] == 2 * result["parameters"] == index["metadata"]["total_size"]
+    assert result["s_per_step"] > 0 and result["tokens_per_s"] == pytest.approx(2 * 2 * 32 / result["s_per_step"])
+    assert result["mfu"] is not None and result["budgets"]["states_on_nvme_bytes"] == 0
+    assert "tokens/s" in run.stdout
+    # A second run reuses the shards the index lists.
+    run = subprocess.run(args, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert json.loads(out.read_text())["result"]["weights_bytes_written"] == 0 and "reused" in run.stdout
