@@ -229,11 +229,11 @@ def run(args):
     weights_dir = os.path.join(args.dir, "weights")
     nvme_dir = os.path.join(args.dir, "nvme")
     os.makedirs(nvme_dir, exist_ok=True)
+    host_memory = memory_available_bytes() if args.host_memory == "auto" else parse_size(args.host_memory)
+    budgets = plan_budgets(parameters, host_memory, parse_size(args.host_reserve), parse_size(args.overlap))
     start = time.perf_counter()
     written = write_weights(model, weights_dir, parse_size(args.shard_size))
     write_s = time.perf_counter() - start
-    host_memory = memory_available_bytes() if args.host_memory == "auto" else parse_size(args.host_memory)
-    budgets = plan_budgets(parameters, host_memory, parse_size(args.host_reserve), parse_size(args.overlap))
     print(f"{parameters / 1e9:.2f}B parameters; weights {'written' if written else 'reused'} "
           f"({write_s:.1f} s); host {host_memory / GiB:.1f} GiB: host.budget "
           f"{budgets['host_budget_bytes'] / GiB:.1f} GiB for {budgets['homes_bytes'] / GiB:.1f} GiB of homes, "

@@ -6,7 +6,7 @@
 #   0.94B Llama in plain PyTorch and fits / streamed / streamed+overlap / nvme,
 #   the adapter against plain PyTorch; about 5 minutes on an H200.
 # --large: a 7B Llama from random bf16 safetensors shards (benchmarks/large_bench.py),
-#   its states in host memory and NVMe beyond it; about 2.5 minutes.
+#   its states in host memory and NVMe beyond it; 2 to 3 minutes.
 # --more: the rest (collectives, the drive to the device, the fp32 update, the
 #   adapter's cost, the 0.2B GPT, gradient accumulation); about 4 minutes.
 # Each part stops at its cap or at the call's deadline (GPU_CHECK_SECONDS,
