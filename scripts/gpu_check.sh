@@ -1,4 +1,5 @@
 #!/usr/bin/env bash
+# shellcheck disable=SC2317  # gpu_tests and drive run through part, under timeout
 # On a GPU machine (the device tool's; see scripts/gpu_bundle.sh): issue 35's
 # goals in one call, the goals table (scripts/gpu_goals.py) last.
 #   scripts/gpu_check.sh [--large|--more] [BUNDLE]
@@ -15,7 +16,7 @@
 # on the machine's disk); $OUT (or /tmp/strata-gpu) gets the table, its JSON and
 # every log in logs.tar.gz. Exit status: 1 if a part failed or ran out of time.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 mode=default
 if [[ "${1:-}" == --large || "${1:-}" == --more ]]; then mode=${1#--}; shift; fi
 bundle=$(realpath "${1:-build/gpu-bundle}")
@@ -77,7 +78,7 @@ gpu_tests() {
     echo " ($(grep -c '^\[       OK \]' "$logs/$name.log") ok, $(grep -c '^\[  SKIPPED \]' "$logs/$name.log")" \
       "skipped, $(grep -c '^\[  FAILED  \]' "$logs/$name.log") failed lines)"
   done
-  return $failed
+  return "$failed"
 }
 
 # The drive, against fio where the machine has it (the bundle cannot carry fio's
