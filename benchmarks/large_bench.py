@@ -199,13 +199,14 @@ def model_flops_per_token(args, parameters):
 
 
 def train(args, engine, model, device, parameters):
-    """Seconds of each timed step, and the stats' link bytes over them."""
+    """Seconds of each timed step and of its step phase (after the last backward: last_step's seconds), and
+    the stats' link bytes over them."""
     generator = torch.Generator().manual_seed(1)
 
     def loss_fn(module, tokens):
         return module(input_ids=tokens, labels=tokens).loss
 
-    seconds, before = [], {}
+    seconds, phases, before = [], [], {}
     for number in range(args.steps):
         if number == WARMUP_STEPS:
             before = {link: v["bytes"] for link, v in engine.stats()["links"].items()}
@@ -216,10 +217,11 @@ def train(args, engine, model, device, parameters):
         losses = engine.train_step(micro_batches, loss_fn, accumulation="standard")
         synchronize(device)
         seconds.append(time.perf_counter() - start)
+        phases.append(engine.last_step.get("seconds"))
         print(f"step {number}: {seconds[-1]:.3f} s, loss {losses.float().mean().item():.4f}", flush=True)
     timed = seconds[WARMUP_STEPS:]
     links = {link: (v["bytes"] - before.get(link, 0)) / len(timed) for link, v in engine.stats()["links"].items()}
-    return timed, links
+    return timed, phases[WARMUP_STEPS:], links
 
 
 def run(args):
@@ -242,7 +244,7 @@ def run(args):
     engine = strata.initialize(model, strata_config(args, budgets, nvme_dir), weights=weights_dir)
     load_s = time.perf_counter() - start
     print(f"initialize with weights=: {load_s:.1f} s", flush=True)
-    timed, links = train(args, engine, model, device, parameters)
+    timed, phases, links = train(args, engine, model, device, parameters)
     stats = engine.stats()
     seconds = statistics.median(timed)
     tokens = args.micro_batches * args.batch * args.seq
@@ -250,6 +252,7 @@ def run(args):
     result = {
         "parameters": parameters, "tokens_per_step": tokens, "write_weights_s": write_s,
         "weights_bytes_written": written, "initialize_s": load_s, "s_per_step": seconds, "steps_s": timed,
+        "step_phase_s": statistics.median(phases) if None not in phases else None,
         "tokens_per_s": tokens / seconds, "model_tflops": tflops,
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
         "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
@@ -269,11 +272,12 @@ def print_result(args, r):
     links = ", ".join(f"{link} {b / 1e9:.2f}GB" for link, b in r["bytes_per_step"].items() if b)
     print(f"llama: {r['parameters'] / 1e9:.2f}B parameters ({args.layers} layers of {args.hidden}), "
           f"{args.micro_batches} x {args.batch} x {args.seq} tokens a step, bf16, device {args.device}")
-    print(f"{'s/step':>9}{'tokens/s':>11}{'TFLOPS':>9}{'MFU':>7}{'plan s':>9}{'stall':>7}"
+    print(f"{'s/step':>9}{'step':>8}{'tokens/s':>11}{'TFLOPS':>9}{'MFU':>7}{'plan s':>9}{'stall':>7}"
           f"{'write s':>9}{'load s':>8}  bytes/step by link")
     stall = "-" if r["stall_fraction"] is None else f"{r['stall_fraction']:.2f}"
-    print(f"{r['s_per_step']:>9.3f}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>9.1f}{mfu:>7}{plan:>9}{stall:>7}"
-          f"{r['write_weights_s']:>9.1f}{r['initialize_s']:>8.1f}  {links}")
+    phase = "-" if r["step_phase_s"] is None else f"{r['step_phase_s']:.3f}"
+    print(f"{r['s_per_step']:>9.3f}{phase:>8}{r['tokens_per_s']:>11.0f}{r['model_tflops']:>9.1f}{mfu:>7}"
+          f"{plan:>9}{stall:>7}{r['write_weights_s']:>9.1f}{r['initialize_s']:>8.1f}  {links}")
 
 
 def main(argv=None):

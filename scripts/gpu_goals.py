@@ -84,7 +84,9 @@ def train_rows(train):
 def large_row(large):
     r = large["result"]
     ratio, plan = plan_goal(r["s_per_step"], r.get("predicted_step_s"))
+    phase = r.get("step_phase_s")
     return {"run": f"{r['parameters'] / 1e9:.1f}B llama", "s_per_step": r["s_per_step"],
+            "step_share": None if phase is None else phase / r["s_per_step"],
             "tokens_per_s": r["tokens_per_s"], "mfu": r.get("mfu"), "predicted_step_s": r.get("predicted_step_s"),
             "measured_over_predicted": ratio,
             "goals": [(f"MFU >= {LARGE_MFU:.0%}", verdict(r.get("mfu"), LARGE_MFU, True)),
@@ -120,9 +122,10 @@ def print_large(large, row):
     a = large["args"]
     print(f"goals: llama of {a['layers']} layers of {a['hidden']}, {a['micro_batches']} x {a['batch']} x {a['seq']} "
           f"tokens a step, bf16, device {a['device']}, peak {a.get('peak_tflops')} TFLOPS")
-    print(f"{'run':<18}{'s/step':>8}{'tokens/s':>10}{'MFU':>7}{'plan s':>8}{'meas/plan':>10}  goals")
+    print(f"{'run':<18}{'s/step':>8}{'step %':>8}{'tokens/s':>10}{'MFU':>7}{'plan s':>8}{'meas/plan':>10}  goals")
     goals = "; ".join(f"{goal}: {v}" for goal, v in row["goals"])
-    print(f"{row['run']:<18}{row['s_per_step']:>8.3f}{row['tokens_per_s']:>10.0f}{_f(row['mfu'], '.3f'):>7}"
+    share = _f(None if row["step_share"] is None else 100 * row["step_share"], ".0f")
+    print(f"{row['run']:<18}{row['s_per_step']:>8.3f}{share:>8}{row['tokens_per_s']:>10.0f}{_f(row['mfu'], '.3f'):>7}"
           f"{_f(row['predicted_step_s'], '.3f'):>8}{_f(row['measured_over_predicted'], '.2f'):>10}  {goals}")
 
 

@@ -50,7 +50,8 @@ def _io_figures(fio=True):
 def _large_figures(mfu):
     return {"args": {"layers": 32, "hidden": 4096, "micro_batches": 8, "batch": 4, "seq": 2048,
                      "device": "cuda", "peak_tflops": 989},
-            "result": {"parameters": 6_738_415_616, "s_per_step": 9.0, "tokens_per_s": 7282.0, "mfu": mfu,
+            "result": {"parameters": 6_738_415_616, "s_per_step": 9.0, "step_phase_s": 1.8, "tokens_per_s": 7282.0,
+                       "mfu": mfu,
                        "predicted_step_s": 10.0}}
 
 
@@ -78,6 +79,7 @@ def test_the_goals_table_marks_each_goal_met_or_not(tmp_path):
     assert rows["nvme"]["nvme_gbps"] == pytest.approx(10e9 / 4.0 / 1e9)  # NVMe's links only
     assert goals["drive"] == {"read_gbps": 2.0, "write_gbps": 3.0, "source": "fio"}
     assert dict(goals["large"]["goals"]) == {"MFU >= 40%": "met", "plan within 15%": "met"}
+    assert goals["large"]["step_share"] == pytest.approx(0.2)
     assert "goals met: 6 of 9" in run.stdout
     assert "fio" in run.stdout and "7282" in run.stdout
 
@@ -127,6 +129,7 @@ def test_the_large_benchmark_trains_from_sharded_weights_in_a_tiny_shape(tmp_pat
     assert result["weights_bytes_written"] == 2 * result["parameters"] == index["metadata"]["total_size"]
     assert result["s_per_step"] > 0 and result["tokens_per_s"] == pytest.approx(2 * 2 * 32 / result["s_per_step"])
     assert result["mfu"] is not None and result["budgets"]["states_on_nvme_bytes"] == 0
+    assert 0 < result["step_phase_s"] < result["s_per_step"]
     assert "tokens/s" in run.stdout
     # A second run reuses the shards the index lists.
     run = subprocess.run(args, capture_output=True, text=True, timeout=120)
