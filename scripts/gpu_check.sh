@@ -1,13 +1,31 @@
 #!/usr/bin/env bash
-# On a GPU machine (the device tool's; see scripts/gpu_bundle.sh): runs the
-# gpu-labelled tests and the GPU benchmarks from the bundle, logs and JSON
-# under $OUT (or /tmp/strata-gpu), a summary last. Exit status: 1 if any test
-# failed.
+# shellcheck disable=SC2317  # gpu_tests and drive run through part, under timeout
+# On a GPU machine (the device tool's; see scripts/gpu_bundle.sh): issue 35's
+# goals in one call, the goals table (scripts/gpu_goals.py) last.
+#   scripts/gpu_check.sh [--large|--more] [BUNDLE]
+# default: the gpu-labelled tests, the drive against fio, the CPU update, the
+#   0.94B Llama in plain PyTorch and fits / streamed / streamed+overlap / nvme,
+#   the adapter against plain PyTorch; about 5 minutes on an H200.
+# --large: a 7B Llama from random bf16 safetensors shards (benchmarks/large_bench.py),
+#   its states in host memory and NVMe beyond it; 2 to 3 minutes.
+# --more: the rest (collectives, the drive to the device, the fp32 update, the
+#   adapter's cost, the 0.2B GPT, gradient accumulation); about 4 minutes.
+# Each part stops at its cap or at the call's deadline (GPU_CHECK_SECONDS,
+# 470 s), whichever comes first; the table is printed from what finished.
+# Scratch files (the NVMe tier, the weights) go to STRATA_SCRATCH (build/gpu-scratch,
+# on the machine's disk); $OUT (or /tmp/strata-gpu) gets the table, its JSON and
+# every log in logs.tar.gz. Exit status: 1 if a part failed or ran out of time.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
+mode=default
+if [[ "${1:-}" == --large || "${1:-}" == --more ]]; then mode=${1#--}; shift; fi
 bundle=$(realpath "${1:-build/gpu-bundle}")
 out=${OUT:-/tmp/strata-gpu}
-mkdir -p "$out"
+scratch=${STRATA_SCRATCH:-$PWD/build/gpu-scratch}
+logs="$scratch/logs"
+budget_s=${GPU_CHECK_SECONDS:-470}
+table_s=15  # kept back for the table and the archive
+mkdir -p "$out" "$logs"
 # NCCL from the toolkit, else the one Python's nvidia-nccl package brings.
 nccl=""
 for dir in /usr/local/cuda/lib64 /usr/local/cuda/lib /usr/lib/x86_64-linux-gnu; do
@@ -17,59 +35,116 @@ if [[ -z "$nccl" ]]; then
   nccl=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null || true)
 fi
 export LD_LIBRARY_PATH="$bundle/lib${nccl:+:$nccl}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-export STRATA_TEST_DIR="$out/scratch"
+export STRATA_TEST_DIR="$scratch/tests"
+export PYTHONPATH="$bundle/python" PYTHONUNBUFFERED=1
 mkdir -p "$STRATA_TEST_DIR"
-(nvidia-smi -L || echo "no nvidia-smi") > "$out/gpu.txt" 2>&1
-echo "NCCL from: ${nccl:-not found}" >> "$out/gpu.txt"
+(nvidia-smi -L || echo "no nvidia-smi"; echo "NCCL from: ${nccl:-not found}"; free -g; df -h "$scratch") \
+  > "$logs/machine.txt" 2>&1
+strata="$bundle/bin/strata"
+export bundle logs scratch strata
 status=0
 summary=""
-for test in "$bundle"/tests/*; do
-  name=$(basename "$test")
-  if "$test" > "$out/$name.log" 2>&1; then result=passed; else result=FAILED; status=1; fi
-  summary+="$name: $result ($(grep -c '^\[       OK \]' "$out/$name.log") ok, $(grep -c '^\[  SKIPPED \]' "$out/$name.log") skipped lines, $(grep -c '^\[  FAILED  \]' "$out/$name.log") failed lines)"$'\n'
-done
-strata="$bundle/bin/strata"
-"$strata" bench comm --backend nccl --sizes 1MiB,4MiB,16MiB,64MiB,256MiB --iterations 50 \
-  --json "$out/bench-comm-nccl.json" > "$out/bench-comm-nccl.txt" 2>&1 || status=1
-"$strata" bench comm --backend nccl --host-buffers --sizes 1MiB,4MiB,16MiB,64MiB,256MiB --iterations 50 \
-  --json "$out/bench-comm-nccl-host.json" > "$out/bench-comm-nccl-host.txt" 2>&1 || status=1
-"$strata" bench io --dir "$out/scratch" --dest device --device-backend cuda --json "$out/bench-io-device.json" \
-  > "$out/bench-io-device.txt" 2>&1 || status=1
-# The CPU optimizer on the GPU machine's host, every core, against its bandwidth bound (issue 24: bf16 >= 0.85).
-for dtype in fp32 bf16; do
-  "$strata" bench optim --dtype $dtype --params 256M --json "$out/bench-optim-$dtype.json" \
-    > "$out/bench-optim-$dtype.txt" 2>&1 || status=1
-done
-if [[ -d "$bundle/python/strata" ]]; then  # the adapter against plain PyTorch (gpu_bundle.sh's PYTHON_BUILD)
-  PYTHONPATH="$bundle/python" python3 scripts/gpu_adapter_check.py --json "$out/adapter.json" \
-    > "$out/adapter.txt" 2>&1 || status=1
-  # The adapter's own cost a module on the GPU, and where it goes (200 modules of next to no compute).
-  PYTHONPATH="$bundle/python" python3 benchmarks/adapter_cost.py --device cuda --profile 25 \
-    --json "$out/adapter-cost.json" > "$out/adapter-cost.txt" 2>&1 || status=1
-  # Issue 24's figures: plain PyTorch and strata's three configurations, the last two also with
-  # optimizer.overlap (a GPT of 0.2B parameters, bf16).
-  PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --layers 12 --hidden 1024 \
-    --heads 16 --vocab 32000 --seq 512 --batch 8 --precision bf16 --steps 6 --peak-tflops 989 \
-    --nvme-dir "$out/scratch" --json "$out/train-bench.json" > "$out/train-bench.txt" 2>&1 || status=1
-  # And issue 24's own shape: a Hugging Face Llama of 0.94B parameters (4 x 2048 tokens a step), everything on
-  # the device and parameters streamed (about 100 s on an H100).
-  PYTHONPATH="$bundle/python" python3 benchmarks/train_bench.py --device cuda --model llama --layers 16 \
-    --hidden 2048 --heads 16 --vocab 32000 --seq 2048 --batch 4 --precision bf16 --steps 5 --configs fits,streamed,streamed+overlap \
-    --peak-tflops 989 --json "$out/train-bench-llama.json" > "$out/train-bench-llama.txt" 2>&1 || status=1
-  # Issue 25 on the GPU: a Hugging Face Llama of 0.2B parameters, the device at half its parameters, a step of 1
-  # and 8 micro-batches of 2 x 1024 tokens in both orders (the held inputs on the host for the layered ones).
-  PYTHONPATH="$bundle/python" python3 benchmarks/accumulation_bench.py --device cuda --model llama --layers 12 \
-    --hidden 1024 --heads 16 --vocab 32000 --seq 1024 --batch 2 --precision bf16 --micro-batches 1,8 \
-    --offload 2GiB --json "$out/accumulation-bench.json" > "$out/accumulation-bench.txt" 2>&1 || status=1
-fi
-cat "$out/gpu.txt"
-printf '%s' "$summary"
-cat "$out/bench-comm-nccl.txt" "$out/bench-comm-nccl-host.txt"
-tail -n 12 "$out/bench-io-device.txt"
-tail -n 4 "$out/bench-optim-fp32.txt" "$out/bench-optim-bf16.txt"
-[[ -f "$out/adapter.txt" ]] && tail -n 30 "$out/adapter.txt"
-[[ -f "$out/adapter-cost.txt" ]] && head -n 1 "$out/adapter-cost.txt"
-[[ -f "$out/train-bench.txt" ]] && tail -n 10 "$out/train-bench.txt"
-[[ -f "$out/train-bench-llama.txt" ]] && tail -n 6 "$out/train-bench-llama.txt"
-[[ -f "$out/accumulation-bench.txt" ]] && tail -n 6 "$out/accumulation-bench.txt"
+
+# part NAME CAP_S COMMAND...: COMMAND's output into $logs/NAME.txt, stopped after
+# CAP_S seconds or at the deadline, whichever comes first; skipped under 20 s left.
+part() {
+  local name=$1 cap=$2 left begun rc result
+  shift 2
+  left=$((budget_s - table_s - SECONDS))
+  ((cap > left)) && cap=$left
+  if ((cap < 20)); then
+    summary+="$name: skipped (the call's ${budget_s} s were spent)"$'\n'
+    status=1
+    return
+  fi
+  # a function of this script runs in a shell of its own under timeout
+  declare -F "$1" > /dev/null && set -- bash -c "$(declare -f "$1"); $1"
+  begun=$SECONDS
+  timeout --kill-after=5 "$cap" "$@" > "$logs/$name.txt" 2>&1
+  rc=$?
+  case $rc in
+    0) result=ok ;;
+    124|137) result="STOPPED at its ${cap} s"; status=1 ;;
+    *) result="FAILED (exit $rc)"; status=1 ;;
+  esac
+  summary+="$name: $result, $((SECONDS - begun)) s"$'\n'
+}
+
+gpu_tests() {
+  local test name failed=0
+  for test in "$bundle"/tests/*; do
+    name=$(basename "$test")
+    if "$test" > "$logs/$name.log" 2>&1; then echo -n "$name: passed"; else echo -n "$name: FAILED"; failed=1; fi
+    echo " ($(grep -c '^\[       OK \]' "$logs/$name.log") ok, $(grep -c '^\[  SKIPPED \]' "$logs/$name.log")" \
+      "skipped, $(grep -c '^\[  FAILED  \]' "$logs/$name.log") failed lines)"
+  done
+  return "$failed"
+}
+
+# The drive, against fio where the machine has it (the bundle cannot carry fio's
+# libraries); strata's own figures otherwise, and the table says whose.
+drive() {
+  local fio=()
+  command -v fio > /dev/null && fio=(--compare-fio)
+  mkdir -p "$scratch/io"
+  "$strata" bench io --dir "$scratch/io" --file-size 2GiB --runs 3 "${fio[@]}" --json "$logs/bench-io.json"
+}
+
+llama=(--device cuda --model llama --layers 16 --hidden 2048 --heads 16 --vocab 32000 --seq 2048 --batch 4
+       --precision bf16 --peak-tflops 989)
+case $mode in
+  default)
+    part gpu-tests 90 gpu_tests
+    part bench-io 60 drive
+    part bench-optim-bf16 45 "$strata" bench optim --dtype bf16 --params 256M --json "$logs/bench-optim-bf16.json"
+    # The goals' runs: plain PyTorch and strata's four of issue 35, a 0.94B Llama, 4 x 2048 tokens a step.
+    part train-bench-llama 300 python3 benchmarks/train_bench.py "${llama[@]}" --steps 5 \
+      --configs fits,streamed,streamed+overlap,nvme --nvme-dir "$scratch" --json "$logs/train-bench-llama.json"
+    part adapter 60 python3 scripts/gpu_adapter_check.py --json "$logs/adapter.json"
+    goals=(--train "$logs/train-bench-llama.json" --io "$logs/bench-io.json")
+    ;;
+  large)
+    part large-bench 440 python3 benchmarks/large_bench.py --dir "$scratch/large" --peak-tflops 989 \
+      --json "$logs/large-bench.json"
+    rm -rf "$scratch/large/nvme"  # the weights stay for a second run on this machine
+    goals=(--large "$logs/large-bench.json")
+    ;;
+  more)
+    for buffers in device host; do
+      flag=(); [[ $buffers == host ]] && flag=(--host-buffers)
+      part "bench-comm-nccl-$buffers" 30 "$strata" bench comm --backend nccl "${flag[@]}" \
+        --sizes 1MiB,4MiB,16MiB,64MiB,256MiB --iterations 50 --json "$logs/bench-comm-nccl-$buffers.json"
+    done
+    mkdir -p "$scratch/io"
+    part bench-io-device 45 "$strata" bench io --dir "$scratch/io" --dest device --device-backend cuda \
+      --json "$logs/bench-io-device.json"
+    part bench-optim-fp32 45 "$strata" bench optim --dtype fp32 --params 256M --json "$logs/bench-optim-fp32.json"
+    # The adapter's own cost a module on the GPU, and where it goes (200 modules of next to no compute).
+    part adapter-cost 45 python3 benchmarks/adapter_cost.py --device cuda --profile 25 --json "$logs/adapter-cost.json"
+    # Issue 24's GPT of 0.2B parameters, every configuration.
+    part train-bench-gpt 120 python3 benchmarks/train_bench.py --device cuda --layers 12 --hidden 1024 --heads 16 \
+      --vocab 32000 --seq 512 --batch 8 --precision bf16 --steps 6 --peak-tflops 989 --nvme-dir "$scratch" \
+      --json "$logs/train-bench-gpt.json"
+    # Issue 25: a 0.2B Llama, the device at half its parameters, 1 and 8 micro-batches of 2 x 1024 tokens in
+    # both orders.
+    part accumulation 120 python3 benchmarks/accumulation_bench.py --device cuda --model llama --layers 12 \
+      --hidden 1024 --heads 16 --vocab 32000 --seq 1024 --batch 2 --precision bf16 --micro-batches 1,8 \
+      --offload 2GiB --json "$logs/accumulation-bench.json"
+    goals=()
+    ;;
+esac
+
+{
+  cat "$logs/machine.txt"
+  printf '%s' "$summary"
+  for log in "$logs"/*.txt; do
+    [[ $(basename "$log") == machine.txt ]] && continue
+    echo "== $(basename "$log" .txt)"
+    tail -n 12 "$log"
+  done
+  echo
+  if ((${#goals[@]})); then python3 scripts/gpu_goals.py "${goals[@]}" --json "$out/goals.json"; fi
+} 2>&1 | tee "$out/gpu-check.txt"
+tar -czf "$out/logs.tar.gz" -C "$scratch" logs
+rm -rf "$logs" "$STRATA_TEST_DIR" "$scratch/io"
 exit $status
