@@ -82,13 +82,14 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
                            grad.value());
   }
   const uint64_t size = kept_size(group);
-  if (kept_in_use_ + size > options_.kept_bytes) return false;
+  const bool fits = kept_in_use_ + size <= options_.kept_bytes;
+  if (options_.kept_bytes == 0) return false;
   if (updates_.empty()) {  // the step's first: what the updates run with
     plan_ = optimizer_.PlanAhead();
     hyperparams_.clear();
     for (uint32_t i = 0; i < optimizer_.num_groups(); ++i) hyperparams_.push_back(optimizer_.group(i));
   }
-  if (!kept_[group]) {
+  if (fits && !kept_[group]) {
     // Within kept_bytes: the buffers of groups that began in earlier steps but not in this one go first.
     for (size_t k = 0; k < groups_.size() && allocated_ + size > options_.kept_bytes; ++k) {
       if (!kept_[k] || begun_[k]) continue;
@@ -98,35 +99,54 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
     kept_[group] = AllocateAlignedHost(std::max<uint64_t>(size, 1), kIoAlignmentBytes);
     allocated_ += kept_[group].size_bytes();
   }
+  // Its copy does not fit: its gradients' statistics alone (Note [Statistics beside backward]).
   std::vector<ChunkId> chunks;
-  for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) chunks.push_back(groups_[group][kind].id);
+  for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) {
+    if (fits || kind == ChunkKind::kGrad) chunks.push_back(groups_[group][kind].id);
+  }
   auto update = std::make_unique<Update>();
   update->group = group;
   Update* const u = update.get();
   STRATA_ASSIGN_OR_RETURN(update->done,
-                          pipeline_.RunBeside(chunks, DeviceUpdateSeconds(groups_[group], optimizer_.num_states()),
-                                              [this, group, u](Tier where, auto& held) {
-                            return Compute(group, *u, where, held);
+                          pipeline_.RunBeside(chunks,
+                                              fits ? DeviceUpdateSeconds(groups_[group], optimizer_.num_states())
+                                                   : DeviceStatsSeconds(groups_[group]),
+                                              [this, group, u, fits](Tier where, auto& held) {
+                            return Compute(group, *u, where, held, fits);
                           }));
   updates_.push_back(std::move(update));
   begun_[group] = true;
-  kept_in_use_ += size;
+  if (fits) kept_in_use_ += size;
   return true;
 }
 
+// Note [Statistics beside backward]
+// A group whose copy does not fit in what optimizer.overlap has left is not
+// updated beside backward, but its gradients' statistics are still taken
+// there, on the pipeline's host lane once its
+// grad chunk is in host memory: the step's norm then reads only the groups
+// whose gradients came late, and a gradient on the device comes down to the
+// host while backward goes on, not at the step. The step adds the groups'
+// sums in group order, so its norm is the same bit for bit. With
+// optimizer.overlap 0 nothing begins beside backward: the plan's choice of
+// where each update runs (Note [Where updates run] in planner.cc) weighs
+// the step's own moments alone.
+
 // On the pipeline's host lane, with the group's chunks pinned in `held`
-// (UpdatedKinds order): the copy, the statistics, the update.
-Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held) {
+// (UpdatedKinds order; with `update_it` false, the grad chunk alone): the
+// statistics, then the update, its copy kept as it reads.
+Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held,
+                              bool update_it) {
   // Where the plan runs it on a GPU, the step updates it there (its stream's order is the step's).
   if (!engine_.device().host_accessible() && where != Tier::kHost) return Status::Ok();
   const Group& g = groups_[group];
   const std::vector<ChunkKind> kinds = UpdatedKinds(g, optimizer_.num_states());
   HeldChunks by_kind;
-  for (size_t i = 0; i < kinds.size(); ++i) by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
+  for (size_t i = 0; i < held.size(); ++i) by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
   const ChunkInfo& grad = g[ChunkKind::kGrad];
   update.stats.Add(by_kind[static_cast<int>(ChunkKind::kGrad)].data(), grad.dtype, UsedElems(grad));
   update.stats_taken = true;
-  if (!update.stats.finite()) return Status::Ok();  // the step skips
+  if (!update_it || !update.stats.finite()) return Status::Ok();  // the step updates it (or skips)
   static const std::vector<bool> kNoneSkipped;  // its gradients are all in
   // The copy is taken block by block as the update reads them (Note [One pass over a group] in group_update.cc).
   STRATA_RETURN_IF_ERROR(GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)

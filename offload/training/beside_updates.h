@@ -62,10 +62,11 @@ class BesideUpdates {
   BesideUpdates& operator=(const BesideUpdates&) = delete;
 
   // The gradients of grad chunk `grad`'s group are final for this step: its
-  // update begins beside what follows, when its copy fits in what
-  // kept_bytes has left; returns whether it did. Needs an open pipeline
-  // iteration and no open moment. InvalidArgument for a chunk that is no
-  // trainable group's grad chunk, or one begun already this step.
+  // update begins beside what follows when its copy fits in what kept_bytes
+  // has left, else its gradients' statistics alone (Note [Statistics beside
+  // backward]); whether either began (not with kept_bytes 0). Needs an open pipeline iteration and no open moment.
+  // InvalidArgument for a chunk that is no trainable group's grad chunk, or
+  // one begun already this step.
   Result<bool> Begin(ChunkId grad);
   // Gradients were added into grad chunk `grad` after its group's update
   // began (a parameter whose gradient autograd accumulates twice, as
@@ -106,7 +107,7 @@ class BesideUpdates {
 
  private:
   BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer, const BesideOptions& options);
-  Status Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held);
+  Status Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held, bool update_it);
 
   Engine& engine_;
   Pipeline& pipeline_;

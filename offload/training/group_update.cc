@@ -31,11 +31,18 @@ std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states) {
 
 size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
 
+namespace {
+constexpr double kDeviceBytesPerSecond = 1e12;
+}  // namespace
+
 double DeviceUpdateSeconds(const Group& g, int num_states) {
-  constexpr double kDeviceUpdateBytesPerSecond = 1e12;
   uint64_t bytes = 0;
   for (ChunkKind kind : UpdatedKinds(g, num_states)) bytes += 2 * g[kind].used_bytes;  // read, write
-  return static_cast<double>(bytes) / kDeviceUpdateBytesPerSecond;
+  return static_cast<double>(bytes) / kDeviceBytesPerSecond;
+}
+
+double DeviceStatsSeconds(const Group& g) {
+  return static_cast<double>(g[ChunkKind::kGrad].used_bytes) / kDeviceBytesPerSecond;
 }
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,

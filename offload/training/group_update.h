@@ -40,6 +40,8 @@ size_t UsedElems(const ChunkInfo& chunk);
 // [Updates on the device] in train_step.cc): the bytes it reads and writes
 // at a GPU memory's rate, conservatively.
 double DeviceUpdateSeconds(const Group& g, int num_states);
+// The same for reading its gradients' statistics alone.
+double DeviceStatsSeconds(const Group& g);
 
 using HeldChunks = std::array<ChunkAccess, kNumChunkKinds>;
 

@@ -395,6 +395,7 @@ class TrainStep {
       Timed timed(report_.seconds.stats);
       STRATA_ASSIGN_OR_RETURN(
           stats, ReadGradStats(engine_, groups_, options_.compute_stream, known, report_.stats_copied_bytes));
+      report_.stats_read_groups = static_cast<uint32_t>(std::count(known.begin(), known.end(), std::nullopt));
       optimizer_.SetAllReduceHook(nullptr);
     }
     Timed timed(report_.seconds.plan);

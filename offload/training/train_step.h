@@ -42,6 +42,7 @@ struct TrainStepReport {
   optim::StepPlan plan;
   StepSeconds seconds;
   uint64_t kernel_elems = 0;  // elements the update kernels ran over (redone groups' twice)
+  uint32_t stats_read_groups = 0;   // groups whose grads the step read for the norm (the others': beside backward)
   uint64_t stats_copied_bytes = 0;  // of the grads read for the norm, those copied first (on NVMe, or moving)
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included

@@ -68,6 +68,7 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
                          py::arg("gather") = s.gather, py::arg("release") = s.release, py::arg("finish") = s.finish);
   d["train_step_seconds"] = s.total;
   d["kernel_elems"] = report.kernel_elems;
+  d["stats_read_groups"] = report.stats_read_groups;
   d["stats_copied_bytes"] = report.stats_copied_bytes;
   d["groups"] = report.groups;
   d["comm_bytes"] = report.comm_bytes;

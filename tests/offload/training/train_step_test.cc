@@ -881,6 +881,9 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
       // The step's kernels ran over the groups it updated itself, and again over those it redid from their copy.
       EXPECT_EQ(early.kernel_elems, (kLayers - early.beside_groups) * kChunkElems);
       EXPECT_EQ(early.seconds.put_back > 0, early.redone_groups > 0);
+      // Every group's statistics were taken beside backward, those whose copy did not fit included.
+      EXPECT_EQ(early.stats_read_groups, 0u);
+      EXPECT_EQ(after.stats_read_groups, static_cast<uint32_t>(kLayers));
       EXPECT_LE(early.seconds.Sum(), early.seconds.total);
       for (int l = 0; l < kLayers; ++l) {
         for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
