@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "memory/chunk_layout.h"
 #include "src/base/alignment.h"
 #include "src/base/half.h"
 
@@ -39,13 +40,32 @@ namespace strata::offload {
 // update beside backward sums its group's on the host, so the norm (and a
 // clip) may differ in the last bits.
 
+// Note [Updates beside backward, data parallel]
+// Each rank submits a group's gradients to the GradReducer as soon as they
+// are final (in the fixed order every rank keeps); Begin then holds that
+// reduction (GradReducer::HoldReduction), and the update, on the pipeline's
+// host lane, waits for it and runs on this rank's reduced shard: its range
+// of the master and state shards, with the statistics of the shard. The
+// grad chunk is left as it is (the reducer has read it), so a late gradient
+// adds into it and is reduced again as without overlap. The step takes
+// every group's reduction as before, sums the statistics in group order
+// (those the updates took and the others'), all-reduces that once, and with
+// the plan and hyperparameters unchanged on every rank (the plan comes from
+// the all-reduced sum, so all ranks agree) confirms each update: it zeroes
+// the grad chunk and all-gathers the updated param chunk, in group order
+// as without overlap. Otherwise (a clip, an overflow on any rank, a late
+// gradient on any rank: the adapter's vote marks it Late everywhere) the
+// group is put back and updated from the step's reduction. So the ranks'
+// collectives stay in one order, and the result is that of the run without
+// overlap bit for bit.
+
 Result<std::unique_ptr<BesideUpdates>> BesideUpdates::Create(Engine& engine, Pipeline& pipeline,
                                                              optim::Optimizer& optimizer,
                                                              const BesideOptions& options) {
-  if (engine.world_size() > 1) {
+  if (engine.world_size() > 1 && options.reducer == nullptr) {
     return InvalidArgument(
-        "updates beside backward (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates take "
-        "the gradients reduced at the step; set optimizer.overlap to 0",
+        "updates beside backward (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates run on "
+        "the reduced gradients: give the GradReducer backward submits them to",
         engine.rank(), engine.world_size());
   }
   return std::unique_ptr<BesideUpdates>(new BesideUpdates(engine, pipeline, optimizer, options));
@@ -84,6 +104,11 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
   const uint64_t size = kept_size(group);
   const bool fits = kept_in_use_ + size <= options_.kept_bytes;
   if (options_.kept_bytes == 0) return false;
+  std::optional<GradReducer::Hold> reduced;
+  if (options_.reducer != nullptr) {
+    reduced = options_.reducer->HoldReduction(grad);
+    if (!reduced) return false;  // not submitted yet (the reducer takes them in a fixed order): the step updates it
+  }
   if (updates_.empty()) {  // the step's first: what the updates run with
     plan_ = optimizer_.PlanAhead();
     hyperparams_.clear();
@@ -106,6 +131,7 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
   }
   auto update = std::make_unique<Update>();
   update->group = group;
+  update->reduced = std::move(reduced);
   Update* const u = update.get();
   STRATA_ASSIGN_OR_RETURN(update->done,
                           pipeline_.RunBeside(chunks,
@@ -144,14 +170,26 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   HeldChunks by_kind;
   for (size_t i = 0; i < held.size(); ++i) by_kind[static_cast<int>(kinds[i])] = std::move(held[i]);
   const ChunkInfo& grad = g[ChunkKind::kGrad];
-  update.stats.Add(by_kind[static_cast<int>(ChunkKind::kGrad)].data(), grad.dtype, UsedElems(grad));
+  const size_t n = UsedElems(g[ChunkKind::kParam]);
+  memory::ShardRange range{.begin = 0, .end = n};
+  const float* reduced = nullptr;
+  if (update.reduced) {  // data parallel: this rank's shard of the mean gradients
+    STRATA_RETURN_IF_ERROR(update.reduced->done.get().WithContext("the reduction an update beside backward needs"));
+    range = memory::ShardOf(n, engine_.rank(), engine_.world_size());
+    reduced = update.reduced->shard->data();
+    update.stats.Add(reduced, DType::kFloat32, range.end - range.begin);
+  } else {
+    update.stats.Add(by_kind[static_cast<int>(ChunkKind::kGrad)].data(), grad.dtype, UsedElems(grad));
+  }
   update.stats_taken = true;
   if (!update_it || !update.stats.finite()) return Status::Ok();  // the step updates it (or skips)
   static const std::vector<bool> kNoneSkipped;  // its gradients are all in
-  // The copy is taken block by block as the update reads them (Note [One pass over a group] in group_update.cc).
-  STRATA_RETURN_IF_ERROR(GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
-                             .Run(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, by_kind, nullptr,
-                                  kept_[group].bytes()));
+  // The copy is taken block by block as the update reads them (Note [One pass over a group] in group_update.cc);
+  // data parallel, the grad chunk is left for a late gradient to add into and the step to zero.
+  STRATA_RETURN_IF_ERROR(
+      GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
+          .Run(g, range.begin, range.end, reduced, by_kind,
+               {.keep = kept_[group].bytes(), .zero_grads = update.reduced == std::nullopt}));
   update.updated = true;
   return Status::Ok();
 }
@@ -186,7 +224,8 @@ Status BesideUpdates::Undo() {
     HeldChunks held;
     const Status accessed = AccessGroup(pipeline_, groups_[u.group], optimizer_.num_states(), held);
     // Gradients that came late, after the update zeroed the chunk, are kept: added to those of before.
-    if (accessed.ok()) PutBack(u.group, held, u.late ? Grads::kAdd : Grads::kCopy);
+    // (Data parallel, the update left the grad chunk as it was.)
+    if (accessed.ok()) PutBack(u.group, held, options_.reducer ? Grads::kLeave : u.late ? Grads::kAdd : Grads::kCopy);
     for (ChunkAccess& a : held) a.Release();
     const Status ended = pipeline_.EndMoment();
     STRATA_RETURN_IF_ERROR(accessed.WithContext("putting a chunk group back as it was before its update"));

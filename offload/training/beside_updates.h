@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "offload/schedule/pipeline.h"
+#include "offload/training/grad_reducer.h"
 #include "offload/training/group_update.h"
 #include "optim/optimizer.h"
 #include "strata/buffer.h"
@@ -35,6 +36,11 @@ struct BesideOptions {
   // them (option optimizer.overlap). A group whose copy does not fit in
   // what is left is updated by the step, after backward.
   uint64_t kept_bytes = 0;
+  // Data parallel (required then): the reducer backward submits the
+  // gradients to, the one the step takes them from. Each update runs on
+  // this rank's reduced shard once its reduction is done (Note [Updates
+  // beside backward, data parallel]).
+  GradReducer* reducer = nullptr;
 };
 
 class BesideUpdates {
@@ -51,10 +57,11 @@ class BesideUpdates {
     // them alone: the update zeroed it); the step adds the kept ones back
     // and updates the group again.
     bool late = false;
+    // Data parallel: the reduction the update ran on.
+    std::optional<GradReducer::Hold> reduced;
   };
 
-  // InvalidArgument for a data-parallel engine (its reduced gradients are
-  // the step's).
+  // InvalidArgument for a data-parallel engine without options.reducer.
   static Result<std::unique_ptr<BesideUpdates>> Create(Engine& engine, Pipeline& pipeline,
                                                        optim::Optimizer& optimizer, const BesideOptions& options);
   ~BesideUpdates();  // waits for the updates in flight
@@ -100,6 +107,7 @@ class BesideUpdates {
   const std::vector<optim::GroupHyperparams>& hyperparams() const { return hyperparams_; }
   const std::vector<Group>& groups() const { return groups_; }
   uint64_t kept_bytes() const { return options_.kept_bytes; }
+  GradReducer* reducer() const { return options_.reducer; }
   // Group `group`'s chunks as they were before its update (UpdatedKinds
   // order, each chunk's used bytes one after another).
   const std::byte* kept(size_t group) const { return kept_[group].bytes(); }

@@ -129,7 +129,7 @@ Status GradReducer::Submit(ChunkId grad) {
     spare_sends_.push_back(std::move(earlier->second->send));
     pending_.erase(earlier);
   }
-  auto pending = std::make_unique<Pending>();
+  auto pending = std::make_shared<Pending>();
   Pending* into = pending.get();
   into->send = send;
   const size_t slice = range.elems + kTagBits;
@@ -216,6 +216,13 @@ Result<GradReducer::Reduced> GradReducer::Take(ChunkId grad) {
   pending_.erase(it);
   STRATA_RETURN_IF_ERROR(status);
   return reduced;
+}
+
+std::optional<GradReducer::Hold> GradReducer::HoldReduction(ChunkId grad) const {
+  const auto it = pending_.find(grad.value());
+  if (it == pending_.end()) return std::nullopt;
+  const std::shared_ptr<Pending>& pending = it->second;
+  return Hold{.done = pending->done, .shard = std::shared_ptr<const std::vector<float>>(pending, &pending->shard)};
 }
 
 void GradReducer::Recycle(std::vector<float> shard) {

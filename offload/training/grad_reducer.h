@@ -59,6 +59,17 @@ class GradReducer {
     uint64_t bytes = 0;
   };
   Result<Reduced> Take(ChunkId grad);
+  // An update beside backward's hold on the reduction of `grad` submitted
+  // last: `done` is its outcome, and once it is ready `shard` is this rank's
+  // range of it (Take's), valid while the hold lives, a later Submit of the
+  // chunk notwithstanding, until Take moves it out (so the holder is done
+  // with it before Take). Null when the chunk is not submitted. Any thread
+  // may read a Hold; HoldReduction is the training loop's.
+  struct Hold {
+    std::shared_future<Status> done;
+    std::shared_ptr<const std::vector<float>> shard;
+  };
+  std::optional<Hold> HoldReduction(ChunkId grad) const;
   // Gives a taken shard's memory back for the next reductions (Note
   // [Recycled shards]). Any thread.
   void Recycle(std::vector<float> shard);
@@ -124,7 +135,7 @@ class GradReducer {
   Engine& engine_;
   Communicator& comm_;
   const std::vector<ChunkInfo> chunks_;
-  std::map<uint32_t, std::unique_ptr<Pending>> pending_;  // by grad chunk id
+  std::map<uint32_t, std::shared_ptr<Pending>> pending_;  // by grad chunk id (shared with Holds)
   std::map<uint64_t, std::shared_future<Status>> queued_;  // every job not taken, by queue order
   uint64_t next_seq_ = 0;
   double wait_seconds_ = 0;

@@ -46,8 +46,9 @@ double DeviceStatsSeconds(const Group& g) {
 }
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                        void* stream, std::byte* keep) const {
-  if (stream == nullptr) return RunOnHost(g, lo, hi, reduced, held, keep);
+                        const UpdateExtras& extras) const {
+  void* const stream = extras.stream;
+  if (stream == nullptr) return RunOnHost(g, lo, hi, reduced, held, extras);
   for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
     STRATA_RETURN_IF_ERROR(
         optimizer_.UpdateChunkOnDevice(plan_, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step, stream));
@@ -66,11 +67,12 @@ Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduc
 // get the same after the update. Data parallel, the kernel reads the reduced
 // gradients, and the grad chunk is zeroed in a pass of its own.
 Status GroupUpdate::RunOnHost(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                              std::byte* keep) const {
+                              const UpdateExtras& extras) const {
   const ChunkInfo& grad = g[ChunkKind::kGrad];
   std::byte* const grads = held[static_cast<int>(ChunkKind::kGrad)].data();
+  std::byte* const keep = extras.keep;
   const size_t width = DTypeSizeBytes(grad.dtype);
-  const bool zero_as_read = reduced == nullptr;
+  const bool zero_as_read = reduced == nullptr && extras.zero_grads;
   const auto zero = [&](size_t a, size_t b) { std::memset(grads + a * width, 0, (b - a) * width); };
   std::vector<Range> ranges;
   if (!plan_.skip) ranges = RangesToUpdate(g[ChunkKind::kParam], lo, hi);
@@ -81,7 +83,6 @@ Status GroupUpdate::RunOnHost(const Group& g, size_t lo, size_t hi, const float*
     STRATA_RETURN_IF_ERROR(
         optimizer_.UpdateChunk(plan_, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step, work));
   }
-  if (!zero_as_read) optim::Optimizer::ZeroOnHost(grads, grad.used_bytes);
   size_t at = 0;  // the elements between the ranges, and after the last
   const auto between = [&](size_t end) {
     if (at >= end) return;
@@ -93,14 +94,20 @@ Status GroupUpdate::RunOnHost(const Group& g, size_t lo, size_t hi, const float*
     at = r.end;
   }
   between(UsedElems(grad));
+  if (reduced != nullptr && extras.zero_grads) optim::Optimizer::ZeroOnHost(grads, grad.used_bytes);
   return Status::Ok();
 }
 
 void GroupUpdate::Keep(const Group& g, const HeldChunks& held, std::byte* keep, size_t a, size_t b) const {
   for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
     const ChunkInfo& chunk = g[kind];
-    const size_t width = DTypeSizeBytes(chunk.dtype), end = std::min(b, UsedElems(chunk));
-    if (a < end) std::memcpy(keep + a * width, held[static_cast<int>(kind)].data() + a * width, (end - a) * width);
+    // A sharded chunk holds elements [first, first + its used elements) of the group's.
+    const size_t width = DTypeSizeBytes(chunk.dtype), first = chunk.shard_offset_bytes / width;
+    const size_t begin = std::max(a, first), end = std::min(b, first + UsedElems(chunk));
+    if (begin < end) {
+      const size_t at = (begin - first) * width;
+      std::memcpy(keep + at, held[static_cast<int>(kind)].data() + at, (end - begin) * width);
+    }
     keep += chunk.used_bytes;
   }
 }

@@ -50,6 +50,13 @@ using HeldChunks = std::array<ChunkAccess, kNumChunkKinds>;
 // was pinned before it.
 Status AccessGroup(Pipeline& pipeline, const Group& g, int num_states, HeldChunks& held);
 
+// What GroupUpdate::Run does besides the update (see there).
+struct UpdateExtras {
+  void* stream = nullptr;
+  std::byte* keep = nullptr;
+  bool zero_grads = true;
+};
+
 // A step's update of one group at a time, with the plan the step made.
 class GroupUpdate {
  public:
@@ -64,12 +71,13 @@ class GroupUpdate {
   // rank); else this rank's reduced fp32 gradients of [lo, hi) (data
   // parallel). `stream`: the chunks are on a GPU, and the update and the
   // zeroing are queued on that stream (Note [Updates on the device] in
-  // train_step.cc); null on the host. `keep` (on the host, one rank): the
-  // group's chunks as they were before are copied there, in UpdatedKinds
-  // order, each chunk's used bytes one after another (BesideUpdates's
-  // copy). See Note [One pass over a group].
+  // train_step.cc); null on the host. `keep` (on the host): the group's
+  // chunks as they were before are copied there, in UpdatedKinds order,
+  // each chunk's used bytes one after another (BesideUpdates's copy; a
+  // sharded chunk's, its shard's). `zero_grads` false: the grad chunk is
+  // left as it is. See Note [One pass over a group].
   Status Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-             void* stream = nullptr, std::byte* keep = nullptr) const;
+             const UpdateExtras& extras = {}) const;
 
   const optim::StepPlan& plan() const { return plan_; }
 
@@ -84,7 +92,7 @@ class GroupUpdate {
   optim::ChunkTensors TensorsOf(const Group& g, const HeldChunks& held, size_t lo, size_t a, size_t b,
                                 const float* reduced) const;
   Status RunOnHost(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                   std::byte* keep) const;
+                   const UpdateExtras& extras) const;
   // Elements [a, b) of every chunk of `g` the update touches, into `keep`
   // (Run's layout).
   void Keep(const Group& g, const HeldChunks& held, std::byte* keep, size_t a, size_t b) const;

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -178,15 +179,20 @@ memory::ShardRange RankShard(size_t n, const Communicator& comm) {
 // reduced some during backward. The norm's sum of squares is this rank's
 // part: the optimizer's all-reduce hook adds the others'. `bytes`: what
 // the reduce-scatters sent.
+// Each group's sum of squares is its own, added in group order; `known[k]`,
+// where set, is group k's taken beforehand (an update beside backward).
 Result<std::vector<std::vector<float>>> ReduceScatterGrads(GradReducer& reducer, const Communicator& comm,
-                                                           const std::vector<Group>& groups, optim::GradStats& stats,
-                                                           uint64_t& bytes) {
+                                                           const std::vector<Group>& groups,
+                                                           const std::vector<std::optional<double>>& known,
+                                                           optim::GradStats& stats, uint64_t& bytes) {
   std::vector<std::vector<float>> shards;
-  for (const Group& g : groups) {
-    const ChunkInfo& grad = g[ChunkKind::kGrad];
+  for (size_t k = 0; k < groups.size(); ++k) {
+    const ChunkInfo& grad = groups[k][ChunkKind::kGrad];
     STRATA_ASSIGN_OR_RETURN(GradReducer::Reduced reduced, reducer.Take(grad.id));
     const memory::ShardRange range = RankShard(UsedElems(grad), comm);
-    stats.Add(reduced.shard.data(), DType::kFloat32, range.end - range.begin);
+    optim::GradStats one;
+    if (!known[k]) one.Add(reduced.shard.data(), DType::kFloat32, range.end - range.begin);
+    stats.sum_squares += known[k].value_or(one.sum_squares);
     bytes += reduced.bytes;
     shards.push_back(std::move(reduced.shard));
   }
@@ -235,6 +241,7 @@ class TrainStep {
       if (early == nullptr || !early->updated) {
         STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
       } else if (beside_stands && !early->late) {
+        if (parallel_) STRATA_RETURN_IF_ERROR(ConfirmInMoment(k));
         report_.groups++;
         report_.beside_groups++;
       } else {
@@ -262,10 +269,10 @@ class TrainStep {
           engine_.rank(), engine_.world_size(),
           parallel_ ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
     }
-    if (parallel_ && options_.beside != nullptr) {
+    if (parallel_ && options_.beside != nullptr && options_.beside->reducer() != reducer_) {
       return InvalidArgument(
-          "train step: updates beside backward (optimizer.overlap) with a communicator: data-parallel updates take "
-          "the gradients the reducer reduced at the step; set optimizer.overlap to 0");
+          "train step: updates beside backward (optimizer.overlap) with a communicator run on the reducer's "
+          "reductions: give the step the GradReducer the BesideUpdates were made with");
     }
     if (parallel_ && reducer_ == nullptr) {
       for (const Group& g : groups_) {
@@ -296,7 +303,8 @@ class TrainStep {
     for (const BesideUpdates::Update& u : beside_) beside_of_[u.group] = &u;
     STRATA_RETURN_IF_ERROR(waited);
     for (const BesideUpdates::Update& u : beside_) {
-      if (u.late && u.updated) STRATA_RETURN_IF_ERROR(MergeLateInMoment(u.group));  // else never zeroed
+      // Else never zeroed (data parallel, never: Note [Updates beside backward, data parallel]).
+      if (u.late && u.updated && !parallel_) STRATA_RETURN_IF_ERROR(MergeLateInMoment(u.group));
     }
     return Status::Ok();
   }
@@ -337,28 +345,56 @@ class TrainStep {
 
   // Group k, updated beside backward when the step's plan differs: put back
   // as it was from the copy the update kept, and updated again, in a host
-  // moment of its own.
+  // moment of its own (UpdateInMoment's).
   Status RedoInMoment(size_t k) {
+    // A late group's grad chunk holds its whole gradients already (MergeLateInMoment); data parallel, the update
+    // left it as it was.
+    const bool grads_kept = beside_of_[k]->late || parallel_;
+    return UpdateInMoment(k, [&](HeldChunks& held) {
+      Timed timed(report_.seconds.put_back);
+      options_.beside->PutBack(k, held, grads_kept ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
+    });
+  }
+
+  // Data parallel, group k's update beside backward confirmed: its grad
+  // chunk zeroed and its param chunk gathered from every rank, in a host
+  // moment of its own, as UpdateInMoment's.
+  Status ConfirmInMoment(size_t k) {
     const Group& g = groups_[k];
-    if (options_.fence != nullptr) STRATA_RETURN_IF_ERROR(options_.fence->BeforeUpdate(g[ChunkKind::kParam].group));
+    const ChunkInfo& param = g[ChunkKind::kParam];
     HeldChunks held;
-    Status updated;
+    Status done;
     {
       Timed timed(report_.seconds.access);
       STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
-      updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
+      for (ChunkKind kind : {ChunkKind::kGrad, ChunkKind::kParam}) {
+        if (kind == ChunkKind::kParam && param.transient) continue;
+        Result<ChunkAccess> access = pipeline_.Access(g[kind].id);
+        if (!access.ok()) {
+          done = access.status();
+          break;
+        }
+        held[static_cast<int>(kind)] = std::move(*access);
+      }
     }
-    if (updated.ok()) {
-      Timed timed(report_.seconds.put_back);
-      // A late group's grad chunk holds its whole gradients already (MergeLateInMoment).
-      options_.beside->PutBack(k, held, beside_of_[k]->late ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
+    if (done.ok()) {
+      Timed timed(report_.seconds.kernel);
+      optim::Optimizer::ZeroOnHost(held[static_cast<int>(ChunkKind::kGrad)].data(), g[ChunkKind::kGrad].used_bytes);
     }
-    if (updated.ok()) updated = UpdateAndZero(g, 0, UsedElems(g[ChunkKind::kParam]), nullptr, held, nullptr);
+    if (done.ok() && !param.transient) done = GatherInMoment(param, held);
     const Status ended = LetGo(false, held);
-    STRATA_RETURN_IF_ERROR(updated);
+    STRATA_RETURN_IF_ERROR(done);
     STRATA_RETURN_IF_ERROR(ended);
-    report_.groups++;
+    if (param.transient) reducer_->Updated(param.id);
     return Status::Ok();
+  }
+
+  Status GatherInMoment(const ChunkInfo& param, HeldChunks& held) {
+    Timed timed(report_.seconds.gather);
+    sent_before_ = comm_->stats().total_bytes();
+    const Status gathered = GatherParams(*comm_, param, held[static_cast<int>(ChunkKind::kParam)].data());
+    CountSent();
+    return gathered;
   }
 
   // Group `g`'s update (GroupUpdate::Run's arguments), its seconds and
@@ -367,7 +403,8 @@ class TrainStep {
                        void* stream) {
     Timed timed(report_.seconds.kernel);
     report_.kernel_elems += hi - lo;
-    return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip).Run(g, lo, hi, reduced, held, stream);
+    return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
+        .Run(g, lo, hi, reduced, held, {.stream = stream});
   }
 
   // Phase 1: the gradients' statistics (data parallel: their reduction, into
@@ -379,7 +416,8 @@ class TrainStep {
       const double waited = reducer_->wait_seconds();
       {
         Timed timed(report_.seconds.stats);
-        STRATA_ASSIGN_OR_RETURN(reduced_, ReduceScatterGrads(*reducer_, *comm_, groups_, stats, report_.comm_bytes));
+        STRATA_ASSIGN_OR_RETURN(reduced_,
+                                ReduceScatterGrads(*reducer_, *comm_, groups_, KnownStats(), stats, report_.comm_bytes));
       }
       report_.comm_wait_seconds = reducer_->wait_seconds() - waited;
       reducer_->ReleaseGathered();  // gathered from the masters this step updates
@@ -388,10 +426,7 @@ class TrainStep {
           [comm = comm_](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
     } else {
       // Those an update beside backward took, and the rest read now.
-      std::vector<std::optional<double>> known(groups_.size());
-      for (const BesideUpdates::Update& u : beside_) {
-        if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
-      }
+      const std::vector<std::optional<double>> known = KnownStats();
       Timed timed(report_.seconds.stats);
       STRATA_ASSIGN_OR_RETURN(
           stats, ReadGradStats(engine_, groups_, options_.compute_stream, known, report_.stats_copied_bytes));
@@ -402,6 +437,15 @@ class TrainStep {
     STRATA_ASSIGN_OR_RETURN(report_.plan, optimizer_.PlanStep(stats));
     CountSent();  // the norm's all-reduce
     return Status::Ok();
+  }
+
+  // By group: the sum of squares an update beside backward took, if one did.
+  std::vector<std::optional<double>> KnownStats() const {
+    std::vector<std::optional<double>> known(groups_.size());
+    for (const BesideUpdates::Update& u : beside_) {
+      if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
+    }
+    return known;
   }
 
   // Queues the next forward's gathers of the frozen groups' param chunks
@@ -415,8 +459,9 @@ class TrainStep {
   }
 
   // Phase 2 for group k: its update in a host moment of its own; data
-  // parallel, its updated param chunk to every rank.
-  Status UpdateInMoment(size_t k) {
+  // parallel, its updated param chunk to every rank. `first` runs on the
+  // pinned chunks before the update.
+  Status UpdateInMoment(size_t k, const std::function<void(HeldChunks&)>& first = nullptr) {
     const Group& g = groups_[k];
     const ChunkInfo& param = g[ChunkKind::kParam];
     const size_t n = UsedElems(param);
@@ -432,16 +477,12 @@ class TrainStep {
       on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
       updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
     }
+    if (updated.ok() && first) first(held);
     if (updated.ok()) {
       updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held,
                               on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
     }
-    if (updated.ok() && parallel_ && !param.transient) {
-      Timed timed(report_.seconds.gather);
-      sent_before_ = comm_->stats().total_bytes();
-      updated = GatherParams(*comm_, param, held[static_cast<int>(ChunkKind::kParam)].data());
-      CountSent();
-    }
+    if (updated.ok() && parallel_ && !param.transient) updated = GatherInMoment(param, held);
     const Status ended = LetGo(on_gpu, held);
     STRATA_RETURN_IF_ERROR(updated);
     STRATA_RETURN_IF_ERROR(ended);

@@ -210,13 +210,16 @@ void BindTrainStep(py::module_& m) {
       "optimizer updates begun in backward, each once its chunk group's gradients are final, beside the rest of "
       "it; the step confirms or redoes them (offload/training/beside_updates.h)")
       .def(py::init([](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
-                       std::optional<uint64_t> kept_bytes) {
+                       std::optional<uint64_t> kept_bytes, PyGradReducer* reducer) {
              // Default: the engine's optimizer.overlap, exactly (a size read back from describe() is rounded).
              const uint64_t kept = kept_bytes.value_or(engine.options().optimizer.overlap_bytes);
-             return ValueOrThrow(offload::BesideUpdates::Create(engine, pipeline, optimizer, {.kept_bytes = kept}));
+             return ValueOrThrow(offload::BesideUpdates::Create(
+                 engine, pipeline, optimizer,
+                 {.kept_bytes = kept, .reducer = reducer != nullptr ? &reducer->get() : nullptr}));
            }),
            py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("kept_bytes") = std::nullopt,
-           py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>())
+           py::arg("reducer") = nullptr, py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>(),
+           py::keep_alive<1, 6>())
       .def_property_readonly("kept_bytes", &offload::BesideUpdates::kept_bytes,
                              "host memory the updates' copies may take (optimizer.overlap)")
       .def(

@@ -162,7 +162,7 @@ class TrainingEngine:
         overlap_on = parse_size(self.config.options.describe()["optimizer.overlap"]) > 0
         self._overlap = Overlap(runtime, table, self._pipeline, self._optimizer, overlap_on)
         self._moments = Moments(runtime, table, self._pipeline, self._grad_sync, self.config.non_model_memory)
-        self._moments.overlap = self._overlap if self._overlap.beside is not None else None
+        self._moments.overlap = self._overlap if self._overlap.on else None
         self._hooks = Hooks(runtime, table, self._moments, self._grad_sync, self._check_usable,
                             self._moments.overlap)
         self._weights = Weights(runtime, table, model, self._grad_sync)
@@ -185,6 +185,7 @@ class TrainingEngine:
             module.__dict__[_HELD] = True
         self._weights.place_buffers()
         self._grad_sync.start()
+        self._overlap.start(self._grad_sync.reducer)
         self._hooks.install(model)
         self._state.install(model, self._load)
         if weights is not None:
@@ -371,7 +372,7 @@ class TrainingEngine:
             self._moments.end_moment()
             stepped = [float(r.stepped) for r in records]
             if self._runtime.parallel:
-                stepped = self._grad_sync.reduce_rest(stepped)
+                stepped = self._grad_sync.reduce_rest(stepped, self._overlap.late)
             skip = [r.tensor_id for r, s in zip(records, stepped) if r.trainable and s == 0]
             mark = self._grad_sync.comm_total()  # see GradSync.step_bytes
             clock.lap("backward_end")

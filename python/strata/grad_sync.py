@@ -83,7 +83,7 @@ class GradSync:
             self._table.checked(self.reducer.submit, order[self._submitted])
             self._submitted += 1
 
-    def reduce_rest(self, stepped):
+    def reduce_rest(self, stepped, late_chunk=lambda chunk: None):
         """Before the step: the grad chunks not yet submitted, in the fixed order; one vote over the ranks
         for which parameters any backward reached (the rest are skipped) and which submitted chunks a late
         gradient reached on any rank (reduced again); returns the summed `stepped`."""
@@ -94,6 +94,7 @@ class GradSync:
         for chunk, vote in zip(self._order, votes[len(stepped):]):
             if vote > 0:
                 self._table.checked(self.reducer.submit, chunk)
+                late_chunk(chunk)
         self._submitted, self._late, self.reducing = 0, set(), False
         return votes[:len(stepped)]
 

@@ -22,12 +22,9 @@ class Overlap:
     """The updates begun beside this backward, and which grad chunks are complete."""
 
     def __init__(self, runtime, table, pipeline, optimizer, on):
-        self.beside = None
-        if on:
-            if runtime.parallel:  # a communicator, even of one rank (NCCL on one GPU): the reducer's step
-                raise ValueError("config: optimizer.overlap is for one rank without a communicator (data-parallel "
-                                 "updates take the gradients reduced at the step); set it to 0")
-            self.beside = _strata.BesideUpdates(runtime.engine, pipeline, optimizer)  # optimizer.overlap's bytes
+        self.on = on
+        self.beside = None    # made by start()
+        self._made = (runtime.engine, pipeline, optimizer)
         self._params_of = {}  # grad chunk -> how many trainable parameters it holds
         for record in table.records:
             if record.trainable:
@@ -37,6 +34,13 @@ class Overlap:
         self._ready = []      # complete grad chunks whose update is still to begin
         self._begun = set()   # grad chunks whose update began since the last step
         self.failed = None    # why putting the groups back failed: training cannot go on
+
+    def start(self, reducer):
+        """Makes the updates' holder (optimizer.overlap's bytes of copies), with the data-parallel rank's GradReducer:
+        there each update runs on its group's reduction, the gradients submitted to `reducer` as they complete."""
+        if self.on:
+            self.beside = _strata.BesideUpdates(*self._made, reducer=reducer)
+        self._made = None
 
     def begin_backward(self, before_step, saving):
         """A new backward: the one before a step begins updates (not while an asynchronous save reads the
@@ -66,6 +70,11 @@ class Overlap:
             if self.beside.begin(chunk):
                 self._begun.add(chunk)
         self._ready.clear()
+
+    def late(self, chunk):
+        """Data parallel: a late gradient on some rank reduces `chunk` again on every rank; its update is redone."""
+        if chunk in self._begun:
+            self.beside.late(chunk)
 
     def wait(self):
         """The updates in flight are done (before the optimizer's values change, or a chunk is read outside

@@ -7,7 +7,8 @@ bf16), and each rank its bytes of each chunk kind and its communication.
 DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_params);
 DP_FREEZE=NAME freezes the parameters whose names start with NAME;
 DP_TRAIN_STEP=standard|layered trains each batch by engine.train_step, in
-`accumulation` micro-batches of that order; DP_DEVICE_BUDGET sets the device's bytes. DP_NO_CLOSE=1
+`accumulation` micro-batches of that order; DP_DEVICE_BUDGET sets the device's bytes, DP_OVERLAP
+optimizer.overlap and DP_CLIP gradient_clipping. DP_NO_CLOSE=1
 leaves the engine to the exit hooks, as a script that never closes it does.
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
@@ -38,12 +39,16 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
               "precision": precision, "non_model_memory": 0, "log": {"level": "error"},
               "comm": {"timeout_ms": 2000, "shard_params": os.environ.get("DP_SHARD_PARAMS", "false")},
               "gradient_accumulation_steps": accumulation}
+    config["optimizer"]["overlap"] = int(os.environ.get("DP_OVERLAP", 0))
+    if os.environ.get("DP_CLIP"):
+        config["gradient_clipping"] = float(os.environ["DP_CLIP"])
     engine = strata.initialize(model, config)
     initial = engine.state_dict(master=True)  # every rank: the masters are gathered
     share = batch // engine.world_size
     losses = []
     grad_chunks = [c["id"] for c in engine.engine.chunks() if c["kind"] == "grad"]
     reduced_in_backward = []  # per step: grad chunks whose reduction began before step()
+    beside = []  # per step: groups updated beside backward (confirmed, redone)
     for step, tokens in enumerate(batches(steps, batch=batch)):
         mine = tokens[engine.rank * share:(engine.rank + 1) * share]
         if os.environ.get("DP_TRAIN_STEP"):  # the whole step, its micro-batches in that order
@@ -73,6 +78,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
                 time.sleep(0.05)
             sys.exit(3)
         losses.append(engine.comm.all_reduce_sum([loss.item()])[0] / engine.world_size)
+        beside.append([engine.last_step.get("beside_groups", 0), engine.last_step.get("redone_groups", 0)])
     final = engine.state_dict(master=True)
     final_compute = engine.state_dict()  # sharded params: read from the gathered masters too
     with torch.no_grad():  # an evaluation forward: chunks pinned outside the pipeline (and gathered)
@@ -84,7 +90,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
         json.dump({"bytes_of_kind": bytes_of_kind, "stored_of_kind": stored_of_kind,
                    "chunks": engine.engine.chunks(), "comm": engine.stats().get("comm"),
-                   "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
+                   "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward, "beside": beside,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if not os.environ.get("DP_NO_CLOSE"):
         engine.close()  # the collectives in flight done and the reducer stopped before the process ends

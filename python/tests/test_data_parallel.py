@@ -27,13 +27,15 @@ def launch(launcher, world, args, mpi_options=(), env=None):
 
 
 def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1,
-              shard_params=False, freeze="", close=True, train_step="", device_budget=96 * 1024):
+              shard_params=False, freeze="", close=True, train_step="", device_budget=96 * 1024, overlap=0,
+              clip=""):
     """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
     run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation],
                  env={"DP_SHARD_PARAMS": "true" if shard_params else "false", "DP_FREEZE": freeze,
                       "DP_TRAIN_STEP": train_step, "DP_DEVICE_BUDGET": str(device_budget),
+                      "DP_OVERLAP": str(overlap), "DP_CLIP": str(clip),
                       **({} if close else {"DP_NO_CLOSE": "1"})})
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
@@ -202,6 +204,30 @@ def test_with_sharded_params_frozen_parameters_are_sharded_too(tmp_path, precisi
 
 
 @needs_mpirun
+@pytest.mark.parametrize("launcher,world,shard_params", [pytest.param("mpirun", 2, False, marks=needs_mpirun),
+                                                         pytest.param("mpirun", 4, False, marks=needs_mpirun),
+                                                         ("torchrun", 2, True)])
+def test_ranks_updating_beside_backward_train_as_after_it_bit_for_bit(tmp_path, launcher, world, shard_params):
+    """optimizer.overlap on W ranks: each group's update runs on its reduction during backward, and the run is
+    the one without overlap, bit for bit; with clipping on most steps, the clipped ones are redone."""
+    steps, batch = 6, 8
+    for clip in ("", "0.5"):
+        runs = {}
+        for overlap in (0, 1 << 20):
+            where = tmp_path / f"clip{clip}-overlap{overlap}"
+            where.mkdir()
+            runs[overlap] = run_ranks(where, world, steps, batch, launcher=launcher, shard_params=shard_params,
+                                      overlap=overlap, clip=clip)
+        after, beside = runs[0], runs[1 << 20]
+        assert beside["losses"] == after["losses"], clip
+        for name, value in after["final"].items():
+            assert torch.equal(beside["final"][name], value), (clip, name)
+        confirmed = [sum(b[0] for b in rank["beside"][1:]) for rank in beside["ranks"]]
+        redone = [sum(b[1] for b in rank["beside"][1:]) for rank in beside["ranks"]]
+        assert all(c > 0 for c in confirmed) if not clip else all(r > 0 for r in redone), (clip, confirmed, redone)
+        assert not any(sum(b) for rank in after["ranks"] for b in rank["beside"])
+
+
 def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):
     steps, batch, accumulation = 12, 8, 2
     result = run_ranks(tmp_path, 2, steps, batch, accumulation=accumulation)
