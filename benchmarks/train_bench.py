@@ -256,17 +256,21 @@ def link_bytes(engine):
     return {link: v["bytes"] for link, v in engine.stats()["links"].items()}
 
 
-def optimizer_rate(args, parameters):
+def optimizer_rate(args, parameters, runs=3):
     """Parameters a second `strata bench optim` updates on this machine, `parameters` of them in the precision
-    of the run (its bf16: bf16 parameters and gradients, fp32 master and states); None without the CLI."""
+    of the run (its bf16: bf16 parameters and gradients, fp32 master and states), the median of `runs` runs (a
+    shared machine's memory bandwidth varies from run to run); None without the CLI."""
     if not args.strata_bin or not os.path.exists(args.strata_bin):
         return None
+    rates = []
     with tempfile.TemporaryDirectory() as scratch:
         out = os.path.join(scratch, "optim.json")
-        subprocess.run([args.strata_bin, "bench", "optim", "--params", str(parameters), "--dtype", args.precision,
-                        "--json", out], check=True, capture_output=True, text=True)
-        with open(out) as f:
-            return json.load(f)["gparams_per_s"] * 1e9
+        for _ in range(runs):
+            subprocess.run([args.strata_bin, "bench", "optim", "--params", str(parameters), "--dtype",
+                            args.precision, "--json", out], check=True, capture_output=True, text=True)
+            with open(out) as f:
+                rates.append(json.load(f)["gparams_per_s"] * 1e9)
+    return statistics.median(rates)
 
 
 def step_accounting(args, steps, step_phases, parameters):
