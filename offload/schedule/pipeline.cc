@@ -34,9 +34,10 @@ namespace strata::offload {
 // Note [Host moments in the pipeline]
 // Host moments (CPU optimizer updates): a host-homed chunk they need goes to
 // the host right after its last use on the device; NVMe-homed ones are read
-// ahead on a queue of their own as the plan says, within the staging memory
-// (Engine::host_staging_bytes, kept at run time too: Note [Staging memory at
-// run time]), and written back on a fifth queue (NVMe writes) when the moment
+// ahead on a queue of their own as the plan says, within its room for them
+// (Engine::host_staging_bytes and the host slots of the chunks on the
+// device, kept at run time too: Note [Staging memory at run time]), and
+// written back on a fifth queue (NVMe writes) when the moment
 // ends. The plan may run an update on the device instead (BeginHostMoment
 // says where). The first moment of a replayed iteration waits for the
 // evictions that put the device as the plan has it when an iteration begins.
@@ -202,9 +203,11 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
   p.moment_start = Clock::now();
   p.moment_tier = traced.tier;
   p.moments_begun++;
+  const bool planned = p.mode == Impl::Mode::kReplaying && !p.diverged && p.moment < p.plan->num_moments;
   {
     std::lock_guard lock(p.staging_mu);  // so that a waiting read cannot miss the change
     p.begun.store(p.moments_begun, std::memory_order_relaxed);  // a count only: no data rides on it
+    p.read_room = planned ? p.plan->host_read_room[p.moment] : p.staging_base;
   }
   p.staging_cv.notify_all();
   if (p.mode == Impl::Mode::kRecording) {

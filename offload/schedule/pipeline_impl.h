@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -42,6 +43,9 @@ using Clock = std::chrono::steady_clock;
 // the same trace with the new figure: no re-recording, one planner run.
 inline constexpr uint64_t kMinMeasuredBytes = 16 << 20;
 inline constexpr double kBandwidthDrift = 0.25;
+// How often a read ahead waiting for the host tier's room looks again
+// (Note [Staging memory at run time]): a few percent of an NVMe read of a chunk.
+inline constexpr std::chrono::milliseconds kHostRoomPoll{1};
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -98,6 +102,7 @@ inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_m
 
 using pipeline_detail::Clock;
 using pipeline_detail::kBandwidthDrift;
+using pipeline_detail::kHostRoomPoll;
 using pipeline_detail::kMinMeasuredBytes;
 using pipeline_detail::SecondsSince;
 using pipeline_detail::WaitEnded;
@@ -119,6 +124,7 @@ struct Pipeline::Impl {
   Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
     for (const ChunkInfo& chunk : engine.chunks()) {
       chunk_bytes.push_back(chunk.size_bytes);
+      largest_chunk_bytes = std::max(largest_chunk_bytes, chunk.size_bytes);
       Result<Tier> home = engine.ChunkHome(chunk.id);
       homes.push_back(home.ok() ? *home : Tier::kHost);
     }
@@ -128,6 +134,7 @@ struct Pipeline::Impl {
   Engine& engine;
   const PipelineOptions options;
   std::vector<uint64_t> chunk_bytes;
+  uint64_t largest_chunk_bytes = 0;
   std::vector<Tier> homes;
   LinkBandwidths links;
 
@@ -152,23 +159,38 @@ struct Pipeline::Impl {
   std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
   std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
   std::atomic<bool> cancelled{false};
+  // Bytes of evictions to the host queued and not yet ended; a count only,
+  // which the reads ahead look at (HostHasRoomFor): no data rides on it.
+  std::atomic<uint64_t> coming_to_host{0};
+  // Bytes of fetches and write-backs moving off the host now: room they
+  // free there (WaitForHostRoom). A count only.
+  std::atomic<uint64_t> leaving_host{0};
   // Note [Staging memory at run time]
   // The plan bounds the host memory held by chunks read ahead of host
-  // moments, at the granularity of moments; at run time a write-back may
-  // finish later than the plan's model says, and reads would then find the
-  // host full (and the residency manager evict homed chunks to make room).
-  // So the bound is kept at run time too: a read ahead waits until the
-  // chunks read ahead and not yet written back leave it room, or until the
-  // moment that needs it has begun and no chunk of an earlier moment is
-  // still being written back (then it must be read, even beyond the bound:
-  // a moment may need more than the bound holds). Reads are queued in the
-  // order they are needed, so the write-backs waited for never wait for them.
-  std::mutex staging_mu;  // guards staged_due, writing and staged_bytes
+  // moments, at the granularity of moments (Plan::host_read_room: Note [Room
+  // for reads ahead] in planner.cc); at run time a write-back may finish
+  // later than the plan's model says, and reads would then find the host
+  // full (and the residency manager evict homed chunks to make room). So the
+  // bound is kept at run time too, the room of the moment begun last: a read
+  // ahead waits until the chunks read ahead and not yet written back leave
+  // it room and the host tier has the room in fact (the plan counts on
+  // fetches that may not have landed yet, and evictions from the device must
+  // still find their place), or until the moment that needs it has begun and
+  // no chunk of an earlier moment is still being written back (then it must
+  // be read, even beyond the bound: a moment may need more than the bound
+  // holds). Reads are queued in the order they are needed, so the
+  // write-backs waited for never wait for them. The other way round, an
+  // eviction to a full host waits while a fetch or a write-back is moving a
+  // chunk off it: evictions run ahead of the fetches whose room they make,
+  // and the residency manager would push a homed chunk (a read ahead) down
+  // to NVMe, to be read again.
+  std::mutex staging_mu;  // guards staged_due, writing, staged_bytes, staging_base and read_room
   std::condition_variable staging_cv;
   std::unordered_map<uint32_t, uint64_t> staged_due;  // read ahead, not yet written back: when needed
   std::unordered_set<uint32_t> writing;               // of those, the ones whose write-back is queued
   uint64_t staged_bytes = 0;
-  uint64_t staging_budget = 0;          // the plan's host_staging_bytes
+  uint64_t staging_base = 0;  // the plan's host_staging_bytes: the room off the plan
+  uint64_t read_room = 0;     // the room of the moment begun last (Plan::host_read_room)
   std::atomic<uint64_t> begun{0};       // moments begun since the pipeline was made
   uint64_t moments_begun = 0;           // the same, for the training loop's thread
   uint32_t moment = 0;
@@ -238,13 +260,18 @@ struct Pipeline::Impl {
     std::optional<std::shared_future<Status>> arriving;
     if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
     const Tier target = to.value_or(homes[v.value()]);
-    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target]() -> Status {
+    const uint64_t to_host = target == Tier::kHost ? chunk_bytes[v.value()] : 0;
+    coming_to_host.fetch_add(to_host, std::memory_order_relaxed);
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target, to_host]() -> Status {
       if (arriving && !WaitEnded(*arriving, options.wait_timeout_ms, v, "fetch").ok()) {
         // Still under way: the eviction goes on (Note [Waits on queued moves]).
         STRATA_LOG_INFO("pipeline: evicting chunk {} while its fetch is still under way after {} ms", v.value(),
                         options.wait_timeout_ms);
       }
-      return MoveOff(v, Tier::kDevice, target);
+      if (to_host > 0) WaitForHostRoom(to_host);
+      Status moved = MoveOff(v, Tier::kDevice, target);
+      coming_to_host.fetch_sub(to_host, std::memory_order_relaxed);
+      return moved;
     });
     leaving[v.value()] = done;
     evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
@@ -266,13 +293,20 @@ struct Pipeline::Impl {
       if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
       {
         std::unique_lock lock(staging_mu);
-        // Past the timeout the read goes on beyond the bound (Note [Waits on queued moves]).
-        const bool room = staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
+        const auto ready = [&] {
           if (cancelled.load(std::memory_order_relaxed)) return true;
-          if (staged_bytes + chunk_bytes[c.value()] <= staging_budget) return true;
+          if (staged_bytes + chunk_bytes[c.value()] <= read_room && HostHasRoomFor(c)) return true;
           if (begun.load(std::memory_order_relaxed) < due) return false;
           return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
-        });
+        };
+        // Nothing signals the host's room as other moves free it: looked at again every kHostRoomPoll.
+        // Past the timeout the read goes on beyond the bound (Note [Waits on queued moves]).
+        const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
+        bool room = ready();
+        while (!room && Clock::now() < deadline) {
+          staging_cv.wait_for(lock, kHostRoomPoll);
+          room = ready();
+        }
         if (!room) {
           STRATA_LOG_INFO("pipeline: chunk {} is read ahead beyond the staging memory after {} ms of waiting for room",
                           c.value(), options.wait_timeout_ms);
@@ -283,6 +317,43 @@ struct Pipeline::Impl {
       if (!read.ok()) Unstage(c);
       return read;
     });
+  }
+
+  // An eviction to the host waits until the host tier has `bytes` free
+  // while queued moves off the host may free it, at most wait_timeout_ms;
+  // then it goes on, and the residency manager makes the room (Note [Staging
+  // memory at run time]).
+  void WaitForHostRoom(uint64_t bytes) const {
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
+    while (!cancelled.load(std::memory_order_relaxed) && Clock::now() < deadline &&
+           leaving_host.load(std::memory_order_relaxed) > 0) {
+      const TierUsage host = engine.stats().tiers[static_cast<int>(Tier::kHost)];
+      if (host.used_bytes + bytes <= host.capacity_bytes) return;
+      std::this_thread::sleep_for(kHostRoomPoll);
+    }
+  }
+
+  // Moves `chunk` off the host (to `to`) counting it in leaving_host while
+  // it moves; only then, so that an eviction waiting for that room never
+  // waits for a move that waits for something else (an update beside
+  // backward, the eviction itself).
+  Status MoveOffHost(ChunkId chunk, Tier to) {
+    const uint64_t bytes = chunk_bytes[chunk.value()];
+    leaving_host.fetch_add(bytes, std::memory_order_relaxed);
+    Status moved = to == Tier::kNvme ? MoveOff(chunk, Tier::kHost, to) : engine.MoveChunk(chunk, to);
+    leaving_host.fetch_sub(bytes, std::memory_order_relaxed);
+    return moved;
+  }
+
+  // Whether the host tier holds `c` now beside the chunks queued to come
+  // down from the device, and still has the slack the host reserve keeps
+  // (two of the largest chunks: Note [Host reserve] in memory/placement.cc)
+  // for evictions queued after the read, which land before the fetches that
+  // free their room (Note [Staging memory at run time]).
+  bool HostHasRoomFor(ChunkId c) const {
+    const TierUsage host = engine.stats().tiers[static_cast<int>(Tier::kHost)];
+    const uint64_t coming = coming_to_host.load(std::memory_order_relaxed);
+    return host.used_bytes + coming + chunk_bytes[c.value()] + 2 * largest_chunk_bytes <= host.capacity_bytes;
   }
 
   // Chunks read ahead that no longer hold staging memory stop counting
@@ -327,7 +398,7 @@ struct Pipeline::Impl {
       if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
       std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
         Status written = in_use ? WaitEnded(*in_use, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
-        if (written.ok()) written = MoveOff(c, Tier::kHost, Tier::kNvme);
+        if (written.ok()) written = MoveOffHost(c, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
         return written;
       });
@@ -371,7 +442,7 @@ struct Pipeline::Impl {
       if (!staged) STRATA_RETURN_IF_ERROR(after_before());  // else the staging read waited for it
       WaitForRoom(room);
       if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
-      return engine.MoveChunk(c, Tier::kDevice);
+      return MoveOffHost(c, Tier::kDevice);
     });
   }
 
@@ -546,7 +617,8 @@ struct Pipeline::Impl {
         options.host_staging_bytes > 0 ? options.host_staging_bytes : engine.host_staging_bytes();
     {
       std::lock_guard lock(staging_mu);
-      staging_budget = input.host_staging_bytes;
+      staging_base = input.host_staging_bytes;
+      read_room = staging_base;
     }
     const Clock::time_point start = Clock::now();
     Result<Plan> built = BuildPlan(input);
