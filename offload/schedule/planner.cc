@@ -73,11 +73,11 @@ namespace strata::offload {
 // chunks it fetches have left it, so that a move within the moment never
 // finds the host fuller than the plan has it.
 //
-// A read ahead is not issued among the host moments that end the iteration
-// before its own (the updates after backward), only from the iteration's
-// first moment on: there the drive serves those updates' own reads and
-// writes, which then wait for it, and a read held from there would take the
-// room they need.
+// A read ahead for a host moment after a device moment is not issued among
+// the host moments that end the iteration before its own (the updates after
+// backward), only from the iteration's first moment on: there the drive
+// serves those updates' own reads and writes, which then wait for it, and a
+// read held from there would take the room they need.
 //
 // Note [Offloads that leave the host room]
 // A host moment that reads NVMe-homed chunks takes its host-homed ones off
@@ -156,6 +156,7 @@ struct Unrolled {
   std::vector<std::vector<uint64_t>> uses;  // by chunk: moments (unrolled) that need it on the device, ascending
 
   bool ends_with_host_moment = false;  // a host moment after the last device moment
+  uint32_t first_device_moment = 0;     // the first device moment's index (period: none)
 
   explicit Unrolled(const PlannerInput& in)
       : input(in), period(static_cast<uint32_t>(in.trace.moments.size())), length(uint64_t{kCopies} * period) {
@@ -163,6 +164,9 @@ struct Unrolled {
     const auto last_device = std::find_if(moments.rbegin(), moments.rend(),
                                           [](const TraceMoment& m) { return m.tier == Tier::kDevice; });
     ends_with_host_moment = last_device != moments.rend() && last_device != moments.rbegin();
+    first_device_moment = static_cast<uint32_t>(
+        std::find_if(moments.begin(), moments.end(), [](const TraceMoment& m) { return m.tier == Tier::kDevice; }) -
+        moments.begin());
     uses.resize(in.chunk_bytes.size());
     for (uint64_t g = 0; g < length; ++g) {
       if (!on_host(g)) {
@@ -385,8 +389,10 @@ void HoistHostReads(const Unrolled& u, Schedule& schedule) {
   for (HostRead& r : schedule.host_reads) {
     // Not among the host moments that end the iteration before (Note [Room for reads ahead]).
     const uint64_t iteration_start = r.needed - r.needed % u.period;
-    const uint64_t lower = std::max({previous_issue, r.lower, r.needed >= u.period ? r.needed - u.period + 1 : 0,
-                                     iteration_start > 0 && u.ends_with_host_moment ? iteration_start : 0});
+    const bool after_device_moment = r.needed % u.period > u.first_device_moment;
+    const uint64_t lower =
+        std::max({previous_issue, r.lower, r.needed >= u.period ? r.needed - u.period + 1 : 0,
+                  u.ends_with_host_moment && after_device_moment ? iteration_start : 0});
     const uint64_t size = u.size(r.chunk);
     uint64_t issue = r.needed;
     while (issue > lower && staged[issue - 1] + size <= schedule.read_room[issue - 1]) --issue;
