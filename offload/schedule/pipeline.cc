@@ -139,6 +139,10 @@ Pipeline::Pipeline(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Status Pipeline::Drain() {
   Impl& p = *impl_;
+  // Reads ahead for moments that will not begin now go at once.
+  std::vector<uint32_t> reads;
+  for (const auto& [c, wanted] : p.host_read_wanted) reads.push_back(c);
+  for (uint32_t c : reads) p.WantHostRead(ChunkId(c));
   // Each queue has one worker, in order: a job pushed last ends after every one before it.
   for (TaskQueue* queue : {&p.nvme_read, &p.host_read, &p.nvme_write, &p.device_to_host, &p.host_to_device, &p.beside}) {
     const std::shared_future<Status> last = queue->Push([] { return Status::Ok(); });
@@ -264,6 +268,7 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     p.stats.stall_per_link[static_cast<int>(link)] += SecondsSince(since);
   };
   Status prefetched = Status::Ok();
+  p.WantHostRead(chunk);  // waited for below
   const std::pair<std::unordered_map<uint32_t, std::shared_future<Status>>*, Link> planned_moves[] = {
       {&p.pending, Link::kHostToDevice}, {&p.host_pending, Link::kNvmeRead}};
   for (const auto& [moves, link] : planned_moves) {  // whichever move was planned for it
@@ -432,6 +437,7 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
       if (std::find(planned.begin(), planned.end(), c) == planned.end()) p.Diverge("an access the trace lacks");
     }
     if (p.mode == Impl::Mode::kRecording) p.recording.moments.back().chunks.push_back(c);
+    p.WantHostRead(c);  // the update waits for it
     for (auto* moves : {&p.pending, &p.host_pending, &p.leaving, &p.beside_busy}) {
       if (auto it = moves->find(c.value()); it != moves->end()) {
         before.emplace_back(c, it->second);

@@ -155,6 +155,9 @@ struct Pipeline::Impl {
   Trace recording;                 // being recorded (or the last recorded)
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
+  // By chunk, for each read in host_pending: set once something waits for
+  // the read (WantHostRead), which then goes at once (Note [Staging memory at run time]).
+  std::unordered_map<uint32_t, std::shared_ptr<std::atomic<bool>>> host_read_wanted;
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
   std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
@@ -179,7 +182,11 @@ struct Pipeline::Impl {
   // no chunk of an earlier moment is still being written back (then it must
   // be read, even beyond the bound: a moment may need more than the bound
   // holds). Reads are queued in the order they are needed, so the
-  // write-backs waited for never wait for them. The other way round, an
+  // write-backs waited for never wait for them. A read that something waits
+  // for (an access, an update beside backward, Drain) is due at once: that
+  // waiter may be the training loop, which begins no later moment (and frees
+  // no room) until the read ends, so a read waiting for its moment or for
+  // room would wait for itself. The other way round, an
   // eviction to a full host waits while a fetch or a write-back is moving a
   // chunk off it: evictions run ahead of the fetches whose room they make,
   // and the residency manager would push a homed chunk (a read ahead) down
@@ -289,14 +296,17 @@ struct Pipeline::Impl {
     const ChunkId c = r.chunk;
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    host_pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
+    auto wanted = std::make_shared<std::atomic<bool>>(false);
+    host_read_wanted[c.value()] = wanted;
+    host_pending[c.value()] = host_read.Push([this, c, before, due, wanted]() -> Status {
       if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
       {
         std::unique_lock lock(staging_mu);
         const auto ready = [&] {
           if (cancelled.load(std::memory_order_relaxed)) return true;
           if (staged_bytes + chunk_bytes[c.value()] <= read_room && HostHasRoomFor(c)) return true;
-          if (begun.load(std::memory_order_relaxed) < due) return false;
+          // Due: its moment has begun, or something waits for it.
+          if (!wanted->load(std::memory_order_relaxed) && begun.load(std::memory_order_relaxed) < due) return false;
           return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
         };
         // Nothing signals the host's room as other moves free it: looked at again every kHostRoomPoll.
@@ -317,6 +327,20 @@ struct Pipeline::Impl {
       if (!read.ok()) Unstage(c);
       return read;
     });
+  }
+
+  // Something is about to wait for the read ahead of `c` queued last (the
+  // training loop, an update beside backward): it stops waiting for room or
+  // for its moment (Note [Staging memory at run time]). Training loop only.
+  void WantHostRead(ChunkId c) {
+    auto it = host_read_wanted.find(c.value());
+    if (it == host_read_wanted.end()) return;
+    {
+      std::lock_guard lock(staging_mu);  // so that a waiting read cannot miss the change
+      it->second->store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+    }
+    staging_cv.notify_all();
+    host_read_wanted.erase(it);
   }
 
   // An eviction to the host waits until the host tier has `bytes` free
@@ -502,6 +526,7 @@ struct Pipeline::Impl {
         return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
       });
     }
+    std::erase_if(host_read_wanted, [&](const auto& entry) { return host_pending.count(entry.first) == 0; });
   }
 
   // The device as the plan has it when an iteration begins: chunks it does
