@@ -168,6 +168,11 @@ struct Pipeline::Impl {
   // Bytes of fetches and write-backs moving off the host now: room they
   // free there (WaitForHostRoom). A count only.
   std::atomic<uint64_t> leaving_host{0};
+  // Fetches to the device and write-backs to NVMe queued, and ended (each
+  // queue has one worker, so they end in the order queued): an eviction to a
+  // full host waits for those queued before it (WaitForHostRoom). Counts only.
+  uint64_t fetches_queued = 0, writes_queued = 0;  // the training loop's
+  std::atomic<uint64_t> fetches_ended{0}, writes_ended{0};
   // Note [Staging memory at run time]
   // The plan bounds the host memory held by chunks read ahead of host
   // moments, at the granularity of moments (Plan::host_read_room: Note [Room
@@ -187,8 +192,9 @@ struct Pipeline::Impl {
   // waiter may be the training loop, which begins no later moment (and frees
   // no room) until the read ends, so a read waiting for its moment or for
   // room would wait for itself. The other way round, an
-  // eviction to a full host waits while a fetch or a write-back is moving a
-  // chunk off it: evictions run ahead of the fetches whose room they make,
+  // eviction to a full host waits while a fetch or a write-back queued before
+  // it has still to move a chunk off it (Note [Evictions waiting for the
+  // host's room]): evictions run ahead of the fetches whose room they make,
   // and the residency manager would push a homed chunk (a read ahead) down
   // to NVMe, to be read again.
   std::mutex staging_mu;  // guards staged_due, writing, staged_bytes, staging_base and read_room
@@ -269,13 +275,14 @@ struct Pipeline::Impl {
     const Tier target = to.value_or(homes[v.value()]);
     const uint64_t to_host = target == Tier::kHost ? chunk_bytes[v.value()] : 0;
     coming_to_host.fetch_add(to_host, std::memory_order_relaxed);
-    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target, to_host]() -> Status {
+    const HostLeavers before_this{fetches_queued, writes_queued};
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target, to_host, before_this]() -> Status {
       if (arriving && !WaitEnded(*arriving, options.wait_timeout_ms, v, "fetch").ok()) {
         // Still under way: the eviction goes on (Note [Waits on queued moves]).
         STRATA_LOG_INFO("pipeline: evicting chunk {} while its fetch is still under way after {} ms", v.value(),
                         options.wait_timeout_ms);
       }
-      if (to_host > 0) WaitForHostRoom(to_host);
+      if (to_host > 0) WaitForHostRoom(to_host, before_this);
       Status moved = MoveOff(v, Tier::kDevice, target);
       coming_to_host.fetch_sub(to_host, std::memory_order_relaxed);
       return moved;
@@ -343,19 +350,41 @@ struct Pipeline::Impl {
     host_read_wanted.erase(it);
   }
 
-  // An eviction to the host waits until the host tier has `bytes` free
-  // while queued moves off the host may free it, at most wait_timeout_ms;
-  // then it goes on, and the residency manager makes the room (Note [Staging
-  // memory at run time]).
-  void WaitForHostRoom(uint64_t bytes) const {
+  // The fetches and write-backs queued before an eviction.
+  struct HostLeavers {
+    uint64_t fetches = 0, writes = 0;
+  };
+
+  // Note [Evictions waiting for the host's room]
+  // An eviction to the host waits until the host tier has `bytes` free while
+  // moves off the host may free it: the fetches and write-backs queued before
+  // it (`before`) that have not ended, and any such move under way; at most
+  // wait_timeout_ms, then it goes on and the residency manager makes the room
+  // (Note [Staging memory at run time]). Only moves queued before it: each
+  // waits only for moves queued before itself (its victims, its chunk's last
+  // move, the reads of an update beside backward, which that update marks
+  // wanted), never for this eviction or the training loop, so the wait cannot
+  // wait for itself; a fetch queued after it may wait for it (as a victim).
+  // A fetch queued before it frees its room even when it has not started yet.
+  void WaitForHostRoom(uint64_t bytes, HostLeavers before) const {
     const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
-    while (!cancelled.load(std::memory_order_relaxed) && Clock::now() < deadline &&
-           leaving_host.load(std::memory_order_relaxed) > 0) {
+    const auto may_free = [&] {
+      return leaving_host.load(std::memory_order_relaxed) > 0 ||
+             fetches_ended.load(std::memory_order_relaxed) < before.fetches ||
+             writes_ended.load(std::memory_order_relaxed) < before.writes;
+    };
+    while (!cancelled.load(std::memory_order_relaxed) && Clock::now() < deadline && may_free()) {
       const TierUsage host = engine.stats().tiers[static_cast<int>(Tier::kHost)];
       if (host.used_bytes + bytes <= host.capacity_bytes) return;
       std::this_thread::sleep_for(kHostRoomPoll);
     }
   }
+
+  // Counts a fetch or write-back as ended when its task returns, whichever way.
+  struct CountEnd {
+    std::atomic<uint64_t>& ended;
+    ~CountEnd() { ended.fetch_add(1, std::memory_order_relaxed); }
+  };
 
   // Moves `chunk` off the host (to `to`) counting it in leaving_host while
   // it moves; only then, so that an eviction waiting for that room never
@@ -420,7 +449,9 @@ struct Pipeline::Impl {
       // After an update beside backward that holds it.
       std::optional<std::shared_future<Status>> in_use;
       if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
+      writes_queued++;
       std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
+        const CountEnd end{writes_ended};
         Status written = in_use ? WaitEnded(*in_use, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
         if (written.ok()) written = MoveOffHost(c, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
@@ -458,7 +489,9 @@ struct Pipeline::Impl {
         return MoveOff(c, Tier::kNvme, Tier::kHost);
       });
     }
+    fetches_queued++;
     pending[c.value()] = host_to_device.Push([this, c, room, staged, after_before]() -> Status {
+      const CountEnd end{fetches_ended};
       // A victim that could not leave only costs room (the move below
       // evicts by itself; the eviction's error is reported at EndIteration).
       // A failed staging read is this chunk's error.
