@@ -155,9 +155,15 @@ struct Pipeline::Impl {
   Trace recording;                 // being recorded (or the last recorded)
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
-  // By chunk, for each read in host_pending: set once something waits for
-  // the read (WantHostRead), which then goes at once (Note [Staging memory at run time]).
-  std::unordered_map<uint32_t, std::shared_ptr<std::atomic<bool>>> host_read_wanted;
+  // By chunk, for each read in host_pending: its place on the host_read
+  // queue, and a flag set once something waits for it or for a read behind
+  // it (WantHostRead), which then goes at once (Note [Staging memory at run time]).
+  struct WantedRead {
+    uint64_t place;
+    std::shared_ptr<std::atomic<bool>> wanted;
+  };
+  std::unordered_map<uint32_t, WantedRead> host_read_wanted;
+  uint64_t host_reads_queued = 0;
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
   std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
@@ -188,10 +194,11 @@ struct Pipeline::Impl {
   // be read, even beyond the bound: a moment may need more than the bound
   // holds). Reads are queued in the order they are needed, so the
   // write-backs waited for never wait for them. A read that something waits
-  // for (an access, an update beside backward, Drain) is due at once: that
-  // waiter may be the training loop, which begins no later moment (and frees
-  // no room) until the read ends, so a read waiting for its moment or for
-  // room would wait for itself. The other way round, an
+  // for (an access, an update beside backward, Drain) is due at once, and so
+  // is every read queued before it: that waiter may be the training loop,
+  // which begins no later moment (and frees no room) until the read ends, so
+  // a read waiting (or queued behind one waiting) for its moment or for room
+  // would wait for itself. The other way round, an
   // eviction to a full host waits while a fetch or a write-back queued before
   // it has still to move a chunk off it (Note [Evictions waiting for the
   // host's room]): evictions run ahead of the fetches whose room they make,
@@ -304,7 +311,7 @@ struct Pipeline::Impl {
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
     auto wanted = std::make_shared<std::atomic<bool>>(false);
-    host_read_wanted[c.value()] = wanted;
+    host_read_wanted[c.value()] = {host_reads_queued++, wanted};
     host_pending[c.value()] = host_read.Push([this, c, before, due, wanted]() -> Status {
       if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
       {
@@ -337,17 +344,21 @@ struct Pipeline::Impl {
   }
 
   // Something is about to wait for the read ahead of `c` queued last (the
-  // training loop, an update beside backward): it stops waiting for room or
-  // for its moment (Note [Staging memory at run time]). Training loop only.
+  // training loop, an update beside backward): it, and the reads queued
+  // before it on the one-worker host_read queue, stop waiting for room or
+  // for their moment (Note [Staging memory at run time]). Training loop only.
   void WantHostRead(ChunkId c) {
     auto it = host_read_wanted.find(c.value());
     if (it == host_read_wanted.end()) return;
+    const uint64_t place = it->second.place;
     {
       std::lock_guard lock(staging_mu);  // so that a waiting read cannot miss the change
-      it->second->store(true, std::memory_order_relaxed);  // a flag only: no data rides on it
+      for (const auto& [chunk, read] : host_read_wanted) {
+        if (read.place <= place) read.wanted->store(true, std::memory_order_relaxed);  // a flag only
+      }
     }
     staging_cv.notify_all();
-    host_read_wanted.erase(it);
+    std::erase_if(host_read_wanted, [&](const auto& entry) { return entry.second.place <= place; });
   }
 
   // The fetches and write-backs queued before an eviction.
