@@ -34,9 +34,10 @@ namespace strata::offload {
 // Note [Host moments in the pipeline]
 // Host moments (CPU optimizer updates): a host-homed chunk they need goes to
 // the host right after its last use on the device; NVMe-homed ones are read
-// ahead on a queue of their own as the plan says, within the staging memory
-// (Engine::host_staging_bytes, kept at run time too: Note [Staging memory at
-// run time]), and written back on a fifth queue (NVMe writes) when the moment
+// ahead on a queue of their own as the plan says, within its room for them
+// (Engine::host_staging_bytes and the host slots of the chunks on the
+// device, kept at run time too: Note [Staging memory at run time]), and
+// written back on a fifth queue (NVMe writes) when the moment
 // ends. The plan may run an update on the device instead (BeginHostMoment
 // says where). The first moment of a replayed iteration waits for the
 // evictions that put the device as the plan has it when an iteration begins.
@@ -138,6 +139,10 @@ Pipeline::Pipeline(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 
 Status Pipeline::Drain() {
   Impl& p = *impl_;
+  // Reads ahead for moments that will not begin now go at once.
+  std::vector<uint32_t> reads;
+  for (const auto& [c, wanted] : p.host_read_wanted) reads.push_back(c);
+  for (uint32_t c : reads) p.WantHostRead(ChunkId(c));
   // Each queue has one worker, in order: a job pushed last ends after every one before it.
   for (TaskQueue* queue : {&p.nvme_read, &p.host_read, &p.nvme_write, &p.device_to_host, &p.host_to_device, &p.beside}) {
     const std::shared_future<Status> last = queue->Push([] { return Status::Ok(); });
@@ -202,9 +207,11 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
   p.moment_start = Clock::now();
   p.moment_tier = traced.tier;
   p.moments_begun++;
+  const bool planned = p.mode == Impl::Mode::kReplaying && !p.diverged && p.moment < p.plan->num_moments;
   {
     std::lock_guard lock(p.staging_mu);  // so that a waiting read cannot miss the change
     p.begun.store(p.moments_begun, std::memory_order_relaxed);  // a count only: no data rides on it
+    p.read_room = planned ? p.plan->host_read_room[p.moment] : p.staging_base;
   }
   p.staging_cv.notify_all();
   if (p.mode == Impl::Mode::kRecording) {
@@ -261,6 +268,7 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
     p.stats.stall_per_link[static_cast<int>(link)] += SecondsSince(since);
   };
   Status prefetched = Status::Ok();
+  p.WantHostRead(chunk);  // waited for below
   const std::pair<std::unordered_map<uint32_t, std::shared_future<Status>>*, Link> planned_moves[] = {
       {&p.pending, Link::kHostToDevice}, {&p.host_pending, Link::kNvmeRead}};
   for (const auto& [moves, link] : planned_moves) {  // whichever move was planned for it
@@ -429,6 +437,7 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
       if (std::find(planned.begin(), planned.end(), c) == planned.end()) p.Diverge("an access the trace lacks");
     }
     if (p.mode == Impl::Mode::kRecording) p.recording.moments.back().chunks.push_back(c);
+    p.WantHostRead(c);  // the update waits for it
     for (auto* moves : {&p.pending, &p.host_pending, &p.leaving, &p.beside_busy}) {
       if (auto it = moves->find(c.value()); it != moves->end()) {
         before.emplace_back(c, it->second);

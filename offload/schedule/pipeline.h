@@ -58,8 +58,9 @@ struct PipelineOptions {
   // room, a move for its chunk's last): a Timeout past it.
   uint32_t wait_timeout_ms = 60'000;
   // Host memory the plan may fill with NVMe-homed chunks read ahead of a
-  // host moment: 0 = what the engine keeps free for it
-  // (Engine::host_staging_bytes; with 0 there each is read when its moment begins).
+  // host moment, beside the host slots of the chunks on the device (Note
+  // [Room for reads ahead] in planner.cc): 0 = what the engine keeps free
+  // for it (Engine::host_staging_bytes).
   uint64_t host_staging_bytes = 0;
 };
 

@@ -17,6 +17,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #include <utility>
@@ -42,6 +43,9 @@ using Clock = std::chrono::steady_clock;
 // the same trace with the new figure: no re-recording, one planner run.
 inline constexpr uint64_t kMinMeasuredBytes = 16 << 20;
 inline constexpr double kBandwidthDrift = 0.25;
+// How often a read ahead waiting for the host tier's room looks again
+// (Note [Staging memory at run time]): a few percent of an NVMe read of a chunk.
+inline constexpr std::chrono::milliseconds kHostRoomPoll{1};
 
 inline double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
@@ -98,6 +102,7 @@ inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_m
 
 using pipeline_detail::Clock;
 using pipeline_detail::kBandwidthDrift;
+using pipeline_detail::kHostRoomPoll;
 using pipeline_detail::kMinMeasuredBytes;
 using pipeline_detail::SecondsSince;
 using pipeline_detail::WaitEnded;
@@ -119,6 +124,7 @@ struct Pipeline::Impl {
   Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
     for (const ChunkInfo& chunk : engine.chunks()) {
       chunk_bytes.push_back(chunk.size_bytes);
+      largest_chunk_bytes = std::max(largest_chunk_bytes, chunk.size_bytes);
       Result<Tier> home = engine.ChunkHome(chunk.id);
       homes.push_back(home.ok() ? *home : Tier::kHost);
     }
@@ -128,6 +134,7 @@ struct Pipeline::Impl {
   Engine& engine;
   const PipelineOptions options;
   std::vector<uint64_t> chunk_bytes;
+  uint64_t largest_chunk_bytes = 0;
   std::vector<Tier> homes;
   LinkBandwidths links;
 
@@ -148,27 +155,62 @@ struct Pipeline::Impl {
   Trace recording;                 // being recorded (or the last recorded)
   std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
+  // By chunk, for each read in host_pending: its place on the host_read
+  // queue, and a flag set once something waits for it or for a read behind
+  // it (WantHostRead), which then goes at once (Note [Staging memory at run time]).
+  struct WantedRead {
+    uint64_t place;
+    std::shared_ptr<std::atomic<bool>> wanted;
+  };
+  std::unordered_map<uint32_t, WantedRead> host_read_wanted;
+  uint64_t host_reads_queued = 0;
   std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
   std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
   std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
   std::atomic<bool> cancelled{false};
+  // Bytes of evictions to the host queued and not yet ended; a count only,
+  // which the reads ahead look at (HostHasRoomFor): no data rides on it.
+  std::atomic<uint64_t> coming_to_host{0};
+  // Bytes of fetches and write-backs moving off the host now: room they
+  // free there (WaitForHostRoom). A count only.
+  std::atomic<uint64_t> leaving_host{0};
+  // Fetches to the device and write-backs to NVMe queued, and ended (each
+  // queue has one worker, so they end in the order queued): an eviction to a
+  // full host waits for those queued before it (WaitForHostRoom). Counts only.
+  uint64_t fetches_queued = 0, writes_queued = 0;  // the training loop's
+  std::atomic<uint64_t> fetches_ended{0}, writes_ended{0};
   // Note [Staging memory at run time]
   // The plan bounds the host memory held by chunks read ahead of host
-  // moments, at the granularity of moments; at run time a write-back may
-  // finish later than the plan's model says, and reads would then find the
-  // host full (and the residency manager evict homed chunks to make room).
-  // So the bound is kept at run time too: a read ahead waits until the
-  // chunks read ahead and not yet written back leave it room, or until the
-  // moment that needs it has begun and no chunk of an earlier moment is
-  // still being written back (then it must be read, even beyond the bound:
-  // a moment may need more than the bound holds). Reads are queued in the
-  // order they are needed, so the write-backs waited for never wait for them.
-  std::mutex staging_mu;  // guards staged_due, writing and staged_bytes
+  // moments, at the granularity of moments (Plan::host_read_room: Note [Room
+  // for reads ahead] in planner.cc); at run time a write-back may finish
+  // later than the plan's model says, and reads would then find the host
+  // full (and the residency manager evict homed chunks to make room). So the
+  // bound is kept at run time too, the room of the moment begun last: a read
+  // ahead waits until the chunks read ahead and not yet written back leave
+  // it room and the host tier has the room in fact (the plan counts on
+  // fetches that may not have landed yet, and evictions from the device must
+  // still find their place), or until the moment that needs it has begun and
+  // no chunk of an earlier moment is still being written back (then it must
+  // be read, even beyond the bound: a moment may need more than the bound
+  // holds). Reads are queued in the order they are needed, so the
+  // write-backs waited for never wait for them. A read that something waits
+  // for (an access, an update beside backward, Drain) is due at once, and so
+  // is every read queued before it: that waiter may be the training loop,
+  // which begins no later moment (and frees no room) until the read ends, so
+  // a read waiting (or queued behind one waiting) for its moment or for room
+  // would wait for itself. The other way round, an
+  // eviction to a full host waits while a fetch or a write-back queued before
+  // it has still to move a chunk off it (Note [Evictions waiting for the
+  // host's room]): evictions run ahead of the fetches whose room they make,
+  // and the residency manager would push a homed chunk (a read ahead) down
+  // to NVMe, to be read again.
+  std::mutex staging_mu;  // guards staged_due, writing, staged_bytes, staging_base and read_room
   std::condition_variable staging_cv;
   std::unordered_map<uint32_t, uint64_t> staged_due;  // read ahead, not yet written back: when needed
   std::unordered_set<uint32_t> writing;               // of those, the ones whose write-back is queued
   uint64_t staged_bytes = 0;
-  uint64_t staging_budget = 0;          // the plan's host_staging_bytes
+  uint64_t staging_base = 0;  // the plan's host_staging_bytes: the room off the plan
+  uint64_t read_room = 0;     // the room of the moment begun last (Plan::host_read_room)
   std::atomic<uint64_t> begun{0};       // moments begun since the pipeline was made
   uint64_t moments_begun = 0;           // the same, for the training loop's thread
   uint32_t moment = 0;
@@ -238,13 +280,19 @@ struct Pipeline::Impl {
     std::optional<std::shared_future<Status>> arriving;
     if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
     const Tier target = to.value_or(homes[v.value()]);
-    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target]() -> Status {
+    const uint64_t to_host = target == Tier::kHost ? chunk_bytes[v.value()] : 0;
+    coming_to_host.fetch_add(to_host, std::memory_order_relaxed);
+    const HostLeavers before_this{fetches_queued, writes_queued};
+    std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target, to_host, before_this]() -> Status {
       if (arriving && !WaitEnded(*arriving, options.wait_timeout_ms, v, "fetch").ok()) {
         // Still under way: the eviction goes on (Note [Waits on queued moves]).
         STRATA_LOG_INFO("pipeline: evicting chunk {} while its fetch is still under way after {} ms", v.value(),
                         options.wait_timeout_ms);
       }
-      return MoveOff(v, Tier::kDevice, target);
+      if (to_host > 0) WaitForHostRoom(to_host, before_this);
+      Status moved = MoveOff(v, Tier::kDevice, target);
+      coming_to_host.fetch_sub(to_host, std::memory_order_relaxed);
+      return moved;
     });
     leaving[v.value()] = done;
     evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
@@ -262,17 +310,27 @@ struct Pipeline::Impl {
     const ChunkId c = r.chunk;
     std::optional<std::shared_future<Status>> before;
     if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    host_pending[c.value()] = host_read.Push([this, c, before, due]() -> Status {
+    auto wanted = std::make_shared<std::atomic<bool>>(false);
+    host_read_wanted[c.value()] = {host_reads_queued++, wanted};
+    host_pending[c.value()] = host_read.Push([this, c, before, due, wanted]() -> Status {
       if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
       {
         std::unique_lock lock(staging_mu);
-        // Past the timeout the read goes on beyond the bound (Note [Waits on queued moves]).
-        const bool room = staging_cv.wait_for(lock, std::chrono::milliseconds(options.wait_timeout_ms), [&] {
+        const auto ready = [&] {
           if (cancelled.load(std::memory_order_relaxed)) return true;
-          if (staged_bytes + chunk_bytes[c.value()] <= staging_budget) return true;
-          if (begun.load(std::memory_order_relaxed) < due) return false;
+          if (staged_bytes + chunk_bytes[c.value()] <= read_room && HostHasRoomFor(c)) return true;
+          // Due: its moment has begun, or something waits for it.
+          if (!wanted->load(std::memory_order_relaxed) && begun.load(std::memory_order_relaxed) < due) return false;
           return std::none_of(writing.begin(), writing.end(), [&](uint32_t w) { return staged_due.at(w) < due; });
-        });
+        };
+        // Nothing signals the host's room as other moves free it: looked at again every kHostRoomPoll.
+        // Past the timeout the read goes on beyond the bound (Note [Waits on queued moves]).
+        const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
+        bool room = ready();
+        while (!room && Clock::now() < deadline) {
+          staging_cv.wait_for(lock, kHostRoomPoll);
+          room = ready();
+        }
         if (!room) {
           STRATA_LOG_INFO("pipeline: chunk {} is read ahead beyond the staging memory after {} ms of waiting for room",
                           c.value(), options.wait_timeout_ms);
@@ -283,6 +341,83 @@ struct Pipeline::Impl {
       if (!read.ok()) Unstage(c);
       return read;
     });
+  }
+
+  // Something is about to wait for the read ahead of `c` queued last (the
+  // training loop, an update beside backward): it, and the reads queued
+  // before it on the one-worker host_read queue, stop waiting for room or
+  // for their moment (Note [Staging memory at run time]). Training loop only.
+  void WantHostRead(ChunkId c) {
+    auto it = host_read_wanted.find(c.value());
+    if (it == host_read_wanted.end()) return;
+    const uint64_t place = it->second.place;
+    {
+      std::lock_guard lock(staging_mu);  // so that a waiting read cannot miss the change
+      for (const auto& [chunk, read] : host_read_wanted) {
+        if (read.place <= place) read.wanted->store(true, std::memory_order_relaxed);  // a flag only
+      }
+    }
+    staging_cv.notify_all();
+    std::erase_if(host_read_wanted, [&](const auto& entry) { return entry.second.place <= place; });
+  }
+
+  // The fetches and write-backs queued before an eviction.
+  struct HostLeavers {
+    uint64_t fetches = 0, writes = 0;
+  };
+
+  // Note [Evictions waiting for the host's room]
+  // An eviction to the host waits until the host tier has `bytes` free while
+  // moves off the host may free it: the fetches and write-backs queued before
+  // it (`before`) that have not ended, and any such move under way; at most
+  // wait_timeout_ms, then it goes on and the residency manager makes the room
+  // (Note [Staging memory at run time]). Only moves queued before it: each
+  // waits only for moves queued before itself (its victims, its chunk's last
+  // move, the reads of an update beside backward, which that update marks
+  // wanted), never for this eviction or the training loop, so the wait cannot
+  // wait for itself; a fetch queued after it may wait for it (as a victim).
+  // A fetch queued before it frees its room even when it has not started yet.
+  void WaitForHostRoom(uint64_t bytes, HostLeavers before) const {
+    const Clock::time_point deadline = Clock::now() + std::chrono::milliseconds(options.wait_timeout_ms);
+    const auto may_free = [&] {
+      return leaving_host.load(std::memory_order_relaxed) > 0 ||
+             fetches_ended.load(std::memory_order_relaxed) < before.fetches ||
+             writes_ended.load(std::memory_order_relaxed) < before.writes;
+    };
+    while (!cancelled.load(std::memory_order_relaxed) && Clock::now() < deadline && may_free()) {
+      const TierUsage host = engine.stats().tiers[static_cast<int>(Tier::kHost)];
+      if (host.used_bytes + bytes <= host.capacity_bytes) return;
+      std::this_thread::sleep_for(kHostRoomPoll);
+    }
+  }
+
+  // Counts a fetch or write-back as ended when its task returns, whichever way.
+  struct CountEnd {
+    std::atomic<uint64_t>& ended;
+    ~CountEnd() { ended.fetch_add(1, std::memory_order_relaxed); }
+  };
+
+  // Moves `chunk` off the host (to `to`) counting it in leaving_host while
+  // it moves; only then, so that an eviction waiting for that room never
+  // waits for a move that waits for something else (an update beside
+  // backward, the eviction itself).
+  Status MoveOffHost(ChunkId chunk, Tier to) {
+    const uint64_t bytes = chunk_bytes[chunk.value()];
+    leaving_host.fetch_add(bytes, std::memory_order_relaxed);
+    Status moved = to == Tier::kNvme ? MoveOff(chunk, Tier::kHost, to) : engine.MoveChunk(chunk, to);
+    leaving_host.fetch_sub(bytes, std::memory_order_relaxed);
+    return moved;
+  }
+
+  // Whether the host tier holds `c` now beside the chunks queued to come
+  // down from the device, and still has the slack the host reserve keeps
+  // (two of the largest chunks: Note [Host reserve] in memory/placement.cc)
+  // for evictions queued after the read, which land before the fetches that
+  // free their room (Note [Staging memory at run time]).
+  bool HostHasRoomFor(ChunkId c) const {
+    const TierUsage host = engine.stats().tiers[static_cast<int>(Tier::kHost)];
+    const uint64_t coming = coming_to_host.load(std::memory_order_relaxed);
+    return host.used_bytes + coming + chunk_bytes[c.value()] + 2 * largest_chunk_bytes <= host.capacity_bytes;
   }
 
   // Chunks read ahead that no longer hold staging memory stop counting
@@ -325,9 +460,11 @@ struct Pipeline::Impl {
       // After an update beside backward that holds it.
       std::optional<std::shared_future<Status>> in_use;
       if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
+      writes_queued++;
       std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
+        const CountEnd end{writes_ended};
         Status written = in_use ? WaitEnded(*in_use, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
-        if (written.ok()) written = MoveOff(c, Tier::kHost, Tier::kNvme);
+        if (written.ok()) written = MoveOffHost(c, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
         return written;
       });
@@ -363,7 +500,9 @@ struct Pipeline::Impl {
         return MoveOff(c, Tier::kNvme, Tier::kHost);
       });
     }
+    fetches_queued++;
     pending[c.value()] = host_to_device.Push([this, c, room, staged, after_before]() -> Status {
+      const CountEnd end{fetches_ended};
       // A victim that could not leave only costs room (the move below
       // evicts by itself; the eviction's error is reported at EndIteration).
       // A failed staging read is this chunk's error.
@@ -371,7 +510,7 @@ struct Pipeline::Impl {
       if (!staged) STRATA_RETURN_IF_ERROR(after_before());  // else the staging read waited for it
       WaitForRoom(room);
       if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
-      return engine.MoveChunk(c, Tier::kDevice);
+      return MoveOffHost(c, Tier::kDevice);
     });
   }
 
@@ -431,6 +570,7 @@ struct Pipeline::Impl {
         return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
       });
     }
+    std::erase_if(host_read_wanted, [&](const auto& entry) { return host_pending.count(entry.first) == 0; });
   }
 
   // The device as the plan has it when an iteration begins: chunks it does
@@ -546,7 +686,8 @@ struct Pipeline::Impl {
         options.host_staging_bytes > 0 ? options.host_staging_bytes : engine.host_staging_bytes();
     {
       std::lock_guard lock(staging_mu);
-      staging_budget = input.host_staging_bytes;
+      staging_base = input.host_staging_bytes;
+      read_room = staging_base;
     }
     const Clock::time_point start = Clock::now();
     Result<Plan> built = BuildPlan(input);

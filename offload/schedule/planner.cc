@@ -47,18 +47,48 @@ namespace strata::offload {
 // Note [Host moments]
 // A moment computing on the host (a CPU optimizer update) needs its chunks
 // off the device, and they may not come back before the moment ends. A
-// host-homed chunk there goes to the host right after its last use on the
-// device (an offload: nothing waits for it but the host moment; its device
-// room is counted until the host moment all the same); an NVMe-homed one is
+// host-homed chunk there goes to the host after its last use on the device
+// (an offload: nothing waits for it but the host moment; its device room is
+// counted until the host moment all the same; Note [Offloads that leave the
+// host room] says when); an NVMe-homed one is
 // evicted to the host when the moment begins, and written to NVMe after it. An
 // NVMe-homed chunk not on the device is read into host memory ahead of the
-// moment, as early as `host_staging_bytes` allows (chunks read ahead and in
-// use never hold more, except those a moment needs now; one being written
+// moment, as early as the host's room for reads allows (chunks read ahead and
+// in use never hold more, except those a moment needs now; one being written
 // back holds its room until the write ends, which the pipeline waits for at
 // run time), after the chunk last left the device or was last written back;
 // each is written back when its moment ends. The link model holds each read
-// to the staging memory in time too: a read starts once the write-backs
-// before it have freed the room it needs, as at run time.
+// to that room in time too: a read starts once the write-backs before it
+// have freed the room it needs, as at run time.
+//
+// Note [Room for reads ahead]
+// The room for reads ahead at a moment is `host_staging_bytes` and the host
+// slots of the host-homed chunks on the device then: a payload lives on one
+// tier at a time, so while forward and backward hold chunks on the device,
+// the host tier has their room free. Counting it lets the reads of the first
+// updates' states run during forward and backward, where counting the
+// staging memory alone (a quarter of the host) left most of them to the
+// updates after backward, which then waited for the drive. A moment's room
+// is taken after the chunks it evicts are back on the host and before the
+// chunks it fetches have left it, so that a move within the moment never
+// finds the host fuller than the plan has it.
+//
+// A read ahead for a host moment after a device moment is not issued among
+// the host moments that end the iteration before its own (the updates after
+// backward), only from the iteration's first moment on: there the drive
+// serves those updates' own reads and writes, which then wait for it, and a
+// read held from there would take the room they need.
+//
+// Note [Offloads that leave the host room]
+// A host moment that reads NVMe-homed chunks takes its host-homed ones off
+// the device only kOffloadLeadMoments before it, not right after their last
+// use there: until then they leave their host slots free for reads ahead
+// (Note [Room for reads ahead]). After backward, where every update reads its
+// states, the host then has the room of every group not yet updated (its
+// params and grads still on the device) for the states of the updates to
+// come, instead of the staging memory alone. The lead lets each offload
+// cross while the updates before it run; a host moment that reads nothing
+// offloads right after the last use, as the host's room buys it nothing.
 //
 // Note [The link model]
 // The prediction replays the plan on a model of the links: one queue per
@@ -106,6 +136,9 @@ namespace strata::offload {
 namespace {
 
 constexpr uint32_t kCopies = 3;
+// Moments before a host moment that reads from NVMe at which its other
+// chunks leave the device: Note [Offloads that leave the host room].
+constexpr uint64_t kOffloadLeadMoments = 4;
 constexpr uint64_t kNever = std::numeric_limits<uint64_t>::max();
 
 // Note [The device model].
@@ -122,8 +155,18 @@ struct Unrolled {
   uint64_t length;
   std::vector<std::vector<uint64_t>> uses;  // by chunk: moments (unrolled) that need it on the device, ascending
 
+  bool ends_with_host_moment = false;  // a host moment after the last device moment
+  uint32_t first_device_moment = 0;     // the first device moment's index (period: none)
+
   explicit Unrolled(const PlannerInput& in)
       : input(in), period(static_cast<uint32_t>(in.trace.moments.size())), length(uint64_t{kCopies} * period) {
+    const auto& moments = in.trace.moments;
+    const auto last_device = std::find_if(moments.rbegin(), moments.rend(),
+                                          [](const TraceMoment& m) { return m.tier == Tier::kDevice; });
+    ends_with_host_moment = last_device != moments.rend() && last_device != moments.rbegin();
+    first_device_moment = static_cast<uint32_t>(
+        std::find_if(moments.begin(), moments.end(), [](const TraceMoment& m) { return m.tier == Tier::kDevice; }) -
+        moments.begin());
     uses.resize(in.chunk_bytes.size());
     for (uint64_t g = 0; g < length; ++g) {
       if (!on_host(g)) {
@@ -178,6 +221,7 @@ struct Schedule {
   std::vector<std::vector<ChunkId>> offloads_at;   // by unrolled moment: off early for a host moment
   std::vector<uint64_t> occupancy;                 // by unrolled moment: chunks resident + non-model
   std::vector<uint64_t> chunk_occupancy;           // by unrolled moment: chunks resident
+  std::vector<uint64_t> read_room;                 // by unrolled moment: Note [Room for reads ahead]
 };
 
 enum class Victims { kFurthestNextUse, kLeastRecentlyUsed };
@@ -239,12 +283,16 @@ class DemandPager {
 
   // A host moment's chunks leave the device, or are read from NVMe (Note [Host moments]).
   void LeaveForHostMoment(uint64_t g, const TraceMoment& m) {
+    // Note [Offloads that leave the host room]
+    const bool reads = std::any_of(m.chunks.begin(), m.chunks.end(),
+                                   [&](ChunkId c) { return u_.nvme_homed(c) && !resident_[c.value()]; });
+    const uint64_t not_before = reads && g > kOffloadLeadMoments ? g - kOffloadLeadMoments : 0;
     for (ChunkId c : m.chunks) {
       if (resident_[c.value()] && !u_.nvme_homed(c)) {
-        // Off to the host right after its last use on the device; its room
-        // is counted until this moment all the same.
+        // Off to the host after its last use on the device; its room is
+        // counted until this moment all the same.
         Evict(c, g);
-        schedule_.offloads_at[std::min<uint64_t>(last_use_[c.value()] + 1, g)].push_back(c);
+        schedule_.offloads_at[std::min<uint64_t>(std::max(last_use_[c.value()] + 1, not_before), g)].push_back(c);
       } else if (resident_[c.value()]) {
         Evict(c, g);
         schedule_.evictions_at[g].push_back(c);
@@ -333,18 +381,21 @@ void Hoist(const Unrolled& u, Schedule& schedule) {
   }
 }
 
-// Host reads as early as the staging memory allows, in order of need
-// (Note [Host moments]).
+// Host reads as early as the room for them allows, in order of need
+// (Notes [Host moments], [Room for reads ahead]).
 void HoistHostReads(const Unrolled& u, Schedule& schedule) {
-  const uint64_t staging = u.input.host_staging_bytes;
   std::vector<uint64_t> staged(u.length, 0);  // bytes read ahead and not yet used, by moment
   uint64_t previous_issue = 0;
   for (HostRead& r : schedule.host_reads) {
+    // Not among the host moments that end the iteration before (Note [Room for reads ahead]).
+    const uint64_t iteration_start = r.needed - r.needed % u.period;
+    const bool after_device_moment = r.needed % u.period > u.first_device_moment;
     const uint64_t lower =
-        std::max({previous_issue, r.lower, r.needed >= u.period ? r.needed - u.period + 1 : 0});
+        std::max({previous_issue, r.lower, r.needed >= u.period ? r.needed - u.period + 1 : 0,
+                  u.ends_with_host_moment && after_device_moment ? iteration_start : 0});
     const uint64_t size = u.size(r.chunk);
     uint64_t issue = r.needed;
-    while (issue > lower && staged[issue - 1] + size <= staging) --issue;
+    while (issue > lower && staged[issue - 1] + size <= schedule.read_room[issue - 1]) --issue;
     // Held from its read until its write-back, which runs as the next moment
     // begins; the read of a later chunk may count on that room (at run time
     // it waits for the write to end: Note [Staging memory at run time]).
@@ -366,6 +417,34 @@ std::vector<std::vector<const T*>> ByIssue(const std::vector<T>& moves, uint64_t
 // The fetches issued at each unrolled moment before `until`, in order.
 std::vector<std::vector<const Fetch*>> IssuedAt(const Schedule& schedule, uint64_t until) {
   return ByIssue(schedule.fetches, until);
+}
+
+// Sets schedule.read_room: host_staging_bytes and, at each moment, the
+// host-homed chunks on the device once its evictions, offloads and victims
+// have left and before its fetches have (Note [Room for reads ahead]).
+void SetReadRoom(const Unrolled& u, Schedule& schedule) {
+  const std::vector<std::vector<const Fetch*>> issued_at = IssuedAt(schedule, u.length);
+  std::vector<bool> held(u.input.chunk_bytes.size(), false);  // host-homed, on the device
+  uint64_t held_bytes = 0;
+  const auto leave = [&](ChunkId c) {
+    if (!held[c.value()]) return;
+    held[c.value()] = false;
+    held_bytes -= u.size(c);
+  };
+  schedule.read_room.assign(u.length, 0);
+  for (uint64_t g = 0; g < u.length; ++g) {
+    for (ChunkId v : schedule.evictions_at[g]) leave(v);
+    for (ChunkId v : schedule.offloads_at[g]) leave(v);
+    for (const Fetch* f : issued_at[g]) {
+      for (ChunkId v : f->victims) leave(v);
+    }
+    schedule.read_room[g] = u.input.host_staging_bytes + held_bytes;
+    for (const Fetch* f : issued_at[g]) {
+      if (u.nvme_homed(f->chunk) || held[f->chunk.value()]) continue;
+      held[f->chunk.value()] = true;
+      held_bytes += u.size(f->chunk);
+    }
+  }
 }
 
 // The schedule, applied in issue order, has every chunk of every device
@@ -566,7 +645,7 @@ class LinkReplay {
   double StagedRead(ChunkId c) {
     ChunkOnHost& r = on_host_[c.value()];
     double start = r.issued;
-    while (staged_ + u_.size(c) > u_.input.host_staging_bytes && !releases_.empty()) {
+    while (staged_ + u_.size(c) > schedule_.read_room[r.moment] && !releases_.empty()) {
       std::pop_heap(releases_.begin(), releases_.end(), std::greater<>());
       start = std::max(start, releases_.back().first);
       staged_ -= releases_.back().second;
@@ -698,6 +777,7 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
   const Unrolled unrolled(input);
   STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kFurthestNextUse));
   Hoist(unrolled, schedule);
+  SetReadRoom(unrolled, schedule);
   HoistHostReads(unrolled, schedule);
   STRATA_RETURN_IF_ERROR(CheckSchedule(unrolled, schedule));
   Plan plan;
@@ -723,6 +803,7 @@ Result<Plan> PlanAsTraced(const PlannerInput& input) {
       plan.host_reads_at[r.issue - first].push_back({r.chunk, static_cast<uint32_t>(r.needed % unrolled.period)});
     }
   }
+  plan.host_read_room.assign(schedule.read_room.begin() + first, schedule.read_room.begin() + last);
   for (const TraceMoment& m : input.trace.moments) plan.compute_tier.push_back(m.tier);
   // The device as the middle iteration begins: every move issued before it.
   std::vector<bool> resident(input.chunk_bytes.size(), false);
@@ -791,6 +872,7 @@ Result<Prediction> PredictLru(const PlannerInput& input) {
   STRATA_RETURN_IF_ERROR(Validate(input));
   const Unrolled unrolled(input);
   STRATA_ASSIGN_OR_RETURN(Schedule schedule, DemandSchedule(unrolled, Victims::kLeastRecentlyUsed));
+  SetReadRoom(unrolled, schedule);
   return Replay(unrolled, schedule);
 }
 

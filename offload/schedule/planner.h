@@ -60,8 +60,9 @@ struct PlannerInput {
   // rest (Note [The device model] in planner.cc). 0: all of device_bytes.
   uint64_t device_chunk_bytes = 0;
   LinkBandwidths links;
-  // Host memory for NVMe-homed chunks read ahead of a host moment (0: each
-  // is read when its moment begins).
+  // Host memory for NVMe-homed chunks read ahead of a host moment, beside
+  // the host room of the host-homed chunks on the device (Note [Room for
+  // reads ahead] in planner.cc).
   uint64_t host_staging_bytes = 0;
 };
 
@@ -120,6 +121,10 @@ struct Plan {
   // (on the NVMe read queue); each host moment writes its NVMe-homed chunks
   // back when it ends.
   std::vector<std::vector<PlannedRead>> host_reads_at;
+  // By moment: the host memory reads ahead may hold as it begins
+  // (host_staging_bytes and the room of the host-homed chunks the plan has
+  // on the device then: Note [Room for reads ahead] in planner.cc).
+  std::vector<uint64_t> host_read_room;
   // The chunks the plan has on the device (or arriving) when an iteration
   // begins, in the steady state: an executor whose device holds others puts
   // them right first, or the two drift apart.

@@ -221,12 +221,13 @@ TEST(PlannerTest, AHostMomentTakesItsChunkOffTheDeviceAndItComesBackAfter) {
   EXPECT_EQ(plan.resident_at_start, std::vector<ChunkId>{ChunkId(1)});  // 0 left for m2 before
 }
 
-// m0 and m1 compute on the device with chunks 0 and 1; m2 updates chunk 2,
-// homed on NVMe, on the host. Every link moves 1000 B/s, chunks are 1000 B.
-PlannerInput HostUpdate(uint64_t staging_bytes) {
+// m0 and m1 compute on the device with chunks 0 and 1 (homed on
+// `device_home`, and on the device throughout); m2 updates chunk 2, homed on
+// NVMe, on the host. Every link moves 1000 B/s, chunks are 1000 B.
+PlannerInput HostUpdate(uint64_t staging_bytes, Tier device_home = Tier::kNvme) {
   PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
   input.trace.moments[2].tier = Tier::kHost;
-  input.home[2] = Tier::kNvme;
+  input.home = {device_home, device_home, Tier::kNvme};
   input.host_staging_bytes = staging_bytes;
   return input;
 }
@@ -248,6 +249,76 @@ TEST(PlannerTest, NvmeChunksOfAHostMomentAreReadAheadAsFarAsStagingAllows) {
   EXPECT_DOUBLE_EQ(late.prediction.stall_seconds, 1.0);
   ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(HostUpdate(1000)));
   EXPECT_DOUBLE_EQ(lru.stall_seconds, 1.0);  // no read-ahead without a plan
+}
+
+TEST(PlannerTest, ReadsAheadUseTheHostRoomOfChunksOnTheDevice) {
+  // No staging memory, but chunks 0 and 1 are homed on the host and stay on
+  // the device: their host slots are free, and the read goes there at m0.
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(HostUpdate(0, Tier::kHost)));
+  EXPECT_EQ(plan.host_read_room, (std::vector<uint64_t>{2000, 2000, 2000}));
+  EXPECT_EQ(plan.host_reads_at[0], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0.0);
+  EXPECT_DOUBLE_EQ(plan.prediction.step_seconds, 3.0);
+  // Homed on NVMe they free no host slot there: the read waits for m2.
+  ASSERT_OK_AND_ASSIGN(Plan late, BuildPlan(HostUpdate(0, Tier::kNvme)));
+  EXPECT_EQ(late.host_read_room, (std::vector<uint64_t>{0, 0, 0}));
+  EXPECT_EQ(late.host_reads_at[2], (std::vector<PlannedRead>{{ChunkId(2), 2}}));
+}
+
+TEST(PlannerTest, ReadsAheadStartWithTheirIterationNotAmongTheUpdatesBeforeIt) {
+  // Forward and backward over chunks 0 and 1, then two updates of chunks 2
+  // and 3, homed on NVMe, with staging for both. Each read could follow its
+  // chunk's write-back in the updates of the iteration before; it is issued
+  // from the iteration's first moment on, where the drive has nothing else to do.
+  PlannerInput input = UnitInput({{0}, {1}, {1}, {0}, {2}, {3}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
+  for (int m : {4, 5}) input.trace.moments[m].tier = Tier::kHost;
+  input.home[2] = input.home[3] = Tier::kNvme;
+  input.host_staging_bytes = 2000;
+  ASSERT_OK_AND_ASSIGN(Plan plan, BuildPlan(input));
+  uint32_t reads = 0;
+  for (uint32_t k = 0; k < plan.num_moments; ++k) {
+    for (const PlannedRead& r : plan.host_reads_at[k]) {
+      reads++;
+      EXPECT_LE(k, r.needed) << "chunk " << r.chunk.value() << " is read among the updates before its iteration";
+      EXPECT_LT(k, 4u) << "chunk " << r.chunk.value() << " is read only once the updates begin";
+    }
+  }
+  EXPECT_EQ(reads, 2u);
+  EXPECT_DOUBLE_EQ(plan.prediction.stall_seconds, 0.0);
+}
+
+// Seven moments on the device, chunk 0 used by the first; then chunk 0's
+// update on the host with chunk 7 (its state), homed on `state_home`.
+PlannerInput LateUpdate(Tier state_home) {
+  PlannerInput input =
+      UnitInput({{0}, {1}, {2}, {3}, {4}, {5}, {6}, {0, 7}}, /*device_chunks=*/8, 1.0, /*bytes_per_second=*/1e6);
+  input.trace.moments[7].tier = Tier::kHost;
+  input.home[7] = state_home;
+  return input;
+}
+
+TEST(PlannerTest, AnUpdateThatReadsFromNvmeTakesItsChunksOffTheDeviceShortlyBeforeIt) {
+  const auto offloaded_at = [](const Plan& plan) {
+    std::vector<uint32_t> at;
+    for (uint32_t k = 0; k < plan.num_moments; ++k) {
+      for (ChunkId c : plan.offloads_at[k]) {
+        if (c == ChunkId(0)) at.push_back(k);
+      }
+    }
+    return at;
+  };
+  // Its state on the host: chunk 0 goes right after its last use.
+  ASSERT_OK_AND_ASSIGN(Plan on_host, BuildPlan(LateUpdate(Tier::kHost)));
+  EXPECT_EQ(offloaded_at(on_host), std::vector<uint32_t>{1});
+  // Its state read from NVMe: chunk 0 stays on the device, leaving its host
+  // slot to reads ahead, until shortly before the update.
+  ASSERT_OK_AND_ASSIGN(Plan reads, BuildPlan(LateUpdate(Tier::kNvme)));
+  const std::vector<uint32_t> at = offloaded_at(reads);
+  ASSERT_EQ(at.size(), 1u);
+  EXPECT_GT(at[0], 1u);
+  EXPECT_LT(at[0], 7u);
+  EXPECT_EQ(reads.host_read_room[1], on_host.host_read_room[1] + 1000) << "chunk 0's host slot, free while on the device";
+  EXPECT_DOUBLE_EQ(reads.prediction.stall_per_moment[7], 0.0);  // the offload crossed before the update
 }
 
 TEST(PlannerTest, AnUpdateRunsOnTheDeviceOnlyWhenItsStatesFitBesideEverythingElse) {
@@ -318,6 +389,7 @@ TEST(PlannerTest, AReadAheadWaitsForTheStagingMemoryAnEarlierWriteBackHolds) {
       input.trace.moments[m].beside = true;
       input.home[m] = Tier::kNvme;
     }
+    input.home[0] = Tier::kNvme;  // on the device, it frees no host room for the reads
     input.host_staging_bytes = staging;
     Result<Plan> plan = BuildPlan(input);
     EXPECT_OK(plan.status());
