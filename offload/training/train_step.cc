@@ -459,8 +459,8 @@ class TrainStep {
   }
 
   // Phase 2 for group k: its update in a host moment of its own; data
-  // parallel, its updated param chunk to every rank. `first` runs on the
-  // pinned chunks before the update.
+  // parallel, its updated param chunk to every rank. `first`, if given,
+  // runs on the chunks pinned in host memory before the update.
   Status UpdateInMoment(size_t k, const std::function<void(HeldChunks&)>& first = nullptr) {
     const Group& g = groups_[k];
     const ChunkInfo& param = g[ChunkKind::kParam];
@@ -473,7 +473,8 @@ class TrainStep {
     bool on_gpu = false;
     {
       Timed timed(report_.seconds.access);
-      STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(DeviceSeconds(g)));
+      // A redo's moment stays on the host, where its copy is put back.
+      STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(first ? std::nullopt : DeviceSeconds(g)));
       on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
       updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
     }
