@@ -47,8 +47,8 @@ double DeviceStatsSeconds(const Group& g) {
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
                         const UpdateExtras& extras) const {
+  if (!extras.on_device) return RunOnHost(g, lo, hi, reduced, held, extras);
   void* const stream = extras.stream;
-  if (stream == nullptr) return RunOnHost(g, lo, hi, reduced, held, extras);
   for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {
     STRATA_RETURN_IF_ERROR(
         optimizer_.UpdateChunkOnDevice(plan_, TensorsOf(g, held, lo, r.begin, r.end, reduced), r.step, stream));

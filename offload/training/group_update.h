@@ -52,6 +52,9 @@ Status AccessGroup(Pipeline& pipeline, const Group& g, int num_states, HeldChunk
 
 // What GroupUpdate::Run does besides the update (see there).
 struct UpdateExtras {
+  // On a GPU: the update and the zeroing are queued on `stream` (a
+  // cudaStream_t, where 0 is the legacy default stream: hence the flag).
+  bool on_device = false;
   void* stream = nullptr;
   std::byte* keep = nullptr;
   bool zero_grads = true;
@@ -69,9 +72,9 @@ class GroupUpdate {
   // the skipped tensors' (this rank's sharded chunks hold that range), and
   // zeroes the grad chunk. `reduced`: null to read the grad chunk (one
   // rank); else this rank's reduced fp32 gradients of [lo, hi) (data
-  // parallel). `stream`: the chunks are on a GPU, and the update and the
-  // zeroing are queued on that stream (Note [Updates on the device] in
-  // train_step.cc); null on the host. `keep` (on the host): the group's
+  // parallel). `on_device`: the chunks are on a GPU, and the update and the
+  // zeroing are queued on `stream` (Note [Updates on the device] in
+  // train_step.cc); else they run on the host. `keep` (on the host): the group's
   // chunks as they were before are copied there, in UpdatedKinds order,
   // each chunk's used bytes one after another (BesideUpdates's copy; a
   // sharded chunk's, its shard's). `zero_grads` false: the grad chunk is

@@ -400,11 +400,12 @@ class TrainStep {
   // Group `g`'s update (GroupUpdate::Run's arguments), its seconds and
   // elements into the report.
   Status UpdateAndZero(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                       void* stream) {
+                       bool on_gpu) {
     Timed timed(report_.seconds.kernel);
     report_.kernel_elems += hi - lo;
     return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
-        .Run(g, lo, hi, reduced, held, {.stream = stream});
+        .Run(g, lo, hi, reduced, held,
+             {.on_device = on_gpu, .stream = reinterpret_cast<void*>(options_.compute_stream)});
   }
 
   // Phase 1: the gradients' statistics (data parallel: their reduction, into
@@ -480,8 +481,7 @@ class TrainStep {
     }
     if (updated.ok() && first) first(held);
     if (updated.ok()) {
-      updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held,
-                              on_gpu ? reinterpret_cast<void*>(options_.compute_stream) : nullptr);
+      updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held, on_gpu);
     }
     if (updated.ok() && parallel_ && !param.transient) updated = GatherInMoment(param, held);
     const Status ended = LetGo(on_gpu, held);
