@@ -42,7 +42,9 @@ class Moments:
         if self._runtime.emulated:
             return 0  # activations live in process memory: the emulated device's tier holds chunks only
         if torch.cuda.is_available():
-            return torch.cuda.memory_allocated()
+            # What memory_allocated() returns, read without it: it flattens every allocator statistic into a new
+            # dict first, about 0.4 ms a call, and a step begins a moment per module (0.12 s a step at 0.94B).
+            return torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"]
         return self.saved_bytes
 
     def begin_moment(self):
