@@ -53,8 +53,10 @@ def token_batches(steps, seed=1):
     return [torch.randint(0, 512, (4, 128), generator=generator).to(DEVICE["torch"]) for _ in range(steps)]
 
 
-def plain_training(model, data, precision, lr, groups=None, schedule=None):
-    """torch.optim.AdamW on the model (bf16: on fp32 masters of a bf16 copy, the mixed-precision recipe)."""
+def plain_training(model, data, precision, lr, groups=None, schedule=None, micro=False):
+    """torch.optim.AdamW on the model (bf16: on fp32 masters of a bf16 copy, the mixed-precision recipe).
+    micro: each batch's sequences one a micro-batch, their gradients summed in that order (as layered
+    accumulation sums them: a whole-batch backward sums in another order, which Adam's steps amplify)."""
     model = model.to(DEVICE["torch"])
     trainable = [p for p in model.parameters() if p.requires_grad]
     masters = trainable
@@ -71,9 +73,13 @@ def plain_training(model, data, precision, lr, groups=None, schedule=None):
     scheduler = schedule(optimizer) if schedule else None
     losses = []
     for tokens in data:
-        loss = model(input_ids=tokens, labels=tokens).loss
-        losses.append(loss.item())
-        loss.backward()
+        parts = tokens.split(1) if micro else [tokens]
+        step_losses = []
+        for part in parts:  # the micro-batches' mean loss is the batch's: each sequence has as many labels
+            loss = model(input_ids=part, labels=part).loss
+            step_losses.append(loss.detach())
+            (loss / len(parts)).backward()
+        losses.append(torch.stack(step_losses).mean().item())
         if precision == "bf16":
             for master, p in zip(masters, trainable):
                 master.grad, p.grad = p.grad.float(), None
@@ -136,7 +142,7 @@ def check(name, build, precision, steps, lr=1e-3, groups=None, schedule=None, la
     model = build()
     reference = copy.deepcopy(model)
     data = token_batches(steps)
-    theirs, plain = plain_training(reference, data, precision, lr, groups, schedule)
+    theirs, plain = plain_training(reference, data, precision, lr, groups, schedule, micro=layered)
     with tempfile.TemporaryDirectory() as nvme:
         ours, engine, seconds = strata_training(model, data, precision, lr, nvme, groups, schedule, layered)
         loss_error = max(abs(a - b) / abs(b) for a, b in zip(ours, theirs))
