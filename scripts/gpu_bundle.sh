@@ -9,7 +9,9 @@
 # PYTHON_BUILD: a build of the Python module for the GPU machine's Python
 # (3.12; pyenv has it here with its headers), e.g.
 #   cmake -S . -B build-py312 -G Ninja -DSTRATA_BUILD_TESTS=OFF \
-#     -DPython3_EXECUTABLE=$HOME/.pyenv/versions/3.12.1/bin/python3.12 && cmake --build build-py312 --target _strata
+#     -DPython3_EXECUTABLE=$HOME/.pyenv/versions/3.12.1/bin/python3.12 \
+#     -Dpybind11_DIR="$(.venv/bin/python -m pybind11 --cmakedir)" && cmake --build build-py312 --target _strata
+# (that Python has no pybind11 of its own: the one .venv pins is header-only)
 # whose package goes into the bundle's python/ (gpu_check.sh then runs the adapter's checks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
