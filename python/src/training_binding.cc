@@ -7,6 +7,7 @@
 #include <memory>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "offload/training/grad_reducer.h"
 #include "offload/training/train_step.h"
 #include "optim/optimizer.h"
+#include "optim/state_codec.h"
 #include "python/src/binding.h"
 #include "strata/comm.h"
 #include "strata/engine.h"
@@ -80,6 +82,40 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
 
 }  // namespace
 
+namespace {
+
+// The 8-bit states' codec (optim/state_codec.h), for checks against other implementations.
+void BindStateCodec(py::module_& m) {
+  m.def(
+      "state_code_map",
+      [](bool is_signed) {
+        const optim::StateCodeMap& map = optim::CodeMap(is_signed);
+        return std::vector<float>(map.begin(), map.end());
+      },
+      py::arg("signed"), "the 256 values the codes of 8-bit states stand for, ascending (signed: the first moment's)");
+  m.def(
+      "quantize_states",
+      [](const py::buffer& values, bool is_signed) {
+        const py::buffer_info info = values.request();
+        if (info.format != py::format_descriptor<float>::format() || info.ndim != 1 ||
+            info.strides[0] != sizeof(float) || info.size % optim::kStateBlockElems != 0) {
+          throw py::value_error(fmt::format(
+              "quantize_states: values must be one contiguous dimension of float32 in whole blocks of {}; got "
+              "format '{}', {} dimension(s), {} elements",
+              optim::kStateBlockElems, info.format, info.ndim, info.size));
+        }
+        const auto n = static_cast<size_t>(info.size);
+        std::string codes(n, '\0'), scales(n / optim::kStateBlockElems * sizeof(float), '\0');
+        optim::QuantizeBlocks(static_cast<const float*>(info.ptr), n, is_signed, reinterpret_cast<uint8_t*>(codes.data()),
+                              reinterpret_cast<float*>(scales.data()));
+        return py::make_tuple(py::bytes(codes), py::bytes(scales));
+      },
+      py::arg("values"), py::arg("signed"),
+      "(codes, scales) of float32 `values` as 8-bit states: a byte a value, a float32 scale a block of 256");
+}
+
+}  // namespace
+
 void BindOptimizer(py::module_& m) {
   py::class_<optim::Optimizer, std::unique_ptr<optim::Optimizer>>(
       m, "Optimizer", "strata's optimizer over chunk groups, from the optimizer.* and loss_scale.* keys")
@@ -120,6 +156,7 @@ void BindOptimizer(py::module_& m) {
           "field when one is out of range")
       .def_property_readonly("loss_scale", &optim::Optimizer::loss_scale)
       .def_property_readonly("steps_taken", &optim::Optimizer::steps_taken);
+  BindStateCodec(m);
 }
 
 void BindPipeline(py::module_& m) {

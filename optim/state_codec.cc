@@ -1,0 +1,98 @@
+#include "optim/state_codec.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace strata::optim {
+
+// Note [8-bit states]
+// Adam's two moments take 8 bytes a parameter in fp32; in 8 bits they take
+// one each, plus a 4-byte scale per block of 256 (Dettmers et al., "8-bit
+// Optimizers via Block-wise Quantization", 2110.02861), the scheme of
+// bitsandbytes' and torchao's 8-bit Adam, whose semantics these follow:
+//   - a block's scale is its largest magnitude (at least 1e-12); each value
+//     is divided by it and stored as the code of the nearest value in a map
+//     of 256 (ties to the upper one);
+//   - the maps are "dynamic": per decade from 1e-6 to 1, a linear run of
+//     values between 0.1 and 1 of that decade, finer in the larger decades;
+//     the signed map (the first moment) spends half its codes on negative
+//     values, the unsigned map (the second moment, never negative) all on
+//     positive ones; both also hold 0 and 1;
+//   - tensors under 4096 elements, or not in whole blocks, keep fp32 states.
+// The maps here are computed in fp32 from their definition, one operation
+// at a time. torchao builds its map with torch.linspace, whose last bits
+// depend on the vector width PyTorch's kernels run at: its values are
+// within 2 ulps of these on an AVX-512 machine. The maps are part of the
+// states' format (a checkpoint's codes mean these values), so they do not
+// vary with the machine.
+
+namespace {
+
+// n values from 0.1 to 1 evenly spaced, in fp32 as a linear space is: from
+// the near end, each half of it.
+std::vector<float> Spaced(int n) {
+  const float start = 0.1f, end = 1.0f;
+  const float step = (end - start) / static_cast<float>(n - 1);
+  std::vector<float> values(static_cast<size_t>(n));
+  for (int i = 0; i < n; ++i) {
+    values[static_cast<size_t>(i)] =
+        i < n / 2 ? start + step * static_cast<float>(i) : end - step * static_cast<float>(n - 1 - i);
+  }
+  return values;
+}
+
+StateCodeMap BuildCodeMap(bool is_signed) {
+  std::vector<float> values;
+  for (int decade = 0; decade < 7; ++decade) {
+    // Decade 10^(decade - 6): 2^decade intervals (signed), 2^(decade + 1) (unsigned), each its midpoint.
+    const std::vector<float> bounds = Spaced((is_signed ? 1 << decade : 2 << decade) + 1);
+    const auto scale = static_cast<float>(std::pow(10.0, decade - 6));
+    for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+      const float mid = (bounds[i] + bounds[i + 1]) / 2.0f;
+      values.push_back(scale * mid);
+      if (is_signed) values.push_back(-scale * mid);
+    }
+  }
+  values.push_back(0.0f);
+  values.push_back(1.0f);
+  std::sort(values.begin(), values.end());
+  StateCodeMap map{};
+  std::copy(values.begin(), values.end(), map.begin());  // 256: 2 x 127 + 2 signed, 254 + 2 unsigned
+  return map;
+}
+
+}  // namespace
+
+const StateCodeMap& CodeMap(bool is_signed) {
+  static const StateCodeMap signed_map = BuildCodeMap(true);
+  static const StateCodeMap unsigned_map = BuildCodeMap(false);
+  return is_signed ? signed_map : unsigned_map;
+}
+
+float BlockScale(const float* values, size_t n) {
+  float largest = 0.0f;
+  for (size_t i = 0; i < n; ++i) {
+    const float magnitude = std::fabs(values[i]);
+    if (std::isnan(magnitude)) return magnitude;
+    largest = std::max(largest, magnitude);
+  }
+  return std::max(largest, 1e-12f);
+}
+
+void QuantizeBlocks(const float* values, size_t n, bool is_signed, uint8_t* codes, float* scales) {
+  const StateCodeMap& map = CodeMap(is_signed);
+  for (size_t block = 0; block * kStateBlockElems < n; ++block) {
+    const size_t at = block * kStateBlockElems;
+    const float scale = BlockScale(values + at, kStateBlockElems);
+    scales[block] = scale;
+    for (size_t i = at; i < at + kStateBlockElems; ++i) codes[i] = EncodeScaled(values[i] / scale, map);
+  }
+}
+
+void DequantizeBlocks(const uint8_t* codes, const float* scales, size_t n, bool is_signed, float* values) {
+  const StateCodeMap& map = CodeMap(is_signed);
+  for (size_t i = 0; i < n; ++i) values[i] = map[codes[i]] * scales[i / kStateBlockElems];
+}
+
+}  // namespace strata::optim
