@@ -26,6 +26,15 @@ namespace strata::optim {
 // within 2 ulps of these on an AVX-512 machine. The maps are part of the
 // states' format (a checkpoint's codes mean these values), so they do not
 // vary with the machine.
+// The update (scalar::Adam8bitUpdate in cpu/cpu_reference.cc, the
+// reference) dequantizes a block's moments, updates them and the weights in
+// fp32 with torchao's arithmetic (the moments by lerp, the decay as
+// w - lr * wd * w, the step as lr * (m / (1 - beta1^t)) / denom, no fused
+// multiply-add) and quantizes the block's new moments; the weights' update
+// reads the fp32 moments, not their codes. So given the same maps, 20 steps
+// are torchao's bit for bit (python/tests/test_state_codec.py). fp32 states
+// keep torch.optim's arithmetic instead (Note [torch.optim's arithmetic] in
+// cpu/cpu_kernels.cc): each path is exact against its own reference.
 
 namespace {
 

@@ -120,6 +120,22 @@ UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step,
   return c;
 }
 
+Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t step) {
+  const auto f32 = [](double x) { return static_cast<float>(x); };
+  Adam8bitConstants c;
+  c.decoupled = config.kind == OptimizerKind::kAdamW;
+  c.lr = f32(config.lr);
+  c.weight_decay = f32(config.weight_decay);
+  c.lr_decay = c.lr * c.weight_decay;
+  c.one_minus_beta1 = f32(1.0 - config.beta1);
+  c.one_minus_beta2 = f32(1.0 - config.beta2);
+  const auto t = static_cast<float>(step);
+  c.correction1 = 1.0f - std::pow(f32(config.beta1), t);
+  c.sqrt_correction2 = std::sqrt(1.0f - std::pow(f32(config.beta2), t));
+  c.eps = f32(config.eps);
+  return c;
+}
+
 void UpdateRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
   switch (isa) {
     case CpuIsa::kAvx512: return avx512::UpdateRange(c, chunk, begin, end);

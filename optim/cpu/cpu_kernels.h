@@ -55,6 +55,21 @@ struct UpdateConstants {
 };
 UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier);
 
+// Adam and AdamW whose states are 8-bit (Note [8-bit states] in
+// optim/state_codec.cc): the arithmetic of torchao's 8-bit Adam, in fp32,
+// with no multiply-add fused. Its per-step constants, computed as torchao
+// computes them (in fp32, from fp32 lr and step):
+struct Adam8bitConstants {
+  bool decoupled = true;  // AdamW's decay (else Adam's, into the gradient)
+  float lr = 0, weight_decay = 0;
+  float lr_decay = 0;  // lr * weight_decay
+  float one_minus_beta1 = 0, one_minus_beta2 = 0;
+  float correction1 = 1;       // 1 - beta1^t
+  float sqrt_correction2 = 1;  // sqrt(1 - beta2^t)
+  float eps = 0;
+};
+Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t step);
+
 // Updates elements [begin, end) of `chunk` on the calling thread. `begin`
 // should be a multiple of 16 so every element takes the same path (vector
 // or tail) however the chunk is split.
@@ -80,6 +95,10 @@ void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
 // Per-version entry points, behind the dispatch above.
 namespace scalar {
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+// One step over `n` elements (whole blocks) of fp32 weights and gradients,
+// the moments' codes and scales updated in place (state 0 the first moment).
+void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                    float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);

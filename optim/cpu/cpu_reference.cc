@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "optim/cpu/cpu_kernels.h"
+#include "optim/state_codec.h"
 #include "src/base/half.h"
 
 namespace strata::optim::scalar {
@@ -52,7 +53,37 @@ void SgdRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, siz
   }
 }
 
+// torch's lerp for a weight under one half, as torchao's compiled step has it.
+float Lerp(float from, float to, float weight) { return weight * (to - from) + from; }
+
 }  // namespace
+
+void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                    float* const scales[2], size_t n) {
+  const StateCodeMap& signed_map = CodeMap(true);
+  const StateCodeMap& unsigned_map = CodeMap(false);
+  float m[kStateBlockElems], v[kStateBlockElems];
+  for (size_t at = 0; at < n; at += kStateBlockElems) {
+    const size_t block = at / kStateBlockElems;
+    for (size_t j = 0; j < kStateBlockElems; ++j) {
+      const size_t i = at + j;
+      float weight = master[i];
+      float g = grad[i];
+      if (c.decoupled) {
+        weight = weight - c.lr_decay * weight;
+      } else {
+        g = g + c.weight_decay * weight;
+      }
+      // The moments as stored, updated in fp32; the update reads these, not their codes.
+      m[j] = Lerp(signed_map[codes[0][i]] * scales[0][block], g, c.one_minus_beta1);
+      v[j] = Lerp(unsigned_map[codes[1][i]] * scales[1][block], g * g, c.one_minus_beta2);
+      const float denom = std::sqrt(v[j]) / c.sqrt_correction2 + c.eps;
+      master[i] = weight - c.lr * (m[j] / c.correction1) / denom;
+    }
+    QuantizeBlocks(m, kStateBlockElems, true, codes[0] + at, scales[0] + block);
+    QuantizeBlocks(v, kStateBlockElems, false, codes[1] + at, scales[1] + block);
+  }
+}
 
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
   if (c.kind == OptimizerKind::kSgd) {

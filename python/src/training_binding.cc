@@ -3,11 +3,13 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <array>
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -17,6 +19,7 @@
 #include "offload/schedule/pipeline.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/training/train_step.h"
+#include "optim/cpu/cpu_kernels.h"
 #include "optim/optimizer.h"
 #include "optim/state_codec.h"
 #include "python/src/binding.h"
@@ -84,7 +87,23 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
 
 namespace {
 
-// The 8-bit states' codec (optim/state_codec.h), for checks against other implementations.
+// `buffer` as one contiguous dimension of T (writable if asked), of `size` elements where given.
+template <typename T>
+py::buffer_info Contiguous(const py::buffer& buffer, const char* name, bool writable, ssize_t size = -1) {
+  py::buffer_info info = buffer.request(writable);
+  if (info.format != py::format_descriptor<T>::format() || info.ndim != 1 || info.strides[0] != sizeof(T) ||
+      (size >= 0 && info.size != size)) {
+    throw py::value_error(fmt::format("{} must be one contiguous dimension of {}{}; got format '{}', {} dimension(s), "
+                                      "{} elements",
+                                      name, std::is_same_v<T, float> ? "float32" : "uint8",
+                                      size >= 0 ? fmt::format(" of {} elements", size) : "", info.format, info.ndim,
+                                      info.size));
+  }
+  return info;
+}
+
+// The 8-bit states' codec (optim/state_codec.h) and update (the scalar
+// reference), for checks against other implementations.
 void BindStateCodec(py::module_& m) {
   m.def(
       "state_code_map",
@@ -96,13 +115,10 @@ void BindStateCodec(py::module_& m) {
   m.def(
       "quantize_states",
       [](const py::buffer& values, bool is_signed) {
-        const py::buffer_info info = values.request();
-        if (info.format != py::format_descriptor<float>::format() || info.ndim != 1 ||
-            info.strides[0] != sizeof(float) || info.size % optim::kStateBlockElems != 0) {
-          throw py::value_error(fmt::format(
-              "quantize_states: values must be one contiguous dimension of float32 in whole blocks of {}; got "
-              "format '{}', {} dimension(s), {} elements",
-              optim::kStateBlockElems, info.format, info.ndim, info.size));
+        const py::buffer_info info = Contiguous<float>(values, "quantize_states: values", false);
+        if (info.size % static_cast<ssize_t>(optim::kStateBlockElems) != 0) {
+          throw py::value_error(fmt::format("quantize_states: {} values; they must come in whole blocks of {}",
+                                            info.size, optim::kStateBlockElems));
         }
         const auto n = static_cast<size_t>(info.size);
         std::string codes(n, '\0'), scales(n / optim::kStateBlockElems * sizeof(float), '\0');
@@ -112,6 +128,37 @@ void BindStateCodec(py::module_& m) {
       },
       py::arg("values"), py::arg("signed"),
       "(codes, scales) of float32 `values` as 8-bit states: a byte a value, a float32 scale a block of 256");
+  m.def(
+      "adam8bit_step",
+      [](const py::buffer& weights, const py::buffer& grads, std::array<py::buffer, 2> codes,
+         std::array<py::buffer, 2> scales, int64_t step, double lr, std::pair<double, double> betas, double eps,
+         double weight_decay, bool adamw) {
+        const py::buffer_info w = Contiguous<float>(weights, "weights", true);
+        const auto n = static_cast<size_t>(w.size);
+        const py::buffer_info g = Contiguous<float>(grads, "grads", false, n);
+        const py::buffer_info c0 = Contiguous<uint8_t>(codes[0], "codes", true, n);
+        const py::buffer_info c1 = Contiguous<uint8_t>(codes[1], "codes", true, n);
+        const py::buffer_info s0 = Contiguous<float>(scales[0], "scales", true, n / optim::kStateBlockElems);
+        const py::buffer_info s1 = Contiguous<float>(scales[1], "scales", true, n / optim::kStateBlockElems);
+        if (n % optim::kStateBlockElems != 0 || step < 1) {
+          throw py::value_error(fmt::format("adam8bit_step: {} weights (whole blocks of {} needed), step {} (>= 1)", n,
+                                            optim::kStateBlockElems, step));
+        }
+        const optim::OptimizerConfig config{.kind = adamw ? optim::OptimizerKind::kAdamW : optim::OptimizerKind::kAdam,
+                                            .lr = lr,
+                                            .beta1 = betas.first,
+                                            .beta2 = betas.second,
+                                            .eps = eps,
+                                            .weight_decay = weight_decay};
+        uint8_t* const code_ptrs[2] = {static_cast<uint8_t*>(c0.ptr), static_cast<uint8_t*>(c1.ptr)};
+        float* const scale_ptrs[2] = {static_cast<float*>(s0.ptr), static_cast<float*>(s1.ptr)};
+        optim::scalar::Adam8bitUpdate(optim::MakeAdam8bitConstants(config, step), static_cast<float*>(w.ptr),
+                                      static_cast<const float*>(g.ptr), code_ptrs, scale_ptrs, n);
+      },
+      py::arg("weights"), py::arg("grads"), py::arg("codes"), py::arg("scales"), py::kw_only(), py::arg("step"),
+      py::arg("lr"), py::arg("betas"), py::arg("eps"), py::arg("weight_decay"), py::arg("adamw") = true,
+      "one step of the scalar 8-bit Adam(W) reference in place: float32 weights, their float32 grads, the two "
+      "moments' codes (uint8, a value each) and scales (float32, a block each)");
 }
 
 }  // namespace

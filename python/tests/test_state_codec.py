@@ -1,5 +1,5 @@
-"""The 8-bit states' codec against torchao's (the reference for issue 36's int8 states): the same code
-maps to within 2 ulps, and the same codes and scales given the same map."""
+"""The 8-bit states' codec and update against torchao's 8-bit Adam: the same code maps to within 2 ulps,
+and given the same maps the same codes and scales, and 20 steps of Adam and AdamW bit for bit."""
 
 import pytest
 import torch
@@ -45,7 +45,42 @@ def test_codes_and_scales_are_torchaos_given_the_same_map(signed):
 
 
 def test_values_not_in_whole_blocks_are_refused_naming_the_block():
-    with pytest.raises(ValueError, match="whole blocks of 256.*300 elements"):
+    with pytest.raises(ValueError, match="300 values; they must come in whole blocks of 256"):
         _strata.quantize_states(torch.zeros(300).numpy(), True)
     with pytest.raises(ValueError, match="float32"):
         _strata.quantize_states(torch.zeros(256, dtype=torch.float64).numpy(), True)
+
+
+def run_both(adamw, steps, monkeypatch):
+    """`steps` steps of torchao's 8-bit Adam(W) and of strata's scalar reference on the same weights and
+    gradients (torchao given strata's code maps); yields each step's torchao state and strata's arrays."""
+    import numpy as np
+    from torchao.optim import Adam8bit, AdamW8bit, subclass_8bit
+    for signed, name in ((True, "get_qmap_signed"), (False, "get_qmap_unsigned")):
+        monkeypatch.setattr(subclass_8bit, name, lambda signed=signed: tuple(_strata.state_code_map(signed)))
+    blocks = 64
+    n = blocks * BLOCK
+    generator = torch.Generator().manual_seed(11)
+    start = torch.randn(n, generator=generator) * 0.02
+    reference = torch.nn.Parameter(start.clone())
+    hyper = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    optimizer = (AdamW8bit if adamw else Adam8bit)([reference], **hyper)
+    weights = start.clone().numpy()
+    codes = [np.zeros(n, dtype=np.uint8) for _ in range(2)]
+    scales = [np.zeros(blocks, dtype=np.float32) for _ in range(2)]
+    magnitudes = torch.logspace(-7, 0, blocks).repeat_interleave(BLOCK)  # gradients from 1e-7 to 1 by block
+    for step in range(1, steps + 1):
+        grad = torch.randn(n, generator=generator) * magnitudes
+        reference.grad = grad.clone()
+        optimizer.step()
+        _strata.adam8bit_step(weights, grad.numpy(), codes, scales, step=step, adamw=adamw, **hyper)
+        yield optimizer.state[reference], reference.detach(), torch.from_numpy(weights), codes, scales
+
+
+@pytest.mark.parametrize("adamw", [True, False])
+def test_twenty_steps_of_8bit_adam_are_torchaos_bit_for_bit(adamw, monkeypatch):
+    for state, theirs, ours, codes, scales in run_both(adamw, 20, monkeypatch):
+        for k, name in enumerate(("exp_avg", "exp_avg_sq")):
+            assert torch.equal(torch.from_numpy(codes[k]), state[name].codes.reshape(-1)), name
+            assert torch.equal(torch.from_numpy(scales[k]), state[name].scale), name
+        assert torch.equal(ours, theirs)
