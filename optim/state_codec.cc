@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 #include <vector>
 
 namespace strata::optim {
@@ -35,6 +37,19 @@ namespace strata::optim {
 // are torchao's bit for bit (python/tests/test_state_codec.py). fp32 states
 // keep torch.optim's arithmetic instead (Note [torch.optim's arithmetic] in
 // cpu/cpu_kernels.cc): each path is exact against its own reference.
+
+// Note [Encoding by thresholds]
+// EncodeScaled's eight-step search and its rounding make a code that never
+// falls as the value grows, so it is the number of boundaries between
+// neighbouring codes that the value reaches, each boundary the least float
+// the search codes above it (found once by bisection over the floats
+// between the two map values). Vector code cannot afford eight dependent
+// lookups a value; it takes a first code from the value's bucket (its sign,
+// exponent and top 6 mantissa bits: the code of the bucket's least value)
+// and adds the boundaries from there that the value reaches. No bucket holds
+// more than 2 boundaries (under 2^-30 no bucket holds any), so two compares
+// finish it. tests/optim/state_codec_test.cc checks the two against each
+// other on every 61st float pattern and around every boundary and bucket.
 
 namespace {
 
@@ -71,7 +86,62 @@ StateCodeMap BuildCodeMap(bool is_signed) {
   return map;
 }
 
+float FromBits(uint32_t bits) {
+  float value;
+  std::memcpy(&value, &bits, sizeof(value));
+  return value;
+}
+
+// Floats in the order of their values as unsigned keys (negative ones
+// first), and back: the thresholds are found by bisection over these.
+uint32_t OrderKey(float value) {
+  uint32_t bits;
+  std::memcpy(&bits, &value, sizeof(bits));
+  return bits >> 31 ? ~bits : bits | 0x80000000u;
+}
+float FromOrderKey(uint32_t key) { return FromBits(key >> 31 ? key & 0x7fffffffu : ~key); }
+
+ThresholdEncoder BuildEncoder(const StateCodeMap& map) {
+  ThresholdEncoder e{};
+  // The least float between map[c] and map[c + 1] that EncodeScaled codes above c.
+  for (size_t c = 0; c < 255; ++c) {
+    uint32_t low = OrderKey(map[c]), high = OrderKey(map[c + 1]);
+    while (low < high) {
+      const uint32_t mid = low + (high - low) / 2;
+      if (EncodeScaled(FromOrderKey(mid), map) > c) {
+        high = mid;
+      } else {
+        low = mid + 1;
+      }
+    }
+    e.threshold[c] = FromOrderKey(low);
+  }
+  e.threshold[255] = e.threshold[256] = std::numeric_limits<float>::infinity();
+  // Each bucket's least value: a positive bucket's start (0 for the lowest),
+  // a negative bucket's most negative value (its last, or -1 beyond).
+  for (uint32_t b = 0; b < ThresholdEncoder::kBucketsPerSign; ++b) {
+    const uint32_t start = ((ThresholdEncoder::kMinExponent << 6) + b) << 17;
+    const bool last = b + 1 == ThresholdEncoder::kBucketsPerSign;
+    const float positive = b == 0 ? 0.0f : FromBits(start);
+    const float negative = last ? -1.0f : -FromBits((((ThresholdEncoder::kMinExponent << 6) + b + 1) << 17) - 1);
+    e.first[b] = EncodeScaled(positive, map);
+    e.first[ThresholdEncoder::kBucketsPerSign + b] = EncodeScaled(negative, map);
+  }
+  return e;
+}
+
 }  // namespace
+
+const ThresholdEncoder& Encoder(bool is_signed) {
+  static const ThresholdEncoder signed_encoder = BuildEncoder(CodeMap(true));
+  static const ThresholdEncoder unsigned_encoder = BuildEncoder(CodeMap(false));
+  return is_signed ? signed_encoder : unsigned_encoder;
+}
+
+StateTables TablesOf(bool is_signed) {
+  const ThresholdEncoder& encoder = Encoder(is_signed);
+  return {.map = CodeMap(is_signed).data(), .threshold = encoder.threshold.data(), .first = encoder.first.data()};
+}
 
 const StateCodeMap& CodeMap(bool is_signed) {
   static const StateCodeMap signed_map = BuildCodeMap(true);

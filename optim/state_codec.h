@@ -10,9 +10,11 @@
 // functions; the code maps are built once, on first use.
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 namespace strata::optim {
 
@@ -44,6 +46,47 @@ inline uint8_t EncodeScaled(float scaled, const StateCodeMap& map) {
   }
   const unsigned up = code < 255 ? code + 1 : 255;
   if (scaled - map[code] >= (map[up] - map[code]) * 0.5f) code = up;
+  return static_cast<uint8_t>(code);
+}
+
+// The encoder as lookups, for vector code (Note [Encoding by thresholds]):
+// threshold[c] (c < 255) is the least float EncodeScaled codes above c
+// (+inf from 255 on), and first[bucket] the code of the least value of a
+// bucket of floats (by sign, exponent and top 6 mantissa bits: Bucket), so
+// that a value's code is first[its bucket] plus the thresholds it reaches,
+// at most 2 further in any bucket.
+struct ThresholdEncoder {
+  static constexpr uint32_t kMinExponent = 97;  // |value| under 2^-30 shares the lowest bucket (no threshold there)
+  static constexpr uint32_t kBucketsPerSign = 31 * 64;  // exponents 97..127, 64 buckets each
+  std::array<float, 257> threshold;
+  std::array<uint32_t, 2 * kBucketsPerSign> first;  // negative values' buckets after the positive ones'
+
+  static uint32_t Bucket(uint32_t bits) {
+    const uint32_t magnitude = (bits & 0x7fffffffu) >> 17;  // exponent and top 6 mantissa bits
+    const uint32_t lowest = kMinExponent << 6;
+    const uint32_t in_sign = magnitude < lowest ? 0 : std::min(magnitude - lowest, kBucketsPerSign - 1);
+    return (bits >> 31) * kBucketsPerSign + in_sign;
+  }
+};
+const ThresholdEncoder& Encoder(bool is_signed);
+
+// The map's and the encoder's arrays, for vector kernels (which call no
+// inline function: optim/cpu/cpu_kernels_impl.h).
+struct StateTables {
+  const float* map;        // 256
+  const float* threshold;  // 257
+  const uint32_t* first;   // 2 * kBucketsPerSign
+};
+StateTables TablesOf(bool is_signed);
+
+// EncodeScaled by the encoder's lookups: the same code for every float.
+inline uint8_t EncodeByThresholds(float scaled, const ThresholdEncoder& encoder) {
+  if (scaled != scaled) return 0;  // NaN, as EncodeScaled
+  uint32_t bits;
+  std::memcpy(&bits, &scaled, sizeof(bits));
+  uint32_t code = encoder.first[ThresholdEncoder::Bucket(bits)];
+  code += scaled >= encoder.threshold[code] ? 1 : 0;
+  code += scaled >= encoder.threshold[code] ? 1 : 0;
   return static_cast<uint8_t>(code);
 }
 

@@ -4,6 +4,7 @@
 #include <immintrin.h>
 
 #include "optim/cpu/cpu_kernels.h"
+#include "optim/state_codec.h"
 
 namespace strata::optim::avx2 {
 namespace {
@@ -47,6 +48,57 @@ struct Vec {
   static F Sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F MulAdd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F NegMulAdd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
+
+  // 8-bit states (the impl's Adam8bitVectors).
+  using I = __m256i;
+  static I LoadCodes(const uint8_t* p) {
+    return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreCodes(uint8_t* p, I codes) {
+    // Each lane's low byte to the front of its 128-bit half, then the two halves' first 4 bytes together.
+    const I in_halves = _mm256_shuffle_epi8(codes, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1,
+                                                                    -1, -1, -1, -1, -1));
+    const I together = _mm256_permutevar8x32_epi32(in_halves, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(together));
+  }
+  static F Gather(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
+  static I Gather(const uint32_t* table, I index) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4);
+  }
+  // ThresholdEncoder::Bucket of each lane's bits.
+  static I Bucket(F x, uint32_t lowest, uint32_t per_sign) {
+    const I bits = _mm256_castps_si256(x);
+    const I magnitude = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), 17);
+    I in_sign = _mm256_sub_epi32(magnitude, _mm256_set1_epi32(static_cast<int>(lowest)));
+    in_sign = _mm256_min_epi32(_mm256_max_epi32(in_sign, _mm256_setzero_si256()),
+                               _mm256_set1_epi32(static_cast<int>(per_sign - 1)));
+    const I negative = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(static_cast<int>(per_sign)));
+    return _mm256_add_epi32(in_sign, negative);
+  }
+  // code + 1 where x >= threshold (not where x is NaN).
+  static I AddIfAtLeast(I code, F x, F threshold) {
+    return _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(x, threshold, _CMP_GE_OQ)));
+  }
+  static I ZeroIfNan(I code, F x) {
+    return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)), code);
+  }
+  // The largest magnitude of the lanes added, NaN if any was NaN (BlockScale).
+  struct Largest {
+    F largest = _mm256_setzero_ps();
+    F nan = _mm256_setzero_ps();
+    void Add(F x) {
+      nan = _mm256_or_ps(nan, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+      largest = _mm256_max_ps(largest, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x));
+    }
+    float Total() const {
+      if (_mm256_movemask_ps(nan) != 0) return __builtin_nanf("");
+      __m128 m = _mm_max_ps(_mm256_castps256_ps128(largest), _mm256_extractf128_ps(largest, 1));
+      m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+      m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+      return _mm_cvtss_f32(m);
+    }
+  };
 
   struct Squares {
     __m256d low = _mm256_setzero_pd(), high = _mm256_setzero_pd();

@@ -8,6 +8,7 @@
 #include <immintrin.h>
 
 #include "optim/cpu/cpu_kernels.h"
+#include "optim/state_codec.h"
 
 namespace strata::optim::avx512 {
 namespace {
@@ -50,6 +51,46 @@ struct Vec {
   static F Sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F MulAdd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F NegMulAdd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
+
+  // 8-bit states (the impl's Adam8bitVectors).
+  using I = __m512i;
+  static I LoadCodes(const uint8_t* p) {
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static void StoreCodes(uint8_t* p, I codes) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(codes));
+  }
+  static F Gather(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
+  static I Gather(const uint32_t* table, I index) { return _mm512_i32gather_epi32(index, table, 4); }
+  // ThresholdEncoder::Bucket of each lane's bits.
+  static I Bucket(F x, uint32_t lowest, uint32_t per_sign) {
+    const I bits = _mm512_castps_si512(x);
+    const I magnitude = _mm512_srli_epi32(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)), 17);
+    I in_sign = _mm512_sub_epi32(magnitude, _mm512_set1_epi32(static_cast<int>(lowest)));
+    in_sign = _mm512_min_epi32(_mm512_max_epi32(in_sign, _mm512_setzero_si512()),
+                               _mm512_set1_epi32(static_cast<int>(per_sign - 1)));
+    const I negative = _mm512_and_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(static_cast<int>(per_sign)));
+    return _mm512_add_epi32(in_sign, negative);
+  }
+  // code + 1 where x >= threshold (not where x is NaN).
+  static I AddIfAtLeast(I code, F x, F threshold) {
+    return _mm512_mask_add_epi32(code, _mm512_cmp_ps_mask(x, threshold, _CMP_GE_OQ), code, _mm512_set1_epi32(1));
+  }
+  static I ZeroIfNan(I code, F x) {
+    return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_setzero_si512());
+  }
+  // The largest magnitude of the lanes added, NaN if any was NaN (BlockScale).
+  struct Largest {
+    F largest = _mm512_setzero_ps();
+    __mmask16 nan = 0;
+    void Add(F x) {
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      largest = _mm512_max_ps(largest, _mm512_abs_ps(x));
+    }
+    float Total() const {
+      return nan != 0 ? __builtin_nanf("") : _mm512_reduce_max_ps(largest);
+    }
+  };
 
   struct Squares {
     __m512d low = _mm512_setzero_pd(), high = _mm512_setzero_pd();

@@ -1,5 +1,6 @@
 // Run-time dispatch of the CPU kernels, and their oneTBB parallel drivers.
 #include "optim/cpu/cpu_kernels.h"
+#include "optim/state_codec.h"
 
 #include <tbb/parallel_for.h>
 
@@ -134,6 +135,26 @@ Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t s
   c.sqrt_correction2 = std::sqrt(1.0f - std::pow(f32(config.beta2), t));
   c.eps = f32(config.eps);
   return c;
+}
+
+void Adam8bitUpdate(CpuIsa isa, const Adam8bitConstants& c, float* master, const float* grad,
+                    uint8_t* const codes[2], float* const scales[2], size_t n) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::Adam8bitUpdate(c, master, grad, codes, scales, n);
+    case CpuIsa::kAvx2: return avx2::Adam8bitUpdate(c, master, grad, codes, scales, n);
+    case CpuIsa::kScalar: return scalar::Adam8bitUpdate(c, master, grad, codes, scales, n);
+  }
+}
+
+void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                      float* const scales[2], size_t n) {
+  const CpuIsa isa = ActiveCpuIsa();
+  tbb::parallel_for(size_t{0}, (n + kBlockElems - 1) / kBlockElems, [&](size_t block) {
+    const size_t at = block * kBlockElems, count = std::min(kBlockElems, n - at);  // kBlockElems: whole blocks of 256
+    uint8_t* const block_codes[2] = {codes[0] + at, codes[1] + at};
+    float* const block_scales[2] = {scales[0] + at / kStateBlockElems, scales[1] + at / kStateBlockElems};
+    Adam8bitUpdate(isa, c, master + at, grad + at, block_codes, block_scales, count);
+  });
 }
 
 void UpdateRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {

@@ -69,6 +69,14 @@ struct Adam8bitConstants {
   float eps = 0;
 };
 Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t step);
+// One step over `n` elements (whole blocks of kStateBlockElems) of fp32
+// weights and gradients, the moments' codes and scales updated in place
+// (state 0 the first moment), with `isa`'s kernels: each version gives the
+// reference's bits. The parallel one splits the blocks over oneTBB's threads.
+void Adam8bitUpdate(CpuIsa isa, const Adam8bitConstants& c, float* master, const float* grad,
+                    uint8_t* const codes[2], float* const scales[2], size_t n);
+void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                      float* const scales[2], size_t n);
 
 // Updates elements [begin, end) of `chunk` on the calling thread. `begin`
 // should be a multiple of 16 so every element takes the same path (vector
@@ -105,12 +113,16 @@ void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 }  // namespace scalar
 namespace avx2 {
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                    float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 }  // namespace avx2
 namespace avx512 {
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                    float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);

@@ -17,7 +17,10 @@
 // Vec provides: F (the register), kLanes, Set, Load, Store, LoadBf16,
 // LoadFp16, StoreBf16, StoreFp16 (src/base/half.h's rounding, bit for bit),
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
-// c - a*b, and Squares: an fp64 accumulator with Add(F) and Total().
+// c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
+// 8-bit states: I (32-bit integer lanes), LoadCodes and StoreCodes (a byte a
+// lane), Gather from float and uint32 tables, Bucket (ThresholdEncoder's),
+// AddIfAtLeast, ZeroIfNan, and Largest: the largest magnitude, NaN-aware.
 
 namespace {
 
@@ -155,7 +158,70 @@ double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* sto
   return squares.Total();
 }
 
+// The code of each lane of `scaled` (Note [Encoding by thresholds] in
+// optim/state_codec.cc): the first code of its bucket, then the boundaries
+// it reaches from there.
+inline Vec::I EncodeLanes(F scaled, const StateTables& tables) {
+  using E = ThresholdEncoder;
+  Vec::I code = Vec::Gather(tables.first, Vec::Bucket(scaled, E::kMinExponent << 6, E::kBucketsPerSign));
+  code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
+  code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
+  return Vec::ZeroIfNan(code, scaled);
+}
+
+// A block's values into its codes and scale (QuantizeBlocks), `largest`
+// the largest magnitude among them (NaN if one is NaN).
+inline void EncodeBlock(const float* values, float largest, const StateTables& tables, uint8_t* codes, float* scale) {
+  const float block_scale = largest != largest || largest > 1e-12f ? largest : 1e-12f;
+  *scale = block_scale;
+  const F divisor = Vec::Set(block_scale);
+  for (size_t j = 0; j < kStateBlockElems; j += kLanes) {
+    Vec::StoreCodes(codes + j, EncodeLanes(Vec::Div(Vec::Load(values + j), divisor), tables));
+  }
+}
+
 }  // namespace
+
+// The reference's operations (scalar::Adam8bitUpdate), one vector at a
+// time, none fused: every version gives its bits.
+void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
+                    float* const scales[2], size_t n) {
+  static_assert(kStateBlockElems % kLanes == 0);
+  const StateTables first_moment = TablesOf(true), second_moment = TablesOf(false);
+  const F lr_decay = Vec::Set(c.lr_decay), weight_decay = Vec::Set(c.weight_decay), lr = Vec::Set(c.lr);
+  const F one_minus_beta1 = Vec::Set(c.one_minus_beta1), one_minus_beta2 = Vec::Set(c.one_minus_beta2);
+  const F correction1 = Vec::Set(c.correction1), sqrt_correction2 = Vec::Set(c.sqrt_correction2);
+  const F eps = Vec::Set(c.eps);
+  alignas(64) float m[kStateBlockElems];
+  alignas(64) float v[kStateBlockElems];
+  for (size_t at = 0; at < n; at += kStateBlockElems) {
+    const size_t block = at / kStateBlockElems;
+    const F m_scale = Vec::Set(scales[0][block]), v_scale = Vec::Set(scales[1][block]);
+    Vec::Largest m_largest, v_largest;
+    for (size_t j = 0; j < kStateBlockElems; j += kLanes) {
+      const size_t i = at + j;
+      F weight = Vec::Load(master + i);
+      F g = Vec::Load(grad + i);
+      if (c.decoupled) {
+        weight = Vec::Sub(weight, Vec::Mul(lr_decay, weight));
+      } else {
+        g = Vec::Add(g, Vec::Mul(weight_decay, weight));
+      }
+      const F m_old = Vec::Mul(Vec::Gather(first_moment.map, Vec::LoadCodes(codes[0] + i)), m_scale);
+      const F v_old = Vec::Mul(Vec::Gather(second_moment.map, Vec::LoadCodes(codes[1] + i)), v_scale);
+      const F m_new = Vec::Add(Vec::Mul(one_minus_beta1, Vec::Sub(g, m_old)), m_old);
+      const F v_new = Vec::Add(Vec::Mul(one_minus_beta2, Vec::Sub(Vec::Mul(g, g), v_old)), v_old);
+      const F denom = Vec::Add(Vec::Div(Vec::Sqrt(v_new), sqrt_correction2), eps);
+      Vec::Store(master + i, Vec::Sub(weight, Vec::Div(Vec::Mul(lr, Vec::Div(m_new, correction1)), denom)));
+      Vec::Store(m + j, m_new);
+      Vec::Store(v + j, v_new);
+      m_largest.Add(m_new);
+      v_largest.Add(v_new);
+    }
+    EncodeBlock(m, m_largest.Total(), first_moment, codes[0] + at, &scales[0][block]);
+    EncodeBlock(v, v_largest.Total(), second_moment, codes[1] + at, &scales[1][block]);
+  }
+}
 
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
   size_t stopped = begin;

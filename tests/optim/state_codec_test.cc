@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
@@ -50,6 +51,42 @@ TEST(StateCodecTest, EachValueGetsTheNearestCodeAndATieTheUpperOne) {
     EXPECT_EQ(EncodeScaled(map[37], map), 37);
     EXPECT_EQ(EncodeScaled(2.0f, map), 255);
     EXPECT_EQ(EncodeScaled(std::numeric_limits<float>::quiet_NaN(), map), 0);
+  }
+}
+
+// Note [Encoding by thresholds]: the lookups give the search's code for every float.
+TEST(StateCodecTest, TheThresholdEncoderCodesEveryFloatAsTheSearchDoes) {
+  const auto from_bits = [](uint32_t bits) {
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+  };
+  for (bool is_signed : {true, false}) {
+    const StateCodeMap& map = CodeMap(is_signed);
+    const ThresholdEncoder& encoder = Encoder(is_signed);
+    size_t checked = 0;
+    const auto check = [&](float value) {
+      ASSERT_EQ(EncodeByThresholds(value, encoder), EncodeScaled(value, map)) << value;
+      ++checked;
+    };
+    // Every 61st bit pattern: every sign and exponent, NaNs and infinities too.
+    for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 61) check(from_bits(static_cast<uint32_t>(bits)));
+    // 64 ulps either side of every boundary and of every bucket's edges, both signs.
+    std::vector<float> edges(encoder.threshold.begin(), encoder.threshold.begin() + 255);
+    for (uint32_t b = 0; b <= ThresholdEncoder::kBucketsPerSign; ++b) {
+      const float edge = from_bits(((ThresholdEncoder::kMinExponent << 6) + b) << 17);
+      edges.push_back(edge);
+      edges.push_back(-edge);
+    }
+    for (float edge : edges) {
+      float below = edge, above = edge;
+      for (int k = 0; k < 64; ++k) {
+        check(below = std::nextafter(below, -2.0f));
+        check(above = std::nextafter(above, 2.0f));
+      }
+      check(edge);
+    }
+    EXPECT_GT(checked, size_t{70'000'000});
   }
 }
 

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 
+#include "optim/state_codec.h"
 #include "src/base/half.h"
 #include "tests/optim/optim_test_util.h"
 
@@ -125,6 +126,48 @@ TEST_P(VectorKernelTest, MatchesTheReferenceForEveryKindDtypeAndTail) {
         }
       }
     }
+  }
+}
+
+// 8-bit states: the update and the encoding by thresholds give the
+// reference's weights, codes and scales bit for bit, step after step, over
+// blocks of gradients from 1e-8 to 10, a block of zeros and one with a NaN.
+TEST_P(VectorKernelTest, The8BitAdamIsTheReferencesBitForBit) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr size_t kBlocks = 40;
+  constexpr size_t n = kBlocks * kStateBlockElems;
+  for (OptimizerKind kind : {OptimizerKind::kAdamW, OptimizerKind::kAdam}) {
+    std::vector<float> master(n), grad(n);
+    for (float& w : master) w = 0.02f * normal(rng);
+    std::vector<uint8_t> codes[2][2] = {{std::vector<uint8_t>(n), std::vector<uint8_t>(n)},
+                                        {std::vector<uint8_t>(n), std::vector<uint8_t>(n)}};
+    std::vector<float> scales[2][2] = {{std::vector<float>(kBlocks), std::vector<float>(kBlocks)},
+                                       {std::vector<float>(kBlocks), std::vector<float>(kBlocks)}};
+    std::vector<float> weights[2] = {master, master};  // [0] the reference's, [1] the version's
+    const OptimizerConfig config{.kind = kind, .lr = 1e-3, .weight_decay = 0.01};
+    for (int step = 1; step <= 6; ++step) {
+      for (size_t i = 0; i < n; ++i) {
+        const size_t block = i / kStateBlockElems;
+        grad[i] = block == 0 ? 0.0f : normal(rng) * std::pow(10.0f, -8.0f + 9.0f * block / kBlocks);
+      }
+      if (step == 4) grad[kStateBlockElems + 7] = std::numeric_limits<float>::quiet_NaN();  // block 1 from here
+      const Adam8bitConstants constants = MakeAdam8bitConstants(config, step);
+      for (int version = 0; version < 2; ++version) {
+        uint8_t* const code_ptrs[2] = {codes[version][0].data(), codes[version][1].data()};
+        float* const scale_ptrs[2] = {scales[version][0].data(), scales[version][1].data()};
+        Adam8bitUpdate(version == 0 ? CpuIsa::kScalar : GetParam(), constants, weights[version].data(), grad.data(),
+                       code_ptrs, scale_ptrs, n);
+      }
+      SCOPED_TRACE(fmt::format("{} step {}", kind == OptimizerKind::kAdamW ? "AdamW" : "Adam", step));
+      ExpectBitIdentical(weights[1], weights[0], "weights");
+      ExpectBitIdentical(scales[1][0], scales[0][0], "first moment's scales");
+      ExpectBitIdentical(scales[1][1], scales[0][1], "second moment's scales");
+      EXPECT_EQ(codes[1][0], codes[0][0]);
+      EXPECT_EQ(codes[1][1], codes[0][1]);
+      if (HasFailure()) return;
+    }
+    EXPECT_TRUE(std::isnan(scales[0][0][1]));  // the NaN reached its block's scale
   }
 }
 
