@@ -26,6 +26,7 @@
 #include "optim/cpu/cpu_kernels.h"
 #include "src/base/half.h"
 #include "optim/optimizer.h"
+#include "optim/state_codec.h"
 #include "strata/buffer.h"
 #include "strata/options.h"
 
@@ -94,6 +95,35 @@ __attribute__((target("avx2"))) void BoundBlockAvx2(float* p, const float* g, fl
     _mm256_storeu_ps(p + i, pi);
   }
   BoundTail(p, g, m, v, i, n);
+}
+
+// The bound of 8-bit states: Adam's access pattern with them (read the fp32
+// param and grad and a byte of each moment; write the param and the two
+// bytes back: 16 bytes a parameter, the scales' 1/16 byte aside), in the
+// widest vectors the CPU has, every load before any store.
+__attribute__((target("avx512f,avx512bw"))) void BoundBlock8bitAvx512(float* p, const float* g, uint8_t* m,
+                                                                       uint8_t* v, size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(g + i));
+    const __m128i mi = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i)), _mm_set1_epi8(1));
+    const __m128i vi = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i)), _mm_set1_epi8(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i), mi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v + i), vi);
+    _mm512_storeu_ps(p + i, pi);
+  }
+}
+
+__attribute__((target("avx2"))) void BoundBlock8bitAvx2(float* p, const float* g, uint8_t* m, uint8_t* v, size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __m256 p0 = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(g + i));
+    const __m256 p1 = _mm256_add_ps(_mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(g + i + 8));
+    const __m128i mi = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m + i)), _mm_set1_epi8(1));
+    const __m128i vi = _mm_add_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(v + i)), _mm_set1_epi8(1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(m + i), mi);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(v + i), vi);
+    _mm256_storeu_ps(p + i, p0);
+    _mm256_storeu_ps(p + i + 8, p1);
+  }
 }
 
 // One pass over the chunk's fp32 master and states with `bound_grad` (fp32)
@@ -246,6 +276,79 @@ Status TimeRepetition(optim::Optimizer& optimizer, const ChunkArrays& c, CacheEv
   return Status::Ok();
 }
 
+// 8-bit states of n parameters (whole blocks of 256): the two moments'
+// codes and scales.
+struct StateArrays {
+  std::vector<uint8_t> codes[2];
+  std::vector<float> scales[2];
+  explicit StateArrays(size_t n)
+      : codes{std::vector<uint8_t>(n), std::vector<uint8_t>(n)},
+        scales{std::vector<float>(n / optim::kStateBlockElems), std::vector<float>(n / optim::kStateBlockElems)} {}
+};
+
+// One pass of the 8-bit states' bound over the chunk's master and the codes.
+void BoundPass8bit(const ChunkArrays& c, StateArrays& states) {
+  const bool avx512 = optim::ActiveCpuIsa() == optim::CpuIsa::kAvx512;
+  const size_t blocks = (c.chunk.n + kBlockElems - 1) / kBlockElems;
+  tbb::parallel_for(size_t{0}, blocks, [&](size_t block) {
+    const size_t begin = block * kBlockElems, size = std::min(c.chunk.n - begin, kBlockElems);
+    float* p = c.chunk.master + begin;
+    const float* g = c.bound_grad + begin;
+    uint8_t* m = states.codes[0].data() + begin;
+    uint8_t* v = states.codes[1].data() + begin;
+    if (avx512) {
+      BoundBlock8bitAvx512(p, g, m, v, size);
+    } else {
+      BoundBlock8bitAvx2(p, g, m, v, size);
+    }
+  });
+}
+
+// --state-format int8: the 8-bit update, its bound, and the fp32 states'
+// update of the same parameters, alternated (medians).
+Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, OptimBenchReport report) {
+  if (config.dtype != "fp32") {
+    return InvalidArgument("bench optim: --state-format int8 runs with --dtype fp32 (the 8-bit kernel takes fp32 "
+                           "weights and gradients); got --dtype {}",
+                           config.dtype);
+  }
+  const size_t n = config.params;
+  if (n % optim::kStateBlockElems != 0) {
+    return InvalidArgument("bench optim: --state-format int8 needs --params in whole blocks of {}; {} is not",
+                           optim::kStateBlockElems, n);
+  }
+  STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, DType::kFloat32));
+  StateArrays states(n);
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
+                          optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
+  STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
+  MemoryTimings fp32;
+  std::vector<double> step, bound;
+  for (uint32_t r = 0; r < config.repetitions; ++r) {
+    const optim::Adam8bitConstants constants =
+        optim::MakeAdam8bitConstants({.lr = 1e-4, .weight_decay = 0.01}, static_cast<int64_t>(r) + 1);
+    uint8_t* const codes[2] = {states.codes[0].data(), states.codes[1].data()};
+    float* const scales[2] = {states.scales[0].data(), states.scales[1].data()};
+    const auto* grad = static_cast<const float*>(arrays.chunk.grad);
+    evictor.Evict();
+    step.push_back(TimeSeconds([&] { optim::Adam8bitParallel(constants, arrays.chunk.master, grad, codes, scales, n); }));
+    evictor.Evict();
+    bound.push_back(TimeSeconds([&] { BoundPass8bit(arrays, states); }));
+    STRATA_RETURN_IF_ERROR(TimeRepetition(*optimizer, arrays, evictor, fp32));
+  }
+  // Read and written: fp32 param and grad 8 + 4, a byte of each moment both ways 4, each block's two scales both ways.
+  constexpr double kBytesPerParam = 16.0 + 4.0 * sizeof(float) / static_cast<double>(optim::kStateBlockElems);
+  report.step_seconds = Median(step);
+  report.bound_seconds = Median(bound);
+  report.grad_norm_seconds = Median(fp32.norm);
+  report.gparams_per_s = static_cast<double>(n) / report.step_seconds / 1e9;
+  report.fp32_gparams_per_s = static_cast<double>(n) / Median(fp32.step) / 1e9;
+  report.bytes_per_param = kBytesPerParam;
+  report.gbps = kBytesPerParam * static_cast<double>(n) / report.step_seconds / 1e9;
+  report.bound_gbps = 16.0 * static_cast<double>(n) / report.bound_seconds / 1e9;
+  return report;
+}
+
 }  // namespace
 
 // Note [The optim bench]
@@ -265,15 +368,18 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   if (!optim::CpuSupports(optim::CpuIsa::kAvx2)) {
     return NotSupported("bench optim: the bandwidth bound is written for AVX2 or AVX-512, which this CPU lacks");
   }
+  if (config.state_format != "fp32" && config.state_format != "int8") {
+    return InvalidArgument("bench optim: --state-format {}: expected fp32 or int8", config.state_format);
+  }
   const uint32_t threads = ThreadsOf(config.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
-  const size_t n = config.params;
-  STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, dtype));
-
   OptimBenchReport report;
   report.config = config;
   report.threads = threads;
   report.isa = std::string(optim::CpuIsaName(optim::ActiveCpuIsa()));
+  if (config.state_format == "int8") return RunOptim8bitBench(config, report);
+  const size_t n = config.params;
+  STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, dtype));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
   STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
@@ -293,7 +399,12 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
 }
 
 std::string FormatOptimBench(const OptimBenchReport& r) {
-  return fmt::format(
+  const std::string against_fp32 =
+      r.config.state_format == "int8"
+          ? fmt::format("8-bit states, {:.2f} bytes a parameter: {:.2f}x the fp32 states' update ({:.3f} G params/s)\n",
+                        r.bytes_per_param, r.gparams_per_s / r.fp32_gparams_per_s, r.fp32_gparams_per_s)
+          : "";
+  return against_fp32 + fmt::format(
       "strata bench optim: AdamW, {} params ({}), {}, {} thread{}, median of {}\n"
       "{:<22} {:>12} {:>10}\n{:<22} {:>12.4f} {:>10.2f}\n{:<22} {:>12.4f} {:>10.2f}\n{:<22} {:>12.4f}\n"
       "{:.3f} G params/s; {:.1f}% of the bandwidth bound\n",
@@ -306,6 +417,7 @@ std::string OptimBenchJson(const OptimBenchReport& r) {
   nlohmann::json j;
   j["config"] = {{"params", r.config.params},
                  {"dtype", r.config.dtype},
+                 {"state_format", r.config.state_format},
                  {"threads", r.threads},
                  {"repetitions", r.config.repetitions},
                  {"isa", r.isa}};
@@ -317,6 +429,7 @@ std::string OptimBenchJson(const OptimBenchReport& r) {
   j["step_seconds"] = r.step_seconds;
   j["bound_seconds"] = r.bound_seconds;
   j["grad_norm_seconds"] = r.grad_norm_seconds;
+  if (r.config.state_format == "int8") j["fp32_gparams_per_s"] = r.fp32_gparams_per_s;
   return j.dump(2);
 }
 

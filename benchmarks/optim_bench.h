@@ -15,6 +15,9 @@ namespace strata::bench {
 struct OptimBenchConfig {
   uint64_t params = uint64_t{64} << 20;
   std::string dtype = "fp32";  // or bf16: bf16 params and grads, fp32 master and states
+  // fp32, or int8: both moments block-wise 8-bit (optim/state_codec.h), fp32
+  // weights and gradients, timed beside the fp32 states' update
+  std::string state_format = "fp32";
   uint32_t threads = 0;        // 0: every core
   uint32_t repetitions = 7;
 };
@@ -29,12 +32,14 @@ struct OptimBenchReport {
   double gparams_per_s = 0;
   double bytes_per_param = 0;  // the update's reads and writes, from the arrays it is given
   double gbps = 0;             // bytes_per_param / step time
-  double bound_gbps = 0;       // the bound's 28 bytes per parameter / bound time
+  double bound_gbps = 0;       // the bound's bytes per parameter (28; int8 states 16) / bound time
+  double fp32_gparams_per_s = 0;  // int8 states: the fp32 states' update of the same parameters, same run
   double ratio() const { return bound_gbps > 0 ? gbps / bound_gbps : 0; }
 };
 
-// InvalidArgument for fp16, no params or no repetitions; NotSupported
-// without AVX2. Runs on `threads` oneTBB threads.
+// InvalidArgument for fp16, no params or no repetitions, an unknown state
+// format, or int8 states with bf16 or params not in whole blocks of 256;
+// NotSupported without AVX2. Runs on `threads` oneTBB threads.
 Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config);
 // The report as a table for people, and as JSON for scripts.
 std::string FormatOptimBench(const OptimBenchReport& report);

@@ -59,7 +59,8 @@ struct ThresholdEncoder {
   static constexpr uint32_t kMinExponent = 97;  // |value| under 2^-30 shares the lowest bucket (no threshold there)
   static constexpr uint32_t kBucketsPerSign = 31 * 64;  // exponents 97..127, 64 buckets each
   std::array<float, 257> threshold;
-  std::array<uint32_t, 2 * kBucketsPerSign> first;  // negative values' buckets after the positive ones'
+  std::array<uint8_t, 2 * kBucketsPerSign + 3> first;  // negative values' buckets after the positive ones' (3 bytes
+                                                     // of padding: vector code reads 4 bytes from each)
 
   static uint32_t Bucket(uint32_t bits) {
     const uint32_t magnitude = (bits & 0x7fffffffu) >> 17;  // exponent and top 6 mantissa bits
@@ -75,7 +76,7 @@ const ThresholdEncoder& Encoder(bool is_signed);
 struct StateTables {
   const float* map;        // 256
   const float* threshold;  // 257
-  const uint32_t* first;   // 2 * kBucketsPerSign
+  const uint8_t* first;    // 2 * kBucketsPerSign, then 3 bytes of padding
 };
 StateTables TablesOf(bool is_signed);
 

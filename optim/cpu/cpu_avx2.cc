@@ -63,8 +63,10 @@ struct Vec {
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(together));
   }
   static F Gather(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
-  static I Gather(const uint32_t* table, I index) {
-    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4);
+  // The bytes at `index` of `table` (which has 3 readable bytes past its last).
+  static I GatherBytes(const uint8_t* table, I index) {
+    return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 1),
+                            _mm256_set1_epi32(0xff));
   }
   // ThresholdEncoder::Bucket of each lane's bits.
   static I Bucket(F x, uint32_t lowest, uint32_t per_sign) {

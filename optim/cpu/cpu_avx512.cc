@@ -61,7 +61,10 @@ struct Vec {
     _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm512_cvtepi32_epi8(codes));
   }
   static F Gather(const float* table, I index) { return _mm512_i32gather_ps(index, table, 4); }
-  static I Gather(const uint32_t* table, I index) { return _mm512_i32gather_epi32(index, table, 4); }
+  // The bytes at `index` of `table` (which has 3 readable bytes past its last).
+  static I GatherBytes(const uint8_t* table, I index) {
+    return _mm512_and_si512(_mm512_i32gather_epi32(index, table, 1), _mm512_set1_epi32(0xff));
+  }
   // ThresholdEncoder::Bucket of each lane's bits.
   static I Bucket(F x, uint32_t lowest, uint32_t per_sign) {
     const I bits = _mm512_castps_si512(x);

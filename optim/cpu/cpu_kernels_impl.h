@@ -19,7 +19,7 @@
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
 // 8-bit states: I (32-bit integer lanes), LoadCodes and StoreCodes (a byte a
-// lane), Gather from float and uint32 tables, Bucket (ThresholdEncoder's),
+// lane), Gather from a float table, GatherBytes from a byte table, Bucket (ThresholdEncoder's),
 // AddIfAtLeast, ZeroIfNan, and Largest: the largest magnitude, NaN-aware.
 
 namespace {
@@ -163,7 +163,7 @@ double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* sto
 // it reaches from there.
 inline Vec::I EncodeLanes(F scaled, const StateTables& tables) {
   using E = ThresholdEncoder;
-  Vec::I code = Vec::Gather(tables.first, Vec::Bucket(scaled, E::kMinExponent << 6, E::kBucketsPerSign));
+  Vec::I code = Vec::GatherBytes(tables.first, Vec::Bucket(scaled, E::kMinExponent << 6, E::kBucketsPerSign));
   code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
   code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
   return Vec::ZeroIfNan(code, scaled);

@@ -26,6 +26,48 @@ TEST(OptimBenchTest, MeasuresStepAndBoundAndWritesTheJsonKeys) {
   EXPECT_NE(FormatOptimBench(report).find("of the bandwidth bound"), std::string::npos);
 }
 
+TEST(OptimBenchTest, EightBitStatesRunBesideTheFp32UpdateAgainstTheirOwnBound) {
+  OptimBenchConfig config;
+  config.params = 1 << 18;
+  config.state_format = "int8";
+  config.threads = 2;
+  config.repetitions = 2;
+  ASSERT_OK_AND_ASSIGN(OptimBenchReport report, RunOptimBench(config));
+  EXPECT_GT(report.gparams_per_s, 0);
+  EXPECT_GT(report.fp32_gparams_per_s, 0);
+  EXPECT_GT(report.bound_gbps, 0);
+  EXPECT_EQ(report.bytes_per_param, 16.0625);  // 12 of fp32 weight and gradient, 4 of codes, the scales
+  nlohmann::json json = nlohmann::json::parse(OptimBenchJson(report));
+  EXPECT_EQ(json["config"]["state_format"], "int8");
+  EXPECT_GT(json["fp32_gparams_per_s"].get<double>(), 0);
+  EXPECT_NE(FormatOptimBench(report).find("the fp32 states' update"), std::string::npos);
+}
+
+TEST(OptimBenchTest, EightBitStatesNeedFp32AndWholeBlocksAndAKnownFormat) {
+  OptimBenchConfig config;
+  config.params = 1 << 16;
+  config.state_format = "int8";
+  config.dtype = "bf16";
+  {
+    const Status refused = RunOptimBench(config).status();
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.message().find("--dtype fp32"), std::string::npos) << refused.ToString();
+  }
+  config.dtype = "fp32";
+  config.params = (1 << 16) + 3;
+  {
+    const Status refused = RunOptimBench(config).status();
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.message().find("whole blocks of 256"), std::string::npos) << refused.ToString();
+  }
+  config.state_format = "int4";
+  {
+    const Status refused = RunOptimBench(config).status();
+    EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+    EXPECT_NE(refused.message().find("expected fp32 or int8"), std::string::npos) << refused.ToString();
+  }
+}
+
 TEST(OptimBenchTest, Bf16MixedPrecisionRuns) {
   OptimBenchConfig config;
   config.params = (1 << 18) + 3;

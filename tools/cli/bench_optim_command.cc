@@ -13,6 +13,7 @@ namespace {
 struct BenchOptimFlags {
   std::string params = "64M";
   std::string dtype = "fp32";
+  std::string state_format = "fp32";
   uint32_t threads = 0;
   uint32_t repetitions = 7;
   std::string states = "memory";
@@ -42,8 +43,13 @@ int RunBenchOptim(const BenchOptimFlags& flags) {
   if (!params.ok()) return Fail(params.status());
   config.params = *params;
   config.dtype = flags.dtype;
+  config.state_format = flags.state_format;
   config.threads = flags.threads;
   config.repetitions = flags.repetitions;
+  if (flags.states == "nvme" && flags.state_format != "fp32") {
+    return Fail(InvalidArgument("--state-format {} is for --states memory: the NVMe stream's states are fp32",
+                                flags.state_format));
+  }
   if (flags.states == "nvme") return RunBenchOptimNvme(flags, config);
   if (flags.states != "memory") {
     return Fail(InvalidArgument("--states {}: expected memory or nvme", flags.states));
@@ -60,6 +66,10 @@ Command AddBenchOptimCommand(CLI::App& parent) {
       "optim", "CPU AdamW step against the memory-bandwidth bound, or with its states streamed from NVMe");
   command->add_option("--params", flags->params, "parameters (64M = 64 x 2^20)")->capture_default_str();
   command->add_option("--dtype", flags->dtype, "fp32, or bf16 (bf16 params and grads, fp32 master and states)")
+      ->capture_default_str();
+  command->add_option("--state-format", flags->state_format,
+                      "fp32, or int8 (both moments block-wise 8-bit; with --dtype fp32 and --states memory, timed "
+                      "beside the fp32 states' update)")
       ->capture_default_str();
   command->add_option("--threads", flags->threads, "threads; 0 = every core")->capture_default_str();
   command->add_option("--repetitions", flags->repetitions, "steps timed (median)")->capture_default_str();
