@@ -24,7 +24,8 @@ TEST(GroupUpdateTest, AnUpdateAskedOfTheDeviceOnTheNullStreamIsNotRunOnTheHost) 
   ASSERT_FALSE(groups.empty());
   const Group& g = groups.front();
   const size_t n = UsedElems(g[ChunkKind::kParam]);
-  const GroupUpdate update(*model.engine, *model.optimizer, model.optimizer->PlanAhead(), {});
+  const std::vector<bool> skip;  // GroupUpdate keeps a reference to it
+  const GroupUpdate update(*model.engine, *model.optimizer, model.optimizer->PlanAhead(), skip);
   ASSERT_TRUE(model.pipeline->BeginIteration().ok());
   ASSERT_TRUE(model.pipeline->BeginHostMoment().ok());
   HeldChunks held;
