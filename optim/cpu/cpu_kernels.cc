@@ -1,6 +1,5 @@
 // Run-time dispatch of the CPU kernels, and their oneTBB parallel drivers.
 #include "optim/cpu/cpu_kernels.h"
-#include "optim/state_codec.h"
 
 #include <tbb/parallel_for.h>
 
@@ -11,6 +10,8 @@
 #include <cstring>
 #include <string_view>
 #include <vector>
+
+#include "optim/state_codec.h"
 
 namespace strata::optim {
 namespace {

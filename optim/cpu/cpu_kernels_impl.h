@@ -19,8 +19,9 @@
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
 // 8-bit states: I (32-bit integer lanes), LoadCodes and StoreCodes (a byte a
-// lane), Gather from a float table, GatherBytes from a byte table, Bucket (ThresholdEncoder's),
-// AddIfAtLeast, ZeroIfNan, and Largest: the largest magnitude, NaN-aware.
+// lane), Gather from a float table, GatherBytes from a byte table, Bucket
+// (ThresholdEncoder's), AddIfAtLeast, ZeroIfNan, and Largest: the largest
+// magnitude, NaN-aware.
 
 namespace {
 
