@@ -3,9 +3,10 @@
 # On a GPU machine (the device tool's; see scripts/gpu_bundle.sh): issue 35's
 # goals in one call, the goals table (scripts/gpu_goals.py) last.
 #   scripts/gpu_check.sh [--large|--more] [BUNDLE]
-# default: the gpu-labelled tests, the drive against fio, the CPU update, the
-#   0.94B Llama in plain PyTorch and fits / streamed / streamed+overlap / nvme,
-#   the adapter against plain PyTorch; about 5 minutes on an H200.
+# default: the gpu-labelled tests, the drive against fio, the CPU update (bf16,
+#   and with 8-bit states), the 0.94B Llama in plain PyTorch and fits / streamed /
+#   streamed+overlap / nvme, the adapter against plain PyTorch; about 5 minutes
+#   on an H200.
 # --large: a 7B Llama from random bf16 safetensors shards (benchmarks/large_bench.py),
 #   its states in host memory and NVMe beyond it; 2 to 3 minutes.
 # --more: the rest (collectives, the drive to the device, the fp32 update, the
@@ -97,6 +98,9 @@ case $mode in
     part gpu-tests 90 gpu_tests
     part bench-io 60 drive
     part bench-optim-bf16 45 "$strata" bench optim --dtype bf16 --params 256M --json "$logs/bench-optim-bf16.json"
+    # Issue 36: the 8-bit states' CPU update against the fp32 states' on the GPU host's cores.
+    part bench-optim-int8 45 "$strata" bench optim --state-format int8 --params 256M \
+      --json "$logs/bench-optim-int8.json"
     # The goals' runs: plain PyTorch and strata's four of issue 35, a 0.94B Llama, 4 x 2048 tokens a step.
     part train-bench-llama 300 python3 benchmarks/train_bench.py "${llama[@]}" --steps 5 \
       --configs fits,streamed,streamed+overlap,nvme --nvme-dir "$scratch" --json "$logs/train-bench-llama.json"
