@@ -95,3 +95,19 @@ def test_twenty_steps_of_8bit_adam_give_torchaos_codes(adamw, monkeypatch):
             assert torch.equal(torch.from_numpy(codes[k]), state[name].codes.reshape(-1)), name
             assert ulps(torch.from_numpy(scales[k]), state[name].scale).max().item() <= 2, name
         assert ((ours - theirs).norm() / theirs.norm()).item() <= 1e-7
+
+
+def test_the_8bit_step_refuses_arrays_of_the_wrong_size_or_kind():
+    import numpy as np
+    n = 2 * BLOCK
+    weights, grads = np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.float32)
+    codes = [np.zeros(n, dtype=np.uint8) for _ in range(2)]
+    scales = [np.zeros(2, dtype=np.float32) for _ in range(2)]
+    hyper = {"step": 1, "lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
+    with pytest.raises(ValueError, match="scales must be one contiguous dimension of float32 of 2 elements"):
+        _strata.adam8bit_step(weights, grads, codes, [scales[0], np.zeros(3, dtype=np.float32)], **hyper)
+    with pytest.raises(ValueError, match="codes must be one contiguous dimension of uint8"):
+        _strata.adam8bit_step(weights, grads, [codes[0], codes[1].astype(np.int32)], scales, **hyper)
+    with pytest.raises(ValueError, match="step 0"):
+        _strata.adam8bit_step(weights, grads, codes, scales, **{**hyper, "step": 0})
+    assert not weights.any() and not any(c.any() for c in codes)  # nothing written by a refused call
