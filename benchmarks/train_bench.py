@@ -3,7 +3,7 @@ issue 24, with where each step's time goes.
 
     python3 benchmarks/train_bench.py [--device emulated|cuda] [--model gpt|llama] [--layers 4] [--hidden 256]
         [--heads 4] [--seq 128] [--batch 8] [--steps 6] [--precision fp32|bf16] [--link-gbps 25]
-        [--peak-tflops X] [--json OUT]
+        [--peak-tflops X] [--backward-to-update R] [--json OUT]
 
 The configurations, by the device budget against the model states (16 bytes a parameter):
 - fits: twice the model states (nothing needs to move);
@@ -17,6 +17,13 @@ tokens/s, model TFLOPS (6 N + 12 L h s a token) and MFU against --peak-tflops, t
 synchronizations a step (engine.stats()'s), the pipeline's stall fraction and the bytes a step over each link.
 The phases are timed with the device synchronized at their ends (on CUDA; the benchmark's own waits, not
 counted among strata's). On the emulated device the links run at --link-gbps; compute is the CPU's.
+
+The emulated device computes on the host's cores, so its backward is far longer against the CPU update than a
+GPU's (on an H200, a 0.94B Llama's backward is about half its CPU update; on two cores, this module's default
+Llama's is 10 to 15 times it). --backward-to-update R scales the emulated device's compute to a GPU's: the
+tokens a step (--seq, at --batch) are chosen so that plain PyTorch's backward takes about R times the whole
+model's update at `strata bench optim`'s rate, each guess measured and the sequence length refitted (three
+tries at most; the ratio reached is printed and recorded). Every run then trains at that length.
 
 And where the step phase goes (a second table): last_step's phases (means over the timed steps), against the
 step's parts: its updates at the rate `strata bench optim` measures for as many parameters on this machine in
@@ -77,6 +84,9 @@ def parse_args(argv=None):
     p.add_argument("--configs", default=",".join(CONFIGS), help="which of " + ", ".join(CONFIGS))
     p.add_argument("--link-gbps", type=float, default=25.0, help="the emulated device's links, GB/s")
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: none)")
+    p.add_argument("--backward-to-update", type=float, metavar="R",
+                   help="emulated device: scale its compute (the tokens a step) so that plain backward takes about "
+                        "R times the CPU update (the module docstring; default: --seq as given)")
     p.add_argument("--nvme-dir", help="where the nvme run's states go (default: a temporary directory)")
     p.add_argument("--json", help="write the results here")
     p.add_argument("--strata-bin", default=STRATA_BIN,
@@ -84,6 +94,12 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.steps <= WARMUP_STEPS:
         p.error(f"--steps {args.steps}: more than the {WARMUP_STEPS} warm-up steps, so that some are timed")
+    if args.backward_to_update is not None:
+        if args.device != "emulated":
+            p.error(f"--backward-to-update scales the emulated device's compute; --device is {args.device}, whose "
+                    "compute is its own")
+        if not args.backward_to_update > 0:
+            p.error(f"--backward-to-update {args.backward_to_update}: give a ratio > 0, e.g. 0.55 (an H200's)")
     unknown = set(args.configs.split(",")) - set(CONFIGS)
     if unknown:
         p.error(f"--configs: {', '.join(sorted(unknown))} unknown; give some of {', '.join(CONFIGS)}")
@@ -321,7 +337,9 @@ def print_table(args, results):
     plain = results["plain"]["s_per_step"]
     print(f"{args.model}: {args.layers} layers, hidden {args.hidden}, {args.batch} x {args.seq} tokens, "
           f"{args.precision}, device {args.device}" + (f" (links {args.link_gbps} GB/s)" if args.device ==
-                                                       "emulated" else ""))
+                                                       "emulated" else "")
+          + (f"; plain backward {results['plain']['backward_over_update']:.2f}x the update"
+             if "backward_over_update" in results["plain"] else ""))
     print(f"{'run':<17}{'s/step':>9}{'fwd':>8}{'bwd':>8}{'step':>8}{'tokens/s':>11}{'TFLOPS':>8}{'MFU':>7}"
           f"{'x plain':>9}{'syncs':>7}{'waits':>7}{'stall':>7}{'plan s':>8}{'on dev':>7}  bytes/step by link")
     for name, r in results.items():
@@ -346,13 +364,39 @@ def write_json(args, results):
             json.dump({"args": vars(args), "results": results}, f, indent=1)
 
 
+def fit_backward_to_update(args, device, update_s, tries=3):
+    """Plain PyTorch's results at the sequence length whose backward is nearest --backward-to-update times the
+    update (`update_s`); args.seq is left at that length. Backward is not proportional to the tokens at the
+    shortest lengths (each module's fixed cost), so each guess is measured and the length refitted from it."""
+    target = args.backward_to_update * update_s
+    tried = {}  # sequence length -> plain's results
+    while True:
+        tried[args.seq] = plain_run(args, device)
+        backward = tried[args.seq]["backward_s"]
+        guess = max(1, round(args.seq * target / backward))
+        if len(tried) == tries or guess in tried or abs(backward / target - 1) <= 0.2:
+            break
+        args.seq = guess
+    args.seq = min(tried, key=lambda seq: abs(tried[seq]["backward_s"] / target - 1))
+    return tried[args.seq]
+
+
 def main(argv=None):
     args = parse_args(argv)
     device = torch.device("cuda") if args.device == "cuda" else torch.device("cpu")
-    results = {"plain": plain_run(args, device)}
     model = build_model(args)
-    args.optimizer_rate = optimizer_rate(args, sum(p.numel() for p in model.parameters()))
+    parameters = sum(p.numel() for p in model.parameters())
     del model
+    args.optimizer_rate = optimizer_rate(args, parameters)
+    if args.backward_to_update is not None:
+        if not args.optimizer_rate:
+            sys.exit("train_bench.py: --backward-to-update needs the update's rate from `strata bench optim`; "
+                     f"--strata-bin {args.strata_bin} is not there")
+        results = {"plain": fit_backward_to_update(args, device, parameters / args.optimizer_rate)}
+    else:
+        results = {"plain": plain_run(args, device)}
+    if args.optimizer_rate:
+        results["plain"]["backward_over_update"] = results["plain"]["backward_s"] * args.optimizer_rate / parameters
     with tempfile.TemporaryDirectory(dir=args.nvme_dir) as nvme_root:
         for name in args.configs.split(","):
             results[name] = strata_run(args, name, nvme_root)

@@ -69,3 +69,25 @@ def test_the_accumulation_benchmark_compares_both_orders(tmp_path):
     assert results["layered/4"]["boundary_bytes"] == 4 * 4 * 32 * 64 * 4  # micro-batches x blocks x input
     assert results["standard/4"]["moved_bytes"]["host->device"] > 2 * results["layered/4"]["moved_bytes"]["host->device"]
     assert "x standard" in run.stdout
+
+
+def test_the_training_benchmark_shortens_backward_to_the_ratio_asked(tmp_path):
+    # A model this small updates in well under a millisecond, far below any backward: the fit shortens the
+    # sequences from the length given, and every run trains at the length it chose.
+    out = tmp_path / "bench.json"
+    run = subprocess.run([sys.executable, BENCH, "--layers", "2", "--hidden", "64", "--seq", "64", "--batch", "2",
+                          "--steps", "3", "--configs", "streamed", "--backward-to-update", "0.5", "--json", str(out)],
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    written = json.loads(out.read_text())
+    assert written["args"]["seq"] < 64, written["args"]
+    plain = written["results"]["plain"]
+    assert plain["backward_over_update"] > 0, plain
+    assert f"2 x {written['args']['seq']} tokens" in run.stdout and "x the update" in run.stdout
+
+
+def test_the_training_benchmark_refuses_to_scale_a_real_devices_compute():
+    for flags, says in ((["--device", "cuda", "--backward-to-update", "0.5"], "emulated device's compute"),
+                        (["--backward-to-update", "0"], "give a ratio > 0")):
+        run = subprocess.run([sys.executable, BENCH, *flags], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and says in run.stderr, run.stderr
