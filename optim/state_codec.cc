@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -44,12 +46,17 @@ namespace strata::optim {
 // neighbouring codes that the value reaches, each boundary the least float
 // the search codes above it (found once by bisection over the floats
 // between the two map values). Vector code cannot afford eight dependent
-// lookups a value; it takes a first code from the value's bucket (its sign,
-// exponent and top 6 mantissa bits: the code of the bucket's least value)
-// and adds the boundaries from there that the value reaches. No bucket holds
-// more than 2 boundaries (under 2^-30 no bucket holds any), so two compares
-// finish it. tests/optim/state_codec_test.cc checks the two against each
-// other on every 61st float pattern and around every boundary and bucket.
+// lookups a value, nor a gather per boundary. It looks up the value's bucket
+// (its sign, exponent and top 7 mantissa bits), narrow enough that no bucket
+// holds two boundaries: the map's values lie at least 0.007 apart where
+// they are densest, near 1, and a bucket there is 2^-8 wide. The entry
+// holds the code at the bucket's least magnitude and the low 16 mantissa
+// bits where the one boundary in it lies; a value at or past them is one
+// code further (up for a positive value, down for a negative one). The
+// buckets below 2^-30 and from 1 up share one entry each, so they must hold
+// no boundary: BuildEncoder checks every bucket as it fills it.
+// tests/optim/state_codec_test.cc checks the lookup against the search on
+// every 61st float pattern and around every boundary and bucket edge.
 
 namespace {
 
@@ -116,16 +123,37 @@ ThresholdEncoder BuildEncoder(const StateCodeMap& map) {
     }
     e.threshold[c] = FromOrderKey(low);
   }
-  e.threshold[255] = e.threshold[256] = std::numeric_limits<float>::infinity();
-  // Each bucket's least value: a positive bucket's start (0 for the lowest),
-  // a negative bucket's most negative value (its last, or -1 beyond).
-  for (uint32_t b = 0; b < ThresholdEncoder::kBucketsPerSign; ++b) {
-    const uint32_t start = ((ThresholdEncoder::kMinExponent << 6) + b) << 17;
-    const bool last = b + 1 == ThresholdEncoder::kBucketsPerSign;
-    const float positive = b == 0 ? 0.0f : FromBits(start);
-    const float negative = last ? -1.0f : -FromBits((((ThresholdEncoder::kMinExponent << 6) + b + 1) << 17) - 1);
-    e.first[b] = EncodeScaled(positive, map);
-    e.first[ThresholdEncoder::kBucketsPerSign + b] = EncodeScaled(negative, map);
+  // Each bucket: its magnitudes' range as bits (the lowest from 0, the last
+  // to +inf), the code at its least magnitude and where the code changes.
+  using E = ThresholdEncoder;
+  const auto start = [](uint32_t b) { return ((E::kMinExponent << E::kBucketBits) + b) << E::kLowBits; };
+  for (uint32_t negative = 0; negative < 2; ++negative) {
+    const auto code_of = [&](uint32_t magnitude) {
+      return EncodeScaled(FromBits(magnitude | negative << 31), map);
+    };
+    for (uint32_t b = 0; b < E::kBucketsPerSign; ++b) {
+      const bool shared = b == 0 || b + 1 == E::kBucketsPerSign;  // covers more than its own 16 low bits
+      const uint32_t low = b == 0 ? 0 : start(b), high = b + 1 == E::kBucketsPerSign ? 0x7f800000u : start(b + 1) - 1;
+      const uint8_t base = code_of(low);
+      uint32_t boundary = E::kNoBoundary;
+      if (code_of(high) != base) {
+        if (shared || std::abs(int{code_of(high)} - int{base}) != 1) {
+          std::fprintf(stderr, "state codec: bucket %u holds more than one boundary\n", b);
+          std::abort();
+        }
+        uint32_t a = low, z = high;  // the least magnitude coded past base
+        while (a < z) {
+          const uint32_t mid = a + (z - a) / 2;
+          if (code_of(mid) != base) {
+            z = mid;
+          } else {
+            a = mid + 1;
+          }
+        }
+        boundary = a & (E::kNoBoundary - 1);
+      }
+      e.entry[negative * E::kBucketsPerSign + b] = base | boundary << 8;
+    }
   }
   return e;
 }
@@ -140,7 +168,7 @@ const ThresholdEncoder& Encoder(bool is_signed) {
 
 StateTables TablesOf(bool is_signed) {
   const ThresholdEncoder& encoder = Encoder(is_signed);
-  return {.map = CodeMap(is_signed).data(), .threshold = encoder.threshold.data(), .first = encoder.first.data()};
+  return {.map = CodeMap(is_signed).data(), .entry = encoder.entry.data()};
 }
 
 const StateCodeMap& CodeMap(bool is_signed) {

@@ -49,22 +49,24 @@ inline uint8_t EncodeScaled(float scaled, const StateCodeMap& map) {
   return static_cast<uint8_t>(code);
 }
 
-// The encoder as lookups, for vector code (Note [Encoding by thresholds]):
-// threshold[c] (c < 255) is the least float EncodeScaled codes above c
-// (+inf from 255 on), and first[bucket] the code of the least value of a
-// bucket of floats (by sign, exponent and top 6 mantissa bits: Bucket), so
-// that a value's code is first[its bucket] plus the thresholds it reaches,
-// at most 2 further in any bucket.
+// The encoder as one lookup, for vector code (Note [Encoding by
+// thresholds]): a value's bucket (its sign, exponent and top 7 mantissa
+// bits: Bucket) holds at most one boundary between codes, so one entry a
+// bucket says all: the code at the bucket's least magnitude (bits 0-7) and
+// the low mantissa bits from which the code is one further from it (bits
+// 8-24; kNoBoundary where the whole bucket has one code).
 struct ThresholdEncoder {
-  static constexpr uint32_t kMinExponent = 97;  // |value| under 2^-30 shares the lowest bucket (no threshold there)
-  static constexpr uint32_t kBucketsPerSign = 31 * 64;  // exponents 97..127, 64 buckets each
-  std::array<float, 257> threshold;
-  std::array<uint8_t, 2 * kBucketsPerSign + 3> first;  // negative values' buckets after the positive ones' (3 bytes
-                                                     // of padding: vector code reads 4 bytes from each)
+  static constexpr uint32_t kMinExponent = 97;  // |value| under 2^-30 shares the lowest bucket (no boundary there)
+  static constexpr uint32_t kBucketBits = 7;    // mantissa bits a bucket's values share
+  static constexpr uint32_t kLowBits = 23 - kBucketBits;
+  static constexpr uint32_t kNoBoundary = 1u << kLowBits;
+  static constexpr uint32_t kBucketsPerSign = 31 << kBucketBits;  // exponents 97..127
+  std::array<float, 255> threshold;  // threshold[c]: the least float EncodeScaled codes above c
+  std::array<uint32_t, 2 * kBucketsPerSign> entry;  // negative values' buckets after the positive ones'
 
   static uint32_t Bucket(uint32_t bits) {
-    const uint32_t magnitude = (bits & 0x7fffffffu) >> 17;  // exponent and top 6 mantissa bits
-    const uint32_t lowest = kMinExponent << 6;
+    const uint32_t magnitude = (bits & 0x7fffffffu) >> kLowBits;  // exponent and top mantissa bits
+    const uint32_t lowest = kMinExponent << kBucketBits;
     const uint32_t in_sign = magnitude < lowest ? 0 : std::min(magnitude - lowest, kBucketsPerSign - 1);
     return (bits >> 31) * kBucketsPerSign + in_sign;
   }
@@ -74,20 +76,19 @@ const ThresholdEncoder& Encoder(bool is_signed);
 // The map's and the encoder's arrays, for vector kernels (which call no
 // inline function: optim/cpu/cpu_kernels_impl.h).
 struct StateTables {
-  const float* map;        // 256
-  const float* threshold;  // 257
-  const uint8_t* first;    // 2 * kBucketsPerSign, then 3 bytes of padding
+  const float* map;       // 256
+  const uint32_t* entry;  // 2 * kBucketsPerSign
 };
 StateTables TablesOf(bool is_signed);
 
-// EncodeScaled by the encoder's lookups: the same code for every float.
+// EncodeScaled by the encoder's lookup: the same code for every float.
 inline uint8_t EncodeByThresholds(float scaled, const ThresholdEncoder& encoder) {
   if (scaled != scaled) return 0;  // NaN, as EncodeScaled
   uint32_t bits;
   std::memcpy(&bits, &scaled, sizeof(bits));
-  uint32_t code = encoder.first[ThresholdEncoder::Bucket(bits)];
-  code += scaled >= encoder.threshold[code] ? 1 : 0;
-  code += scaled >= encoder.threshold[code] ? 1 : 0;
+  const uint32_t entry = encoder.entry[ThresholdEncoder::Bucket(bits)];
+  uint32_t code = entry & 0xffu;
+  if ((bits & (ThresholdEncoder::kNoBoundary - 1)) >= entry >> 8) code += bits >> 31 ? 0xffu : 1u;  // -1 or +1
   return static_cast<uint8_t>(code);
 }
 

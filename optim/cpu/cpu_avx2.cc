@@ -62,25 +62,32 @@ struct Vec {
     const I together = _mm256_permutevar8x32_epi32(in_halves, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(together));
   }
-  static F Gather(const float* table, I index) { return _mm256_i32gather_ps(table, index, 4); }
-  // The bytes at `index` of `table` (which has 3 readable bytes past its last).
-  static I GatherBytes(const uint8_t* table, I index) {
-    return _mm256_and_si256(_mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 1),
-                            _mm256_set1_epi32(0xff));
+  // A code map's values (256 floats) at each lane's code.
+  static F MapValues(const float* map, I codes) { return _mm256_i32gather_ps(map, codes, 4); }
+  static I GatherInts(const uint32_t* table, I index) {
+    return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4);
   }
   // ThresholdEncoder::Bucket of each lane's bits.
-  static I Bucket(F x, uint32_t lowest, uint32_t per_sign) {
+  static I Bucket(F x, uint32_t low_bits, uint32_t lowest, uint32_t per_sign) {
     const I bits = _mm256_castps_si256(x);
-    const I magnitude = _mm256_srli_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)), 17);
+    const I magnitude = _mm256_srl_epi32(_mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm_cvtsi32_si128(static_cast<int>(low_bits)));
     I in_sign = _mm256_sub_epi32(magnitude, _mm256_set1_epi32(static_cast<int>(lowest)));
     in_sign = _mm256_min_epi32(_mm256_max_epi32(in_sign, _mm256_setzero_si256()),
                                _mm256_set1_epi32(static_cast<int>(per_sign - 1)));
     const I negative = _mm256_and_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(static_cast<int>(per_sign)));
     return _mm256_add_epi32(in_sign, negative);
   }
-  // code + 1 where x >= threshold (not where x is NaN).
-  static I AddIfAtLeast(I code, F x, F threshold) {
-    return _mm256_sub_epi32(code, _mm256_castps_si256(_mm256_cmp_ps(x, threshold, _CMP_GE_OQ)));
+  // The code of each lane from its bucket's entry (EncodeByThresholds): the
+  // entry's code, one further from it where x's low bits reach its boundary
+  // (both under 2^31, so a signed compare orders them).
+  static I CodeOfEntry(I entry, F x, uint32_t low_mask) {
+    const I bits = _mm256_castps_si256(x);
+    const I code = _mm256_and_si256(entry, _mm256_set1_epi32(0xff));
+    const I short_of = _mm256_cmpgt_epi32(_mm256_srli_epi32(entry, 8),
+                                          _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(low_mask))));
+    const I step = _mm256_or_si256(_mm256_srai_epi32(bits, 31), _mm256_set1_epi32(1));  // -1 or +1
+    return _mm256_add_epi32(code, _mm256_andnot_si256(short_of, step));
   }
   static I ZeroIfNan(I code, F x) {
     return _mm256_andnot_si256(_mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q)), code);

@@ -19,9 +19,9 @@
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
 // 8-bit states: I (32-bit integer lanes), LoadCodes and StoreCodes (a byte a
-// lane), Gather from a float table, GatherBytes from a byte table, Bucket
-// (ThresholdEncoder's), AddIfAtLeast, ZeroIfNan, and Largest: the largest
-// magnitude, NaN-aware.
+// lane), MapValues (a code map's values at the codes), GatherInts, Bucket
+// (ThresholdEncoder's), CodeOfEntry (a code from a bucket's entry), ZeroIfNan,
+// and Largest: the largest magnitude, NaN-aware.
 
 namespace {
 
@@ -160,14 +160,12 @@ double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* sto
 }
 
 // The code of each lane of `scaled` (Note [Encoding by thresholds] in
-// optim/state_codec.cc): the first code of its bucket, then the boundaries
-// it reaches from there.
+// optim/state_codec.cc): its bucket's entry, and the boundary there if the
+// lane reaches it.
 inline Vec::I EncodeLanes(F scaled, const StateTables& tables) {
   using E = ThresholdEncoder;
-  Vec::I code = Vec::GatherBytes(tables.first, Vec::Bucket(scaled, E::kMinExponent << 6, E::kBucketsPerSign));
-  code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
-  code = Vec::AddIfAtLeast(code, scaled, Vec::Gather(tables.threshold, code));
-  return Vec::ZeroIfNan(code, scaled);
+  const Vec::I bucket = Vec::Bucket(scaled, E::kLowBits, E::kMinExponent << E::kBucketBits, E::kBucketsPerSign);
+  return Vec::ZeroIfNan(Vec::CodeOfEntry(Vec::GatherInts(tables.entry, bucket), scaled, E::kNoBoundary - 1), scaled);
 }
 
 // A block's values into its codes and scale (QuantizeBlocks), `largest`
@@ -208,8 +206,8 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
       } else {
         g = Vec::Add(g, Vec::Mul(weight_decay, weight));
       }
-      const F m_old = Vec::Mul(Vec::Gather(first_moment.map, Vec::LoadCodes(codes[0] + i)), m_scale);
-      const F v_old = Vec::Mul(Vec::Gather(second_moment.map, Vec::LoadCodes(codes[1] + i)), v_scale);
+      const F m_old = Vec::Mul(Vec::MapValues(first_moment.map, Vec::LoadCodes(codes[0] + i)), m_scale);
+      const F v_old = Vec::Mul(Vec::MapValues(second_moment.map, Vec::LoadCodes(codes[1] + i)), v_scale);
       const F m_new = Vec::Add(Vec::Mul(one_minus_beta1, Vec::Sub(g, m_old)), m_old);
       const F v_new = Vec::Add(Vec::Mul(one_minus_beta2, Vec::Sub(Vec::Mul(g, g), v_old)), v_old);
       const F denom = Vec::Add(Vec::Div(Vec::Sqrt(v_new), sqrt_correction2), eps);

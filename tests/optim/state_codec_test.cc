@@ -72,9 +72,10 @@ TEST(StateCodecTest, TheThresholdEncoderCodesEveryFloatAsTheSearchDoes) {
     // Every 61st bit pattern: every sign and exponent, NaNs and infinities too.
     for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 61) check(from_bits(static_cast<uint32_t>(bits)));
     // 64 ulps either side of every boundary and of every bucket's edges, both signs.
-    std::vector<float> edges(encoder.threshold.begin(), encoder.threshold.begin() + 255);
+    std::vector<float> edges(encoder.threshold.begin(), encoder.threshold.end());
     for (uint32_t b = 0; b <= ThresholdEncoder::kBucketsPerSign; ++b) {
-      const float edge = from_bits(((ThresholdEncoder::kMinExponent << 6) + b) << 17);
+      using E = ThresholdEncoder;
+      const float edge = from_bits(((E::kMinExponent << E::kBucketBits) + b) << E::kLowBits);
       edges.push_back(edge);
       edges.push_back(-edge);
     }
