@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -126,6 +127,37 @@ __attribute__((target("avx2"))) void BoundBlock8bitAvx2(float* p, const float* g
   }
 }
 
+// The bound of bf16 states (Note [bf16 states]): the same with 2 bytes a
+// moment, 20 bytes a parameter. Elements [i, i + 16) of both moments:
+__attribute__((target("avx2"))) inline void BumpBf16Moments(uint16_t* m, uint16_t* v, size_t i) {
+  const __m256i mi = _mm256_add_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + i)),
+                                      _mm256_set1_epi16(1));
+  const __m256i vi = _mm256_add_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + i)),
+                                      _mm256_set1_epi16(1));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(m + i), mi);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), vi);
+}
+
+__attribute__((target("avx512f"))) void BoundBlockBf16Avx512(float* p, const float* g, uint16_t* m, uint16_t* v,
+                                                             size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(g + i));
+    BumpBf16Moments(m, v, i);
+    _mm512_storeu_ps(p + i, pi);
+  }
+}
+
+__attribute__((target("avx2"))) void BoundBlockBf16Avx2(float* p, const float* g, uint16_t* m, uint16_t* v,
+                                                        size_t n) {
+  for (size_t i = 0; i < n; i += 16) {
+    const __m256 p0 = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(g + i));
+    const __m256 p1 = _mm256_add_ps(_mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(g + i + 8));
+    BumpBf16Moments(m, v, i);
+    _mm256_storeu_ps(p + i, p0);
+    _mm256_storeu_ps(p + i + 8, p1);
+  }
+}
+
 // One pass over the chunk's fp32 master and states with `bound_grad` (fp32)
 // as the gradient.
 void BoundPass(const optim::ChunkTensors& t, const float* bound_grad) {
@@ -161,9 +193,10 @@ double TimeSeconds(Fn&& fn) {
 // Bytes the update moves per parameter of `t`, from the arrays it is given:
 // the gradient read, the fp32 master and each state read and written back,
 // the compute copy written when there is one. Adam: fp32 4 + 8 + 16, bf16
-// 2 + 8 + 16 + 2; both 28.
+// 2 + 8 + 16 + 2; both 28 (bf16 states: 20 with fp32 weights).
 double BytesPerParam(const optim::ChunkTensors& t, int num_states) {
-  double bytes = static_cast<double>(DTypeSizeBytes(t.grad_dtype)) + 2.0 * sizeof(float) * (1 + num_states);
+  double bytes = static_cast<double>(DTypeSizeBytes(t.grad_dtype)) + 2.0 * sizeof(float) +
+                 2.0 * static_cast<double>(DTypeSizeBytes(t.state_dtype)) * num_states;
   if (t.param != nullptr) bytes += static_cast<double>(DTypeSizeBytes(t.param_dtype));
   return bytes;
 }
@@ -286,32 +319,64 @@ struct StateArrays {
         scales{std::vector<float>(n / optim::kStateBlockElems), std::vector<float>(n / optim::kStateBlockElems)} {}
 };
 
-// One pass of the 8-bit states' bound over the chunk's master and the codes.
-void BoundPass8bit(const ChunkArrays& c, StateArrays& states) {
-  const bool avx512 = optim::ActiveCpuIsa() == optim::CpuIsa::kAvx512;
+// One pass of a narrow states' bound (16 elements a step: the 8-bit or bf16
+// blocks above) over the chunk's master and the moments `m` and `v`.
+template <typename T, typename Block>
+void BoundPassNarrow(const ChunkArrays& c, T* m, T* v, Block avx512, Block avx2) {
+  const Block block_of_isa = optim::ActiveCpuIsa() == optim::CpuIsa::kAvx512 ? avx512 : avx2;
   const size_t blocks = (c.chunk.n + kBlockElems - 1) / kBlockElems;
   tbb::parallel_for(size_t{0}, blocks, [&](size_t block) {
     const size_t begin = block * kBlockElems, size = std::min(c.chunk.n - begin, kBlockElems);
-    float* p = c.chunk.master + begin;
-    const float* g = c.bound_grad + begin;
-    uint8_t* m = states.codes[0].data() + begin;
-    uint8_t* v = states.codes[1].data() + begin;
-    if (avx512) {
-      BoundBlock8bitAvx512(p, g, m, v, size);
-    } else {
-      BoundBlock8bitAvx2(p, g, m, v, size);
-    }
+    block_of_isa(c.chunk.master + begin, c.bound_grad + begin, m + begin, v + begin, size);
   });
 }
 
-// --state-format int8: the 8-bit update, its bound, and the fp32 states'
-// update of the same parameters, alternated (medians).
-Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, OptimBenchReport report) {
-  if (config.dtype != "fp32") {
-    return InvalidArgument("bench optim: --state-format int8 runs with --dtype fp32 (the 8-bit kernel takes fp32 "
-                           "weights and gradients); got --dtype {}",
-                           config.dtype);
+// The narrow states' benches (bf16, int8): each repetition times `step(r)`
+// and `bound()`, each after a cache eviction, then the fp32 states' update
+// of the same parameters (`arrays`); the report has the medians, at
+// `bytes_per_param` for the step and `bound_bytes_per_param` for the bound.
+Result<OptimBenchReport> AlternateWithFp32(const OptimBenchConfig& config, const ChunkArrays& arrays,
+                                           const std::function<Status(uint32_t)>& step,
+                                           const std::function<void()>& bound, double bytes_per_param,
+                                           double bound_bytes_per_param, OptimBenchReport report) {
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
+                          optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
+  STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
+  MemoryTimings fp32;
+  std::vector<double> steps, bounds;
+  for (uint32_t r = 0; r < config.repetitions; ++r) {
+    Status status;
+    evictor.Evict();
+    steps.push_back(TimeSeconds([&] { status = step(r); }));
+    STRATA_RETURN_IF_ERROR(status);
+    evictor.Evict();
+    bounds.push_back(TimeSeconds(bound));
+    STRATA_RETURN_IF_ERROR(TimeRepetition(*optimizer, arrays, evictor, fp32));
   }
+  const auto n = static_cast<double>(config.params);
+  report.step_seconds = Median(steps);
+  report.bound_seconds = Median(bounds);
+  report.grad_norm_seconds = Median(fp32.norm);
+  report.gparams_per_s = n / report.step_seconds / 1e9;
+  report.fp32_gparams_per_s = n / Median(fp32.step) / 1e9;
+  report.bytes_per_param = bytes_per_param;
+  report.gbps = bytes_per_param * n / report.step_seconds / 1e9;
+  report.bound_gbps = bound_bytes_per_param * n / report.bound_seconds / 1e9;
+  return report;
+}
+
+// The narrow states' kernels take fp32 weights and gradients.
+Status NeedFp32(const OptimBenchConfig& config) {
+  if (config.dtype == "fp32") return Status::Ok();
+  return InvalidArgument("bench optim: --state-format {} runs with --dtype fp32 (its kernel and bound take fp32 "
+                         "weights and gradients); got --dtype {}",
+                         config.state_format, config.dtype);
+}
+
+// --state-format int8: the 8-bit update against its bound and the fp32
+// states' update.
+Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, OptimBenchReport report) {
+  STRATA_RETURN_IF_ERROR(NeedFp32(config));
   const size_t n = config.params;
   if (n % optim::kStateBlockElems != 0) {
     return InvalidArgument("bench optim: --state-format int8 needs --params in whole blocks of {}; {} is not",
@@ -319,34 +384,45 @@ Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, Optim
   }
   STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, DType::kFloat32));
   StateArrays states(n);
-  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
-                          optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
-  STRATA_ASSIGN_OR_RETURN(CacheEvictor evictor, CacheEvictor::Create());
-  MemoryTimings fp32;
-  std::vector<double> step, bound;
-  for (uint32_t r = 0; r < config.repetitions; ++r) {
+  uint8_t* const codes[2] = {states.codes[0].data(), states.codes[1].data()};
+  float* const scales[2] = {states.scales[0].data(), states.scales[1].data()};
+  const auto step = [&](uint32_t r) {
     const optim::Adam8bitConstants constants =
         optim::MakeAdam8bitConstants({.lr = 1e-4, .weight_decay = 0.01}, static_cast<int64_t>(r) + 1);
-    uint8_t* const codes[2] = {states.codes[0].data(), states.codes[1].data()};
-    float* const scales[2] = {states.scales[0].data(), states.scales[1].data()};
-    const auto* grad = static_cast<const float*>(arrays.chunk.grad);
-    evictor.Evict();
-    step.push_back(TimeSeconds([&] { optim::Adam8bitParallel(constants, arrays.chunk.master, grad, codes, scales, n); }));
-    evictor.Evict();
-    bound.push_back(TimeSeconds([&] { BoundPass8bit(arrays, states); }));
-    STRATA_RETURN_IF_ERROR(TimeRepetition(*optimizer, arrays, evictor, fp32));
-  }
+    optim::Adam8bitParallel(constants, arrays.chunk.master, static_cast<const float*>(arrays.chunk.grad), codes,
+                            scales, n);
+    return Status::Ok();
+  };
+  const auto bound = [&] { BoundPassNarrow(arrays, codes[0], codes[1], BoundBlock8bitAvx512, BoundBlock8bitAvx2); };
   // Read and written: fp32 param and grad 8 + 4, a byte of each moment both ways 4, each block's two scales both ways.
   constexpr double kBytesPerParam = 16.0 + 4.0 * sizeof(float) / static_cast<double>(optim::kStateBlockElems);
-  report.step_seconds = Median(step);
-  report.bound_seconds = Median(bound);
-  report.grad_norm_seconds = Median(fp32.norm);
-  report.gparams_per_s = static_cast<double>(n) / report.step_seconds / 1e9;
-  report.fp32_gparams_per_s = static_cast<double>(n) / Median(fp32.step) / 1e9;
-  report.bytes_per_param = kBytesPerParam;
-  report.gbps = kBytesPerParam * static_cast<double>(n) / report.step_seconds / 1e9;
-  report.bound_gbps = 16.0 * static_cast<double>(n) / report.bound_seconds / 1e9;
-  return report;
+  return AlternateWithFp32(config, arrays, step, bound, kBytesPerParam, 16.0, std::move(report));
+}
+
+// --state-format bf16: the update with bf16 moments (Note [bf16 states])
+// against its bound and the fp32 states' update.
+Result<OptimBenchReport> RunOptimBf16StatesBench(const OptimBenchConfig& config, OptimBenchReport report) {
+  STRATA_RETURN_IF_ERROR(NeedFp32(config));
+  const size_t n = config.params;
+  STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, DType::kFloat32));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(n * sizeof(uint16_t)));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(n * sizeof(uint16_t)));
+  optim::ChunkTensors bf16 = arrays.chunk;
+  bf16.state[0] = static_cast<float*>(exp_avg.data());
+  bf16.state[1] = static_cast<float*>(exp_avg_sq.data());
+  bf16.state_dtype = DType::kBFloat16;
+  STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
+                          optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
+  const auto step = [&](uint32_t) -> Status {
+    STRATA_ASSIGN_OR_RETURN(const optim::StepPlan plan, optimizer->PlanStep({}));
+    return optimizer->UpdateChunk(plan, bf16);
+  };
+  const auto bound = [&] {
+    BoundPassNarrow(arrays, static_cast<uint16_t*>(exp_avg.data()), static_cast<uint16_t*>(exp_avg_sq.data()),
+                    BoundBlockBf16Avx512, BoundBlockBf16Avx2);
+  };
+  const double bytes = BytesPerParam(bf16, optimizer->num_states());
+  return AlternateWithFp32(config, arrays, step, bound, bytes, bytes, std::move(report));
 }
 
 }  // namespace
@@ -368,8 +444,8 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   if (!optim::CpuSupports(optim::CpuIsa::kAvx2)) {
     return NotSupported("bench optim: the bandwidth bound is written for AVX2 or AVX-512, which this CPU lacks");
   }
-  if (config.state_format != "fp32" && config.state_format != "int8") {
-    return InvalidArgument("bench optim: --state-format {}: expected fp32 or int8", config.state_format);
+  if (config.state_format != "fp32" && config.state_format != "bf16" && config.state_format != "int8") {
+    return InvalidArgument("bench optim: --state-format {}: expected fp32, bf16 or int8", config.state_format);
   }
   const uint32_t threads = ThreadsOf(config.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
@@ -378,6 +454,7 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   report.threads = threads;
   report.isa = std::string(optim::CpuIsaName(optim::ActiveCpuIsa()));
   if (config.state_format == "int8") return RunOptim8bitBench(config, report);
+  if (config.state_format == "bf16") return RunOptimBf16StatesBench(config, report);
   const size_t n = config.params;
   STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, dtype));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
@@ -400,9 +477,10 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
 
 std::string FormatOptimBench(const OptimBenchReport& r) {
   const std::string against_fp32 =
-      r.config.state_format == "int8"
-          ? fmt::format("8-bit states, {:.2f} bytes a parameter: {:.2f}x the fp32 states' update ({:.3f} G params/s)\n",
-                        r.bytes_per_param, r.gparams_per_s / r.fp32_gparams_per_s, r.fp32_gparams_per_s)
+      r.config.state_format != "fp32"
+          ? fmt::format("{} states, {:.2f} bytes a parameter: {:.2f}x the fp32 states' update ({:.3f} G params/s)\n",
+                        r.config.state_format == "int8" ? "8-bit" : "bf16", r.bytes_per_param,
+                        r.gparams_per_s / r.fp32_gparams_per_s, r.fp32_gparams_per_s)
           : "";
   return against_fp32 + fmt::format(
       "strata bench optim: AdamW, {} params ({}), {}, {} thread{}, median of {}\n"
@@ -429,7 +507,7 @@ std::string OptimBenchJson(const OptimBenchReport& r) {
   j["step_seconds"] = r.step_seconds;
   j["bound_seconds"] = r.bound_seconds;
   j["grad_norm_seconds"] = r.grad_norm_seconds;
-  if (r.config.state_format == "int8") j["fp32_gparams_per_s"] = r.fp32_gparams_per_s;
+  if (r.config.state_format != "fp32") j["fp32_gparams_per_s"] = r.fp32_gparams_per_s;
   return j.dump(2);
 }
 

@@ -329,6 +329,9 @@ Status CheckChunk(const OptimizerConfig& config, size_t num_groups, const ChunkT
                            "in `master` (param null); bf16/fp16 ones need the copy",
                            DTypeName(t.param_dtype), t.param == nullptr ? "no" : "a");
   }
+  if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
+    return InvalidArgument("optimizer: states of dtype {}: they are fp32 or bf16", DTypeName(t.state_dtype));
+  }
   for (int s = 0; s < NumStates(config); ++s) {
     if (t.state[s] == nullptr) {
       return InvalidArgument("optimizer: {} keeps {} state array(s) per chunk; state[{}] is missing",
@@ -365,6 +368,11 @@ Status Optimizer::UpdateChunkOnDevice(const StepPlan& plan, const ChunkTensors& 
   STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
   STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
+  if (chunk.state_dtype != DType::kFloat32) {
+    return NotSupported("optimizer: {} states on a GPU: the device's kernels keep fp32 states; update these on "
+                        "the host (UpdateChunk)",
+                        DTypeName(chunk.state_dtype));
+  }
 #ifdef STRATA_OPTIM_CUDA
   const ChunkTensors of_group = ForGroup(chunk);
   return UpdateChunksCuda(

@@ -97,6 +97,16 @@ CpuIsa ActiveCpuIsa() {
 // and a reciprocal of the correction left parameters 1.3e-6 apart from
 // torch's after 20 steps of two groups under a cosine schedule (issue 23
 // asks 1e-6; torch's own fused kernel is 7e-7 from its default there).
+// Note [bf16 states]
+// With ChunkTensors::state_dtype bf16 the moments (SGD: the momentum buffer)
+// are kept in 2 bytes each instead of 4: Adam's update then moves 20 bytes
+// a parameter instead of 28 (fp32 weights and gradients). Each step reads
+// them into fp32 exactly, computes with the arithmetic above, updates the
+// weights from the fp32 results and rounds the moments to the nearest bf16
+// (ties to even) once, as they are stored. This is not what torch.optim
+// does with bf16 state tensors (each of its operations on them rounds), and
+// is closer to the fp32 states' update. The host kernels have them; the
+// device's keep fp32 states.
 UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier) {
   const auto f32 = [](double x) { return static_cast<float>(x); };
   UpdateConstants c;

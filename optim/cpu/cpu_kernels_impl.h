@@ -57,6 +57,25 @@ inline F LoadGrad(const void* grad, size_t i) {
   }
 }
 
+// State arrays: fp32, or bf16 (Note [bf16 states] in cpu_kernels.cc).
+template <DType S>
+inline F LoadState(const float* state, size_t i) {
+  if constexpr (S == DType::kFloat32) {
+    return Vec::Load(state + i);
+  } else {
+    return Vec::LoadBf16(reinterpret_cast<const uint16_t*>(state) + i);
+  }
+}
+
+template <DType S>
+inline void StoreState(float* state, size_t i, F x) {
+  if constexpr (S == DType::kFloat32) {
+    Vec::Store(state + i, x);
+  } else {
+    Vec::StoreBf16(reinterpret_cast<uint16_t*>(state) + i, x);
+  }
+}
+
 template <ParamOut O>
 inline void StoreParam(void* param, size_t i, F weight) {
   if constexpr (O == ParamOut::kBf16) {
@@ -67,7 +86,7 @@ inline void StoreParam(void* param, size_t i, F weight) {
 }
 
 // Adam and AdamW over whole vectors from `begin`; returns where it stopped.
-template <DType G, ParamOut O>
+template <DType G, ParamOut O, DType S>
 size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
   const F grad_multiplier = Vec::Set(c.grad_multiplier), decay_l2 = Vec::Set(c.decay_l2);
   const F decay_factor = Vec::Set(c.decay_factor), one_minus_beta1 = Vec::Set(c.one_minus_beta1);
@@ -79,26 +98,26 @@ size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin
   float* const exp_avg_sq = t.state[1];
   const void* const grad_in = t.grad;
   void* const param = t.param;
-  constexpr size_t grad_bytes = DTypeSizeBytes(G);
+  constexpr size_t grad_bytes = DTypeSizeBytes(G), state_bytes = DTypeSizeBytes(S);
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     if (i + kPrefetchElems < end) {
       Prefetch(master + i + kPrefetchElems);
-      Prefetch(exp_avg + i + kPrefetchElems);
-      Prefetch(exp_avg_sq + i + kPrefetchElems);
+      Prefetch(Ahead(exp_avg, i + kPrefetchElems, state_bytes));
+      Prefetch(Ahead(exp_avg_sq, i + kPrefetchElems, state_bytes));
       Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
     }
     // The reference's operations (Note [torch.optim's arithmetic] in cpu_kernels.cc).
     const F master_in = Vec::Load(master + i);
     const F grad = Vec::MulAdd(master_in, decay_l2, Vec::Mul(LoadGrad<G>(grad_in, i), grad_multiplier));
     const F weight = Vec::Mul(master_in, decay_factor);
-    const F m_in = Vec::Load(exp_avg + i);
+    const F m_in = LoadState<S>(exp_avg, i);
     const F m = Vec::MulAdd(one_minus_beta1, Vec::Sub(grad, m_in), m_in);
-    const F v = Vec::MulAdd(Vec::Mul(one_minus_beta2, grad), grad, Vec::Mul(Vec::Load(exp_avg_sq + i), beta2));
+    const F v = Vec::MulAdd(Vec::Mul(one_minus_beta2, grad), grad, Vec::Mul(LoadState<S>(exp_avg_sq, i), beta2));
     const F denom = Vec::Add(Vec::Div(Vec::Sqrt(v), sqrt_correction2), eps);
     const F updated = Vec::Add(weight, Vec::Div(Vec::Mul(neg_step_size, m), denom));
-    Vec::Store(exp_avg + i, m);
-    Vec::Store(exp_avg_sq + i, v);
+    StoreState<S>(exp_avg, i, m);
+    StoreState<S>(exp_avg_sq, i, v);
     Vec::Store(master + i, updated);
     StoreParam<O>(param, i, updated);
   }
@@ -106,7 +125,7 @@ size_t AdamVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin
 }
 
 // SGD with momentum (or without: no state) over whole vectors from `begin`.
-template <DType G, ParamOut O>
+template <DType G, ParamOut O, DType S>
 size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
   const F grad_multiplier = Vec::Set(c.grad_multiplier), decay_l2 = Vec::Set(c.decay_l2);
   const F lr = Vec::Set(c.lr), momentum = Vec::Set(c.momentum);
@@ -115,20 +134,21 @@ size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin,
   float* const buffer = t.state[0];
   const void* const grad_in = t.grad;
   void* const param = t.param;
-  constexpr size_t grad_bytes = DTypeSizeBytes(G);
+  constexpr size_t grad_bytes = DTypeSizeBytes(G), state_bytes = DTypeSizeBytes(S);
   size_t i = begin;
   for (; i + kLanes <= end; i += kLanes) {
     if (i + kPrefetchElems < end) {
       Prefetch(master + i + kPrefetchElems);
-      if (buffer != nullptr) Prefetch(buffer + i + kPrefetchElems);
+      if (buffer != nullptr) Prefetch(Ahead(buffer, i + kPrefetchElems, state_bytes));
       Prefetch(Ahead(grad_in, i + kPrefetchElems, grad_bytes));
     }
     F weight = Vec::Load(master + i);
     F d = Vec::MulAdd(weight, decay_l2, Vec::Mul(LoadGrad<G>(grad_in, i), grad_multiplier));
     if (buffer != nullptr) {
       // b = d on the first step, else momentum b + (1 - dampening) d
-      const F b = c.first_step ? d : Vec::MulAdd(d, one_minus_dampening, Vec::Mul(Vec::Load(buffer + i), momentum));
-      Vec::Store(buffer + i, b);
+      const F b =
+          c.first_step ? d : Vec::MulAdd(d, one_minus_dampening, Vec::Mul(LoadState<S>(buffer, i), momentum));
+      StoreState<S>(buffer, i, b);
       d = c.nesterov ? Vec::MulAdd(b, momentum, d) : b;
     }
     weight = Vec::NegMulAdd(lr, d, weight);
@@ -138,16 +158,23 @@ size_t SgdVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin,
   return i;
 }
 
-template <DType G, ParamOut O>
+template <DType G, ParamOut O, DType S>
 size_t UpdateVectors(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
-  return c.kind == OptimizerKind::kSgd ? SgdVectors<G, O>(c, t, begin, end) : AdamVectors<G, O>(c, t, begin, end);
+  return c.kind == OptimizerKind::kSgd ? SgdVectors<G, O, S>(c, t, begin, end)
+                                       : AdamVectors<G, O, S>(c, t, begin, end);
+}
+
+template <DType G, DType S>
+size_t UpdateVectorsForStates(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
+  if (t.param == nullptr) return UpdateVectors<G, ParamOut::kNone, S>(c, t, begin, end);
+  if (t.param_dtype == DType::kBFloat16) return UpdateVectors<G, ParamOut::kBf16, S>(c, t, begin, end);
+  return UpdateVectors<G, ParamOut::kFp16, S>(c, t, begin, end);
 }
 
 template <DType G>
 size_t UpdateVectorsForGrad(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
-  if (t.param == nullptr) return UpdateVectors<G, ParamOut::kNone>(c, t, begin, end);
-  if (t.param_dtype == DType::kBFloat16) return UpdateVectors<G, ParamOut::kBf16>(c, t, begin, end);
-  return UpdateVectors<G, ParamOut::kFp16>(c, t, begin, end);
+  if (t.state_dtype == DType::kBFloat16) return UpdateVectorsForStates<G, DType::kBFloat16>(c, t, begin, end);
+  return UpdateVectorsForStates<G, DType::kFloat32>(c, t, begin, end);
 }
 
 template <DType G>

@@ -20,31 +20,35 @@ void StoreParam(const ChunkTensors& t, size_t i, float master) {
   param[i] = t.param_dtype == DType::kBFloat16 ? Bf16FromFloat(master) : Fp16FromFloat(master);
 }
 
+// State `k`'s element i in fp32, and stored (bf16 states: rounded to
+// nearest even once, after the update computed it in fp32).
+float State(const ChunkTensors& t, int k, size_t i) { return FloatAt(t.state[k], t.state_dtype, i); }
+void SetState(const ChunkTensors& t, int k, size_t i, float value) { StoreFloat(t.state[k], t.state_dtype, i, value); }
+
 void AdamRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
-  float* exp_avg = t.state[0];
-  float* exp_avg_sq = t.state[1];
   for (size_t i = begin; i < end; ++i) {
     // Unscale and clip; Adam (L2) adds the decay to the gradient.
     const float grad = std::fma(t.master[i], c.decay_l2, FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier);
     const float weight = t.master[i] * c.decay_factor;  // AdamW's decay (1 for Adam)
-    const float m = std::fma(c.one_minus_beta1, grad - exp_avg[i], exp_avg[i]);
-    const float v = std::fma(c.one_minus_beta2 * grad, grad, exp_avg_sq[i] * c.beta2);
+    const float m_in = State(t, 0, i);
+    const float m = std::fma(c.one_minus_beta1, grad - m_in, m_in);
+    const float v = std::fma(c.one_minus_beta2 * grad, grad, State(t, 1, i) * c.beta2);
     const float denom = std::sqrt(v) / c.sqrt_correction2 + c.eps;
     const float updated = weight + (c.neg_step_size * m) / denom;
-    exp_avg[i] = m;
-    exp_avg_sq[i] = v;
+    SetState(t, 0, i, m);
+    SetState(t, 1, i, v);
     t.master[i] = updated;
     StoreParam(t, i, updated);
   }
 }
 
 void SgdRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, size_t end) {
-  float* buffer = t.state[0];  // null without momentum
+  const bool with_momentum = t.state[0] != nullptr;
   for (size_t i = begin; i < end; ++i) {
     float d = std::fma(t.master[i], c.decay_l2, FloatAt(t.grad, t.grad_dtype, i) * c.grad_multiplier);
-    if (buffer != nullptr) {
-      const float b = c.first_step ? d : std::fma(d, c.one_minus_dampening, buffer[i] * c.momentum);
-      buffer[i] = b;
+    if (with_momentum) {
+      const float b = c.first_step ? d : std::fma(d, c.one_minus_dampening, State(t, 0, i) * c.momentum);
+      SetState(t, 0, i, b);
       d = c.nesterov ? std::fma(b, c.momentum, d) : b;
     }
     const float weight = std::fma(d, -c.lr, t.master[i]);

@@ -26,21 +26,45 @@ TEST(OptimBenchTest, MeasuresStepAndBoundAndWritesTheJsonKeys) {
   EXPECT_NE(FormatOptimBench(report).find("of the bandwidth bound"), std::string::npos);
 }
 
-TEST(OptimBenchTest, EightBitStatesRunBesideTheFp32UpdateAgainstTheirOwnBound) {
+// A short in-memory run of `params` parameters with states in `format`,
+// each of its rates measured.
+OptimBenchReport RunStates(const char* format, size_t params) {
   OptimBenchConfig config;
-  config.params = 1 << 18;
-  config.state_format = "int8";
+  config.params = params;
+  config.state_format = format;
   config.threads = 2;
   config.repetitions = 2;
-  ASSERT_OK_AND_ASSIGN(OptimBenchReport report, RunOptimBench(config));
-  EXPECT_GT(report.gparams_per_s, 0);
-  EXPECT_GT(report.fp32_gparams_per_s, 0);
-  EXPECT_GT(report.bound_gbps, 0);
+  Result<OptimBenchReport> report = RunOptimBench(config);
+  EXPECT_OK(report.status());
+  if (!report.ok()) return {};
+  EXPECT_GT(report->gparams_per_s, 0);
+  EXPECT_GT(report->fp32_gparams_per_s, 0);
+  EXPECT_GT(report->bound_gbps, 0);
+  return *report;
+}
+
+TEST(OptimBenchTest, EightBitStatesRunBesideTheFp32UpdateAgainstTheirOwnBound) {
+  const OptimBenchReport report = RunStates("int8", 1 << 18);
   EXPECT_EQ(report.bytes_per_param, 16.0625);  // 12 of fp32 weight and gradient, 4 of codes, the scales
   nlohmann::json json = nlohmann::json::parse(OptimBenchJson(report));
   EXPECT_EQ(json["config"]["state_format"], "int8");
   EXPECT_GT(json["fp32_gparams_per_s"].get<double>(), 0);
   EXPECT_NE(FormatOptimBench(report).find("the fp32 states' update"), std::string::npos);
+}
+
+TEST(OptimBenchTest, Bf16StatesRunBesideTheFp32UpdateAgainstTheirOwnBound) {
+  const OptimBenchReport report = RunStates("bf16", (1 << 18) + 5);  // a tail the vectors leave to the reference
+  EXPECT_EQ(report.bytes_per_param, 20);  // fp32 weight read and written, gradient read, 2 bytes a moment both ways
+  nlohmann::json json = nlohmann::json::parse(OptimBenchJson(report));
+  EXPECT_EQ(json["config"]["state_format"], "bf16");
+  EXPECT_NE(FormatOptimBench(report).find("bf16 states, 20.00 bytes a parameter"), std::string::npos);
+  OptimBenchConfig config;
+  config.state_format = "bf16";
+  config.dtype = "bf16";
+  const Status refused = RunOptimBench(config).status();
+  EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(refused.message().find("--state-format bf16 runs with --dtype fp32"), std::string::npos)
+      << refused.ToString();
 }
 
 TEST(OptimBenchTest, EightBitStatesNeedFp32AndWholeBlocksAndAKnownFormat) {
@@ -64,7 +88,7 @@ TEST(OptimBenchTest, EightBitStatesNeedFp32AndWholeBlocksAndAKnownFormat) {
   {
     const Status refused = RunOptimBench(config).status();
     EXPECT_EQ(refused.code(), StatusCode::kInvalidArgument);
-    EXPECT_NE(refused.message().find("expected fp32 or int8"), std::string::npos) << refused.ToString();
+    EXPECT_NE(refused.message().find("expected fp32, bf16 or int8"), std::string::npos) << refused.ToString();
   }
 }
 

@@ -68,8 +68,8 @@ Command AddBenchOptimCommand(CLI::App& parent) {
   command->add_option("--dtype", flags->dtype, "fp32, or bf16 (bf16 params and grads, fp32 master and states)")
       ->capture_default_str();
   command->add_option("--state-format", flags->state_format,
-                      "fp32, or int8 (both moments block-wise 8-bit; with --dtype fp32 and --states memory, timed "
-                      "beside the fp32 states' update)")
+                      "fp32, bf16 (both moments in bf16) or int8 (both block-wise 8-bit); bf16 and int8 with "
+                      "--dtype fp32 and --states memory, timed beside the fp32 states' update")
       ->capture_default_str();
   command->add_option("--threads", flags->threads, "threads; 0 = every core")->capture_default_str();
   command->add_option("--repetitions", flags->repetitions, "steps timed (median)")->capture_default_str();

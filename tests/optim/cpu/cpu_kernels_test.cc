@@ -97,6 +97,51 @@ TEST(CpuKernelsTest, ScalarSgdMatchesTorchForMomentumAndNesterov) {
   EXPECT_FLOAT_EQ(w, w1 - 0.1f * (d + 0.9f * b));
 }
 
+// A chunk's states as bf16 arrays (Note [bf16 states]), and the fp32
+// states they stand for.
+struct Bf16States {
+  std::vector<uint16_t> state0, state1;
+  explicit Bf16States(ChunkArrays& a) : state0(a.state0.size()), state1(a.state1.size()) {
+    for (size_t i = 0; i < state0.size(); ++i) {
+      state0[i] = Bf16FromFloat(a.state0[i]);
+      state1[i] = Bf16FromFloat(a.state1[i]);
+      a.state0[i] = FloatFromBf16(state0[i]);
+      a.state1[i] = FloatFromBf16(state1[i]);
+    }
+  }
+  ChunkTensors view(ChunkArrays& a) {
+    ChunkTensors t = a.view();
+    t.state[0] = reinterpret_cast<float*>(state0.data());
+    t.state[1] = reinterpret_cast<float*>(state1.data());
+    t.state_dtype = DType::kBFloat16;
+    return t;
+  }
+};
+
+// bf16 states: the weights the fp32 states' update gives from the same
+// values, and the moments it computes rounded once to bf16.
+TEST(CpuKernelsTest, Bf16StatesAreTheFp32StatesUpdateWithTheMomentsRoundedOnce) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (const Case& c : Cases()) {
+    SCOPED_TRACE(c.name);
+    ChunkArrays fp32 = RandomChunk(1000, DType::kBFloat16, DType::kBFloat16, rng);
+    Bf16States bf16(fp32);  // fp32's states now hold the bf16 values exactly
+    ChunkArrays with_bf16 = fp32;
+    const UpdateConstants constants = MakeUpdateConstants(c.config, c.step, c.grad_multiplier);
+    UpdateRange(CpuIsa::kScalar, constants, fp32.view(), 0, 1000);
+    UpdateRange(CpuIsa::kScalar, constants, bf16.view(with_bf16), 0, 1000);
+    ExpectBitIdentical(with_bf16.master, fp32.master, "master");
+    ASSERT_EQ(with_bf16.param16, fp32.param16);
+    size_t rounded = 0;
+    for (size_t i = 0; i < 1000; ++i) {
+      ASSERT_EQ(bf16.state0[i], Bf16FromFloat(fp32.state0[i])) << i;
+      if (c.config.kind != OptimizerKind::kSgd) ASSERT_EQ(bf16.state1[i], Bf16FromFloat(fp32.state1[i])) << i;
+      rounded += FloatFromBf16(bf16.state0[i]) != fp32.state0[i];
+    }
+    EXPECT_GT(rounded, 900u);  // the fp32 results were not bf16 values already
+  }
+}
+
 // Each vector version on its own, skipped with its reason on a CPU that
 // lacks it (STRATA_CPU_ISA forces the narrower paths on a wider CPU: see
 // scripts/test.sh --isa).
@@ -124,6 +169,28 @@ TEST_P(VectorKernelTest, MatchesTheReferenceForEveryKindDtypeAndTail) {
           CompareWithReference(GetParam(), c, RandomChunk(n, grad_dtype, param_dtype, rng));
           if (HasFatalFailure()) return;
         }
+      }
+    }
+  }
+}
+
+TEST_P(VectorKernelTest, Bf16StatesMatchTheReferenceForEveryKindAndTail) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  for (const Case& c : Cases()) {
+    for (DType dtype : kAllDTypes) {
+      for (size_t n : {size_t{1}, size_t{15}, size_t{17}, size_t{33}, size_t{4099}}) {
+        SCOPED_TRACE(fmt::format("{} dtype {} n={}", c.name, DTypeName(dtype), n));
+        ChunkArrays ref = RandomChunk(n, dtype, dtype, rng);
+        Bf16States ref_states(ref);
+        ChunkArrays got = ref;
+        Bf16States got_states = ref_states;
+        const UpdateConstants constants = MakeUpdateConstants(c.config, c.step, c.grad_multiplier);
+        UpdateRange(CpuIsa::kScalar, constants, ref_states.view(ref), 0, n);
+        UpdateRange(GetParam(), constants, got_states.view(got), 0, n);
+        ExpectBitIdentical(got.master, ref.master, "master");
+        ASSERT_EQ(got_states.state0, ref_states.state0);
+        ASSERT_EQ(got_states.state1, ref_states.state1);
+        ExpectParamIsRoundedMaster(got);
       }
     }
   }
