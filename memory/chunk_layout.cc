@@ -220,7 +220,8 @@ SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBound
   return bounds;
 }
 
-DType ChunkKindDType(ChunkKind kind, DType param_dtype) {
+DType ChunkKindDType(ChunkKind kind, DType param_dtype, DType moment_dtype) {
+  if (kind == ChunkKind::kExpAvg || kind == ChunkKind::kExpAvgSq) return moment_dtype;
   return IsOptimizerState(kind) ? DType::kFloat32 : param_dtype;
 }
 
@@ -238,7 +239,8 @@ uint64_t ChunkDesc::size_bytes() const {
 }
 
 Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
-                                       uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard) {
+                                       uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard,
+                                       DType moment_dtype) {
   STRATA_RETURN_IF_ERROR(ValidateTensors(tensors));
   if (tensors.empty()) return InvalidArgument("chunk layout: no tensors registered: register at least one tensor");
   if (shard.world < 1 || shard.rank < 0 || shard.rank >= shard.world) {
@@ -277,7 +279,8 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
                     (p.cls.trainable && (kind != ChunkKind::kMaster || p.cls.dtype != DType::kFloat32));
       if (!exists) continue;
       const DType dtype =
-          kind == ChunkKind::kMaster && !p.cls.trainable ? p.cls.dtype : ChunkKindDType(kind, p.cls.dtype);
+          kind == ChunkKind::kMaster && !p.cls.trainable ? p.cls.dtype
+                                                         : ChunkKindDType(kind, p.cls.dtype, moment_dtype);
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, dtype, g, p.capacity_elems,
                      p.used_elems};
       desc.transient = params_sharded && kind == ChunkKind::kParam;

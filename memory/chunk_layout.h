@@ -140,8 +140,10 @@ class ChunkLayout {
  public:
   // chunk_size_elems == 0 searches [search_min_elems, search_max_elems].
   // The chunk size search and the packing are the same for every shard.
+  // `moment_dtype`: the exp_avg and exp_avg_sq chunks' (optimizer.states).
   static Result<ChunkLayout> Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
-                                   uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard = {});
+                                   uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard = {},
+                                   DType moment_dtype = DType::kFloat32);
 
   const std::vector<ChunkDesc>& chunks() const { return chunks_; }
   const std::vector<ChunkGroup>& groups() const { return groups_; }
@@ -161,7 +163,8 @@ class ChunkLayout {
   ShardSpec shard_;
 };
 
-// Element size of a chunk kind for a group whose params are `param_dtype`.
-DType ChunkKindDType(ChunkKind kind, DType param_dtype);
+// Element type of a chunk kind for a group whose params are `param_dtype`
+// and whose moments are `moment_dtype`.
+DType ChunkKindDType(ChunkKind kind, DType param_dtype, DType moment_dtype = DType::kFloat32);
 
 }  // namespace strata::memory

@@ -385,7 +385,8 @@ Status Engine::Finalize() {
       size_host ? 0 : capacities.host_bytes);  // auto: a fixed figure (Note [Chunk size bounds])
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, bounds.min_elems,
-                                                     bounds.max_elems, {rank(), world_size(), o.comm.shard_params}));
+                                                     bounds.max_elems, {rank(), world_size(), o.comm.shard_params},
+                                                     o.optimizer.state_dtype));
   Result<memory::Placement> placed = memory::PlaceChunks(layout, capacities, o);
   if (!placed.ok() && size_host) {
     return placed.status().WithContext(fmt::format(

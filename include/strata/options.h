@@ -87,6 +87,9 @@ struct OptimizerOptions {
   double dampening = 0.0;                      // optimizer.dampening (SGD)
   bool nesterov = false;                       // optimizer.nesterov (SGD)
   double max_grad_norm = 0.0;                  // optimizer.max_grad_norm; 0 = no clipping
+  // optimizer.states: the dtype of the moments (Adam's exp_avg and
+  // exp_avg_sq, SGD's momentum buffer): fp32 or bf16.
+  DType state_dtype = DType::kFloat32;
   NoDecayRules no_decay;                       // optimizer.no_decay: a list of bias, norm
   size_t stream_ring_bytes = size_t{512} << 20;  // optimizer.stream_ring: host ring NVMe states stream through
   // optimizer.overlap: host memory for the copies kept by updates begun

@@ -35,7 +35,8 @@ namespace {
 constexpr double kDeviceBytesPerSecond = 1e12;
 }  // namespace
 
-double DeviceUpdateSeconds(const Group& g, int num_states) {
+std::optional<double> DeviceUpdateSeconds(const Group& g, int num_states) {
+  if (num_states > 0 && g[ChunkKind::kExpAvg].dtype != DType::kFloat32) return std::nullopt;
   uint64_t bytes = 0;
   for (ChunkKind kind : UpdatedKinds(g, num_states)) bytes += 2 * g[kind].used_bytes;  // read, write
   return static_cast<double>(bytes) / kDeviceBytesPerSecond;
@@ -173,7 +174,8 @@ optim::ChunkTensors GroupUpdate::TensorsOf(const Group& g, const HeldChunks& hel
   }
   const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
   for (int k = 0; k < optimizer_.num_states(); ++k) {
-    part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
+    part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));  // bf16 arrays where state_dtype says
+    part.state_dtype = g[state_kinds[k]].dtype;
   }
   return part;
 }

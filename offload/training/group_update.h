@@ -38,8 +38,9 @@ size_t UsedElems(const ChunkInfo& chunk);
 
 // How long `g`'s update would take on a GPU, for the plan to weigh (Note
 // [Updates on the device] in train_step.cc): the bytes it reads and writes
-// at a GPU memory's rate, conservatively.
-double DeviceUpdateSeconds(const Group& g, int num_states);
+// at a GPU memory's rate, conservatively. None where it runs on the host
+// only: moments other than fp32 (the device's kernels keep fp32 states).
+std::optional<double> DeviceUpdateSeconds(const Group& g, int num_states);
 // The same for reading its gradients' statistics alone.
 double DeviceStatsSeconds(const Group& g);
 

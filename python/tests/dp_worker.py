@@ -8,7 +8,7 @@ DP_SHARD_PARAMS=true in the environment shards the parameters too (comm.shard_pa
 DP_FREEZE=NAME freezes the parameters whose names start with NAME;
 DP_TRAIN_STEP=standard|layered trains each batch by engine.train_step, in
 `accumulation` micro-batches of that order; DP_DEVICE_BUDGET sets the device's bytes, DP_OVERLAP
-optimizer.overlap and DP_CLIP gradient_clipping. DP_NO_CLOSE=1
+optimizer.overlap, DP_CLIP gradient_clipping and DP_STATES optimizer.states. DP_NO_CLOSE=1
 leaves the engine to the exit hooks, as a script that never closes it does.
 With a step to die at, the last rank kills itself there (or hangs, with
 DP_WORKER_HANG set) and every other rank writes the error its step raised.
@@ -40,6 +40,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
               "comm": {"timeout_ms": 2000, "shard_params": os.environ.get("DP_SHARD_PARAMS", "false")},
               "gradient_accumulation_steps": accumulation}
     config["optimizer"]["overlap"] = int(os.environ.get("DP_OVERLAP", 0))
+    config["optimizer"]["states"] = os.environ.get("DP_STATES", "fp32")
     if os.environ.get("DP_CLIP"):
         config["gradient_clipping"] = float(os.environ["DP_CLIP"])
     engine = strata.initialize(model, config)

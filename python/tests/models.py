@@ -45,6 +45,23 @@ def torch_losses(model, data, lr=1e-2, weight_decay=0.01, accumulation=1, optimi
     return losses
 
 
+def bf16_states_losses(model, data, lr=1e-2, weight_decay=0.01):
+    """torch's fused AdamW (whose bits strata's fp32 kernel gives), each moment rounded to the nearest bf16 after
+    every step: what Note [bf16 states] says strata computes."""
+    adamw = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, fused=True)
+    losses = []
+    for tokens in data:
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        adamw.step()
+        adamw.zero_grad()
+        for state in adamw.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key].copy_(state[key].bfloat16())
+        losses.append(loss.item())
+    return losses
+
+
 def strata_losses(engine, data):
     losses = []
     for tokens in data:

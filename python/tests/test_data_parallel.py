@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from models import batches, mixed_precision_losses, pair, relative_errors, torch_losses
+from models import batches, bf16_states_losses, mixed_precision_losses, pair, relative_errors, torch_losses
 
 MPIRUN = shutil.which("mpirun")
 
@@ -28,14 +28,14 @@ def launch(launcher, world, args, mpi_options=(), env=None):
 
 def run_ranks(tmp_path, world, steps, batch, precision="fp32", launcher="mpirun", accumulation=1,
               shard_params=False, freeze="", close=True, train_step="", device_budget=96 * 1024, overlap=0,
-              clip=""):
+              clip="", states="fp32"):
     """The worker on `world` ranks: rank 0's results, and every rank's bytes of each chunk kind and its comm stats."""
     out = str(tmp_path / "rank0")
     (tmp_path / "nvme").mkdir()  # the drive's directory; strata makes each rank's under it
     run = launch(launcher, world, [out, tmp_path / "nvme", steps, batch, precision, -1, accumulation],
                  env={"DP_SHARD_PARAMS": "true" if shard_params else "false", "DP_FREEZE": freeze,
                       "DP_TRAIN_STEP": train_step, "DP_DEVICE_BUDGET": str(device_budget),
-                      "DP_OVERLAP": str(overlap), "DP_CLIP": str(clip),
+                      "DP_OVERLAP": str(overlap), "DP_CLIP": str(clip), "DP_STATES": states,
                       **({} if close else {"DP_NO_CLOSE": "1"})})
     assert run.returncode == 0, run.stdout + run.stderr
     with open(out + ".json") as f:
@@ -226,6 +226,31 @@ def test_ranks_updating_beside_backward_train_as_after_it_bit_for_bit(tmp_path, 
         redone = [sum(b[1] for b in rank["beside"][1:]) for rank in beside["ranks"]]
         assert all(c > 0 for c in confirmed) if not clip else all(r > 0 for r in redone), (clip, confirmed, redone)
         assert not any(sum(b) for rank in after["ranks"] for b in rank["beside"])
+
+
+@needs_mpirun
+@pytest.mark.parametrize("shard_params", [False, True])
+def test_ranks_with_bf16_states_train_like_one_process_with_them(tmp_path, shard_params):
+    """optimizer.states bf16 on 2 ranks: each rank's shard of the moments in bf16, half the bytes of fp32 ones,
+    and the run that of one process with its moments rounded after each step (the ranks sum the gradients in
+    another order, so within a bf16 rounding's effect, not bit for bit)."""
+    steps, batch = 6, 8
+    runs = {}
+    for states in ("fp32", "bf16"):
+        (tmp_path / states).mkdir()
+        runs[states] = run_ranks(tmp_path / states, 2, steps, batch, shard_params=shard_params, states=states)
+    def used(rank, kind):
+        return sum(c["used_bytes"] for c in rank["chunks"] if c["kind"] == kind)
+
+    for r16, r32 in zip(runs["bf16"]["ranks"], runs["fp32"]["ranks"]):
+        for kind in ("exp_avg", "exp_avg_sq"):
+            assert 2 * used(r16, kind) == used(r32, kind) > 0, kind
+    _, reference = pair()
+    theirs = bf16_states_losses(reference, batches(steps, batch=batch))
+    assert max(relative_errors(runs["bf16"]["losses"], theirs)) <= 1e-4, (runs["bf16"]["losses"], theirs)
+    for name, value in reference.state_dict().items():
+        if name in runs["bf16"]["final"]:
+            assert torch.allclose(runs["bf16"]["final"][name], value, rtol=1e-3, atol=1e-4), name
 
 
 def test_ranks_accumulating_gradients_train_like_one_process(tmp_path):

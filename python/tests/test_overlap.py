@@ -11,12 +11,15 @@ import strata
 from models import TinyGPT, batches, three_tiers
 
 
-def gpt_run(tmp_path, overlap, steps=5, accumulation=1, schedule=False, backwards=1, evaluate=False, **config):
+def gpt_run(tmp_path, overlap, steps=5, accumulation=1, schedule=False, backwards=1, evaluate=False, states="fp32",
+            **config):
     """`backwards` a step (more than the accumulation asks: the later ones add to the gradients); `evaluate`: a
-    no_grad forward between the last backward and the step; `schedule`: the lr changed after every step."""
+    no_grad forward between the last backward and the step; `schedule`: the lr changed after every step; `states`:
+    optimizer.states."""
     torch.manual_seed(0)
     model = TinyGPT()
-    engine = strata.initialize(model, three_tiers(tmp_path, optimizer={"overlap": "64MiB" if overlap else 0},
+    optimizer = {"overlap": "64MiB" if overlap else 0, "states": states}
+    engine = strata.initialize(model, three_tiers(tmp_path, optimizer=optimizer,
                                                   gradient_accumulation_steps=accumulation, **config))
     scheduler = torch.optim.lr_scheduler.LambdaLR(engine.optimizer, lambda k: 1 / (k + 1)) if schedule else None
     reports = []
@@ -52,12 +55,12 @@ def assert_same(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("clip", [0.0, 0.05])
-def test_updates_beside_backward_give_the_steps_results_bit_for_bit(tmp_path, clip):
+@pytest.mark.parametrize("clip,states", [(0.0, "fp32"), (0.05, "fp32"), (0.05, "bf16")])
+def test_updates_beside_backward_give_the_steps_results_bit_for_bit(tmp_path, clip, states):
     (tmp_path / "after").mkdir()
     (tmp_path / "beside").mkdir()
-    after, after_reports, _ = gpt_run(tmp_path / "after", False, gradient_clipping=clip)
-    beside, reports, tiers = gpt_run(tmp_path / "beside", True, gradient_clipping=clip)
+    after, after_reports, _ = gpt_run(tmp_path / "after", False, gradient_clipping=clip, states=states)
+    beside, reports, tiers = gpt_run(tmp_path / "beside", True, gradient_clipping=clip, states=states)
     assert_same(after, beside)
     assert "nvme" in tiers["exp_avg"] or "nvme" in tiers["exp_avg_sq"], tiers  # states on NVMe
     groups = after_reports[-1]["groups"]

@@ -334,6 +334,11 @@ void AddOptimizerKeys(Table& t) {
   t.push_back(FloatEntry("optimizer.max_grad_norm",
                          "clip the global L2 norm of the unscaled gradients to this; 0 = no clipping",
                          field(&OptimizerOptions::max_grad_norm), 0, 1e30));
+  t.push_back(ChoiceEntry<DType>(
+      "optimizer.states",
+      "the moments' dtype (Adam's exp_avg and exp_avg_sq, SGD's momentum): fp32, or bf16 (2 bytes each, updated in "
+      "fp32 and rounded once as stored; updated on the host)",
+      field(&OptimizerOptions::state_dtype), {{"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}}));
   t.push_back(NoDecayEntry(field(&OptimizerOptions::no_decay)));
   t.push_back(SizeEntry("optimizer.stream_ring",
                         "bytes of host memory that NVMe-resident optimizer states stream through (at least two "

@@ -92,6 +92,22 @@ TEST(ChunkLayoutTest, StateChunksMirrorParamChunkAndFollowPrecision) {
   EXPECT_EQ(layout.report().chunks_of_kind[static_cast<int>(ChunkKind::kMaster)], 1u);
 }
 
+TEST(ChunkLayoutTest, Bf16MomentsTakeHalfTheBytesAndTheMasterStaysFp32) {
+  std::vector<TensorSpec> tensors = {T("w", {1000}, "m", DType::kBFloat16), T("w32", {200}, "n", DType::kFloat32)};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout fp32, ChunkLayout::Build(tensors, 2048, 0, 0));
+  ASSERT_OK_AND_ASSIGN(ChunkLayout bf16, ChunkLayout::Build(tensors, 2048, 0, 0, {}, DType::kBFloat16));
+  for (uint32_t t = 0; t < tensors.size(); ++t) {
+    for (ChunkKind kind : {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq}) {
+      const ChunkDesc& moment = bf16.chunk(*bf16.ChunkOf(TensorId(t), kind));
+      EXPECT_EQ(moment.dtype, DType::kBFloat16);
+      EXPECT_EQ(2 * moment.size_bytes(), fp32.chunk(*fp32.ChunkOf(TensorId(t), kind)).size_bytes());
+    }
+  }
+  EXPECT_EQ(bf16.chunk(*bf16.ChunkOf(TensorId(0), ChunkKind::kMaster)).dtype, DType::kFloat32);
+  EXPECT_EQ(bf16.chunk(*bf16.ChunkOf(TensorId(1), ChunkKind::kParam)).dtype, DType::kFloat32);
+  EXPECT_LT(bf16.report().total_bytes, fp32.report().total_bytes);
+}
+
 TEST(ChunkLayoutTest, SearchFindsLeastWaste) {
   // 10 modules of 3000 elements each: a 3008-element chunk (with alignment) wastes almost nothing.
   std::vector<TensorSpec> tensors;
