@@ -3,9 +3,11 @@
 
 #include <algorithm>
 #include <map>
+#include <set>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "offload/persist/checkpoint_internal.h"
 
@@ -15,20 +17,28 @@ namespace {
 namespace fs = std::filesystem;
 using checkpoint::json;
 
-// The manifest's files and bytes by chunk kind, and in all.
+// The manifest's files, bytes and dtypes by chunk kind, and in all (the
+// moments' dtype is the states' format, optimizer.states).
 std::string DescribeFiles(const json& manifest) {
-  std::map<std::string, std::pair<uint32_t, uint64_t>> kinds;  // files and bytes
+  struct Kind {
+    uint32_t files = 0;
+    uint64_t bytes = 0;
+    std::set<std::string> dtypes;
+  };
+  std::map<std::string, Kind> kinds;
   uint64_t total = 0;
   for (const json& file : manifest.at("files")) {
-    auto& [files, bytes] = kinds[file.at("kind").get<std::string>()];
-    files++;
-    bytes += file.at("bytes").get<uint64_t>();
+    Kind& kind = kinds[file.at("kind").get<std::string>()];
+    kind.files++;
+    kind.bytes += file.at("bytes").get<uint64_t>();
+    kind.dtypes.insert(file.at("dtype").get<std::string>());
     total += file.at("bytes").get<uint64_t>();
   }
   std::string out = fmt::format("  {} tensors, {} files, {:.2f} MiB\n", manifest.at("tensors").size(),
                                 manifest.at("files").size(), total / 1048576.0);
-  for (const auto& [kind, counted] : kinds) {
-    out += fmt::format("    {:<12} {:>5} files {:>10.2f} MiB\n", kind, counted.first, counted.second / 1048576.0);
+  for (const auto& [name, kind] : kinds) {
+    out += fmt::format("    {:<12} {:>5} files {:>10.2f} MiB  {}\n", name, kind.files, kind.bytes / 1048576.0,
+                       fmt::join(kind.dtypes, ", "));
   }
   return out;
 }

@@ -218,8 +218,12 @@ Status AddChunkPieces(const FilesByGroup& by_group, const fs::path& dir, const C
             "stand in for the fp32 masters this engine keeps",
             dir.string(), c.group, file->at("dtype").dump());
       }
-      return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
-                             dir.string(), kind, c.group, file->at("dtype").dump(), DTypeName(c.dtype));
+      const bool moment = c.kind == ChunkKind::kExpAvg || c.kind == ChunkKind::kExpAvgSq;
+      return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}{}",
+                             dir.string(), kind, c.group, file->at("dtype").dump(), DTypeName(c.dtype),
+                             moment ? fmt::format(" (optimizer.states {}: set it to {} to load this checkpoint)",
+                                                  DTypeName(c.dtype), DTypeName(*dtype))
+                                    : "");
     }
     pieces.push_back(std::move(piece));
   }

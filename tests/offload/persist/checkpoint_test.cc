@@ -105,7 +105,7 @@ TEST(CheckpointTest, ResumingIsBitExactWithStatesOnNvme) {
   EXPECT_EQ(saved.files, 3u * kLayers + 1);
   ASSERT_OK_AND_ASSIGN(std::string described, DescribeCheckpoint(dir.path()));  // strata checkpoint inspect
   for (const char* expected : {"step 4, saved by 1 rank(s)", "4 steps taken, no loss scaler", "7 tensors, 19 files",
-                               "exp_avg_sq       6 files"}) {
+                               "exp_avg_sq       6 files", "MiB  fp32\n"}) {
     EXPECT_NE(described.find(expected), std::string::npos) << expected << " in\n" << described;
   }
   ASSERT_OK_AND_ASSIGN(CheckpointManifest manifest, ReadCheckpointManifest(dir.path()));
