@@ -198,8 +198,14 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
     for (const std::optional<ChunkId>& c : group.chunk_of_kind) {
       if (c) m.chunks.push_back(*c);
     }
-    m.compute_seconds = static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
-    m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+    // The CPU rate is fp32 moments' (28 bytes a bf16 parameter: its gradient and copy, the master both
+    // ways, the moments both ways); other moments move fewer bytes, and the device's kernels keep fp32 ones.
+    const DType moment = layout.chunk(*group.chunk_of_kind[static_cast<int>(ChunkKind::kExpAvg)]).dtype;
+    const double bytes_ratio = (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
+    m.compute_seconds = bytes_ratio * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+    if (moment == DType::kFloat32) {
+      m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+    }
     step.trace.moments.push_back(std::move(m));
     step.passes.push_back(0);
   }
@@ -250,14 +256,17 @@ Result<PlannerInput> HomesOf(const memory::ChunkLayout& layout, const MachineSpe
   return input;
 }
 
-// Forward and backward against the updates, as `built` places them; and how
-// long each resource is busy in a step, the longest being the bottleneck.
-void SummarizeStep(const Trace& trace, const Plan& built, const MachineSpec& machine, CapacityPlan& plan) {
+// Forward and backward against the updates (the moments of no pass), as
+// `built` places them; and how long each resource is busy in a step, the
+// longest being the bottleneck.
+void SummarizeStep(const Trace& trace, const std::vector<double>& passes, const Plan& built,
+                   const MachineSpec& machine, CapacityPlan& plan) {
   double gpu_busy = 0, cpu_busy = 0;
   for (size_t k = 0; k < trace.moments.size(); ++k) {
     const TraceMoment& m = trace.moments[k];
     const double stall = plan.prediction.stall_per_moment[k];
-    if (!m.device_compute_seconds) {
+    const bool update = passes[k] == 0;
+    if (!update) {
       plan.compute_seconds += m.compute_seconds;
       plan.forward_backward_seconds += m.compute_seconds + stall;
       gpu_busy += m.compute_seconds;
@@ -269,7 +278,7 @@ void SummarizeStep(const Trace& trace, const Plan& built, const MachineSpec& mac
       plan.optimizer_seconds += m.compute_seconds + stall;
       cpu_busy += m.compute_seconds;
     }
-    if (m.device_compute_seconds) plan.updates++;
+    if (update) plan.updates++;
   }
   const auto& bytes = plan.prediction.bytes;
   const double pcie_seconds = static_cast<double>(std::max(bytes[0], bytes[1])) / (machine.pcie_gbps * 1e9);
@@ -283,17 +292,18 @@ void SummarizeStep(const Trace& trace, const Plan& built, const MachineSpec& mac
 }  // namespace
 
 Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine,
-                                  const Accumulation& accumulation) {
+                                  const Accumulation& accumulation, DType moment_dtype) {
   STRATA_RETURN_IF_ERROR(Validate(model, machine));
   if (accumulation.micro_batches == 0) return InvalidArgument("plan: --micro-batches must be >= 1");
   CapacityPlan plan;
   plan.model = model;
   plan.machine = machine;
   plan.accumulation = accumulation;
+  plan.moment_dtype = moment_dtype;
   const std::vector<TensorSpec> specs = GptTensorSpecs(model, DType::kBFloat16);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(specs, 0, memory::kWidestSearchMinElems,
-                                                     memory::kWidestSearchMaxElems));
+                                                     memory::kWidestSearchMaxElems, {}, moment_dtype));
   for (const TensorSpec& spec : specs) {
     if (spec.trainable) plan.params += static_cast<uint64_t>(spec.num_elements());
   }
@@ -322,7 +332,7 @@ Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& ma
   }
   plan.prediction = built->prediction;
   plan.step_seconds = plan.prediction.step_seconds;
-  SummarizeStep(input.trace, *built, machine, plan);
+  SummarizeStep(input.trace, step.passes, *built, machine, plan);
   return plan;
 }
 
@@ -357,7 +367,8 @@ std::string FormatCapacityPlan(const CapacityPlan& p) {
                         p.accumulation.order_name());
   return fmt::format(
       "strata plan: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {:.2f} B parameters\n"
-      "  params (bf16) {}   grads (bf16) {}   optimizer states (fp32 master, exp_avg, exp_avg_sq) {}\n"
+      "  params (bf16) {}   grads (bf16) {}   optimizer states (fp32 master, {} exp_avg and exp_avg_sq) {}\n"
+      "  bytes a parameter: {:.1f} in all, {:.1f} of optimizer states; homed in DRAM {:.1f}, on NVMe {:.1f}\n"
       "  activations, peak (estimate) {}\n"
       "where it lives:\n"
       "  HBM   {} usable of {}: the chunks each moment needs, streamed, and the activations\n"
@@ -369,8 +380,9 @@ std::string FormatCapacityPlan(const CapacityPlan& p) {
       "  step {:.3f} s, {:.1f} TFLOPS; bottleneck: {}\n"
       "  moved per step: host->device {}, device->host {}, nvme read {}, nvme write {}\n",
       p.model.layers, p.model.hidden, p.model.vocab, p.model.sequence, p.model.batch, accumulation,
-      static_cast<double>(p.params) / 1e9, gib(p.param_bytes), gib(p.grad_bytes), gib(p.state_bytes),
-      gib(p.activation_peak_bytes), gib(p.device_bytes), gib(p.machine.hbm_bytes), gib(p.host_chunk_bytes),
+      static_cast<double>(p.params) / 1e9, gib(p.param_bytes), gib(p.grad_bytes), DTypeName(p.moment_dtype),
+      gib(p.state_bytes), p.per_param(p.param_bytes + p.grad_bytes + p.state_bytes), p.per_param(p.state_bytes),
+      p.per_param(p.host_chunk_bytes), p.per_param(p.nvme_chunk_bytes), gib(p.activation_peak_bytes), gib(p.device_bytes), gib(p.machine.hbm_bytes), gib(p.host_chunk_bytes),
       gib(p.machine.dram_bytes), gib(p.nvme_chunk_bytes), gib(p.nvme_state_bytes),
       p.machine.nvme_bytes == 0 ? " (no NVMe given)" : "", p.forward_backward_seconds, p.compute_seconds,
       p.optimizer_seconds, p.updates_on_device, p.updates, p.step_seconds, p.tflops(), p.bottleneck,
@@ -391,6 +403,11 @@ std::string CapacityPlanJson(const CapacityPlan& p) {
     j["other_accumulation"] = {{"error", p.other_error}};
   }
   j["params"] = p.params;
+  j["states"] = DTypeName(p.moment_dtype);
+  j["bytes_per_param"] = {{"all", p.per_param(p.param_bytes + p.grad_bytes + p.state_bytes)},
+                          {"optimizer_states", p.per_param(p.state_bytes)},
+                          {"host", p.per_param(p.host_chunk_bytes)},
+                          {"nvme", p.per_param(p.nvme_chunk_bytes)}};
   j["param_bytes"] = p.param_bytes;
   j["grad_bytes"] = p.grad_bytes;
   j["state_bytes"] = p.state_bytes;

@@ -46,8 +46,9 @@ struct CapacityPlan {
   ModelShape model;
   Accumulation accumulation;
   MachineSpec machine;
+  DType moment_dtype = DType::kFloat32;  // the moments' (optimizer.states)
   uint64_t params = 0;
-  uint64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;  // as chunks: bf16, bf16, fp32 x 3
+  uint64_t param_bytes = 0, grad_bytes = 0, state_bytes = 0;  // as chunks: bf16, bf16, fp32 master and the moments
   uint64_t activation_peak_bytes = 0;
   uint64_t device_bytes = 0;      // HBM for chunks and activations (after the reserve)
   uint64_t host_chunk_bytes = 0;  // chunks homed in DRAM
@@ -61,6 +62,7 @@ struct CapacityPlan {
   double step_seconds = 0;
   double model_flops = 0;  // per step, forward and backward
   double tflops() const { return step_seconds > 0 ? model_flops / step_seconds / 1e12 : 0; }
+  double per_param(uint64_t bytes) const { return params > 0 ? static_cast<double>(bytes) / params : 0; }
   std::string bottleneck;  // "compute", "pcie", "nvme" or "cpu optimizer"
   Prediction prediction;   // the planner's, for the whole step
   uint64_t boundary_bytes = 0;  // layered: the micro-batches' layer inputs held at once, at most
@@ -93,8 +95,11 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
 // OutOfMemory naming the shortfall when a moment's chunks and activations do
 // not fit in HBM, or the model states do not fit in DRAM and NVMe together;
 // InvalidArgument for a zero size or rate.
+// `moment_dtype`: Adam's moments' (optimizer.states: fp32 or bf16; bf16
+// moments are updated on the host, at the CPU rate scaled by the bytes the
+// update moves).
 Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine,
-                                  const Accumulation& accumulation = {});
+                                  const Accumulation& accumulation = {}, DType moment_dtype = DType::kFloat32);
 std::string FormatCapacityPlan(const CapacityPlan& plan);
 std::string CapacityPlanJson(const CapacityPlan& plan);
 

@@ -22,6 +22,7 @@ struct PlanFlags {
   std::string json_path;
   uint32_t micro_batches = 1;
   std::string accumulation = "standard";
+  std::string states = "fp32";
 };
 
 // The machine's sizes from their flags; NVMe space: what the directories
@@ -48,11 +49,12 @@ int RunPlan(PlanFlags flags) {
   if (!sized.ok()) return Fail(sized);
   const offload::Accumulation accumulation{.micro_batches = flags.micro_batches,
                                            .layered = flags.accumulation == "layered"};
-  Result<offload::CapacityPlan> plan = offload::PlanCapacity(flags.shape, flags.machine, accumulation);
+  const DType moments = flags.states == "bf16" ? DType::kBFloat16 : DType::kFloat32;
+  Result<offload::CapacityPlan> plan = offload::PlanCapacity(flags.shape, flags.machine, accumulation, moments);
   if (plan.ok() && accumulation.micro_batches > 1) {  // the other accumulation, to compare
     offload::Accumulation other = accumulation;
     other.layered = !other.layered;
-    Result<offload::CapacityPlan> compared = offload::PlanCapacity(flags.shape, flags.machine, other);
+    Result<offload::CapacityPlan> compared = offload::PlanCapacity(flags.shape, flags.machine, other, moments);
     if (compared.ok()) {
       plan->other_step_seconds = compared->step_seconds;
       plan->other_bytes_moved = compared->prediction.bytes_moved();
@@ -102,6 +104,9 @@ Command AddPlanCommand(CLI::App& parent) {
                       "standard (the model once per micro-batch) or layered (each layer for every micro-batch in "
                       "turn); with several micro-batches the other is predicted too")
       ->check(CLI::IsMember({"standard", "layered"}))
+      ->capture_default_str();
+  command->add_option("--states", flags->states, "optimizer.states: the moments' dtype, fp32 or bf16")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   command->add_option("--json", flags->json_path, "also write the plan as JSON to this file");
   return {command, [flags] { return RunPlan(*flags); }};

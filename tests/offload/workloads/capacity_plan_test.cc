@@ -47,6 +47,35 @@ TEST(CapacityPlanTest, StatesBeyondDramLiveOnNvmeAndTheOptimizerStreamsThem) {
   EXPECT_GT(plan.optimizer_seconds, in_dram.optimizer_seconds);
 }
 
+TEST(CapacityPlanTest, Bf16MomentsFitWhereFp32OnesAreRefusedAndUpdateOnTheCpu) {
+  // DRAM for the model states with bf16 moments (12 bytes a parameter) but not fp32 ones (16), no NVMe.
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan sized, PlanCapacity(Small(), MachineSpec{}, {}, DType::kBFloat16));
+  const uint64_t bf16_states = sized.param_bytes + sized.grad_bytes + sized.state_bytes;
+  MachineSpec machine{.hbm_bytes = uint64_t{8} << 30, .dram_bytes = bf16_states + (bf16_states >> 4)};
+  const Result<CapacityPlan> fp32 = PlanCapacity(Small(), machine);
+  ASSERT_EQ(fp32.status().code(), StatusCode::kOutOfMemory) << fp32.status().ToString();
+  EXPECT_NE(fp32.status().message().find("raise --dram"), std::string::npos) << fp32.status().ToString();
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan bf16, PlanCapacity(Small(), machine, {}, DType::kBFloat16));
+  EXPECT_EQ(bf16.moment_dtype, DType::kBFloat16);
+  // The master stays fp32: 4 + 2 + 2 bytes a parameter of states, against fp32 moments' 12.
+  machine.dram_bytes = uint64_t{1} << 30;
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan both_fit, PlanCapacity(Small(), machine));
+  EXPECT_NEAR(static_cast<double>(bf16.state_bytes) / static_cast<double>(both_fit.state_bytes), 8.0 / 12.0, 0.01);
+  // HBM enough for every state: fp32 moments update on the GPU, bf16 ones on the CPU, at 20 bytes a parameter
+  // against 28.
+  EXPECT_EQ(both_fit.updates_on_device, both_fit.updates);
+  EXPECT_EQ(bf16.updates, both_fit.updates);
+  EXPECT_EQ(bf16.updates_on_device, 0u);
+  machine.gpu_adam_gparams = 1e-3;  // so slow that fp32's updates stay on the CPU too
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan on_cpu, PlanCapacity(Small(), machine));
+  EXPECT_EQ(on_cpu.updates_on_device, 0u);
+  EXPECT_NEAR(bf16.optimizer_seconds / on_cpu.optimizer_seconds, 20.0 / 28.0, 0.05);  // the stalls aside
+  const nlohmann::json json = nlohmann::json::parse(CapacityPlanJson(bf16));
+  EXPECT_EQ(json["states"], "bf16");
+  EXPECT_DOUBLE_EQ(json["bytes_per_param"]["optimizer_states"].get<double>(), bf16.per_param(bf16.state_bytes));
+  EXPECT_NE(FormatCapacityPlan(bf16).find("bf16 exp_avg and exp_avg_sq"), std::string::npos);
+}
+
 TEST(CapacityPlanTest, LayeredAccumulationMovesEachChunkOnceAStepWhateverTheMicroBatches) {
   // HBM for a few of the chunks: every layer's stream (Note [Layered accumulation]); one sequence a micro-batch.
   ModelShape model = Small();
