@@ -368,11 +368,6 @@ Status Optimizer::UpdateChunkOnDevice(const StepPlan& plan, const ChunkTensors& 
   STRATA_RETURN_IF_ERROR(CheckPlan(plan, step));
   STRATA_RETURN_IF_ERROR(CheckChunk(config_, groups_.size(), chunk));
   if (plan.skip || chunk.n == 0) return Status::Ok();
-  if (chunk.state_dtype != DType::kFloat32) {
-    return NotSupported("optimizer: {} states on a GPU: the device's kernels keep fp32 states; update these on "
-                        "the host (UpdateChunk)",
-                        DTypeName(chunk.state_dtype));
-  }
 #ifdef STRATA_OPTIM_CUDA
   const ChunkTensors of_group = ForGroup(chunk);
   return UpdateChunksCuda(

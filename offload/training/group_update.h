@@ -39,7 +39,8 @@ size_t UsedElems(const ChunkInfo& chunk);
 // How long `g`'s update would take on a GPU, for the plan to weigh (Note
 // [Updates on the device] in train_step.cc): the bytes it reads and writes
 // at a GPU memory's rate, conservatively. None where it runs on the host
-// only: moments other than fp32 (the device's kernels keep fp32 states).
+// only: moments other than fp32 (the CUDA kernel's bf16 moments are not yet
+// checked on a GPU: cuda_kernels_test's bf16 cases).
 std::optional<double> DeviceUpdateSeconds(const Group& g, int num_states);
 // The same for reading its gradients' statistics alone.
 double DeviceStatsSeconds(const Group& g);

@@ -70,6 +70,7 @@ LaunchChunk ToLaunchChunk(const ChunkTensors& t) {
   chunk.param = t.param;
   chunk.grad_type = ElementTypeOf(t.grad_dtype);
   chunk.param_type = t.param_dtype == DType::kFloat16 ? ElementType::kFloat16 : ElementType::kBFloat16;
+  chunk.state_type = ElementTypeOf(t.state_dtype);
   return chunk;
 }
 

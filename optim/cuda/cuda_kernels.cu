@@ -146,8 +146,9 @@ __device__ __forceinline__ bool Aligned(const void* p, uintptr_t bytes) {
 // so the array's own alignment decides. Null arrays are not read.
 __device__ bool GroupsAligned(const LaunchChunk& t) {
   const uintptr_t grad_bytes = t.grad_type == ElementType::kFloat32 ? 16 : 8;
-  return Aligned(t.master, 16) && Aligned(t.state[0], 16) && Aligned(t.state[1], 16) && Aligned(t.grad, grad_bytes) &&
-         Aligned(t.param, 8);
+  const uintptr_t state_bytes = t.state_type == ElementType::kFloat32 ? 16 : 8;
+  return Aligned(t.master, 16) && Aligned(t.state[0], state_bytes) && Aligned(t.state[1], state_bytes) &&
+         Aligned(t.grad, grad_bytes) && Aligned(t.param, 8);
 }
 
 // The elements of a group that exist, `left` being those from its start to
@@ -228,6 +229,22 @@ __device__ __forceinline__ void StoreParams(void* param, uint64_t i, int count, 
   }
 }
 
+// The moments [i, i + count) in fp32 (bf16 ones exactly), and back (bf16:
+// rounded to nearest even, Note [bf16 states] in optim/cpu/cpu_kernels.cc).
+template <ElementType S, bool kWhole>
+__device__ __forceinline__ void LoadStates(const float* state, uint64_t i, int count, float (&out)[kGroupElements]) {
+  LoadGrads<S, kWhole>(state, i, count, out);
+}
+
+template <ElementType S, bool kWhole>
+__device__ __forceinline__ void StoreStates(float* state, uint64_t i, int count, const float (&in)[kGroupElements]) {
+  if constexpr (S == ElementType::kFloat32) {
+    StoreFloats<kWhole>(state, i, count, in);
+  } else {
+    StoreParams<ParamOut::kBf16, kWhole>(state, i, count, in);
+  }
+}
+
 // Adam and AdamW for one element: AdamRange of the reference, operation for
 // operation. Returns the new weight; updates the two moments in place.
 __device__ __forceinline__ float AdamElement(const LaunchConstants& c, float g, float master, float& exp_avg,
@@ -262,7 +279,7 @@ __device__ __forceinline__ float SgdElement(const LaunchConstants& c, float g, f
 }
 
 // Updates elements [i, i + count) of one chunk.
-template <bool kSgd, ElementType G, ParamOut P, bool kWhole>
+template <bool kSgd, ElementType G, ParamOut P, ElementType S, bool kWhole>
 __device__ __forceinline__ void UpdateGroup(const LaunchConstants& c, const LaunchChunk& t, uint64_t i, int count) {
   float grad[kGroupElements] = {};
   float weight[kGroupElements] = {};
@@ -272,15 +289,15 @@ __device__ __forceinline__ void UpdateGroup(const LaunchConstants& c, const Laun
   LoadFloats<kWhole>(t.master, i, count, weight);
   if constexpr (kSgd) {
     const bool with_momentum = t.state[0] != nullptr;
-    if (with_momentum) LoadFloats<kWhole>(t.state[0], i, count, state0);
+    if (with_momentum) LoadStates<S, kWhole>(t.state[0], i, count, state0);
     for (int k = 0; k < kGroupElements; ++k) weight[k] = SgdElement(c, grad[k], weight[k], with_momentum, state0[k]);
-    if (with_momentum) StoreFloats<kWhole>(t.state[0], i, count, state0);
+    if (with_momentum) StoreStates<S, kWhole>(t.state[0], i, count, state0);
   } else {
-    LoadFloats<kWhole>(t.state[0], i, count, state0);
-    LoadFloats<kWhole>(t.state[1], i, count, state1);
+    LoadStates<S, kWhole>(t.state[0], i, count, state0);
+    LoadStates<S, kWhole>(t.state[1], i, count, state1);
     for (int k = 0; k < kGroupElements; ++k) weight[k] = AdamElement(c, grad[k], weight[k], state0[k], state1[k]);
-    StoreFloats<kWhole>(t.state[0], i, count, state0);
-    StoreFloats<kWhole>(t.state[1], i, count, state1);
+    StoreStates<S, kWhole>(t.state[0], i, count, state0);
+    StoreStates<S, kWhole>(t.state[1], i, count, state1);
   }
   // Lanes past `count` computed on zeros and are not stored.
   StoreFloats<kWhole>(t.master, i, count, weight);
@@ -288,7 +305,7 @@ __device__ __forceinline__ void UpdateGroup(const LaunchConstants& c, const Laun
 }
 
 // This block's tiles of one chunk.
-template <bool kSgd, ElementType G, ParamOut P>
+template <bool kSgd, ElementType G, ParamOut P, ElementType S>
 __device__ void UpdateTiles(const LaunchConstants& c, const LaunchChunk& t, uint32_t first_tile, uint32_t tile_stride) {
   const bool whole_groups = GroupsAligned(t);
   const uint64_t num_tiles = (t.n + kTileElements - 1) / kTileElements;
@@ -297,22 +314,32 @@ __device__ void UpdateTiles(const LaunchConstants& c, const LaunchChunk& t, uint
     if (i >= t.n) break;  // the chunk's last tile, past its end; later tiles are further
     const int count = GroupCount(t.n - i);
     if (whole_groups && count == kGroupElements) {
-      UpdateGroup<kSgd, G, P, true>(c, t, i, kGroupElements);
+      UpdateGroup<kSgd, G, P, S, true>(c, t, i, kGroupElements);
     } else {
-      UpdateGroup<kSgd, G, P, false>(c, t, i, count);
+      UpdateGroup<kSgd, G, P, S, false>(c, t, i, count);
     }
   }
 }
 
-template <bool kSgd, ElementType G>
+template <bool kSgd, ElementType G, ElementType S>
 __device__ void UpdateTilesForParam(const LaunchConstants& c, const LaunchChunk& t, uint32_t first_tile,
                                     uint32_t tile_stride) {
   if (t.param == nullptr) {
-    UpdateTiles<kSgd, G, ParamOut::kNone>(c, t, first_tile, tile_stride);
+    UpdateTiles<kSgd, G, ParamOut::kNone, S>(c, t, first_tile, tile_stride);
   } else if (t.param_type == ElementType::kFloat16) {
-    UpdateTiles<kSgd, G, ParamOut::kFp16>(c, t, first_tile, tile_stride);
+    UpdateTiles<kSgd, G, ParamOut::kFp16, S>(c, t, first_tile, tile_stride);
   } else {
-    UpdateTiles<kSgd, G, ParamOut::kBf16>(c, t, first_tile, tile_stride);
+    UpdateTiles<kSgd, G, ParamOut::kBf16, S>(c, t, first_tile, tile_stride);
+  }
+}
+
+template <bool kSgd, ElementType G>
+__device__ void UpdateTilesForStates(const LaunchConstants& c, const LaunchChunk& t, uint32_t first_tile,
+                                     uint32_t tile_stride) {
+  if (t.state_type == ElementType::kBFloat16) {
+    UpdateTilesForParam<kSgd, G, ElementType::kBFloat16>(c, t, first_tile, tile_stride);
+  } else {
+    UpdateTilesForParam<kSgd, G, ElementType::kFloat32>(c, t, first_tile, tile_stride);
   }
 }
 
@@ -325,13 +352,13 @@ __global__ void __launch_bounds__(kThreadsPerBlock) UpdateKernel(const __grid_co
   // The types are the same for every thread of the block: no divergence.
   switch (work.chunk.grad_type) {
     case ElementType::kFloat32:
-      UpdateTilesForParam<kSgd, ElementType::kFloat32>(args.constants, work.chunk, work.first_tile, work.tile_stride);
+      UpdateTilesForStates<kSgd, ElementType::kFloat32>(args.constants, work.chunk, work.first_tile, work.tile_stride);
       break;
     case ElementType::kBFloat16:
-      UpdateTilesForParam<kSgd, ElementType::kBFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride);
+      UpdateTilesForStates<kSgd, ElementType::kBFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride);
       break;
     case ElementType::kFloat16:
-      UpdateTilesForParam<kSgd, ElementType::kFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride);
+      UpdateTilesForStates<kSgd, ElementType::kFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride);
       break;
   }
 }

@@ -50,6 +50,7 @@ struct LaunchChunk {
   void* param = nullptr;                 // the bf16/fp16 compute copy; null: none
   ElementType grad_type = ElementType::kFloat32;
   ElementType param_type = ElementType::kBFloat16;  // kBFloat16 or kFloat16 when param is set
+  ElementType state_type = ElementType::kFloat32;   // kBFloat16: `state` points at bf16 arrays
 };
 
 // Enqueues the update of `chunks` on `cuda_stream` (null: the legacy default

@@ -293,6 +293,52 @@ TEST(CudaKernelsTest, TheOptimizersUpdateOnTheDeviceIsItsHostUpdateBitForBit) {
   }
 }
 
+// bf16 moments (Note [bf16 states]): the device's update of a chunk is the
+// host's bit for bit, whole groups and element by element.
+TEST(CudaKernelsTest, Bf16StatesOnTheDeviceAreTheHostUpdateBitForBit) {
+  if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  UniqueStream stream;
+  ASSERT_NO_FATAL_FAILURE(CreateStream(&stream));
+  for (const Case& c : Cases()) {
+    ASSERT_OK_AND_ASSIGN(std::unique_ptr<Optimizer> optimizer, Optimizer::Create(c.config));
+    ASSERT_OK_AND_ASSIGN(const StepPlan plan, optimizer->PlanStep(GradStats{.sum_squares = 2.0}));
+    for (DType dtype : kAllDTypes) {
+      for (size_t shift : {0, 1}) {
+        SCOPED_TRACE(fmt::format("{} dtype {} shift {}", c.name, DTypeName(dtype), shift));
+        ChunkArrays host = RandomChunk(4099, dtype, dtype, rng);
+        std::vector<uint16_t> states[2];
+        for (int s = 0; s < 2; ++s) {
+          for (float x : s == 0 ? host.state0 : host.state1) states[s].push_back(Bf16FromFloat(x));
+        }
+        ChunkArrays from_gpu = host;
+        std::vector<uint16_t> gpu_states[2] = {states[0], states[1]};
+        ChunkTensors on_host = ViewFor(c.config, host);
+        DeviceChunk device;
+        ASSERT_NO_FATAL_FAILURE(Upload(ViewFor(c.config, from_gpu), shift, &device));
+        for (int s = 0; s < NumStates(c.config); ++s) {
+          on_host.state[s] = reinterpret_cast<float*>(states[s].data());
+          uint16_t* moment = nullptr;
+          ASSERT_NO_FATAL_FAILURE(CopyArrayToDevice<uint16_t>(gpu_states[s].data(), 4099, shift, &device, &moment));
+          device.view.state[s] = reinterpret_cast<float*>(moment);
+        }
+        on_host.state_dtype = device.view.state_dtype = DType::kBFloat16;
+        ASSERT_OK(optimizer->UpdateChunk(plan, on_host));
+        ASSERT_OK(optimizer->UpdateChunkOnDevice(plan, device.view, 0, stream.get()));
+        ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
+        ASSERT_CUDA_OK(cudaMemcpy(from_gpu.master.data(), device.view.master, 4099 * sizeof(float),
+                                  cudaMemcpyDeviceToHost));
+        EXPECT_EQ(std::memcmp(from_gpu.master.data(), host.master.data(), 4099 * sizeof(float)), 0);
+        for (int s = 0; s < NumStates(c.config); ++s) {
+          ASSERT_CUDA_OK(cudaMemcpy(gpu_states[s].data(), device.view.state[s], 4099 * sizeof(uint16_t),
+                                    cudaMemcpyDeviceToHost));
+          EXPECT_EQ(gpu_states[s], states[s]) << "state " << s;
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaKernelsTest, NanAndInfGradientsPropagateLikeTheReference) {
   if (!CudaDeviceAvailable()) GTEST_SKIP() << "no CUDA device";
   std::mt19937_64 rng(::strata::testing::TestSeed());
