@@ -53,6 +53,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--states", choices=["fp32", "bf16"], default="fp32",
+                   help="optimizer.states: the moments' dtype (default fp32)")
     p.add_argument("--device", choices=["emulated", "cuda"], default="emulated",
                    help="the device tier: host memory standing in for a GPU (default), or CUDA")
     p.add_argument("--device-budget", help="bytes or e.g. 48MiB (default: 20%% of the model states)")
@@ -107,12 +109,13 @@ def make_batches(text, steps, batch, seq, seed):
     return [torch.stack([text[s:s + seq + 1] for s in row.tolist()]) for row in starts]
 
 
-def model_state_bytes(model, precision):
+def model_state_bytes(model, precision, states="fp32"):
     """Parameters, gradients and optimizer states (AdamW), and the optimizer states alone."""
     n = sum(p.numel() for p in model.parameters())
+    moments = (4 if states == "bf16" else 8) * n  # exp_avg and exp_avg_sq
     if precision == "fp32":
-        return 16 * n, 8 * n   # param, grad, exp_avg, exp_avg_sq; the last two
-    return 16 * n, 12 * n      # bf16 param and grad; fp32 master, exp_avg, exp_avg_sq
+        return 8 * n + moments, moments            # param, grad; the moments
+    return 8 * n + moments, 4 * n + moments        # bf16 param and grad, fp32 master; the master and moments
 
 
 def size(text, default):
@@ -185,7 +188,7 @@ Sizes = collections.namedtuple("Sizes", "params states optimizer_states device_b
 
 def model_sizes(model, args):
     """The model's parameters and state bytes, and the tier budgets: given, or shares of the states."""
-    states, optimizer_states = model_state_bytes(model, args.precision)
+    states, optimizer_states = model_state_bytes(model, args.precision, args.states)
     return Sizes(params=sum(p.numel() for p in model.parameters()), states=states, optimizer_states=optimizer_states,
                  device_budget=size(args.device_budget, states // 5),
                  host_budget=size(args.host_budget, optimizer_states * 9 // 10))
@@ -194,7 +197,7 @@ def model_sizes(model, args):
 def strata_config(args, sizes, nvme_dir):
     return {
         "precision": args.precision,
-        "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01},
+        "optimizer": {"type": "adamw", "lr": args.lr, "weight_decay": 0.01, "states": args.states},
         "device": {"backend": args.device, "budget": sizes.device_budget},
         "host": {"budget": sizes.host_budget},
         # The chunk size, the NVMe capacity and the device memory activations

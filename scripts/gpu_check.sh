@@ -98,7 +98,9 @@ case $mode in
     part gpu-tests 90 gpu_tests
     part bench-io 60 drive
     part bench-optim-bf16 45 "$strata" bench optim --dtype bf16 --params 256M --json "$logs/bench-optim-bf16.json"
-    # Issue 36: the 8-bit states' CPU update against the fp32 states' on the GPU host's cores.
+    # Issue 36: the bf16 and 8-bit states' CPU updates against the fp32 states' on the GPU host's cores.
+    part bench-optim-bf16-states 30 "$strata" bench optim --state-format bf16 --params 256M \
+      --json "$logs/bench-optim-bf16-states.json"
     part bench-optim-int8 45 "$strata" bench optim --state-format int8 --params 256M \
       --json "$logs/bench-optim-int8.json"
     # The goals' runs: plain PyTorch and strata's four of issue 35, a 0.94B Llama, 4 x 2048 tokens a step.

@@ -1,4 +1,5 @@
-"""benchmarks/train_bench.py and adapter_cost.py in short runs on the emulated device: their figures are there."""
+"""The Python benchmarks (train_bench.py, adapter_cost.py, accumulation_bench.py, states_quality.py) in short runs on the
+emulated device: their figures are there."""
 
 import json
 import os
@@ -91,3 +92,16 @@ def test_the_training_benchmark_refuses_to_scale_a_real_devices_compute():
                         (["--backward-to-update", "0"], "give a ratio > 0")):
         run = subprocess.run([sys.executable, BENCH, *flags], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and says in run.stderr, run.stderr
+
+
+def test_the_states_quality_benchmark_compares_a_format_with_fp32_from_the_same_seeds(tmp_path):
+    out = tmp_path / "quality.json"
+    run = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "states_quality.py"), "--model", "llama", "--steps",
+                          "20", "--seeds", "0,1", "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    result = json.loads(out.read_text())
+    assert sorted(result["losses"]) == ["bf16/seed0", "bf16/seed1", "fp32/seed0", "fp32/seed1"]
+    assert all(len(losses) == 20 for losses in result["losses"].values())
+    assert result["losses"]["bf16/seed0"] != result["losses"]["fp32/seed0"]  # the format changed the run
+    assert result["losses"]["fp32/seed0"][0] == result["losses"]["bf16/seed0"][0]  # from the same model and batch
+    assert set(result["gap"]) == {"0", "1"} and "across seeds" in run.stdout
