@@ -135,7 +135,9 @@ TEST(CpuKernelsTest, Bf16StatesAreTheFp32StatesUpdateWithTheMomentsRoundedOnce) 
     size_t rounded = 0;
     for (size_t i = 0; i < 1000; ++i) {
       ASSERT_EQ(bf16.state0[i], Bf16FromFloat(fp32.state0[i])) << i;
-      if (c.config.kind != OptimizerKind::kSgd) ASSERT_EQ(bf16.state1[i], Bf16FromFloat(fp32.state1[i])) << i;
+      if (c.config.kind != OptimizerKind::kSgd) {
+        ASSERT_EQ(bf16.state1[i], Bf16FromFloat(fp32.state1[i])) << i;
+      }
       rounded += FloatFromBf16(bf16.state0[i]) != fp32.state0[i];
     }
     EXPECT_GT(rounded, 900u);  // the fp32 results were not bf16 values already
