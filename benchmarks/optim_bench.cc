@@ -128,7 +128,8 @@ __attribute__((target("avx2"))) void BoundBlock8bitAvx2(float* p, const float* g
 }
 
 // The bound of bf16 states (Note [bf16 states]): the same with 2 bytes a
-// moment, 20 bytes a parameter. Elements [i, i + 16) of both moments:
+// moment, 20 bytes a parameter, 16 elements a step and the rest one at a
+// time. Elements [i, i + 16) of both moments:
 __attribute__((target("avx2"))) inline void BumpBf16Moments(uint16_t* m, uint16_t* v, size_t i) {
   const __m256i mi = _mm256_add_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + i)),
                                       _mm256_set1_epi16(1));
@@ -138,24 +139,36 @@ __attribute__((target("avx2"))) inline void BumpBf16Moments(uint16_t* m, uint16_
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(v + i), vi);
 }
 
+void BoundTailBf16(float* p, const float* g, uint16_t* m, uint16_t* v, size_t i, size_t n) {
+  for (; i < n; ++i) {
+    p[i] += g[i];
+    ++m[i];
+    ++v[i];
+  }
+}
+
 __attribute__((target("avx512f"))) void BoundBlockBf16Avx512(float* p, const float* g, uint16_t* m, uint16_t* v,
                                                              size_t n) {
-  for (size_t i = 0; i < n; i += 16) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
     const __m512 pi = _mm512_add_ps(_mm512_loadu_ps(p + i), _mm512_loadu_ps(g + i));
     BumpBf16Moments(m, v, i);
     _mm512_storeu_ps(p + i, pi);
   }
+  BoundTailBf16(p, g, m, v, i, n);
 }
 
 __attribute__((target("avx2"))) void BoundBlockBf16Avx2(float* p, const float* g, uint16_t* m, uint16_t* v,
                                                         size_t n) {
-  for (size_t i = 0; i < n; i += 16) {
+  size_t i = 0;
+  for (; i + 16 <= n; i += 16) {
     const __m256 p0 = _mm256_add_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(g + i));
     const __m256 p1 = _mm256_add_ps(_mm256_loadu_ps(p + i + 8), _mm256_loadu_ps(g + i + 8));
     BumpBf16Moments(m, v, i);
     _mm256_storeu_ps(p + i, p0);
     _mm256_storeu_ps(p + i + 8, p1);
   }
+  BoundTailBf16(p, g, m, v, i, n);
 }
 
 // One pass over the chunk's fp32 master and states with `bound_grad` (fp32)

@@ -393,6 +393,7 @@ def main(argv=None):
             sys.exit("train_bench.py: --backward-to-update needs the update's rate from `strata bench optim`; "
                      f"--strata-bin {args.strata_bin} is not there")
         results = {"plain": fit_backward_to_update(args, device, parameters / args.optimizer_rate)}
+        parameters = sum(p.numel() for p in build_model(args).parameters())  # a GPT's positions follow --seq
     else:
         results = {"plain": plain_run(args, device)}
     if args.optimizer_rate:

@@ -187,7 +187,7 @@ constexpr uint64_t kHostChunkGroups = 4;
 }  // namespace
 
 SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBounds given, uint64_t device_bytes,
-                             uint64_t host_bytes) {
+                             uint64_t host_bytes, DType moment_dtype) {
   const uint64_t fp32_bytes = DTypeSizeBytes(DType::kFloat32);
   uint64_t device_elem_bytes = 1;  // param and grad, of the widest class
   uint64_t host_elem_bytes = 1;    // every kind of a group, of the widest class
@@ -198,7 +198,8 @@ SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBound
     const uint64_t master_bytes = t.dtype == DType::kFloat32 ? 0 : fp32_bytes;
     device_elem_bytes = std::max(device_elem_bytes, t.trainable ? 2 * param_bytes : param_bytes);
     host_elem_bytes =
-        std::max(host_elem_bytes, t.trainable ? 2 * param_bytes + master_bytes + 2 * fp32_bytes : param_bytes);
+        std::max(host_elem_bytes,
+                 t.trainable ? 2 * param_bytes + master_bytes + 2 * DTypeSizeBytes(moment_dtype) : param_bytes);
     largest_elems = std::max(largest_elems, static_cast<uint64_t>(t.num_elements()));
     total_elems += static_cast<uint64_t>(t.num_elements());
   }

@@ -132,9 +132,9 @@ inline constexpr uint64_t kAutoHostSearchBytes = uint64_t{4} << 30;
 // `device_bytes` holds several chunks of each kind compute touches (beside
 // the largest tensor when it gets a chunk of its own) and the host tier of
 // `host_bytes` (0: host.budget auto, kAutoHostSearchBytes) several chunk
-// groups. Never min > max.
+// groups, their moments of `moment_dtype`. Never min > max.
 SearchBounds SearchBoundsFor(const std::vector<TensorSpec>& tensors, SearchBounds given, uint64_t device_bytes,
-                             uint64_t host_bytes);
+                             uint64_t host_bytes, DType moment_dtype = DType::kFloat32);
 
 class ChunkLayout {
  public:

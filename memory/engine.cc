@@ -382,7 +382,8 @@ Status Engine::Finalize() {
   }
   const memory::SearchBounds bounds = memory::SearchBoundsFor(
       impl_->tensors, {o.chunk.search_min_elems, o.chunk.search_max_elems}, capacities.device_bytes,
-      size_host ? 0 : capacities.host_bytes);  // auto: a fixed figure (Note [Chunk size bounds])
+      size_host ? 0 : capacities.host_bytes,  // auto: a fixed figure (Note [Chunk size bounds])
+      o.optimizer.state_dtype);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(impl_->tensors, o.chunk.size_elems, bounds.min_elems,
                                                      bounds.max_elems, {rank(), world_size(), o.comm.shard_params},

@@ -93,8 +93,8 @@ struct ChunkTensors {
   const void* grad = nullptr;
   DType grad_dtype = DType::kFloat32;
   float* state[2] = {nullptr, nullptr};  // exp_avg, exp_avg_sq (Adam); momentum_buffer (SGD)
-  // kBFloat16: `state` points at bf16 arrays (the host kernels' bf16 states,
-  // Note [bf16 states] in cpu/cpu_kernels.cc); fp32 or bf16.
+  // kBFloat16: `state` points at bf16 arrays (Note [bf16 states] in
+  // cpu/cpu_kernels.cc); fp32 or bf16.
   DType state_dtype = DType::kFloat32;
   uint32_t param_group = 0;              // whose hyperparameters update them
 };

@@ -140,10 +140,11 @@ Result<SelftestReport> RunSelftest(const SelftestConfig& config, Options options
   // Size the budgets from the exact footprint of the layout the engine will build.
   const memory::SearchBounds bounds =
       memory::SearchBoundsFor(specs, {options.chunk.search_min_elems, options.chunk.search_max_elems},
-                              options.device.budget_bytes, options.host.budget_bytes);
+                              options.device.budget_bytes, options.host.budget_bytes,
+                              options.optimizer.state_dtype);
   STRATA_ASSIGN_OR_RETURN(memory::ChunkLayout layout,
                           memory::ChunkLayout::Build(specs, options.chunk.size_elems, bounds.min_elems,
-                                                     bounds.max_elems));
+                                                     bounds.max_elems, {}, options.optimizer.state_dtype));
   uint64_t total = layout.report().total_bytes;
   uint64_t largest = 0;
   for (const memory::ChunkDesc& chunk : layout.chunks()) largest = std::max(largest, chunk.size_bytes());

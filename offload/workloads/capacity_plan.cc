@@ -199,7 +199,8 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
       if (c) m.chunks.push_back(*c);
     }
     // The CPU rate is fp32 moments' (28 bytes a bf16 parameter: its gradient and copy, the master both
-    // ways, the moments both ways); other moments move fewer bytes, and the device's kernels keep fp32 ones.
+    // ways, the moments both ways); other moments move fewer bytes, and update on the host as the engine
+    // runs them (DeviceUpdateSeconds in offload/training/group_update.h).
     const DType moment = layout.chunk(*group.chunk_of_kind[static_cast<int>(ChunkKind::kExpAvg)]).dtype;
     const double bytes_ratio = (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
     m.compute_seconds = bytes_ratio * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);

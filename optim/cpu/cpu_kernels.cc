@@ -105,8 +105,8 @@ CpuIsa ActiveCpuIsa() {
 // weights from the fp32 results and rounds the moments to the nearest bf16
 // (ties to even) once, as they are stored. This is not what torch.optim
 // does with bf16 state tensors (each of its operations on them rounds), and
-// is closer to the fp32 states' update. The host kernels have them; the
-// device's keep fp32 states.
+// is closer to the fp32 states' update. The CUDA kernel (cuda/cuda_kernels.cu)
+// does the same.
 UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier) {
   const auto f32 = [](double x) { return static_cast<float>(x); };
   UpdateConstants c;

@@ -53,6 +53,10 @@ Status CheckChunk(OptimizerKind kind, const ChunkTensors& t, size_t index) {
                            index, KnownDType(t.param_dtype) ? DTypeName(t.param_dtype) : "?",
                            t.param == nullptr ? "no" : "a");
   }
+  if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
+    return InvalidArgument("cuda optimizer: chunk {} has states of dtype {}: they are fp32 or bf16", index,
+                           KnownDType(t.state_dtype) ? DTypeName(t.state_dtype) : "?");
+  }
   if (kind != OptimizerKind::kSgd && (t.state[0] == nullptr || t.state[1] == nullptr)) {
     return InvalidArgument("cuda optimizer: {} keeps 2 state arrays per chunk; chunk {} has no state[{}]",
                            OptimizerKindName(kind), index, t.state[0] == nullptr ? 0 : 1);

@@ -106,6 +106,12 @@ TEST(ChunkLayoutTest, Bf16MomentsTakeHalfTheBytesAndTheMasterStaysFp32) {
   EXPECT_EQ(bf16.chunk(*bf16.ChunkOf(TensorId(0), ChunkKind::kMaster)).dtype, DType::kFloat32);
   EXPECT_EQ(bf16.chunk(*bf16.ChunkOf(TensorId(1), ChunkKind::kParam)).dtype, DType::kFloat32);
   EXPECT_LT(bf16.report().total_bytes, fp32.report().total_bytes);
+  // Where host memory bounds the chunk size, groups of bf16 moments may be larger: 12 bytes an element
+  // against 16 for these bf16 parameters.
+  const uint64_t device = uint64_t{1} << 40, host = uint64_t{64} << 20;
+  const SearchBounds wide = SearchBoundsFor(tensors, {}, device, host, DType::kBFloat16);
+  const SearchBounds narrow = SearchBoundsFor(tensors, {}, device, host);
+  EXPECT_NEAR(static_cast<double>(wide.max_elems) / static_cast<double>(narrow.max_elems), 16.0 / 12.0, 0.01);
 }
 
 TEST(ChunkLayoutTest, SearchFindsLeastWaste) {
