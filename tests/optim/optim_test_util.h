@@ -70,6 +70,27 @@ inline ChunkArrays RandomChunk(size_t n, DType grad_dtype, DType param_dtype, st
   return a;
 }
 
+// A chunk's states as bf16 arrays (Note [bf16 states]), and the fp32
+// states they stand for.
+struct Bf16States {
+  std::vector<uint16_t> state0, state1;
+  explicit Bf16States(ChunkArrays& a) : state0(a.state0.size()), state1(a.state1.size()) {
+    for (size_t i = 0; i < state0.size(); ++i) {
+      state0[i] = Bf16FromFloat(a.state0[i]);
+      state1[i] = Bf16FromFloat(a.state1[i]);
+      a.state0[i] = FloatFromBf16(state0[i]);
+      a.state1[i] = FloatFromBf16(state1[i]);
+    }
+  }
+  ChunkTensors view(ChunkArrays& a) {
+    ChunkTensors t = a.view();
+    t.state[0] = reinterpret_cast<float*>(state0.data());
+    t.state[1] = reinterpret_cast<float*>(state1.data());
+    t.state_dtype = DType::kBFloat16;
+    return t;
+  }
+};
+
 // One optimizer configuration at one step: every kind and SGD variant.
 struct Case {
   const char* name;

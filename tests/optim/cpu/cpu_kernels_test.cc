@@ -13,6 +13,7 @@
 namespace strata::optim {
 namespace {
 
+using testing::Bf16States;
 using testing::Case;
 using testing::Cases;
 using testing::ChunkArrays;
@@ -96,27 +97,6 @@ TEST(CpuKernelsTest, ScalarSgdMatchesTorchForMomentumAndNesterov) {
   EXPECT_FLOAT_EQ(b, 0.9f * 2.0f + d);
   EXPECT_FLOAT_EQ(w, w1 - 0.1f * (d + 0.9f * b));
 }
-
-// A chunk's states as bf16 arrays (Note [bf16 states]), and the fp32
-// states they stand for.
-struct Bf16States {
-  std::vector<uint16_t> state0, state1;
-  explicit Bf16States(ChunkArrays& a) : state0(a.state0.size()), state1(a.state1.size()) {
-    for (size_t i = 0; i < state0.size(); ++i) {
-      state0[i] = Bf16FromFloat(a.state0[i]);
-      state1[i] = Bf16FromFloat(a.state1[i]);
-      a.state0[i] = FloatFromBf16(state0[i]);
-      a.state1[i] = FloatFromBf16(state1[i]);
-    }
-  }
-  ChunkTensors view(ChunkArrays& a) {
-    ChunkTensors t = a.view();
-    t.state[0] = reinterpret_cast<float*>(state0.data());
-    t.state[1] = reinterpret_cast<float*>(state1.data());
-    t.state_dtype = DType::kBFloat16;
-    return t;
-  }
-};
 
 // bf16 states: the weights the fp32 states' update gives from the same
 // values, and the moments it computes rounded once to bf16.

@@ -39,6 +39,7 @@
 namespace strata::optim {
 namespace {
 
+using testing::Bf16States;
 using testing::Case;
 using testing::Cases;
 using testing::ChunkArrays;
@@ -307,22 +308,19 @@ TEST(CudaKernelsTest, Bf16StatesOnTheDeviceAreTheHostUpdateBitForBit) {
       for (size_t shift : {0, 1}) {
         SCOPED_TRACE(fmt::format("{} dtype {} shift {}", c.name, DTypeName(dtype), shift));
         ChunkArrays host = RandomChunk(4099, dtype, dtype, rng);
-        std::vector<uint16_t> states[2];
-        for (int s = 0; s < 2; ++s) {
-          for (float x : s == 0 ? host.state0 : host.state1) states[s].push_back(Bf16FromFloat(x));
-        }
+        Bf16States states(host);
         ChunkArrays from_gpu = host;
-        std::vector<uint16_t> gpu_states[2] = {states[0], states[1]};
-        ChunkTensors on_host = ViewFor(c.config, host);
+        std::vector<uint16_t> gpu_states[2] = {states.state0, states.state1};
+        ChunkTensors on_host = states.view(host);
+        if (NumStates(c.config) == 0) on_host.state[0] = on_host.state[1] = nullptr;
         DeviceChunk device;
         ASSERT_NO_FATAL_FAILURE(Upload(ViewFor(c.config, from_gpu), shift, &device));
         for (int s = 0; s < NumStates(c.config); ++s) {
-          on_host.state[s] = reinterpret_cast<float*>(states[s].data());
           uint16_t* moment = nullptr;
           ASSERT_NO_FATAL_FAILURE(CopyArrayToDevice<uint16_t>(gpu_states[s].data(), 4099, shift, &device, &moment));
           device.view.state[s] = reinterpret_cast<float*>(moment);
         }
-        on_host.state_dtype = device.view.state_dtype = DType::kBFloat16;
+        device.view.state_dtype = DType::kBFloat16;
         ASSERT_OK(optimizer->UpdateChunk(plan, on_host));
         ASSERT_OK(optimizer->UpdateChunkOnDevice(plan, device.view, 0, stream.get()));
         ASSERT_CUDA_OK(cudaStreamSynchronize(stream.get()));
@@ -332,7 +330,7 @@ TEST(CudaKernelsTest, Bf16StatesOnTheDeviceAreTheHostUpdateBitForBit) {
         for (int s = 0; s < NumStates(c.config); ++s) {
           ASSERT_CUDA_OK(cudaMemcpy(gpu_states[s].data(), device.view.state[s], 4099 * sizeof(uint16_t),
                                     cudaMemcpyDeviceToHost));
-          EXPECT_EQ(gpu_states[s], states[s]) << "state " << s;
+          EXPECT_EQ(gpu_states[s], s == 0 ? states.state0 : states.state1) << "state " << s;
         }
       }
     }
@@ -456,6 +454,9 @@ TEST(CudaKernelsTest, ChunksThatDoNotFitAreRejectedBeforeAnythingIsEnqueued) {
   ChunkTensors no_states = bad.view();
   no_states.state[0] = no_states.state[1] = nullptr;
   expect_rejected(no_states, adamw, "state[0]");
+  ChunkTensors fp16_states = bad.view();  // states are fp32 or bf16
+  fp16_states.state_dtype = DType::kFloat16;
+  expect_rejected(fp16_states, adamw, "states of dtype fp16");
 
   Result<double> sum = SumSquaresCuda(std::vector<ChunkTensors>{good.view(), no_grad}, nullptr);
   EXPECT_EQ(sum.status().code(), StatusCode::kInvalidArgument) << sum.status().ToString();
