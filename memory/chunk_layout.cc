@@ -60,10 +60,21 @@ struct ChunkClass {
   DType dtype;
   bool trainable;
   uint32_t param_group;  // 0 for frozen tensors, which no optimizer updates
+  bool int8_states;      // moments of 8-bit blocks (Note [8-bit states in chunks] in optim/cpu/cpu_kernels.cc)
   auto operator<=>(const ChunkClass&) const = default;
+  // Where its tensors may start: on a block of 8-bit states.
+  uint64_t Align(uint64_t elems) const {
+    return int8_states ? RoundUp(elems, kInt8BlockElems) : AlignElems(elems);
+  }
 };
 
-ChunkClass ClassOf(const TensorSpec& t) { return {t.dtype, t.trainable, t.trainable ? t.param_group : 0}; }
+// `int8_states`: optimizer.states int8, under which a trainable tensor
+// QuantizesStates or keeps fp32 moments in chunks of its own.
+ChunkClass ClassOf(const TensorSpec& t, bool int8_states) {
+  const bool quantized =
+      int8_states && t.trainable && QuantizesStates(static_cast<uint64_t>(t.num_elements()));
+  return {t.dtype, t.trainable, t.trainable ? t.param_group : 0, quantized};
+}
 
 struct PlannedChunk {
   ChunkClass cls;
@@ -72,19 +83,20 @@ struct PlannedChunk {
   std::vector<std::pair<TensorId, uint64_t>> tensors;  // id, offset
 };
 
-// Packs tensors into param chunks of `chunk_elems` (see the header for the rules).
-std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t chunk_elems) {
+// Packs tensors into param chunks of `chunk_elems` (see the header for the
+// rules; ClassOf for `int8_states`).
+std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t chunk_elems, bool int8_states) {
   std::vector<PlannedChunk> chunks;
   std::map<ChunkClass, size_t> open_chunk;  // class -> index into chunks
 
   auto append = [&](size_t index, uint32_t tensor) {
     PlannedChunk& chunk = chunks[index];
-    uint64_t offset = AlignElems(chunk.used_elems);
+    uint64_t offset = chunk.cls.Align(chunk.used_elems);
     chunk.tensors.emplace_back(TensorId(tensor), offset);
     chunk.used_elems = offset + static_cast<uint64_t>(tensors[tensor].num_elements());
   };
   auto open_new = [&](ChunkClass cls, uint64_t capacity) {
-    chunks.push_back({cls, capacity});
+    chunks.push_back({cls, cls.Align(capacity)});
     return chunks.size() - 1;
   };
 
@@ -96,14 +108,16 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
       ++end;
     }
     std::map<ChunkClass, std::vector<uint32_t>> by_class;
-    for (size_t i = begin; i < end; ++i) by_class[ClassOf(tensors[i])].push_back(static_cast<uint32_t>(i));
+    for (size_t i = begin; i < end; ++i) {
+      by_class[ClassOf(tensors[i], int8_states)].push_back(static_cast<uint32_t>(i));
+    }
     for (const auto& [cls, members] : by_class) {
       uint64_t run_elems = 0;
-      for (uint32_t t : members) run_elems = AlignElems(run_elems) + static_cast<uint64_t>(tensors[t].num_elements());
+      for (uint32_t t : members) run_elems = cls.Align(run_elems) + static_cast<uint64_t>(tensors[t].num_elements());
       auto open = open_chunk.find(cls);
       bool fits_open = open != open_chunk.end() &&
-                       AlignElems(chunks[open->second].used_elems) + run_elems <= chunks[open->second].capacity_elems;
-      if (fits_open || run_elems <= chunk_elems) {
+                       cls.Align(chunks[open->second].used_elems) + run_elems <= chunks[open->second].capacity_elems;
+      if (fits_open || run_elems <= cls.Align(chunk_elems)) {
         size_t index = fits_open ? open->second : open_new(cls, chunk_elems);
         open_chunk[cls] = index;
         for (uint32_t t : members) append(index, t);
@@ -111,12 +125,12 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
       }
       for (uint32_t t : members) {  // the module does not fit in one chunk: tensor by tensor
         uint64_t elems = static_cast<uint64_t>(tensors[t].num_elements());
-        if (elems > chunk_elems) {  // an oversized tensor gets its own chunk; the open one stays open
-          append(open_new(cls, AlignElems(elems)), t);
+        if (elems > cls.Align(chunk_elems)) {  // an oversized tensor gets its own chunk; the open one stays open
+          append(open_new(cls, elems), t);
           continue;
         }
         auto it = open_chunk.find(cls);
-        if (it == open_chunk.end() || AlignElems(chunks[it->second].used_elems) + elems > chunks[it->second].capacity_elems) {
+        if (it == open_chunk.end() || cls.Align(chunks[it->second].used_elems) + elems > chunks[it->second].capacity_elems) {
           open_chunk[cls] = open_new(cls, chunk_elems);
         }
         append(open_chunk[cls], t);
@@ -154,7 +168,7 @@ Status ValidateTensors(const std::vector<TensorSpec>& tensors) {
 // `tensors` (of tensor_elems in all) with the least waste; see Note [Chunk
 // size search].
 Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_t tensor_elems,
-                                 uint64_t search_min_elems, uint64_t search_max_elems) {
+                                 uint64_t search_min_elems, uint64_t search_max_elems, bool int8_states) {
   if (search_min_elems == 0 || search_min_elems > search_max_elems) {
     return InvalidArgument("chunk size search: bounds [{}, {}] are not allowed: expected 0 < min <= max",
                            search_min_elems, search_max_elems);
@@ -169,7 +183,7 @@ Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_
   double least_waste = 1.0;
   for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
        size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
-    double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size)));
+    double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size, int8_states)));
     candidates.emplace_back(size, waste);
     least_waste = std::min(least_waste, waste);
   }
@@ -235,8 +249,7 @@ ShardRange ShardOf(uint64_t n, int rank, int world) {
 }
 
 uint64_t ChunkDesc::size_bytes() const {
-  uint64_t bytes = capacity_elems * DTypeSizeBytes(dtype);
-  return RoundUp(bytes, kSlotAlignmentBytes);
+  return RoundUp(ChunkBytes(dtype, capacity_elems), kSlotAlignmentBytes);
 }
 
 Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
@@ -249,6 +262,12 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
                            shard.world);
   }
 
+  const bool int8_states = moment_dtype == DType::kInt8Block;
+  if (int8_states && shard.world > 1) {
+    return InvalidArgument("chunk layout: int8 optimizer states across {} ranks: 8-bit states are not sharded for "
+                           "data parallelism (use optimizer.states fp32 or bf16 there)",
+                           shard.world);
+  }
   ChunkLayout layout;
   layout.shard_ = shard;
   uint64_t tensor_elems = 0;
@@ -257,11 +276,12 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
   layout.report_.searched = chunk_size_elems == 0;
   uint64_t chosen = AlignElems(chunk_size_elems);
   if (chunk_size_elems == 0) {
-    STRATA_ASSIGN_OR_RETURN(chosen, SearchChunkSize(tensors, tensor_elems, search_min_elems, search_max_elems));
+    STRATA_ASSIGN_OR_RETURN(chosen,
+                            SearchChunkSize(tensors, tensor_elems, search_min_elems, search_max_elems, int8_states));
   }
   layout.report_.chunk_size_elems = chosen;
 
-  std::vector<PlannedChunk> planned = Pack(tensors, chosen);
+  std::vector<PlannedChunk> planned = Pack(tensors, chosen, int8_states);
   layout.placements_.resize(tensors.size());
   for (uint32_t g = 0; g < planned.size(); ++g) {
     const PlannedChunk& p = planned[g];
@@ -279,9 +299,10 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
       bool exists = kind == ChunkKind::kParam || (kind == ChunkKind::kMaster && params_sharded) ||
                     (p.cls.trainable && (kind != ChunkKind::kMaster || p.cls.dtype != DType::kFloat32));
       if (!exists) continue;
+      // Under int8 states, tensors too small for 8-bit blocks keep fp32 moments.
+      const DType moments = p.cls.int8_states || !int8_states ? moment_dtype : DType::kFloat32;
       const DType dtype =
-          kind == ChunkKind::kMaster && !p.cls.trainable ? p.cls.dtype
-                                                         : ChunkKindDType(kind, p.cls.dtype, moment_dtype);
+          kind == ChunkKind::kMaster && !p.cls.trainable ? p.cls.dtype : ChunkKindDType(kind, p.cls.dtype, moments);
       ChunkDesc desc{ChunkId(static_cast<uint32_t>(layout.chunks_.size())), kind, dtype, g, p.capacity_elems,
                      p.used_elems};
       desc.transient = params_sharded && kind == ChunkKind::kParam;

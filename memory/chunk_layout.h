@@ -9,7 +9,9 @@
 // trainable class has a group of state chunks that mirror it — the same
 // tensors at the same element offsets — so an optimizer walks one group at a
 // time: grad (param dtype), master (fp32, only when the param dtype is not
-// fp32), exp_avg and exp_avg_sq (fp32). Frozen tensors get param chunks only
+// fp32), exp_avg and exp_avg_sq (fp32, bf16 or int8: optimizer.states;
+// under int8, a trainable tensor's class also says whether its moments are
+// 8-bit: Build). Frozen tensors get param chunks only
 // (and, parameters sharded, a master shard: below).
 //
 // Data parallel (a ShardSpec of more than one rank): a group's master and
@@ -141,6 +143,9 @@ class ChunkLayout {
   // chunk_size_elems == 0 searches [search_min_elems, search_max_elems].
   // The chunk size search and the packing are the same for every shard.
   // `moment_dtype`: the exp_avg and exp_avg_sq chunks' (optimizer.states).
+  // kInt8Block (int8 states): tensors that QuantizesStates share chunks
+  // with their like only, each starting on a block, and the others keep
+  // fp32 moments; InvalidArgument when sharded across ranks.
   static Result<ChunkLayout> Build(const std::vector<TensorSpec>& tensors, uint64_t chunk_size_elems,
                                    uint64_t search_min_elems, uint64_t search_max_elems, ShardSpec shard = {},
                                    DType moment_dtype = DType::kFloat32);

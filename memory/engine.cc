@@ -434,6 +434,11 @@ Result<TensorAccess> Engine::Access(TensorId tensor, ChunkKind kind, Tier tier) 
         spec.name, ChunkKindName(kind), world_size(), rank(), desc.shard_begin_elems,
         desc.shard_begin_elems + desc.used_elems, desc.group, place.offset_elems, place.offset_elems + place.num_elems);
   }
+  if (desc.dtype == DType::kInt8Block) {
+    return InvalidArgument("tensor '{}': its {} copy is 8-bit codes and block scales (optimizer.states int8), "
+                           "not elements: access the chunk (AccessChunk) for its bytes",
+                           spec.name, ChunkKindName(kind));
+  }
   STRATA_ASSIGN_OR_RETURN(ChunkAccess access, impl_->residency->Access(*chunk, tier));
   size_t element = DTypeSizeBytes(desc.dtype);
   return TensorAccess(std::move(access), (place.offset_elems - desc.shard_begin_elems) * element,
@@ -527,12 +532,12 @@ std::vector<ChunkInfo> Engine::chunks() const {
   std::vector<ChunkInfo> infos;
   if (!impl_->layout) return infos;
   for (const memory::ChunkDesc& c : impl_->layout->chunks()) {
-    size_t element = DTypeSizeBytes(c.dtype);
+    const auto bytes = [&](uint64_t elems) { return ChunkBytes(c.dtype, elems); };
     const memory::ChunkGroup& group = impl_->layout->groups()[c.group];
-    ChunkInfo info{c.id,       c.kind, c.dtype, c.group, group.param_group, c.size_bytes(), c.used_elems * element,
-                   group.tensors, {},  c.shard_begin_elems * element, c.sharded, c.transient};
+    ChunkInfo info{c.id,          c.kind, c.dtype, c.group, group.param_group, c.size_bytes(), bytes(c.used_elems),
+                   group.tensors, {},     bytes(c.shard_begin_elems), c.sharded, c.transient};
     for (TensorId tensor : info.tensors) {
-      info.tensor_offsets_bytes.push_back(impl_->layout->placement(tensor).offset_elems * element);
+      info.tensor_offsets_bytes.push_back(bytes(impl_->layout->placement(tensor).offset_elems));
     }
     infos.push_back(std::move(info));
   }

@@ -147,6 +147,7 @@ Result<OptimizerConfig> OptimizerConfigFromOptions(const Options& options) {
   config.dampening = options.optimizer.dampening;
   config.nesterov = options.optimizer.nesterov;
   config.max_grad_norm = options.optimizer.max_grad_norm;
+  config.int8_states = options.optimizer.state_dtype == DType::kInt8Block;
   if (Status status = ValidateOptimizerConfig(config); !status.ok()) {
     // "optimizer: beta1 ..." names the field; say it is the option optimizer.beta1.
     return InvalidArgument("option {}", status.message());
@@ -329,8 +330,16 @@ Status CheckChunk(const OptimizerConfig& config, size_t num_groups, const ChunkT
                            "in `master` (param null); bf16/fp16 ones need the copy",
                            DTypeName(t.param_dtype), t.param == nullptr ? "no" : "a");
   }
-  if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
-    return InvalidArgument("optimizer: states of dtype {}: they are fp32 or bf16", DTypeName(t.state_dtype));
+  if (t.state_dtype == DType::kInt8Block) {
+    if (config.kind == OptimizerKind::kSgd) {
+      return InvalidArgument("optimizer: int8 states for sgd: 8-bit states are Adam's and AdamW's moments");
+    }
+    if (t.n % kInt8BlockElems != 0) {
+      return InvalidArgument("optimizer: {} elements with int8 states: they update in whole blocks of {}", t.n,
+                             kInt8BlockElems);
+    }
+  } else if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
+    return InvalidArgument("optimizer: states of dtype {}: they are fp32, bf16 or int8", DTypeName(t.state_dtype));
   }
   for (int s = 0; s < NumStates(config); ++s) {
     if (t.state[s] == nullptr) {

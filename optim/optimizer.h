@@ -51,6 +51,9 @@ struct OptimizerConfig {
   double dampening = 0.0;     // SGD
   bool nesterov = false;      // SGD; needs momentum > 0 and dampening 0
   double max_grad_norm = 0.0;  // clip the global norm of the unscaled gradients to this; 0: no clipping
+  // optimizer.states int8 (Adam): every tensor updated with torchao's 8-bit
+  // Adam's arithmetic, its fp32 moments too (Note [8-bit states in chunks]).
+  bool int8_states = false;
 };
 
 // InvalidArgument naming the field, its value and the allowed range.

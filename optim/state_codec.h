@@ -16,19 +16,13 @@
 #include <cstdint>
 #include <cstring>
 
+#include "strata/types.h"
+
 namespace strata::optim {
 
-// Elements that share one scale.
+// Elements that share one scale (a kInt8Block chunk's blocks).
 inline constexpr size_t kStateBlockElems = 256;
-// Tensors smaller than this keep fp32 states (as bitsandbytes and torchao do:
-// their scales would be a large share of their bytes).
-inline constexpr size_t kMinQuantizedElems = 4096;
-
-// Whether a tensor of `numel` elements gets 8-bit states: at least
-// kMinQuantizedElems, in whole blocks; else its states stay fp32.
-constexpr bool QuantizesStates(size_t numel) {
-  return numel >= kMinQuantizedElems && numel % kStateBlockElems == 0;
-}
+static_assert(kStateBlockElems == kInt8BlockElems);
 
 using StateCodeMap = std::array<float, 256>;
 

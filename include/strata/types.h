@@ -30,12 +30,45 @@ class Id {
 using ChunkId = Id<struct ChunkIdTag>;
 using TensorId = Id<struct TensorIdTag>;
 
-enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16 };
+// kInt8Block is not an element type but a chunk's: optimizer moments as
+// blocks of kInt8BlockElems 8-bit codes, each followed by the block's fp32
+// scale (Note [8-bit states] in optim/state_codec.cc; ChunkBytes).
+enum class DType : uint8_t { kFloat32, kBFloat16, kFloat16, kInt8Block };
 
-constexpr size_t DTypeSizeBytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+// Bytes an element takes; a kInt8Block chunk's codes (its scales: ChunkBytes).
+constexpr size_t DTypeSizeBytes(DType dtype) {
+  return dtype == DType::kFloat32 ? 4 : dtype == DType::kInt8Block ? 1 : 2;
+}
+inline constexpr uint64_t kInt8BlockElems = 256;
+inline constexpr uint64_t kInt8BlockBytes = kInt8BlockElems + sizeof(float);
+// Tensors smaller than this keep fp32 states under int8 states (as
+// bitsandbytes and torchao do: their scales would be a large share of their
+// bytes).
+inline constexpr uint64_t kMinQuantizedElems = 4096;
+// Whether a tensor of `numel` elements gets 8-bit states under int8 states:
+// at least kMinQuantizedElems, in whole blocks; else its states stay fp32.
+constexpr bool QuantizesStates(uint64_t numel) {
+  return numel >= kMinQuantizedElems && numel % kInt8BlockElems == 0;
+}
+// Bytes that `elems` elements of a chunk of `dtype` take, counted from the
+// chunk's start (so also where element `elems` starts): a kInt8Block chunk
+// rounds up to whole blocks, which its tensors start on.
+constexpr uint64_t ChunkBytes(DType dtype, uint64_t elems) {
+  if (dtype == DType::kInt8Block) return (elems + kInt8BlockElems - 1) / kInt8BlockElems * kInt8BlockBytes;
+  return elems * DTypeSizeBytes(dtype);
+}
+// The elements whose bytes a chunk's first `bytes` hold (ChunkBytes' inverse
+// on whole elements, and whole blocks for kInt8Block).
+constexpr uint64_t ChunkElems(DType dtype, uint64_t bytes) {
+  if (dtype == DType::kInt8Block) return bytes / kInt8BlockBytes * kInt8BlockElems;
+  return bytes / DTypeSizeBytes(dtype);
+}
 std::string_view DTypeName(DType dtype);
-// Accepts "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16".
+// Accepts "fp32"/"float32", "bf16"/"bfloat16", "fp16"/"float16": the
+// element types (not "int8", which only chunks of moments hold).
 Result<DType> ParseDType(std::string_view name);
+// ParseDType, or "int8" for kInt8Block: a chunk's dtype (a checkpoint's).
+Result<DType> ParseChunkDType(std::string_view name);
 
 // What a chunk holds. State kinds mirror the layout of their param chunk.
 enum class ChunkKind : uint8_t { kParam, kGrad, kMaster, kExpAvg, kExpAvgSq };

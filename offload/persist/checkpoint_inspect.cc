@@ -56,14 +56,18 @@ std::string Describe(const fs::path& dir, const json& manifest) {
     if (behind > 0) out += fmt::format(" ({} tensor(s) left out of some)", behind);
   }
   if (state.at("loss_scaler").is_null()) {
-    out += ", no loss scaler\n";
+    out += ", no loss scaler";
   } else {
-    out += fmt::format(", loss scale {} ({} good steps, {} overflows)\n",
-                       state.at("loss_scaler").at("scale").get<float>(),
+    out += fmt::format(", loss scale {} ({} good steps, {} overflows)", state.at("loss_scaler").at("scale").get<float>(),
                        state.at("loss_scaler").at("good_steps").get<int64_t>(),
                        state.at("loss_scaler").at("overflows").get<int64_t>());
   }
-  return out + DescribeFiles(manifest);
+  checkpoint::MomentsFormat states;  // optimizer.states
+  for (const json& file : manifest.at("files")) {
+    states.Add(file.at("kind").get<std::string>(), file.at("dtype").get<std::string>());
+  }
+  if (states.format()) out += fmt::format(", {} states", *states.format());
+  return out + "\n" + DescribeFiles(manifest);
 }
 
 }  // namespace

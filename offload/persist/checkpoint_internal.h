@@ -12,6 +12,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -181,5 +182,20 @@ Status CheckNoSavePending(const Engine& engine);
 inline Status Agree(Communicator* comm, const Status& status, const std::string& what, bool* any_invalid = nullptr) {
   return AgreeOnStatus(comm, status, "checkpoint: " + what, any_invalid);
 }
+
+// The format of a set of moment chunks, from their kinds and dtype names:
+// int8 where any is (the others are the fp32 moments of small tensors),
+// else theirs; nullopt without moments.
+class MomentsFormat {
+ public:
+  void Add(std::string_view kind, std::string_view dtype) {
+    if (kind != ChunkKindName(ChunkKind::kExpAvg) && kind != ChunkKindName(ChunkKind::kExpAvgSq)) return;
+    if (!format_ || dtype == DTypeName(DType::kInt8Block)) format_ = std::string(dtype);
+  }
+  const std::optional<std::string>& format() const { return format_; }
+
+ private:
+  std::optional<std::string> format_;
+};
 
 }  // namespace strata::offload::checkpoint

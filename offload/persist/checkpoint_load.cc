@@ -72,7 +72,7 @@ struct Piece {
   uint64_t bytes() const { return file->at("bytes").get<uint64_t>(); }
   std::string path() const { return file->at("path").get<std::string>(); }
   // The file's first element in the group's whole chunk.
-  uint64_t file_begin() const { return file->at("shard_offset").get<uint64_t>() / DTypeSizeBytes(dtype); }
+  uint64_t file_begin() const { return ChunkElems(dtype, file->at("shard_offset").get<uint64_t>()); }
 };
 
 // Reads every piece's file, checked against its size and CRC32C, and hands
@@ -168,6 +168,22 @@ Status CheckParamGroups(const json& manifest, const std::string& where, const op
   return Status::Ok();
 }
 
+// InvalidArgument unless the checkpoint's moments are of the format of
+// `engine`'s (a checkpoint or an engine without moments fits any): states are
+// loaded as they are, not converted between formats.
+Status CheckStatesFormat(const json& manifest, const std::string& where, const Engine& engine) {
+  checkpoint::MomentsFormat saved, ours;
+  for (const json& file : manifest.at("files")) {
+    saved.Add(file.at("kind").get<std::string>(), file.at("dtype").get<std::string>());
+  }
+  for (const ChunkInfo& c : engine.chunks()) ours.Add(ChunkKindName(c.kind), DTypeName(c.dtype));
+  if (!saved.format() || !ours.format() || saved.format() == ours.format()) return Status::Ok();
+  return InvalidArgument("checkpoint {} holds {} optimizer states and this engine keeps {} (optimizer.states {}): "
+                         "set optimizer.states to {} to load it (states are not converted between formats)",
+                         where, *saved.format(), *ours.format(), DTypeName(engine.options().optimizer.state_dtype),
+                         *saved.format());
+}
+
 // InvalidArgument unless the checkpoint holds `engine`'s model (the same
 // registered tensors, in chunks of the same size) and `optimizer` can take
 // its state.
@@ -179,6 +195,7 @@ Status CheckFits(const json& manifest, const fs::path& dir, const Engine& engine
         "differ from this engine's",
         where);
   }
+  STRATA_RETURN_IF_ERROR(CheckStatesFormat(manifest, where, engine));
   const uint64_t chunk_elems = engine.layout().chunk_size_elems;
   if (manifest.contains("layout") && manifest.at("layout").at("chunk_size_elems") != chunk_elems) {
     const json& saved = manifest.at("layout").at("chunk_size_elems");
@@ -205,11 +222,11 @@ Status AddChunkPieces(const FilesByGroup& by_group, const fs::path& dir, const C
   const auto found = by_group.find({c.group, source});
   if (found == by_group.end()) return Status::Ok();
   for (const json* file : found->second) {
-    Result<DType> dtype = ParseDType(file->at("dtype").get<std::string>());
+    Result<DType> dtype = ParseChunkDType(file->at("dtype").get<std::string>());
     if (!dtype.ok()) return Corruption("checkpoint {}: {}", dir.string(), dtype.status().message());
     Piece piece{file, 0, 0, c, *dtype};
     piece.from = std::max(begin, piece.file_begin());
-    piece.to = std::min(end, piece.file_begin() + piece.bytes() / DTypeSizeBytes(*dtype));
+    piece.to = std::min(end, piece.file_begin() + ChunkElems(*dtype, piece.bytes()));
     if (piece.from >= piece.to) continue;
     if (*dtype != c.dtype && !(c.kind == ChunkKind::kParam && *dtype == DType::kFloat32)) {
       if (source != kind) {
@@ -241,8 +258,7 @@ Result<std::vector<Piece>> PlanPieces(const json& manifest, const fs::path& dir,
   for (const ChunkInfo& c : engine.chunks()) {
     if (!Saved(c)) continue;
     const std::string kind(ChunkKindName(c.kind));
-    const uint64_t width = DTypeSizeBytes(c.dtype);
-    const uint64_t begin = c.shard_offset_bytes / width, end = begin + c.used_bytes / width;
+    const uint64_t begin = ChunkElems(c.dtype, c.shard_offset_bytes), end = begin + ChunkElems(c.dtype, c.used_bytes);
     std::string source = kind;  // masters for params, or params for masters, where the kind itself is missing
     if (!by_group.contains({c.group, kind}) && (c.kind == ChunkKind::kParam || c.kind == ChunkKind::kMaster)) {
       source = c.kind == ChunkKind::kParam ? "master" : "param";
@@ -319,7 +335,7 @@ class ChunkFiller {
   // Whether the piece is exactly its chunk's bytes.
   static bool Whole(const Piece& piece) {
     const ChunkInfo& c = *piece.chunk;
-    const uint64_t begin = c.shard_offset_bytes / DTypeSizeBytes(c.dtype);
+    const uint64_t begin = ChunkElems(c.dtype, c.shard_offset_bytes);
     return piece.dtype == c.dtype && piece.from == begin && piece.file_begin() == begin &&
            piece.bytes() == c.used_bytes;
   }

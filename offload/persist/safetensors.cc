@@ -63,6 +63,7 @@ const char* SafetensorsDType(DType dtype) {
     case DType::kFloat32: return "F32";
     case DType::kBFloat16: return "BF16";
     case DType::kFloat16: return "F16";
+    case DType::kInt8Block: break;  // moments: not exported
   }
   return "F32";
 }

@@ -29,7 +29,7 @@ std::vector<ChunkKind> UpdatedKinds(const Group& g, int num_states) {
   return kinds;
 }
 
-size_t UsedElems(const ChunkInfo& chunk) { return chunk.used_bytes / DTypeSizeBytes(chunk.dtype); }
+size_t UsedElems(const ChunkInfo& chunk) { return ChunkElems(chunk.dtype, chunk.used_bytes); }
 
 namespace {
 constexpr double kDeviceBytesPerSecond = 1e12;
@@ -103,11 +103,11 @@ void GroupUpdate::Keep(const Group& g, const HeldChunks& held, std::byte* keep, 
   for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
     const ChunkInfo& chunk = g[kind];
     // A sharded chunk holds elements [first, first + its used elements) of the group's.
-    const size_t width = DTypeSizeBytes(chunk.dtype), first = chunk.shard_offset_bytes / width;
+    const size_t first = ChunkElems(chunk.dtype, chunk.shard_offset_bytes);
     const size_t begin = std::max(a, first), end = std::min(b, first + UsedElems(chunk));
-    if (begin < end) {
-      const size_t at = (begin - first) * width;
-      std::memcpy(keep + at, held[static_cast<int>(kind)].data() + at, (end - begin) * width);
+    if (begin < end) {  // whole blocks of int8 states: a range's ends are on blocks
+      const size_t at = ChunkBytes(chunk.dtype, begin - first);
+      std::memcpy(keep + at, held[static_cast<int>(kind)].data() + at, ChunkBytes(chunk.dtype, end - first) - at);
     }
     keep += chunk.used_bytes;
   }
@@ -151,7 +151,7 @@ optim::ChunkTensors GroupUpdate::TensorsOf(const Group& g, const HeldChunks& hel
   // chunk holds only this rank's range, which covers [lo, hi)).
   const auto element = [&](ChunkKind kind, size_t i) {
     const ChunkInfo& chunk = g[kind];
-    return held[static_cast<int>(kind)].data() + (i * DTypeSizeBytes(chunk.dtype) - chunk.shard_offset_bytes);
+    return held[static_cast<int>(kind)].data() + (ChunkBytes(chunk.dtype, i) - chunk.shard_offset_bytes);
   };
   const ChunkInfo& param = g[ChunkKind::kParam];
   optim::ChunkTensors part;
@@ -174,7 +174,8 @@ optim::ChunkTensors GroupUpdate::TensorsOf(const Group& g, const HeldChunks& hel
   }
   const ChunkKind state_kinds[] = {ChunkKind::kExpAvg, ChunkKind::kExpAvgSq};
   for (int k = 0; k < optimizer_.num_states(); ++k) {
-    part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));  // bf16 arrays where state_dtype says
+    // bf16 arrays or int8 blocks where state_dtype says
+    part.state[k] = reinterpret_cast<float*>(element(state_kinds[k], a));
     part.state_dtype = g[state_kinds[k]].dtype;
   }
   return part;

@@ -199,11 +199,16 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
       if (c) m.chunks.push_back(*c);
     }
     // The CPU rate is fp32 moments' (28 bytes a bf16 parameter: its gradient and copy, the master both
-    // ways, the moments both ways); other moments move fewer bytes, and update on the host as the engine
-    // runs them (DeviceUpdateSeconds in offload/training/group_update.h).
+    // ways, the moments both ways); bf16 moments move fewer bytes; int8 ones fewer still, but their kernel
+    // is bound by its arithmetic (five divisions a parameter against two): it ran at 0.31-0.52 of the fp32
+    // kernel's rate where that was memory-bound (docs/benchmarks.md), so the plan counts it at 0.45. Both
+    // update on the host as the engine runs them (DeviceUpdateSeconds in offload/training/group_update.h).
     const DType moment = layout.chunk(*group.chunk_of_kind[static_cast<int>(ChunkKind::kExpAvg)]).dtype;
-    const double bytes_ratio = (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
-    m.compute_seconds = bytes_ratio * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+    constexpr double kInt8RelativeRate = 0.45;
+    const double cost = moment == DType::kInt8Block
+                            ? 1.0 / kInt8RelativeRate
+                            : (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
+    m.compute_seconds = cost * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
     if (moment == DType::kFloat32) {
       m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
     }

@@ -95,9 +95,9 @@ GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLa
 // OutOfMemory naming the shortfall when a moment's chunks and activations do
 // not fit in HBM, or the model states do not fit in DRAM and NVMe together;
 // InvalidArgument for a zero size or rate.
-// `moment_dtype`: Adam's moments' (optimizer.states: fp32 or bf16; bf16
-// moments are updated on the host, at the CPU rate scaled by the bytes the
-// update moves).
+// `moment_dtype`: Adam's moments' (optimizer.states: fp32, bf16 or int8
+// (kInt8Block); bf16 and int8 moments are updated on the host, bf16 at the
+// CPU rate scaled by the bytes the update moves, int8 at its kernel's).
 Result<CapacityPlan> PlanCapacity(const ModelShape& model, const MachineSpec& machine,
                                   const Accumulation& accumulation = {}, DType moment_dtype = DType::kFloat32);
 std::string FormatCapacityPlan(const CapacityPlan& plan);

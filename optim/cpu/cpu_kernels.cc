@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "optim/state_codec.h"
+#include "src/base/half.h"
 
 namespace strata::optim {
 namespace {
@@ -129,6 +130,10 @@ UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step,
   c.one_minus_dampening = f32(1.0 - config.dampening);
   c.nesterov = config.nesterov;
   c.first_step = step == 1;
+  if (config.kind != OptimizerKind::kSgd) {
+    c.adam8bit = MakeAdam8bitConstants(config, step);
+    c.adam8bit_arithmetic = config.int8_states;
+  }
   return c;
 }
 
@@ -168,7 +173,60 @@ void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* gr
   });
 }
 
+// Note [8-bit states in chunks]
+// A chunk of int8 moments (DType::kInt8Block) holds, for each block of
+// kStateBlockElems elements, the block's codes and then its fp32 scale:
+// ChunkBytes(kInt8Block, n) bytes for n elements, so that a range of whole
+// blocks is one run of bytes, as a range of elements of any other chunk is
+// (the pipeline moves, keeps and saves chunks by bytes). The layout starts
+// every tensor of such a chunk on a block and puts tensors whose states stay
+// fp32 (QuantizesStates) in chunks of their own, so a tensor's blocks are
+// torchao's. The update of a block is the reference's (Adam8bitUpdate) on
+// fp32 gradients: others are widened first, and every gradient multiplied by
+// the step's grad_multiplier (1/loss scale * clip coefficient), the one
+// rounding torch's unscale-and-clip makes when only one of them is not 1;
+// a compute copy (bf16/fp16 params) is rounded from the updated weights.
+// The small tensors' fp32 moments are updated with the same arithmetic
+// (scalar::Adam8bitFp32States), as torchao's step updates them.
+namespace {
+
+void Adam8bitRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
+  alignas(64) float widened[kStateBlockElems];
+  const bool blocks = chunk.state_dtype == DType::kInt8Block;
+  auto* const first = reinterpret_cast<std::byte*>(chunk.state[0]);
+  auto* const second = reinterpret_cast<std::byte*>(chunk.state[1]);
+  for (size_t at = begin; at < end; at += kStateBlockElems) {
+    const size_t count = std::min(kStateBlockElems, end - at);  // whole blocks but for fp32 states' tail
+    const float* grad = static_cast<const float*>(chunk.grad) + at;
+    if (chunk.grad_dtype != DType::kFloat32 || c.grad_multiplier != 1.0f) {
+      for (size_t j = 0; j < count; ++j) widened[j] = FloatAt(chunk.grad, chunk.grad_dtype, at + j) * c.grad_multiplier;
+      grad = widened;
+    }
+    if (blocks) {
+      const size_t block = ChunkBytes(DType::kInt8Block, at);
+      uint8_t* const codes[2] = {reinterpret_cast<uint8_t*>(first + block),
+                                 reinterpret_cast<uint8_t*>(second + block)};
+      float* const scales[2] = {reinterpret_cast<float*>(first + block + kStateBlockElems),
+                                reinterpret_cast<float*>(second + block + kStateBlockElems)};
+      Adam8bitUpdate(isa, c.adam8bit, chunk.master + at, grad, codes, scales, kStateBlockElems);
+    } else {
+      float* const states[2] = {chunk.state[0] + at, chunk.state[1] + at};
+      scalar::Adam8bitFp32States(c.adam8bit, chunk.master + at, grad, states, count);
+    }
+    if (chunk.param_dtype == DType::kBFloat16) {
+      ConvertToBf16(isa, chunk.master + at, static_cast<uint16_t*>(chunk.param) + at, count);
+    } else if (chunk.param_dtype == DType::kFloat16) {
+      ConvertToFp16(isa, chunk.master + at, static_cast<uint16_t*>(chunk.param) + at, count);
+    }
+  }
+}
+
+}  // namespace
+
 void UpdateRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {
+  if (chunk.state_dtype == DType::kInt8Block || (c.adam8bit_arithmetic && chunk.state_dtype == DType::kFloat32)) {
+    return Adam8bitRange(isa, c, chunk, begin, end);
+  }
   switch (isa) {
     case CpuIsa::kAvx512: return avx512::UpdateRange(c, chunk, begin, end);
     case CpuIsa::kAvx2: return avx2::UpdateRange(c, chunk, begin, end);

@@ -37,6 +37,19 @@ inline constexpr const char* kCpuIsaVariable = "STRATA_CPU_ISA";
 // Optimizer::Create returns its error, so no engine trains with it.
 CpuIsa ActiveCpuIsa();
 
+// Adam and AdamW whose states are 8-bit (Note [8-bit states] in
+// optim/state_codec.cc): the arithmetic of torchao's 8-bit Adam, in fp32,
+// with no multiply-add fused. Its per-step constants, computed as torchao
+// computes them (in fp32, from fp32 lr and step):
+struct Adam8bitConstants {
+  bool decoupled = true;  // AdamW's decay (else Adam's, into the gradient)
+  float lr = 0, weight_decay = 0;
+  float lr_decay = 0;  // lr * weight_decay
+  float one_minus_beta1 = 0, one_minus_beta2 = 0;
+  float correction1 = 1;       // 1 - beta1^t
+  float sqrt_correction2 = 1;  // sqrt(1 - beta2^t)
+  float eps = 0;
+};
 // The per-step constants of every kernel, computed once per step.
 struct UpdateConstants {
   OptimizerKind kind = OptimizerKind::kAdamW;
@@ -52,22 +65,13 @@ struct UpdateConstants {
   float lr = 0, momentum = 0, one_minus_dampening = 1;
   bool nesterov = false;
   bool first_step = false;  // SGD's momentum buffer starts as the first gradient
+  // Adam's with int8 states (ChunkTensors::state_dtype kInt8Block), and
+  // with fp32 ones too under OptimizerConfig::int8_states
+  Adam8bitConstants adam8bit;
+  bool adam8bit_arithmetic = false;
 };
 UpdateConstants MakeUpdateConstants(const OptimizerConfig& config, int64_t step, float grad_multiplier);
 
-// Adam and AdamW whose states are 8-bit (Note [8-bit states] in
-// optim/state_codec.cc): the arithmetic of torchao's 8-bit Adam, in fp32,
-// with no multiply-add fused. Its per-step constants, computed as torchao
-// computes them (in fp32, from fp32 lr and step):
-struct Adam8bitConstants {
-  bool decoupled = true;  // AdamW's decay (else Adam's, into the gradient)
-  float lr = 0, weight_decay = 0;
-  float lr_decay = 0;  // lr * weight_decay
-  float one_minus_beta1 = 0, one_minus_beta2 = 0;
-  float correction1 = 1;       // 1 - beta1^t
-  float sqrt_correction2 = 1;  // sqrt(1 - beta2^t)
-  float eps = 0;
-};
 Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t step);
 // One step over `n` elements (whole blocks of kStateBlockElems) of fp32
 // weights and gradients, the moments' codes and scales updated in place
@@ -80,7 +84,8 @@ void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* gr
 
 // Updates elements [begin, end) of `chunk` on the calling thread. `begin`
 // should be a multiple of 16 so every element takes the same path (vector
-// or tail) however the chunk is split.
+// or tail) however the chunk is split; with int8 states, `begin` and `end`
+// are on whole blocks of kStateBlockElems (Note [8-bit states in chunks]).
 void UpdateRange(CpuIsa isa, const UpdateConstants& constants, const ChunkTensors& chunk, size_t begin, size_t end);
 // The same over whole chunks with ActiveCpuIsa(), split over oneTBB's threads
 // across and within chunks (blocks of 64 Ki elements from all of them).
@@ -103,6 +108,10 @@ void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
 // Per-version entry points, behind the dispatch above.
 namespace scalar {
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
+// Adam8bitUpdate's arithmetic on moments kept in fp32 (the small tensors'
+// under int8 states: torchao's step updates them so).
+void Adam8bitFp32States(const Adam8bitConstants& c, float* master, const float* grad, float* const states[2],
+                        size_t n);
 // One step over `n` elements (whole blocks) of fp32 weights and gradients,
 // the moments' codes and scales updated in place (state 0 the first moment).
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],

@@ -255,6 +255,7 @@ void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t beg
     case DType::kFloat32: stopped = UpdateVectorsForGrad<DType::kFloat32>(c, chunk, begin, end); break;
     case DType::kBFloat16: stopped = UpdateVectorsForGrad<DType::kBFloat16>(c, chunk, begin, end); break;
     case DType::kFloat16: stopped = UpdateVectorsForGrad<DType::kFloat16>(c, chunk, begin, end); break;
+    case DType::kInt8Block: break;  // not a gradient's type (CheckChunk)
   }
   scalar::UpdateRange(c, chunk, stopped, end);  // the tail
 }
@@ -266,6 +267,7 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) 
     case DType::kFloat32: sum = SumSquaresVectors<DType::kFloat32>(grad, begin, end, &stopped); break;
     case DType::kBFloat16: sum = SumSquaresVectors<DType::kBFloat16>(grad, begin, end, &stopped); break;
     case DType::kFloat16: sum = SumSquaresVectors<DType::kFloat16>(grad, begin, end, &stopped); break;
+    case DType::kInt8Block: break;
   }
   return sum + scalar::SumSquaresRange(grad, dtype, stopped, end);
 }

@@ -60,6 +60,20 @@ void SgdRange(const UpdateConstants& c, const ChunkTensors& t, size_t begin, siz
 // torch's lerp for a weight under one half, as torchao's compiled step has it.
 float Lerp(float from, float to, float weight) { return weight * (to - from) + from; }
 
+// torchao's 8-bit Adam on one element whose moments are `m` and `v` in
+// fp32 (as stored, or decoded): updates them and gives the weight.
+float Adam8bitElement(const Adam8bitConstants& c, float weight, float g, float& m, float& v) {
+  if (c.decoupled) {
+    weight = weight - c.lr_decay * weight;
+  } else {
+    g = g + c.weight_decay * weight;
+  }
+  m = Lerp(m, g, c.one_minus_beta1);
+  v = Lerp(v, g * g, c.one_minus_beta2);
+  const float denom = std::sqrt(v) / c.sqrt_correction2 + c.eps;
+  return weight - c.lr * (m / c.correction1) / denom;
+}
+
 }  // namespace
 
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
@@ -71,22 +85,19 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
     const size_t block = at / kStateBlockElems;
     for (size_t j = 0; j < kStateBlockElems; ++j) {
       const size_t i = at + j;
-      float weight = master[i];
-      float g = grad[i];
-      if (c.decoupled) {
-        weight = weight - c.lr_decay * weight;
-      } else {
-        g = g + c.weight_decay * weight;
-      }
       // The moments as stored, updated in fp32; the update reads these, not their codes.
-      m[j] = Lerp(signed_map[codes[0][i]] * scales[0][block], g, c.one_minus_beta1);
-      v[j] = Lerp(unsigned_map[codes[1][i]] * scales[1][block], g * g, c.one_minus_beta2);
-      const float denom = std::sqrt(v[j]) / c.sqrt_correction2 + c.eps;
-      master[i] = weight - c.lr * (m[j] / c.correction1) / denom;
+      m[j] = signed_map[codes[0][i]] * scales[0][block];
+      v[j] = unsigned_map[codes[1][i]] * scales[1][block];
+      master[i] = Adam8bitElement(c, master[i], grad[i], m[j], v[j]);
     }
     QuantizeBlocks(m, kStateBlockElems, true, codes[0] + at, scales[0] + block);
     QuantizeBlocks(v, kStateBlockElems, false, codes[1] + at, scales[1] + block);
   }
+}
+
+void Adam8bitFp32States(const Adam8bitConstants& c, float* master, const float* grad, float* const states[2],
+                        size_t n) {
+  for (size_t i = 0; i < n; ++i) master[i] = Adam8bitElement(c, master[i], grad[i], states[0][i], states[1][i]);
 }
 
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {

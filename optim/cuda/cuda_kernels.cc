@@ -20,6 +20,7 @@ ElementType ElementTypeOf(DType dtype) {
     case DType::kFloat32: return ElementType::kFloat32;
     case DType::kBFloat16: return ElementType::kBFloat16;
     case DType::kFloat16: return ElementType::kFloat16;
+    case DType::kInt8Block: break;  // KnownDType refuses it first
   }
   return ElementType::kFloat32;
 }
@@ -54,8 +55,9 @@ Status CheckChunk(OptimizerKind kind, const ChunkTensors& t, size_t index) {
                            t.param == nullptr ? "no" : "a");
   }
   if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
-    return InvalidArgument("cuda optimizer: chunk {} has states of dtype {}: they are fp32 or bf16", index,
-                           KnownDType(t.state_dtype) ? DTypeName(t.state_dtype) : "?");
+    return InvalidArgument("cuda optimizer: chunk {} has states of dtype {}: they are fp32 or bf16 here (int8 "
+                           "states update on the host)",
+                           index, DTypeName(t.state_dtype));
   }
   if (kind != OptimizerKind::kSgd && (t.state[0] == nullptr || t.state[1] == nullptr)) {
     return InvalidArgument("cuda optimizer: {} keeps 2 state arrays per chunk; chunk {} has no state[{}]",

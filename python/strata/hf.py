@@ -11,8 +11,9 @@ StrataTrainer is a ``transformers.Trainer`` (this module needs transformers; ``i
 model strata holds from construction on (``trainer.strata_engine``, strata.initialize's engine) and whose
 optimizer is the engine's. The TrainingArguments decide, as they do for the Trainer:
 
-- the optimizer: ``optim`` adamw_torch or adamw_torch_fused (AdamW), or sgd (momentum, dampening and nesterov
-  from ``optim_args``); ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``; ``weight_decay`` on
+- the optimizer: ``optim`` adamw_torch or adamw_torch_fused (AdamW); an 8-bit AdamW (adamw_torch_8bit,
+  adamw_8bit, adamw_bnb_8bit, paged_adamw_8bit: AdamW with strata's int8 states, torchao's AdamW8bit scheme,
+  whichever library the name comes from); or sgd (momentum, dampening and nesterov from ``optim_args``); ``learning_rate``, ``adam_beta1``, ``adam_beta2``, ``adam_epsilon``; ``weight_decay`` on
   the parameters the Trainer's get_decay_parameter_names names and none on the others (two param groups, as
   the Trainer makes them). ``lr_scheduler_type`` and the warm-up build the Trainer's own scheduler on
   engine.optimizer, whose param groups strata reads at every step;
@@ -53,6 +54,7 @@ step. strata's checkpoint loads where the Trainer loads the optimizer's state, a
 scheduler is built, so that the param groups' values are the checkpoint's.
 """
 
+import copy
 import inspect
 import os
 
@@ -81,7 +83,10 @@ if _missing:
 STRATA_CHECKPOINT = "strata"
 
 # TrainingArguments.optim choices strata's optimizer runs, as its optimizer.type.
-_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd"}
+_OPTIMIZERS = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "sgd": "sgd", "adamw_torch_8bit": "adamw",
+               "adamw_8bit": "adamw", "adamw_bnb_8bit": "adamw", "paged_adamw_8bit": "adamw"}
+# Of them, those whose states are 8-bit: strata's optimizer.states int8.
+_EIGHT_BIT = {"adamw_torch_8bit", "adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"}
 # TrainingArguments.mixed_precision (bf16=True: bf16, fp16=True: fp16) as strata's precision.
 _PRECISIONS = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 # strata_config keys the TrainingArguments decide, and the arguments that do.
@@ -150,10 +155,18 @@ def _check_arguments(args):
 
 
 def _optimizer_keys(args):
-    """strata's optimizer.* from the TrainingArguments, through the Trainer's own reading of them."""
-    kind = _OPTIMIZERS[getattr(args.optim, "value", args.optim)]
-    _, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(args)
+    """strata's optimizer.* from the TrainingArguments, through the Trainer's own reading of them (an 8-bit
+    AdamW's as adamw_torch's, which needs neither torchao nor bitsandbytes)."""
+    optim = getattr(args.optim, "value", args.optim)
+    kind = _OPTIMIZERS[optim]
+    read = args
+    if optim in _EIGHT_BIT:
+        read = copy.copy(args)
+        read.optim = transformers.training_args.OptimizerNames.ADAMW_TORCH
+    _, kwargs = transformers.Trainer.get_optimizer_cls_and_kwargs(read)
     keys = {"optimizer.type": kind, "optimizer.lr": kwargs["lr"], "optimizer.weight_decay": args.weight_decay}
+    if optim in _EIGHT_BIT:
+        keys["optimizer.states"] = "int8"
     if kind == "adamw":
         keys["optimizer.betas"] = list(kwargs["betas"])
         keys["optimizer.eps"] = kwargs["eps"]
@@ -185,6 +198,12 @@ def _config_of(strata_config, args):
         key = decided[0]
         raise ValueError(f"StrataTrainer: strata_config sets {key}, which the TrainingArguments decide "
                          f"({_DECIDED[key]}): leave it out of strata_config")
+    optim = getattr(args.optim, "value", args.optim)
+    states = items.get("optimizer.states")
+    if optim in _EIGHT_BIT and states is not None and str(states).lower() != "int8":
+        raise ValueError(f"StrataTrainer: strata_config's optimizer.states {states!r} disagrees with "
+                         f"TrainingArguments(optim={optim!r}), an 8-bit AdamW (int8 states): leave optimizer.states "
+                         "out of strata_config, or choose optim='adamw_torch'")
     agreed = _agreed_keys(args)
     for key, value in agreed.items():
         given = items.get(key)

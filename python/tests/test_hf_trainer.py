@@ -175,6 +175,29 @@ def test_sgd_with_nesterov_momentum_from_optim_args_matches_a_plain_trainer(tmp_
     assert_close(logged(ours), logged(plain))
 
 
+def test_an_8bit_adamw_trains_with_int8_states_as_torchaos_does(tmp_path, monkeypatch):
+    """optim="adamw_torch_8bit": the plain Trainer's torchao AdamW8bit (run eagerly, with strata's code maps, as
+    test_int8_states.py runs it), and strata's int8 states, which follow it within a thousandth."""
+    pytest.importorskip("torchao")
+    from torchao.optim import subclass_8bit
+    from strata import _strata
+    for signed, name in ((True, "get_qmap_signed"), (False, "get_qmap_unsigned")):
+        monkeypatch.setattr(subclass_8bit, name, lambda signed=signed: tuple(_strata.state_code_map(signed)))
+    monkeypatch.setattr(torch, "compile", lambda function, **options: function)
+    plain, ours = both(tmp_path, sequences(), max_steps=6, optim="adamw_torch_8bit")
+    assert type(plain.optimizer.optimizer).__name__ == "AdamW8bit"
+    assert {c["dtype"] for c in ours.strata_engine.engine.chunks() if c["kind"] == "exp_avg"} == {"int8", "fp32"}
+    assert_close(logged(ours), logged(plain), rtol=1e-3)
+
+
+@pytest.mark.parametrize("optim", ["adamw_8bit", "adamw_bnb_8bit", "paged_adamw_8bit"])
+def test_every_8bit_adamw_name_is_int8_states(optim, tmp_path):
+    trainer = StrataTrainer(model=llama(), args=arguments(tmp_path / "out", optim=optim), train_dataset=sequences(),
+                            strata_config=strata_config(tmp_path / "nvme"))
+    assert {c["dtype"] for c in trainer.strata_engine.engine.chunks() if c["kind"] == "exp_avg_sq"} == {"int8", "fp32"}
+    assert trainer.strata_engine.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+
+
 def test_bf16_true_trains_in_strata_s_bf16(tmp_path):
     trainer = StrataTrainer(model=llama(), args=arguments(tmp_path / "out", bf16=True, max_steps=2),
                             train_dataset=sequences(), strata_config=strata_config(tmp_path / "nvme"))
@@ -206,6 +229,8 @@ def _fsdp(args):
 
 REFUSED = {
     "optim": (dict(optim="adafactor"), {}, None, r"optim='adafactor'.*adamw_torch, adamw_torch_fused, sgd"),
+    "states of an 8-bit optim": (dict(optim="adamw_torch_8bit"), {"optimizer": {"states": "bf16"}}, None,
+                                 r"optimizer.states 'bf16' disagrees with TrainingArguments\(optim='adamw_torch_8bit'\)"),
     "deepspeed": ({}, {}, _deepspeed, r"deepspeed=.*is set"),
     "fsdp": ({}, {}, _fsdp, r"fsdp=True.*is set"),
     "precision": (dict(bf16=True), {"precision": "fp32"}, None, r"precision 'fp32' disagrees with .*bf16.*'bf16'"),

@@ -55,7 +55,7 @@ def assert_same(a, b):
         assert torch.equal(a[name], b[name]), name
 
 
-@pytest.mark.parametrize("clip,states", [(0.0, "fp32"), (0.05, "fp32"), (0.05, "bf16")])
+@pytest.mark.parametrize("clip,states", [(0.0, "fp32"), (0.05, "fp32"), (0.05, "bf16"), (0.0, "int8"), (0.05, "int8")])
 def test_updates_beside_backward_give_the_steps_results_bit_for_bit(tmp_path, clip, states):
     (tmp_path / "after").mkdir()
     (tmp_path / "beside").mkdir()

@@ -1,6 +1,6 @@
 """optimizer.states: the moments in bf16 train as torch's fused AdamW does with its moments rounded to bf16 after
-every step, take half the bytes on every tier, resume exactly, and a checkpoint of one format is refused by an
-engine of the other, naming both."""
+every step and take half the bytes on every tier; every format resumes exactly, and a checkpoint of one format is
+refused by an engine of another, naming both (int8 states: test_int8_states.py)."""
 
 import os
 import subprocess
@@ -54,45 +54,51 @@ def test_bf16_moments_take_half_the_bytes_of_fp32_ones(tmp_path):
     assert 2 * bytes16 == bytes32
 
 
-def test_bf16_states_resume_exactly_and_the_other_format_is_refused(tmp_path):
+@pytest.mark.parametrize("states,other", [("bf16", "fp32"), ("int8", "bf16"), ("fp32", "int8")])
+def test_states_resume_exactly_and_another_format_is_refused_naming_both(tmp_path, states, other):
     data = batches(8)
-    for name in ("first", "second", "fp32"):
+    for name in ("first", "second", "other"):
         (tmp_path / name).mkdir()
     torch.manual_seed(0)
     model, _ = pair()
-    first = strata.initialize(model, bf16_states(tmp_path / "first"))
+    first = strata.initialize(model, three_tiers(tmp_path / "first", optimizer={"states": states}))
     strata_losses(first, data[:4])
     first.save_checkpoint(tmp_path / "ckpt")
     expected = strata_losses(first, data[4:])
 
     model, _ = pair(seed=1)
-    second = strata.initialize(model, bf16_states(tmp_path / "second"))
+    second = strata.initialize(model, three_tiers(tmp_path / "second", optimizer={"states": states}))
     second.load_checkpoint(tmp_path / "ckpt")
     assert strata_losses(second, data[4:]) == expected
 
     model, _ = pair(seed=1)
-    other = strata.initialize(model, three_tiers(tmp_path / "fp32"))
-    before = other.state_dict(master=True)
-    with pytest.raises(Exception, match=r"exp_avg.* saved in \"bf16\".* holds fp32.*optimizer\.states"):
-        other.load_checkpoint(tmp_path / "ckpt")
-    after = other.state_dict(master=True)
+    refusing = strata.initialize(model, three_tiers(tmp_path / "other", optimizer={"states": other}))
+    before = refusing.state_dict(master=True)
+    with pytest.raises(Exception, match=rf"holds {states} optimizer states and this engine keeps {other} "
+                                         rf"\(optimizer\.states {other}\): set optimizer\.states to {states}"):
+        refusing.load_checkpoint(tmp_path / "ckpt")
+    after = refusing.state_dict(master=True)
     assert all(torch.equal(before[name], after[name]) for name in before)  # nothing was read in
 
 
-def test_checkpoint_inspect_names_the_moments_format(tmp_path):
+@pytest.mark.parametrize("states,moments", [("bf16", "bf16"), ("int8", "fp32, int8")])
+def test_checkpoint_inspect_names_the_moments_format(tmp_path, states, moments):
+    """int8: the small tensors' moments are fp32 (test_int8_states.py)."""
     if not os.path.exists(STRATA_BIN):
         pytest.skip(f"no strata CLI beside this strata package ({STRATA_BIN})")
     model, _ = pair()
-    engine = strata.initialize(model, bf16_states(tmp_path))
+    engine = strata.initialize(model, three_tiers(tmp_path, optimizer={"states": states}))
     strata_losses(engine, batches(2))
     engine.save_checkpoint(tmp_path / "ckpt")
     described = subprocess.run([STRATA_BIN, "checkpoint", "inspect", str(tmp_path / "ckpt")],
                                capture_output=True, text=True, check=True).stdout
-    dtypes = {line.split()[0]: line.split()[-1] for line in described.splitlines() if "files" in line and "MiB" in line}
-    assert dtypes["exp_avg"] == dtypes["exp_avg_sq"] == "bf16" and dtypes["param"] == "fp32", described
+    lines = {line.split()[0]: line for line in described.splitlines()}
+    assert lines["optimizer:"].endswith(f"no loss scaler, {states} states"), described
+    assert lines["exp_avg"].endswith(moments) and lines["exp_avg_sq"].endswith(moments), described
+    assert lines["param"].endswith("fp32"), described
 
 
 def test_an_unknown_states_format_is_refused_naming_the_choices(tmp_path):
     model, _ = pair()
-    with pytest.raises(ValueError, match=r"optimizer\.states.*'int4'.*fp32, bf16"):
+    with pytest.raises(ValueError, match=r"optimizer\.states.*'int4'.*fp32, bf16, int8"):
         strata.initialize(model, three_tiers(tmp_path, optimizer={"states": "int4"}))

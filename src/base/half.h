@@ -89,6 +89,7 @@ inline float FloatAt(const void* data, DType dtype, size_t i) {
     case DType::kFloat32: return static_cast<const float*>(data)[i];
     case DType::kBFloat16: return FloatFromBf16(static_cast<const uint16_t*>(data)[i]);
     case DType::kFloat16: return FloatFromFp16(static_cast<const uint16_t*>(data)[i]);
+    case DType::kInt8Block: break;  // codes, not values: no element reads as a float
   }
   return 0;
 }
@@ -99,6 +100,7 @@ inline void StoreFloat(void* data, DType dtype, size_t i, float value) {
     case DType::kFloat32: static_cast<float*>(data)[i] = value; return;
     case DType::kBFloat16: static_cast<uint16_t*>(data)[i] = Bf16FromFloat(value); return;
     case DType::kFloat16: static_cast<uint16_t*>(data)[i] = Fp16FromFloat(value); return;
+    case DType::kInt8Block: return;  // codes, not values
   }
 }
 

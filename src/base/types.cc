@@ -15,6 +15,7 @@ std::string_view DTypeName(DType dtype) {
     case DType::kFloat32: return "fp32";
     case DType::kBFloat16: return "bf16";
     case DType::kFloat16: return "fp16";
+    case DType::kInt8Block: return "int8";
   }
   return "?";
 }
@@ -24,6 +25,13 @@ Result<DType> ParseDType(std::string_view name) {
   if (name == "bf16" || name == "bfloat16") return DType::kBFloat16;
   if (name == "fp16" || name == "float16") return DType::kFloat16;
   return InvalidArgument("unknown dtype '{}': expected fp32, bf16 or fp16", name);
+}
+
+Result<DType> ParseChunkDType(std::string_view name) {
+  if (name == "int8") return DType::kInt8Block;
+  Result<DType> dtype = ParseDType(name);
+  if (!dtype.ok()) return InvalidArgument("unknown chunk dtype '{}': expected fp32, bf16, fp16 or int8", name);
+  return dtype;
 }
 
 std::string_view ChunkKindName(ChunkKind kind) {

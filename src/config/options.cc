@@ -336,9 +336,12 @@ void AddOptimizerKeys(Table& t) {
                          field(&OptimizerOptions::max_grad_norm), 0, 1e30));
   t.push_back(ChoiceEntry<DType>(
       "optimizer.states",
-      "the moments' dtype (Adam's exp_avg and exp_avg_sq, SGD's momentum): fp32, or bf16 (2 bytes each, updated in "
-      "fp32 and rounded once as stored; updated on the host)",
-      field(&OptimizerOptions::state_dtype), {{"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}}));
+      "the moments' dtype (Adam's exp_avg and exp_avg_sq, SGD's momentum): fp32; bf16 (2 bytes each, updated in "
+      "fp32 and rounded once as stored); or int8 (Adam and AdamW: torchao's AdamW8bit, 8-bit codes in blocks of 256 "
+      "with an fp32 scale each, tensors under 4096 elements or not in whole blocks in fp32; one rank). bf16 and int8 "
+      "update on the host",
+      field(&OptimizerOptions::state_dtype),
+      {{"fp32", DType::kFloat32}, {"bf16", DType::kBFloat16}, {"int8", DType::kInt8Block}}));
   t.push_back(NoDecayEntry(field(&OptimizerOptions::no_decay)));
   t.push_back(SizeEntry("optimizer.stream_ring",
                         "bytes of host memory that NVMe-resident optimizer states stream through (at least two "
@@ -496,6 +499,10 @@ Status CheckOptimizerRelations(const OptimizerOptions& optimizer) {
       (optimizer.momentum <= 0 || optimizer.dampening != 0)) {
     return InvalidArgument("option optimizer.nesterov: needs momentum > 0 (got {}) and dampening 0 (got {})",
                            optimizer.momentum, optimizer.dampening);
+  }
+  if (optimizer.kind == OptimizerKind::kSgd && optimizer.state_dtype == DType::kInt8Block) {
+    return InvalidArgument("option optimizer.states: int8 is for adam and adamw (8-bit moments); sgd keeps fp32 or "
+                           "bf16 momentum");
   }
   return Status::Ok();
 }

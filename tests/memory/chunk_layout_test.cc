@@ -3,6 +3,8 @@
 #include <set>
 
 #include "memory/placement.h"
+#include "memory/tier_pool.h"
+#include "src/base/alignment.h"
 #include "test_util.h"
 
 namespace strata::memory {
@@ -114,6 +116,44 @@ TEST(ChunkLayoutTest, Bf16MomentsTakeHalfTheBytesAndTheMasterStaysFp32) {
   EXPECT_NEAR(static_cast<double>(wide.max_elems) / static_cast<double>(narrow.max_elems), 16.0 / 12.0, 0.01);
 }
 
+
+// Int8 states: a module's tensors of 8-bit moments share chunks only with
+// their like, each starting on a block of 256 (260 bytes of codes and scale
+// in the moments' chunks); its small tensors keep fp32 moments in chunks of
+// their own; frozen ones are packed as ever. Sharded, the layout is refused.
+TEST(ChunkLayoutTest, Int8MomentsStartOnBlocksAndSmallTensorsKeepFp32InChunksOfTheirOwn) {
+  std::vector<TensorSpec> tensors = {T("a.w", {64, 72}, "a"),  T("a.b", {72}, "a"), T("a.v", {4096}, "a"),
+                                     T("b.w", {4097}, "b"),    T("b.x", {8192}, "b"),
+                                     T("c.w", {10}, "c", DType::kFloat32, false)};
+  ASSERT_OK_AND_ASSIGN(ChunkLayout layout, ChunkLayout::Build(tensors, 20000, 0, 0, {}, DType::kInt8Block));
+  const auto moment = [&](uint32_t t) { return layout.chunk(*layout.ChunkOf(TensorId(t), ChunkKind::kExpAvg)); };
+  for (uint32_t t : {0u, 2u, 4u}) {  // 4608, 4096 and 8192 elements: 8-bit
+    EXPECT_EQ(moment(t).dtype, DType::kInt8Block) << tensors[t].name;
+    EXPECT_EQ(layout.placement(TensorId(t)).offset_elems % kInt8BlockElems, 0u) << tensors[t].name;
+    EXPECT_EQ(layout.chunk(*layout.ChunkOf(TensorId(t), ChunkKind::kExpAvgSq)).dtype, DType::kInt8Block);
+  }
+  for (uint32_t t : {1u, 3u}) {  // too small; not in whole blocks
+    EXPECT_EQ(moment(t).dtype, DType::kFloat32) << tensors[t].name;
+    EXPECT_NE(layout.placement(TensorId(t)).group, layout.placement(TensorId(0)).group) << tensors[t].name;
+  }
+  EXPECT_EQ(layout.placement(TensorId(0)).group, layout.placement(TensorId(2)).group);
+  EXPECT_EQ(layout.placement(TensorId(2)).group, layout.placement(TensorId(4)).group);  // room left: one chunk
+  EXPECT_EQ(layout.placement(TensorId(1)).group, layout.placement(TensorId(3)).group);
+  const ChunkDesc& blocks = moment(0);
+  EXPECT_EQ(blocks.used_elems, 4608u + 4096u + 8192u);
+  EXPECT_EQ(blocks.capacity_elems % kInt8BlockElems, 0u);
+  EXPECT_EQ(blocks.size_bytes(), RoundUp(blocks.capacity_elems / kInt8BlockElems * 260, kSlotAlignmentBytes));
+  EXPECT_EQ(ChunkBytes(DType::kInt8Block, blocks.used_elems), (4608u + 4096u + 8192u) / 256 * 260);
+
+  ASSERT_OK_AND_ASSIGN(ChunkLayout fp32, ChunkLayout::Build(tensors, 20000, 0, 0));
+  EXPECT_EQ(fp32.placement(TensorId(0)).group, fp32.placement(TensorId(1)).group);  // one module, one chunk
+  EXPECT_EQ(fp32.chunk(*fp32.ChunkOf(TensorId(0), ChunkKind::kExpAvg)).dtype, DType::kFloat32);
+
+  Result<ChunkLayout> sharded = ChunkLayout::Build(tensors, 20000, 0, 0, {0, 2}, DType::kInt8Block);
+  ASSERT_FALSE(sharded.ok());
+  EXPECT_NE(sharded.status().message().find("int8 optimizer states across 2 ranks"), std::string::npos)
+      << sharded.status().message();
+}
 TEST(ChunkLayoutTest, SearchFindsLeastWaste) {
   // 10 modules of 3000 elements each: a 3008-element chunk (with alignment) wastes almost nothing.
   std::vector<TensorSpec> tensors;

@@ -154,7 +154,15 @@ TEST(OptimizerTest, AChunkThatDoesNotFitIsRejectedBeforeAnythingChanges) {
   views[1].state_dtype = DType::kFloat16;  // states are fp32 or bf16
   result = optimizer->Step(views);
   EXPECT_EQ(result.status().code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(result.status().message().find("fp32 or bf16"), std::string::npos) << result.status().ToString();
+  EXPECT_NE(result.status().message().find("fp32, bf16 or int8"), std::string::npos) << result.status().ToString();
+  EXPECT_TRUE(SameBits(model, before));
+  views = Views(model);
+  views[1].state_dtype = DType::kInt8Block;  // int8 states update whole blocks of 256
+  views[1].n = 300;
+  result = optimizer->Step(views);
+  EXPECT_NE(result.status().message().find("300 elements with int8 states: they update in whole blocks of 256"),
+            std::string::npos)
+      << result.status().ToString();
   EXPECT_TRUE(SameBits(model, before));
   // SGD without momentum needs no state.
   ASSERT_OK_AND_ASSIGN(auto sgd, Optimizer::Create({.kind = OptimizerKind::kSgd, .lr = 0.1f}));
@@ -162,6 +170,13 @@ TEST(OptimizerTest, AChunkThatDoesNotFitIsRejectedBeforeAnythingChanges) {
   views = Views(model);
   for (ChunkTensors& v : views) v.state[0] = v.state[1] = nullptr;
   EXPECT_OK(sgd->Step(views).status());
+  ASSERT_OK_AND_ASSIGN(auto momentum, Optimizer::Create({.kind = OptimizerKind::kSgd, .lr = 0.1f, .momentum = 0.9}));
+  const std::vector<ChunkArrays> stepped = model;
+  views = Views(model);
+  views[0].state_dtype = DType::kInt8Block;  // 8-bit states are Adam's
+  result = momentum->Step(views);
+  EXPECT_NE(result.status().message().find("int8 states for sgd"), std::string::npos) << result.status().ToString();
+  EXPECT_TRUE(SameBits(model, stepped));
 }
 
 TEST(OptimizerTest, StepsCountOnlyWhenFinishedAndSkippedStepsDoNotCount) {

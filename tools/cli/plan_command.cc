@@ -49,7 +49,7 @@ int RunPlan(PlanFlags flags) {
   if (!sized.ok()) return Fail(sized);
   const offload::Accumulation accumulation{.micro_batches = flags.micro_batches,
                                            .layered = flags.accumulation == "layered"};
-  const DType moments = flags.states == "bf16" ? DType::kBFloat16 : DType::kFloat32;
+  const DType moments = *ParseChunkDType(flags.states);  // one of the choices --states checks
   Result<offload::CapacityPlan> plan = offload::PlanCapacity(flags.shape, flags.machine, accumulation, moments);
   if (plan.ok() && accumulation.micro_batches > 1) {  // the other accumulation, to compare
     offload::Accumulation other = accumulation;
@@ -105,8 +105,8 @@ Command AddPlanCommand(CLI::App& parent) {
                       "turn); with several micro-batches the other is predicted too")
       ->check(CLI::IsMember({"standard", "layered"}))
       ->capture_default_str();
-  command->add_option("--states", flags->states, "optimizer.states: the moments' dtype, fp32 or bf16")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  command->add_option("--states", flags->states, "optimizer.states: the moments' dtype, fp32, bf16 or int8")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}))
       ->capture_default_str();
   command->add_option("--json", flags->json_path, "also write the plan as JSON to this file");
   return {command, [flags] { return RunPlan(*flags); }};

@@ -86,6 +86,7 @@ std::pair<MPI_Datatype, MPI_Op> SumOf(DType dtype) {
     case DType::kFloat32: return {MPI_FLOAT, MPI_SUM};
     case DType::kBFloat16: return {MPI_UINT16_T, halves.first};
     case DType::kFloat16: return {MPI_UINT16_T, halves.second};
+    case DType::kInt8Block: break;  // moments' codes: never summed
   }
   return {MPI_FLOAT, MPI_SUM};
 }

@@ -50,6 +50,7 @@ ncclDataType_t NcclType(DType dtype) {
     case DType::kFloat32: return ncclFloat32;
     case DType::kBFloat16: return ncclBfloat16;
     case DType::kFloat16: return ncclFloat16;
+    case DType::kInt8Block: break;  // moments' codes: never summed
   }
   return ncclFloat32;
 }

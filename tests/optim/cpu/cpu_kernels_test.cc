@@ -3,6 +3,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdlib>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -217,6 +218,70 @@ TEST_P(VectorKernelTest, The8BitAdamIsTheReferencesBitForBit) {
       if (HasFailure()) return;
     }
     EXPECT_TRUE(std::isnan(scales[0][0][1]));  // the NaN reached its block's scale
+  }
+}
+
+// A chunk of int8 moments (Note [8-bit states in chunks]): blocks of codes
+// and their scale interleaved, updated as the kernel updates separate
+// arrays given fp32 gradients multiplied by the step's multiplier, with the
+// compute copy rounded from the weights; in parallel as on one thread.
+TEST_P(VectorKernelTest, AChunkOfInt8StatesIsThe8BitUpdateOfItsBlocks) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr size_t kBlocks = 300;  // more than one parallel block of 64 Ki elements
+  constexpr size_t n = kBlocks * kStateBlockElems;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    std::vector<float> master(n);
+    for (float& w : master) w = 0.02f * normal(rng);
+    std::vector<uint16_t> grad16(n), param(n);
+    std::vector<float> grad32(n), widened(n);
+    std::vector<std::byte> chunk_states[2] = {std::vector<std::byte>(ChunkBytes(DType::kInt8Block, n)),
+                                              std::vector<std::byte>(ChunkBytes(DType::kInt8Block, n))};
+    std::vector<uint8_t> codes[2] = {std::vector<uint8_t>(n), std::vector<uint8_t>(n)};
+    std::vector<float> scales[2] = {std::vector<float>(kBlocks), std::vector<float>(kBlocks)};
+    std::vector<float> expected = master, ours = master;
+    const OptimizerConfig config{.kind = OptimizerKind::kAdamW, .lr = 1e-3, .weight_decay = 0.01};
+    for (int step = 1; step <= 3; ++step) {
+      const float multiplier = step == 2 ? 0.37f : 1.0f;  // a clip in step 2
+      for (size_t i = 0; i < n; ++i) {
+        grad32[i] = normal(rng) * 1e-3f;
+        grad16[i] = Bf16FromFloat(grad32[i]);
+        const float g = dtype == DType::kFloat32 ? grad32[i] : FloatFromBf16(grad16[i]);
+        widened[i] = g * multiplier;
+      }
+      uint8_t* const code_ptrs[2] = {codes[0].data(), codes[1].data()};
+      float* const scale_ptrs[2] = {scales[0].data(), scales[1].data()};
+      Adam8bitUpdate(CpuIsa::kScalar, MakeAdam8bitConstants(config, step), expected.data(), widened.data(), code_ptrs,
+                     scale_ptrs, n);
+      ChunkTensors chunk{.n = n, .master = ours.data()};
+      chunk.param = dtype == DType::kFloat32 ? nullptr : param.data();
+      chunk.param_dtype = dtype;
+      chunk.grad = dtype == DType::kFloat32 ? static_cast<const void*>(grad32.data()) : grad16.data();
+      chunk.grad_dtype = dtype;
+      chunk.state[0] = reinterpret_cast<float*>(chunk_states[0].data());
+      chunk.state[1] = reinterpret_cast<float*>(chunk_states[1].data());
+      chunk.state_dtype = DType::kInt8Block;
+      const UpdateConstants constants = MakeUpdateConstants(config, step, multiplier);
+      if (step == 3) {
+        UpdateParallel(constants, chunk);
+      } else {
+        UpdateRange(GetParam(), constants, chunk, 0, n);
+      }
+      SCOPED_TRACE(fmt::format("grads {} step {}", DTypeName(dtype), step));
+      ExpectBitIdentical(ours, expected, "weights");
+      for (int k = 0; k < 2; ++k) {
+        for (size_t b = 0; b < kBlocks; ++b) {
+          const std::byte* block = chunk_states[k].data() + b * kInt8BlockBytes;
+          ASSERT_EQ(std::memcmp(block, codes[k].data() + b * kStateBlockElems, kStateBlockElems), 0) << k << " " << b;
+          float scale;
+          std::memcpy(&scale, block + kStateBlockElems, sizeof(scale));
+          ASSERT_EQ(scale, scales[k][b]) << k << " " << b;
+        }
+      }
+      if (dtype != DType::kFloat32) {
+        for (size_t i = 0; i < n; ++i) ASSERT_EQ(param[i], Bf16FromFloat(ours[i])) << i;
+      }
+    }
   }
 }
 
