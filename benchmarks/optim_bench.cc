@@ -545,11 +545,14 @@ std::vector<size_t> GroupSizes(uint64_t params, uint64_t group_params) {
   return sizes;
 }
 
-// The drive's space: each group's master and 2 states, padded; twice over
-// (copy on write), plus a block per group.
-UringStorageOptions NvmeStorageOptions(const OptimNvmeBenchConfig& config, const std::vector<size_t>& sizes) {
+// The drive's space: each group's master and 2 states of `states`, padded;
+// twice over (copy on write), plus a block per group.
+UringStorageOptions NvmeStorageOptions(const OptimNvmeBenchConfig& config, const std::vector<size_t>& sizes,
+                                       DType states) {
   uint64_t group_bytes_total = 0;
-  for (size_t n : sizes) group_bytes_total += 3 * ((n * sizeof(float) + 4095) / 4096 * 4096);
+  for (size_t n : sizes) {
+    group_bytes_total += RoundUp(n * sizeof(float), 4096) + 2 * RoundUp(ChunkBytes(states, n), 4096);
+  }
   UringStorageOptions storage_options;
   storage_options.dirs = config.dirs;
   storage_options.file_name = "strata-bench-optim.nvme";
@@ -573,7 +576,7 @@ struct RemoveFiles {
 // One group of n parameters: its master added to the stream (which homes it
 // and its states on NVMe), its gradient and compute copy in host memory, and
 // a copy of it all in host memory for the update alone.
-Status AddGroup(size_t n, DType dtype, offload::StateStream& stream, HostModel& host) {
+Status AddGroup(size_t n, DType dtype, DType states, offload::StateStream& stream, HostModel& host) {
   STRATA_ASSIGN_OR_RETURN(Buffer master, HostArray(n * sizeof(float)));
   float* w = static_cast<float*>(master.data());
   for (size_t i = 0; i < n; ++i) w[i] = WeightAt(i);
@@ -591,14 +594,15 @@ Status AddGroup(size_t n, DType dtype, offload::StateStream& stream, HostModel& 
   if (dtype == DType::kBFloat16) {
     STRATA_ASSIGN_OR_RETURN(param, HostArray(n * sizeof(uint16_t)));
   }
-  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(n * sizeof(float)));
-  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(n * sizeof(float)));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(ChunkBytes(states, n)));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(ChunkBytes(states, n)));
   host.io.push_back({.grad = grad.data(), .grad_dtype = dtype, .param = param ? param.data() : nullptr,
                      .param_dtype = dtype});
   optim::ChunkTensors t{.n = n, .master = w, .param = host.io.back().param, .param_dtype = dtype,
                         .grad = grad.data(), .grad_dtype = dtype};
   t.state[0] = static_cast<float*>(exp_avg.data());
   t.state[1] = static_cast<float*>(exp_avg_sq.data());
+  t.state_dtype = states;
   host.in_memory.push_back(t);
   host.grads.push_back(std::move(grad));
   host.params.push_back(std::move(param));
@@ -672,16 +676,26 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   const uint32_t threads = ThreadsOf(base.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
 
+  const Result<DType> parsed = ParseChunkDType(base.state_format);
+  if (!parsed.ok() || *parsed == DType::kFloat16) {
+    return InvalidArgument("bench optim: --state-format {}: expected fp32, bf16 or int8", base.state_format);
+  }
+  const DType states = *parsed;
+  if (states == DType::kInt8Block &&
+      (base.params % kInt8BlockElems != 0 || config.group_params % kInt8BlockElems != 0)) {
+    return InvalidArgument("bench optim: --state-format int8 needs --params and --group-params in whole blocks of {}",
+                           kInt8BlockElems);
+  }
   const std::vector<size_t> sizes = GroupSizes(base.params, config.group_params);
-  const UringStorageOptions storage_options = NvmeStorageOptions(config, sizes);
+  const UringStorageOptions storage_options = NvmeStorageOptions(config, sizes, states);
   // Declared before the storage and the stream, so it runs after they are gone.
   const RemoveFiles remove_files{storage_options};
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, CreateUringStorage(storage_options));
   memory::NvmeTierPool pool(*storage);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::StateStream> stream,
-                          offload::StateStream::Create(pool, 2, {.ring_bytes = config.ring_bytes}));
+                          offload::StateStream::Create(pool, 2, {.ring_bytes = config.ring_bytes, .state_dtype = states}));
   HostModel host;
-  for (size_t n : sizes) STRATA_RETURN_IF_ERROR(AddGroup(n, dtype, *stream, host));
+  for (size_t n : sizes) STRATA_RETURN_IF_ERROR(AddGroup(n, dtype, states, *stream, host));
 
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
                           optim::Optimizer::Create({.lr = 1e-4f, .weight_decay = 0.01f}));
@@ -709,12 +723,12 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
 std::string FormatOptimNvmeBench(const OptimNvmeBenchReport& r) {
   const double gib = static_cast<double>(r.bytes_per_step) / (1 << 30);
   return fmt::format(
-      "strata bench optim --states nvme: AdamW, {} params ({}), {} groups, ring {} x {}, {}, {} thread{} ({} for "
-      "the update), median of {}\n"
+      "strata bench optim --states nvme: AdamW, {} params ({}, {} states), {} groups, ring {} x {}, {}, {} thread{} "
+      "({} for the update), median of {}\n"
       "{:<28} {:>10} {:>10}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f}\n"
       "step / max(I/O, update) = {:.3f} (median over pairs run back to back; goal <= 1.15); the update waited "
       "{:.3f} s for reads\n",
-      r.config.base.params, r.config.base.dtype, r.groups, r.ring_slots, FormatSize(r.ring_slot_bytes), r.isa,
+      r.config.base.params, r.config.base.dtype, r.config.base.state_format, r.groups, r.ring_slots, FormatSize(r.ring_slot_bytes), r.isa,
       r.threads, r.threads == 1 ? "" : "s", r.update_threads, r.config.base.repetitions, "", "seconds", "GiB/s", "step (states on NVMe)",
       r.step_seconds, gib / r.step_seconds, "I/O alone (read + write)", r.io_seconds, gib / r.io_seconds,
       "update alone (host memory)", r.compute_seconds, r.step_over_bound, r.read_wait_seconds);
@@ -725,6 +739,7 @@ std::string OptimNvmeBenchJson(const OptimNvmeBenchReport& r) {
   j["config"] = {{"params", r.config.base.params},     {"dtype", r.config.base.dtype},
                  {"threads", r.threads},              {"repetitions", r.config.base.repetitions},
                  {"isa", r.isa},                      {"states", "nvme"},
+                 {"state_format", r.config.base.state_format},
                  {"dirs", r.config.dirs},             {"group_params", r.config.group_params},
                  {"ring_bytes", r.config.ring_bytes}, {"ring_slots", r.ring_slots},
                  {"ring_slot_bytes", r.ring_slot_bytes}, {"update_threads", r.update_threads},

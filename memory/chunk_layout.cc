@@ -138,6 +138,11 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
     }
     begin = end;
   }
+  // Under int8 states the tensors too small for 8-bit blocks are few and small (norms, biases): their chunks
+  // are cut to what they hold rather than padded to the chunk size with 16 bytes an element of every kind.
+  for (PlannedChunk& chunk : chunks) {
+    if (int8_states && chunk.cls.trainable && !chunk.cls.int8_states) chunk.capacity_elems = AlignElems(chunk.used_elems);
+  }
   return chunks;
 }
 

@@ -135,7 +135,7 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
   Update* const u = update.get();
   STRATA_ASSIGN_OR_RETURN(update->done,
                           pipeline_.RunBeside(chunks,
-                                              fits ? DeviceUpdateSeconds(groups_[group], optimizer_.num_states())
+                                              fits ? DeviceUpdateSeconds(groups_[group], optimizer_.config())
                                                    : std::optional(DeviceStatsSeconds(groups_[group])),
                                               [this, group, u, fits](Tier where, auto& held) {
                             return Compute(group, *u, where, held, fits);

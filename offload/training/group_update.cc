@@ -35,8 +35,9 @@ namespace {
 constexpr double kDeviceBytesPerSecond = 1e12;
 }  // namespace
 
-std::optional<double> DeviceUpdateSeconds(const Group& g, int num_states) {
-  if (num_states > 0 && g[ChunkKind::kExpAvg].dtype != DType::kFloat32) return std::nullopt;
+std::optional<double> DeviceUpdateSeconds(const Group& g, const optim::OptimizerConfig& config) {
+  const int num_states = optim::NumStates(config);
+  if (config.int8_states || (num_states > 0 && g[ChunkKind::kExpAvg].dtype != DType::kFloat32)) return std::nullopt;
   uint64_t bytes = 0;
   for (ChunkKind kind : UpdatedKinds(g, num_states)) bytes += 2 * g[kind].used_bytes;  // read, write
   return static_cast<double>(bytes) / kDeviceBytesPerSecond;

@@ -40,8 +40,10 @@ size_t UsedElems(const ChunkInfo& chunk);
 // [Updates on the device] in train_step.cc): the bytes it reads and writes
 // at a GPU memory's rate, conservatively. None where it runs on the host
 // only: moments other than fp32 (the CUDA kernel's bf16 moments are not yet
-// checked on a GPU: cuda_kernels_test's bf16 cases).
-std::optional<double> DeviceUpdateSeconds(const Group& g, int num_states);
+// checked on a GPU: cuda_kernels_test's bf16 cases; it has no 8-bit ones),
+// and every group under int8 states (the small tensors' fp32 moments update
+// with torchao's arithmetic, the host's: Note [8-bit states in chunks]).
+std::optional<double> DeviceUpdateSeconds(const Group& g, const optim::OptimizerConfig& config);
 // The same for reading its gradients' statistics alone.
 double DeviceStatsSeconds(const Group& g);
 

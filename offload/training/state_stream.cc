@@ -89,11 +89,18 @@ uint64_t StateStream::ArrayBytes(size_t n) const {
   return RoundUp(bytes, memory::kSlotAlignmentBytes);
 }
 
+uint64_t StateStream::StateBytes(size_t n) const {
+  return RoundUp(ChunkBytes(options_.state_dtype, n), memory::kSlotAlignmentBytes);
+}
+
 optim::ChunkTensors StateStream::TensorsIn(std::byte* buffer, const Group& group, const GroupIo& io) const {
   optim::ChunkTensors t;
   t.n = group.n;
   t.master = reinterpret_cast<float*>(buffer);
-  for (int s = 0; s < num_states_; ++s) t.state[s] = reinterpret_cast<float*>(buffer + (1 + s) * ArrayBytes(group.n));
+  for (int s = 0; s < num_states_; ++s) {
+    t.state[s] = reinterpret_cast<float*>(buffer + ArrayBytes(group.n) + s * StateBytes(group.n));
+  }
+  t.state_dtype = options_.state_dtype;
   t.grad = io.grad;
   t.grad_dtype = io.grad_dtype;
   t.param = io.param;
@@ -103,6 +110,10 @@ optim::ChunkTensors StateStream::TensorsIn(std::byte* buffer, const Group& group
 
 Result<GroupId> StateStream::AddGroup(std::span<const float> initial_master) {
   if (initial_master.empty()) return InvalidArgument("state stream: a group needs at least one element");
+  if (options_.state_dtype == DType::kInt8Block && initial_master.size() % kInt8BlockElems != 0) {
+    return InvalidArgument("state stream: a group of {} elements with int8 states: they come in whole blocks of {}",
+                           initial_master.size(), kInt8BlockElems);
+  }
   const uint64_t bytes = GroupBytes(initial_master.size());
   std::optional<memory::Extent> slot = pool_.Allocate(bytes);
   if (!slot) return pool_.OutOfMemoryError(bytes, "a group of optimizer states");
@@ -126,10 +137,12 @@ Status StateStream::ReadGroup(GroupId id, std::span<float> master, std::span<con
     return InvalidArgument("state stream: group {} does not exist ({} groups)", id.value(), groups_.size());
   }
   const Group& group = groups_[id.value()];
-  if (master.size() != group.n || states.size() != static_cast<size_t>(num_states_)) {
-    return InvalidArgument("state stream: group {} holds a master and {} states of {} elements; asked for a master "
-                           "of {} and {} states",
-                           id.value(), num_states_, group.n, master.size(), states.size());
+  const size_t readable = options_.state_dtype == DType::kFloat32 ? static_cast<size_t>(num_states_) : 0;
+  if (master.size() != group.n || states.size() != readable) {
+    return InvalidArgument("state stream: group {} holds a master and {} {} states of {} elements ({} read back "
+                           "as floats); asked for a master of {} and {} states",
+                           id.value(), num_states_, DTypeName(options_.state_dtype), group.n, readable,
+                           master.size(), states.size());
   }
   for (std::span<float> state : states) {
     if (state.size() != group.n) {
@@ -142,8 +155,9 @@ Status StateStream::ReadGroup(GroupId id, std::span<float> master, std::span<con
   if (!buffer) return OutOfMemory("state stream: cannot allocate {} to read group {}", FormatSize(bytes), id.value());
   STRATA_RETURN_IF_ERROR(pool_.Read(group.slot, buffer.bytes(), bytes));
   std::memcpy(master.data(), buffer.data(), master.size_bytes());
-  for (int s = 0; s < num_states_; ++s) {
-    std::memcpy(states[s].data(), buffer.bytes() + (1 + s) * ArrayBytes(group.n), states[s].size_bytes());
+  for (size_t s = 0; s < states.size(); ++s) {
+    std::memcpy(states[s].data(), buffer.bytes() + ArrayBytes(group.n) + s * StateBytes(group.n),
+                states[s].size_bytes());
   }
   return Status::Ok();
 }

@@ -36,6 +36,9 @@ struct StateStreamOptions {
   // Threads of the update; 0: every core but one, left to the reader's and
   // writer's CRCs and submissions (the drive, not the update, sets the pace).
   uint32_t update_threads = 0;
+  // The states' dtype (optimizer.states): fp32, bf16, or int8 blocks
+  // (groups of whole blocks of kInt8BlockElems).
+  DType state_dtype = DType::kFloat32;
 };
 
 // optimizer.stream_ring, and nvme.io_timeout_ms (twice, for a read that
@@ -73,7 +76,7 @@ class StateStream {
   // at zero, written to NVMe now. Ids count up from 0 in the order added.
   Result<GroupId> AddGroup(std::span<const float> initial_master);
   // Reads a group back: `master` and `states` (num_states spans) of the
-  // group's size each.
+  // group's size each; states only where they are fp32 (else none).
   Status ReadGroup(GroupId id, std::span<float> master, std::span<const std::span<float>> states);
 
   // One optimizer step over every group: io[i] belongs to group i. A plan
@@ -104,7 +107,8 @@ class StateStream {
   };
   StateStream(memory::NvmeTierPool& pool, int num_states, const StateStreamOptions& options);
   uint64_t ArrayBytes(size_t n) const;  // one array, padded to the slot alignment
-  uint64_t GroupBytes(size_t n) const { return (1 + num_states_) * ArrayBytes(n); }
+  uint64_t StateBytes(size_t n) const;  // one state array of n elements, padded
+  uint64_t GroupBytes(size_t n) const { return ArrayBytes(n) + num_states_ * StateBytes(n); }
   optim::ChunkTensors TensorsIn(std::byte* buffer, const Group& group, const GroupIo& io) const;
   Status PrepareRing();
   std::byte* RingBuffer(size_t group) const;  // the ring buffer group `group` goes through

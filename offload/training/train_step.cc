@@ -522,7 +522,7 @@ class TrainStep {
   // weigh (Note [Updates on the device]); none where it must run on the host.
   std::optional<double> DeviceSeconds(const Group& g) const {
     if (parallel_) return std::nullopt;
-    return DeviceUpdateSeconds(g, optimizer_.num_states());
+    return DeviceUpdateSeconds(g, optimizer_.config());
   }
 
   // The tensors the step leaves out, for their step counts.

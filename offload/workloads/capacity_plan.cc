@@ -189,6 +189,10 @@ std::vector<uint32_t> GroupsByLastUse(const memory::ChunkLayout& layout, const T
 // order backward finishes with them (the last layers' first).
 void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout,
                    const MachineSpec& machine, GptStep& step) {
+  // Under int8 states every update runs on the host, the small tensors' fp32 moments' too (torchao's arithmetic:
+  // Note [8-bit states in chunks] in optim/cpu/cpu_kernels.cc).
+  const bool host_only = std::any_of(layout.chunks().begin(), layout.chunks().end(),
+                                     [](const memory::ChunkDesc& c) { return c.dtype == DType::kInt8Block; });
   for (uint32_t g : GroupsByLastUse(layout, step.trace)) {
     const memory::ChunkGroup& group = layout.groups()[g];
     if (!group.trainable) continue;
@@ -209,7 +213,7 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
                             ? 1.0 / kInt8RelativeRate
                             : (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
     m.compute_seconds = cost * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
-    if (moment == DType::kFloat32) {
+    if (moment == DType::kFloat32 && !host_only) {
       m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
     }
     step.trace.moments.push_back(std::move(m));

@@ -257,5 +257,56 @@ TEST(StateStreamTest, MismatchedInputsAreRejected) {
   EXPECT_EQ(f.stream->ReadGroup(GroupId(99), master, {}).code(), StatusCode::kInvalidArgument);
 }
 
+// Int8 states (optimizer.states int8): groups of whole blocks streamed as
+// the in-memory update of the same blocks gives them, bit for bit, moving
+// about half the bytes of fp32 states (4 bytes of master and 2 x 260/256 of
+// moments a parameter, against 12); a group not in whole blocks is refused.
+TEST(StateStreamTest, Int8StatesStreamAsTheyUpdateInMemoryAtHalfTheBytes) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  ASSERT_OK_AND_ASSIGN(auto storage, CreateMemoryStorage(uint64_t{16} << 20));
+  memory::NvmeTierPool pool(*storage);
+  ASSERT_OK_AND_ASSIGN(auto stream, StateStream::Create(pool, 2, {.ring_bytes = uint64_t{2} << 20,
+                                                                  .state_dtype = DType::kInt8Block}));
+  ASSERT_OK_AND_ASSIGN(auto fp32_stream, StateStream::Create(pool, 2, {.ring_bytes = uint64_t{2} << 20}));
+  constexpr size_t kSizes[] = {256 * 300, 256 * 3};
+  std::vector<ChunkArrays> reference;
+  std::vector<std::vector<std::byte>> moments;  // each group's two state arrays of 8-bit blocks
+  for (size_t n : kSizes) {
+    reference.push_back(RandomChunk(n, DType::kFloat32, DType::kFloat32, rng));
+    ASSERT_OK(stream->AddGroup(reference.back().master).status());
+    ASSERT_OK(fp32_stream->AddGroup(reference.back().master).status());
+    moments.emplace_back(ChunkBytes(DType::kInt8Block, n));
+    moments.emplace_back(ChunkBytes(DType::kInt8Block, n));
+  }
+  ASSERT_OK_AND_ASSIGN(auto optimizer, optim::Optimizer::Create({.lr = 1e-3f, .weight_decay = 0.01f}));
+  std::vector<GroupIo> io;
+  for (const ChunkArrays& a : reference) io.push_back({.grad = a.grad32.data(), .grad_dtype = DType::kFloat32});
+  uint64_t bytes = 0, fp32_bytes = 0;
+  for (int64_t step = 1; step <= 3; ++step) {
+    const optim::StepPlan plan{.step = step};
+    ASSERT_OK_AND_ASSIGN(StreamStepReport report, stream->Step(*optimizer, plan, io));
+    ASSERT_OK_AND_ASSIGN(StreamStepReport fp32_report, fp32_stream->Step(*optimizer, plan, io));
+    bytes = report.bytes_read + report.bytes_written;
+    fp32_bytes = fp32_report.bytes_read + fp32_report.bytes_written;
+    for (size_t i = 0; i < reference.size(); ++i) {
+      optim::ChunkTensors t{.n = kSizes[i], .master = reference[i].master.data(), .grad = reference[i].grad32.data()};
+      t.state[0] = reinterpret_cast<float*>(moments[2 * i].data());
+      t.state[1] = reinterpret_cast<float*>(moments[2 * i + 1].data());
+      t.state_dtype = DType::kInt8Block;
+      ASSERT_OK(optimizer->UpdateChunk(plan, t));
+    }
+  }
+  for (size_t i = 0; i < reference.size(); ++i) {
+    std::vector<float> master(kSizes[i]);
+    ASSERT_OK(stream->ReadGroup(GroupId(static_cast<uint32_t>(i)), master, {}));
+    EXPECT_EQ(master, reference[i].master) << "group " << i;
+  }
+  EXPECT_LT(static_cast<double>(bytes), 0.55 * static_cast<double>(fp32_bytes)) << bytes << " " << fp32_bytes;
+  const std::vector<float> partial(1000, 0.0f);
+  Result<GroupId> refused = stream->AddGroup(partial);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("1000 elements with int8 states"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace strata::offload

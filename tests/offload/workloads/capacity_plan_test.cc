@@ -76,6 +76,28 @@ TEST(CapacityPlanTest, Bf16MomentsFitWhereFp32OnesAreRefusedAndUpdateOnTheCpu) {
   EXPECT_NE(FormatCapacityPlan(bf16).find("bf16 exp_avg and exp_avg_sq"), std::string::npos);
 }
 
+TEST(CapacityPlanTest, Int8MomentsFitWhereBf16OnesAreRefusedAtTheir8BitKernelsRate) {
+  // DRAM for the model states with int8 moments (4 + 2 x 260/256 bytes of states a parameter) but not bf16 ones.
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan sized, PlanCapacity(Small(), MachineSpec{}, {}, DType::kInt8Block));
+  const uint64_t int8_states = sized.param_bytes + sized.grad_bytes + sized.state_bytes;
+  MachineSpec machine{.hbm_bytes = uint64_t{8} << 30, .dram_bytes = int8_states + (int8_states >> 4)};
+  const Result<CapacityPlan> bf16 = PlanCapacity(Small(), machine, {}, DType::kBFloat16);
+  ASSERT_EQ(bf16.status().code(), StatusCode::kOutOfMemory) << bf16.status().ToString();
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan int8, PlanCapacity(Small(), machine, {}, DType::kInt8Block));
+  machine.dram_bytes = uint64_t{1} << 30;
+  machine.gpu_adam_gparams = 1e-3;  // fp32's updates on the CPU too
+  ASSERT_OK_AND_ASSIGN(const CapacityPlan fp32, PlanCapacity(Small(), machine));
+  EXPECT_NEAR(static_cast<double>(int8.state_bytes) / static_cast<double>(fp32.state_bytes),
+              (4.0 + 2.0 * 260.0 / 256.0) / 12.0, 0.01);
+  EXPECT_EQ(int8.updates_on_device, 0u);  // the small tensors' fp32 moments too
+  // At the 8-bit kernel's rate (0.45 of fp32's), not by its bytes; the small tensors' groups at fp32's.
+  const double ratio = int8.optimizer_seconds / fp32.optimizer_seconds;
+  EXPECT_GT(ratio, 1.9);
+  EXPECT_LT(ratio, 1.0 / 0.45);
+  EXPECT_EQ(nlohmann::json::parse(CapacityPlanJson(int8))["states"], "int8");
+  EXPECT_NE(FormatCapacityPlan(int8).find("int8 exp_avg and exp_avg_sq"), std::string::npos);
+}
+
 TEST(CapacityPlanTest, LayeredAccumulationMovesEachChunkOnceAStepWhateverTheMicroBatches) {
   // HBM for a few of the chunks: every layer's stream (Note [Layered accumulation]); one sequence a micro-batch.
   ModelShape model = Small();
