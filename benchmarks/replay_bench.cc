@@ -29,6 +29,9 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
+// The step's updates are its host moments (offload::GptStepTrace's), whether or not they could run on the device.
+bool IsUpdate(const offload::TraceMoment& m) { return m.tier == Tier::kHost; }
+
 offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   offload::MachineSpec machine;
   machine.pcie_gbps = c.pcie_gbps;
@@ -43,7 +46,7 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
 // gradients are final, as BesideUpdates begins it.
 void BesideBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
   std::vector<offload::TraceMoment> updates, device;
-  for (offload::TraceMoment& m : trace.moments) (m.device_compute_seconds ? updates : device).push_back(std::move(m));
+  for (offload::TraceMoment& m : trace.moments) (IsUpdate(m) ? updates : device).push_back(std::move(m));
   std::vector<std::vector<offload::TraceMoment>> after(device.size());  // by device moment
   std::vector<offload::TraceMoment> last;  // updates whose grads no device moment touches
   for (offload::TraceMoment& u : updates) {
@@ -75,9 +78,9 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
   offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config), config.accumulation);
   for (size_t k = 0; k < step.trace.moments.size(); ++k) {
     offload::TraceMoment& m = step.trace.moments[k];
-    if (m.device_compute_seconds && config.ranks > 1) {  // an update: each rank updates its share
+    if (IsUpdate(m) && config.ranks > 1) {  // each rank updates its share
       m.compute_seconds /= config.ranks;
-      *m.device_compute_seconds /= config.ranks;
+      if (m.device_compute_seconds) *m.device_compute_seconds /= config.ranks;
       if (config.shard_params) {  // which writes its master shard only
         std::erase_if(m.chunks, [&](ChunkId c) { return layout.chunk(c).kind == ChunkKind::kParam; });
       }
@@ -97,7 +100,7 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     // first gathered ahead, behind the rest of the updates.
     std::vector<offload::TraceMoment>& moments = step.trace.moments;
     const auto updates = std::stable_partition(moments.begin(), moments.end(),
-                                               [](const offload::TraceMoment& m) { return !m.device_compute_seconds; });
+                                               [](const offload::TraceMoment& m) { return !IsUpdate(m); });
     std::stable_sort(updates, moments.end(), [&](const offload::TraceMoment& x, const offload::TraceMoment& y) {
       return layout.chunk(x.chunks.front()).group < layout.chunk(y.chunks.front()).group;
     });
@@ -172,7 +175,7 @@ CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInf
     const offload::TraceMoment& m = step.moments[k];
     for (ChunkId c : m.chunks) {
       const ChunkKind kind = chunks[c.value()].kind;
-      if (m.device_compute_seconds) {  // an update
+      if (IsUpdate(m)) {
         if (kind == ChunkKind::kGrad) out.take[k] = c;
         if (kind == ChunkKind::kParam && !chunks[c.value()].transient) out.gather[k] = c;
       } else if (kind == ChunkKind::kGrad) {
@@ -442,7 +445,7 @@ RunResult Replay::Finish() {
   if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
   for (size_t k = 0; k < step_.moments.size(); ++k) {
     const Tier where = plan != nullptr ? plan->compute_tier[k] : step_.moments[k].tier;
-    if (step_.moments[k].device_compute_seconds) {
+    if (IsUpdate(step_.moments[k])) {
       result.updates++;
       if (where == Tier::kDevice) result.updates_on_device++;
     }
@@ -515,6 +518,9 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
   if (config.ranks < 1 || config.ranks > 64) {
     return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
   }
+  if (config.states != "fp32" && config.states != "bf16" && config.states != "int8") {
+    return InvalidArgument("bench replay: --states {}: expected fp32, bf16 or int8", config.states);
+  }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
   if (config.overlap && config.ranks > 1) {
     return InvalidArgument("bench replay: --overlap runs one rank (data-parallel updates take the gradients reduced "
@@ -535,13 +541,14 @@ Options ReplayOptions(const ReplayBenchConfig& config) {
   options.device.emulated_bandwidth_gbps = config.pcie_gbps;
   options.log_level = LogLevel::kWarning;
   options.comm.shard_params = config.shard_params && config.ranks > 1;
+  options.optimizer.state_dtype = *ParseChunkDType(config.states);  // checked by ValidateReplayConfig
   return options;
 }
 
 Result<memory::ChunkLayout> LayoutOf(const std::vector<TensorSpec>& specs, const Options& options,
                                      memory::ShardSpec shard = {}) {
   return memory::ChunkLayout::Build(specs, options.chunk.size_elems, options.chunk.search_min_elems,
-                                    options.chunk.search_max_elems, shard);
+                                    options.chunk.search_max_elems, shard, options.optimizer.state_dtype);
 }
 
 // The budgets (unless given: a quarter and half of the model states, but

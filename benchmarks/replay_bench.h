@@ -50,6 +50,8 @@ struct ReplayBenchConfig {
   bool overlap = false;
   // Micro-batches a step, standard or layered (--micro-batches, --accumulation).
   offload::Accumulation accumulation;
+  // optimizer.states: the moments' format (fp32, bf16 or int8), their real bytes on every tier.
+  std::string states = "fp32";
 };
 
 struct ReplayRun {

@@ -25,8 +25,8 @@ std::vector<std::string> TimelineText(const std::vector<std::pair<double, double
 
 std::string FormatReplayBench(const ReplayBenchReport& r) {
   std::string out = fmt::format(
-      "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {} of model states in {} "
-      "chunks, {} moments, activations up to {}{}\n"
+      "strata bench replay: GPT, {} layers, hidden {}, vocab {}, seq {}, batch {}{}: {} of model states ({} "
+      "moments) in {} chunks, {} moments, activations up to {}{}\n"
       "device budget {}, host budget {}, NVMe {}; links {} GB/s; compute {:.1f} ms per iteration (updates on the "
       "CPU); {} measured iterations after {} of warm-up\n",
       r.config.model.layers, r.config.model.hidden, r.config.model.vocab, r.config.model.sequence, r.config.model.batch,
@@ -34,7 +34,7 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
           ? fmt::format(" x {} micro-batches ({})", r.config.accumulation.micro_batches,
                         r.config.accumulation.order_name())
           : std::string(),
-      FormatSize(r.model_states_bytes), r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
+      FormatSize(r.model_states_bytes), r.config.states, r.chunks, r.moments, FormatSize(r.activation_peak_bytes),
       r.boundary_bytes > 0 ? fmt::format(" ({} of them the micro-batches' layer inputs)", FormatSize(r.boundary_bytes))
                            : std::string(),
       FormatSize(r.device_budget_bytes), FormatSize(r.host_budget_bytes),
@@ -125,6 +125,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
                  {"shard_params", r.config.shard_params},
                  {"net_gbps", r.config.net_gbps},
                  {"overlap", r.config.overlap},
+                 {"states", r.config.states},
                  {"micro_batches", r.config.accumulation.micro_batches},
                  {"accumulation", r.config.accumulation.order_name()}};
   j["model_states_bytes"] = r.model_states_bytes;

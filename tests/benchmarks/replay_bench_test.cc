@@ -40,6 +40,23 @@ TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
   EXPECT_NE(FormatReplayBench(report).find("LRU, on demand"), std::string::npos);
 }
 
+// Int8 states: the replay lays the moments out in their real bytes (the
+// model states a third smaller than with fp32 moments: bf16 params and grads,
+// fp32 masters) and counts every update as one, though none may run on the
+// device.
+TEST(ReplayBenchTest, Int8StatesReplayTheirBytesAndEveryUpdateOnTheHost) {
+  ReplayBenchConfig config = SmallReplay(1);
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport fp32, RunReplayBench(config));
+  config.states = "int8";
+  ASSERT_OK_AND_ASSIGN(ReplayBenchReport int8, RunReplayBench(config));
+  EXPECT_GT(int8.updates, fp32.updates);  // the small tensors' groups of fp32 moments besides
+  EXPECT_EQ(int8.updates_on_device, 0u);
+  EXPECT_LT(static_cast<double>(int8.model_states_bytes), 0.7 * static_cast<double>(fp32.model_states_bytes));
+  EXPECT_EQ(nlohmann::json::parse(ReplayBenchJson(int8))["config"]["states"], "int8");
+  config.states = "int4";
+  EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
 // The replay's headline, planned stall below LRU's, in figures noise cannot
 // move. Every state fits in host memory, so the plan is made on the two
 // throttled links alone and its modelled stall is the same on every run. On

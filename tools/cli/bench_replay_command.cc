@@ -97,6 +97,9 @@ void AddRunFlags(CLI::App* command, BenchReplayFlags& flags) {
                       "turn, checkpointed)")
       ->check(CLI::IsMember({"standard", "layered"}))
       ->capture_default_str();
+  command->add_option("--states", config.states, "optimizer.states: the moments' format, fp32, bf16 or int8")
+      ->check(CLI::IsMember({"fp32", "bf16", "int8"}))
+      ->capture_default_str();
   command->add_flag("--overlap", config.overlap,
                     "begin each update beside backward, once its group's gradients are final (one rank)");
   command->add_flag("--no-baseline", flags.no_baseline, "skip the LRU run");
