@@ -39,10 +39,10 @@ size_t UsedElems(const ChunkInfo& chunk);
 // How long `g`'s update would take on a GPU, for the plan to weigh (Note
 // [Updates on the device] in train_step.cc): the bytes it reads and writes
 // at a GPU memory's rate, conservatively. None where it runs on the host
-// only: moments other than fp32 (the CUDA kernel's bf16 moments are not yet
-// checked on a GPU: cuda_kernels_test's bf16 cases; it has no 8-bit ones),
-// and every group under int8 states (the small tensors' fp32 moments update
-// with torchao's arithmetic, the host's: Note [8-bit states in chunks]).
+// only: moments other than fp32, and every group under int8 states (the
+// small tensors' fp32 moments update with torchao's arithmetic: Note [8-bit
+// states in chunks]), until the CUDA kernel's bf16 and 8-bit paths have run
+// on a GPU (cuda_kernels_test's Bf16States... and Int8States... cases).
 std::optional<double> DeviceUpdateSeconds(const Group& g, const optim::OptimizerConfig& config);
 // The same for reading its gradients' statistics alone.
 double DeviceStatsSeconds(const Group& g);

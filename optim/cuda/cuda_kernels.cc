@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "optim/cuda/cuda_kernels_launch.h"
+#include "optim/state_codec.h"
 
 namespace strata::optim {
 namespace {
@@ -54,10 +55,14 @@ Status CheckChunk(OptimizerKind kind, const ChunkTensors& t, size_t index) {
                            index, KnownDType(t.param_dtype) ? DTypeName(t.param_dtype) : "?",
                            t.param == nullptr ? "no" : "a");
   }
-  if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16) {
-    return InvalidArgument("cuda optimizer: chunk {} has states of dtype {}: they are fp32 or bf16 here (int8 "
-                           "states update on the host)",
-                           index, DTypeName(t.state_dtype));
+  if (t.state_dtype == DType::kInt8Block && (kind == OptimizerKind::kSgd || t.n % kInt8BlockElems != 0)) {
+    return InvalidArgument("cuda optimizer: chunk {} of {} elements has int8 states: they are Adam's, in whole "
+                           "blocks of {}",
+                           index, t.n, kInt8BlockElems);
+  }
+  if (t.state_dtype != DType::kFloat32 && t.state_dtype != DType::kBFloat16 && t.state_dtype != DType::kInt8Block) {
+    return InvalidArgument("cuda optimizer: chunk {} has states of dtype {}: they are fp32, bf16 or int8", index,
+                           DTypeName(t.state_dtype));
   }
   if (kind != OptimizerKind::kSgd && (t.state[0] == nullptr || t.state[1] == nullptr)) {
     return InvalidArgument("cuda optimizer: {} keeps 2 state arrays per chunk; chunk {} has no state[{}]",
@@ -76,8 +81,26 @@ LaunchChunk ToLaunchChunk(const ChunkTensors& t) {
   chunk.param = t.param;
   chunk.grad_type = ElementTypeOf(t.grad_dtype);
   chunk.param_type = t.param_dtype == DType::kFloat16 ? ElementType::kFloat16 : ElementType::kBFloat16;
-  chunk.state_type = ElementTypeOf(t.state_dtype);
+  chunk.state_type = t.state_dtype == DType::kBFloat16 ? ElementType::kBFloat16 : ElementType::kFloat32;
+  chunk.int8_blocks = t.state_dtype == DType::kInt8Block;
   return chunk;
+}
+
+cuda_internal::Launch8bitConstants ToLaunch8bitConstants(const UpdateConstants& c) {
+  const Adam8bitConstants& a = c.adam8bit;
+  return {.decoupled = a.decoupled, .grad_multiplier = c.grad_multiplier, .lr = a.lr,
+          .weight_decay = a.weight_decay, .lr_decay = a.lr_decay, .one_minus_beta1 = a.one_minus_beta1,
+          .one_minus_beta2 = a.one_minus_beta2, .correction1 = a.correction1,
+          .sqrt_correction2 = a.sqrt_correction2, .eps = a.eps};
+}
+
+// The code maps and encoders the 8-bit kernel takes to the device.
+cuda_internal::Host8bitTables HostTables() {
+  static_assert(cuda_internal::kEncoderMinExponent == ThresholdEncoder::kMinExponent &&
+                cuda_internal::kEncoderBucketBits == ThresholdEncoder::kBucketBits &&
+                cuda_internal::kEncoderEntries == 2 * ThresholdEncoder::kBucketsPerSign);
+  const StateTables first = TablesOf(true), second = TablesOf(false);
+  return {.maps = {first.map, second.map}, .entries = {first.entry, second.entry}};
 }
 
 LaunchConstants ToLaunchConstants(const UpdateConstants& c) {
@@ -108,11 +131,18 @@ Status UpdateChunksCuda(const UpdateConstants& constants, std::span<const ChunkT
     return InvalidArgument("cuda optimizer: unknown optimizer kind {}", static_cast<int>(constants.kind));
   }
   // Every chunk is checked before any is enqueued, so a bad one changes nothing.
-  std::vector<LaunchChunk> launch_chunks;
-  launch_chunks.reserve(chunks.size());
+  // The 8-bit kernel takes 8-bit states, and under int8 states the fp32 ones too (torchao's arithmetic).
+  std::vector<LaunchChunk> launch_chunks, eight_bit;
   for (size_t i = 0; i < chunks.size(); ++i) {
     STRATA_RETURN_IF_ERROR(CheckChunk(constants.kind, chunks[i], i));
-    if (chunks[i].n > 0) launch_chunks.push_back(ToLaunchChunk(chunks[i]));
+    if (chunks[i].n == 0) continue;
+    const bool adam8bit = chunks[i].state_dtype == DType::kInt8Block ||
+                          (constants.adam8bit_arithmetic && chunks[i].state_dtype == DType::kFloat32);
+    (adam8bit ? eight_bit : launch_chunks).push_back(ToLaunchChunk(chunks[i]));
+  }
+  if (!eight_bit.empty()) {
+    STRATA_RETURN_IF_ERROR(cuda_internal::Enqueue8bitUpdate(ToLaunch8bitConstants(constants), HostTables(),
+                                                            eight_bit.data(), eight_bit.size(), cuda_stream));
   }
   if (launch_chunks.empty()) return Status::Ok();
   return cuda_internal::EnqueueUpdate(ToLaunchConstants(constants), launch_chunks.data(), launch_chunks.size(),

@@ -46,6 +46,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <set>
 
 // nvcc's front end wrongly warns (#2810) that status.h assigns to a
 // [[nodiscard]] type; the host compiler, which sees the same code, does not.
@@ -431,20 +433,194 @@ __global__ void __launch_bounds__(kThreadsPerBlock) AddPartialsKernel(const doub
   if (threadIdx.x == 0) *total += block_sum;
 }
 
+// --- 8-bit states -----------------------------------------------------------
+//
+// One block of 256 elements a tile, thread t its element t: the scalar
+// reference's Adam8bitUpdate (optim/cpu/cpu_reference.cc) operation for
+// operation, each rounded on its own; then the block's largest magnitude of
+// each moment (NaN if one is), by warp shuffles and the block's warps, as
+// its scale, and each value divided by it and coded by its encoder's entry
+// (Note [Encoding by thresholds] in optim/state_codec.cc). Chunks of fp32
+// moments (under int8 states) take the arithmetic without the codes.
+
+constexpr uint64_t k8bitTileElements = kThreadsPerBlock;
+constexpr uint64_t kInt8BlockBytes = k8bitTileElements + sizeof(float);  // 256 codes, then the scale
+static_assert(k8bitTileElements == 256, "a tile is one block of 8-bit states");
+
+// The code maps and encoders of both moments, on each device (Upload8bitTables).
+__device__ float g_code_maps[2][256];
+__device__ uint32_t g_encoder_entries[2][kEncoderEntries];
+
+struct Update8bitArgs {
+  Launch8bitConstants constants;
+  ChunkTable table;
+};
+static_assert(sizeof(Update8bitArgs) <= 4096, "the 8-bit update's kernel argument must stay under 4 KiB");
+
+template <ElementType G>
+__device__ __forceinline__ float LoadGrad(const void* grad, uint64_t i) {
+  if constexpr (G == ElementType::kFloat32) {
+    return static_cast<const float*>(grad)[i];
+  } else if constexpr (G == ElementType::kBFloat16) {
+    return FloatFromBf16(static_cast<const uint16_t*>(grad)[i]);
+  } else {
+    return FloatFromFp16(static_cast<const uint16_t*>(grad)[i]);
+  }
+}
+
+template <ParamOut P>
+__device__ __forceinline__ void StoreParam(void* param, uint64_t i, float weight) {
+  if constexpr (P == ParamOut::kBf16) {
+    static_cast<uint16_t*>(param)[i] = static_cast<uint16_t>(Bf16FromFloat(weight));
+  } else if constexpr (P == ParamOut::kFp16) {
+    static_cast<uint16_t*>(param)[i] = static_cast<uint16_t>(Fp16FromFloat(weight));
+  }
+}
+
+// The largest |value| over the block, NaN if any is NaN (BlockScale's
+// largest); every thread gets it. Every thread of the block must call it.
+__device__ float BlockLargest(float value) {
+  __shared__ float warp_largest[kWarpsPerBlock];
+  const float magnitude = fabsf(value);
+  const bool nan = __syncthreads_or(isnan(magnitude)) != 0;
+  float largest = isnan(magnitude) ? 0.0f : magnitude;
+  for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    largest = fmaxf(largest, __shfl_down_sync(0xffffffffu, largest, offset));
+  }
+  if (threadIdx.x % kWarpSize == 0) warp_largest[threadIdx.x / kWarpSize] = largest;
+  __syncthreads();
+  largest = 0.0f;
+  for (int w = 0; w < kWarpsPerBlock; ++w) largest = fmaxf(largest, warp_largest[w]);
+  __syncthreads();  // warp_largest is read before the next call writes it
+  return nan ? __int_as_float(0x7fffffff) : largest;
+}
+
+// The code of `value` in a block of scale `scale` (EncodeByThresholds of
+// value / scale; NaN: code 0).
+__device__ __forceinline__ uint32_t Encode(float value, float scale, const uint32_t* entries) {
+  const float scaled = __fdiv_rn(value, scale);
+  if (isnan(scaled)) return 0;
+  const uint32_t bits = __float_as_uint(scaled);
+  const uint32_t magnitude = (bits & 0x7fffffffu) >> kEncoderLowBits;
+  const uint32_t lowest = kEncoderMinExponent << kEncoderBucketBits;
+  const uint32_t in_sign = magnitude < lowest ? 0 : min(magnitude - lowest, kEncoderBucketsPerSign - 1);
+  const uint32_t entry = __ldg(entries + (bits >> 31) * kEncoderBucketsPerSign + in_sign);
+  uint32_t code = entry & 0xffu;
+  if ((bits & ((1u << kEncoderLowBits) - 1)) >= entry >> 8) code += bits >> 31 ? 0xffu : 1u;  // -1 or +1
+  return code & 0xffu;
+}
+
+// Stores one moment's block: its scale (thread 0) and each thread's code.
+__device__ __forceinline__ void StoreBlock(uint8_t* block, float value, int moment) {
+  const float largest = BlockLargest(value);
+  const float scale = isnan(largest) || largest > 1e-12f ? largest : 1e-12f;
+  block[threadIdx.x] = static_cast<uint8_t>(Encode(value, scale, g_encoder_entries[moment]));
+  if (threadIdx.x == 0) *reinterpret_cast<float*>(block + k8bitTileElements) = scale;
+}
+
+// This block's tiles of one chunk: kBlocks, 8-bit moments; else fp32 ones.
+template <ElementType G, ParamOut P, bool kBlocks>
+__device__ void Update8bitTiles(const Launch8bitConstants& c, const LaunchChunk& t, uint32_t first_tile,
+                                uint32_t tile_stride, const float (&maps)[2][256]) {
+  const uint64_t num_tiles = (t.n + k8bitTileElements - 1) / k8bitTileElements;
+  for (uint64_t tile = first_tile; tile < num_tiles; tile += tile_stride) {
+    const uint64_t i = tile * k8bitTileElements + threadIdx.x;
+    const bool mine = i < t.n;  // every thread in a chunk of blocks
+    uint8_t* blocks[2] = {reinterpret_cast<uint8_t*>(t.state[0]) + tile * kInt8BlockBytes,
+                          reinterpret_cast<uint8_t*>(t.state[1]) + tile * kInt8BlockBytes};
+    float g = 0, weight = 0, m = 0, v = 0;
+    if (mine) {
+      g = __fmul_rn(LoadGrad<G>(t.grad, i), c.grad_multiplier);
+      weight = t.master[i];
+      if constexpr (kBlocks) {
+        m = __fmul_rn(maps[0][blocks[0][threadIdx.x]], *reinterpret_cast<const float*>(blocks[0] + k8bitTileElements));
+        v = __fmul_rn(maps[1][blocks[1][threadIdx.x]], *reinterpret_cast<const float*>(blocks[1] + k8bitTileElements));
+      } else {
+        m = t.state[0][i];
+        v = t.state[1][i];
+      }
+    }
+    if (c.decoupled) {
+      weight = __fsub_rn(weight, __fmul_rn(c.lr_decay, weight));
+    } else {
+      g = __fadd_rn(g, __fmul_rn(c.weight_decay, weight));
+    }
+    m = __fadd_rn(__fmul_rn(c.one_minus_beta1, __fsub_rn(g, m)), m);  // lerp(m, g, 1 - beta1)
+    v = __fadd_rn(__fmul_rn(c.one_minus_beta2, __fsub_rn(__fmul_rn(g, g), v)), v);
+    const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), c.sqrt_correction2), c.eps);
+    weight = __fsub_rn(weight, __fdiv_rn(__fmul_rn(c.lr, __fdiv_rn(m, c.correction1)), denom));
+    if (mine) {
+      t.master[i] = weight;
+      StoreParam<P>(t.param, i, weight);
+    }
+    if constexpr (kBlocks) {
+      StoreBlock(blocks[0], m, 0);
+      StoreBlock(blocks[1], v, 1);
+    } else if (mine) {
+      t.state[0][i] = m;
+      t.state[1][i] = v;
+    }
+  }
+}
+
+template <ElementType G, ParamOut P>
+__device__ void Update8bitTilesForStates(const Launch8bitConstants& c, const LaunchChunk& t, uint32_t first_tile,
+                                         uint32_t tile_stride, const float (&maps)[2][256]) {
+  if (t.int8_blocks) {
+    Update8bitTiles<G, P, true>(c, t, first_tile, tile_stride, maps);
+  } else {
+    Update8bitTiles<G, P, false>(c, t, first_tile, tile_stride, maps);
+  }
+}
+
+template <ElementType G>
+__device__ void Update8bitTilesForParam(const Launch8bitConstants& c, const LaunchChunk& t, uint32_t first_tile,
+                                        uint32_t tile_stride, const float (&maps)[2][256]) {
+  if (t.param == nullptr) {
+    Update8bitTilesForStates<G, ParamOut::kNone>(c, t, first_tile, tile_stride, maps);
+  } else if (t.param_type == ElementType::kFloat16) {
+    Update8bitTilesForStates<G, ParamOut::kFp16>(c, t, first_tile, tile_stride, maps);
+  } else {
+    Update8bitTilesForStates<G, ParamOut::kBf16>(c, t, first_tile, tile_stride, maps);
+  }
+}
+
+__global__ void __launch_bounds__(kThreadsPerBlock) Update8bitKernel(const __grid_constant__ Update8bitArgs args) {
+  __shared__ float maps[2][256];  // read at the codes of each thread: shared memory, not one broadcast
+  maps[0][threadIdx.x] = g_code_maps[0][threadIdx.x];
+  maps[1][threadIdx.x] = g_code_maps[1][threadIdx.x];
+  __syncthreads();
+  const BlockWork work = WorkOfBlock(args.table);
+  switch (work.chunk.grad_type) {
+    case ElementType::kFloat32:
+      Update8bitTilesForParam<ElementType::kFloat32>(args.constants, work.chunk, work.first_tile, work.tile_stride,
+                                                     maps);
+      break;
+    case ElementType::kBFloat16:
+      Update8bitTilesForParam<ElementType::kBFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride,
+                                                      maps);
+      break;
+    case ElementType::kFloat16:
+      Update8bitTilesForParam<ElementType::kFloat16>(args.constants, work.chunk, work.first_tile, work.tile_stride,
+                                                     maps);
+      break;
+  }
+}
+
 // --- host code ---------------------------------------------------------------
 
 // Packs the next chunks from *next into `table`: up to kMaxChunksPerLaunch
-// non-empty ones, chunk c with ceil(n / kTileElements) blocks but at most
+// non-empty ones, chunk c with ceil(n / tile_elements) blocks but at most
 // `max_blocks_per_chunk`. Returns the launch's block count; 0 when no chunk
 // is left.
 uint32_t FillTable(const LaunchChunk* chunks, size_t num_chunks, size_t* next, uint32_t max_blocks_per_chunk,
-                   ChunkTable* table) {
+                   ChunkTable* table, uint64_t tile_elements = kTileElements) {
   uint32_t num_blocks = 0;
   table->num_chunks = 0;
   for (; *next < num_chunks && table->num_chunks < kMaxChunksPerLaunch; ++*next) {
     const LaunchChunk& chunk = chunks[*next];
     if (chunk.n == 0) continue;
-    const uint64_t tiles = (chunk.n + kTileElements - 1) / kTileElements;
+    const uint64_t tiles = (chunk.n + tile_elements - 1) / tile_elements;
     table->chunks[table->num_chunks] = chunk;
     table->block_start[table->num_chunks] = num_blocks;
     num_blocks += static_cast<uint32_t>(std::min<uint64_t>(tiles, max_blocks_per_chunk));
@@ -466,6 +642,25 @@ Status WaitForStream(cudaStream_t stream, const char* what) {
   return internal::WaitForCudaWork([stream] { return cudaStreamQuery(stream); }, kKernelTimeoutMs, what);
 }
 
+// Copies the code maps and encoders to the current device, once per device.
+Status Upload8bitTables(const Host8bitTables& tables) {
+  static std::mutex mutex;
+  static std::set<int> done;
+  int device = 0;
+  STRATA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (done.count(device) > 0) return Status::Ok();
+  for (int k = 0; k < 2; ++k) {
+    STRATA_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyToSymbol(g_code_maps, tables.maps[k], 256 * sizeof(float), k * 256 * sizeof(float)));
+    STRATA_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(g_encoder_entries, tables.entries[k],
+                                                   kEncoderEntries * sizeof(uint32_t),
+                                                   k * kEncoderEntries * sizeof(uint32_t)));
+  }
+  done.insert(device);
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status EnqueueUpdate(const LaunchConstants& constants, const LaunchChunk* chunks, size_t num_chunks,
@@ -482,6 +677,22 @@ Status EnqueueUpdate(const LaunchConstants& constants, const LaunchChunk* chunks
     } else {
       UpdateKernel<false><<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
     }
+    STRATA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+}
+
+Status Enqueue8bitUpdate(const Launch8bitConstants& constants, const Host8bitTables& tables,
+                         const LaunchChunk* chunks, size_t num_chunks, void* cuda_stream) {
+  STRATA_RETURN_IF_ERROR(Upload8bitTables(tables));
+  const auto stream = static_cast<cudaStream_t>(cuda_stream);
+  Update8bitArgs args{};
+  args.constants = constants;
+  size_t next = 0;
+  for (;;) {
+    const uint32_t num_blocks =
+        FillTable(chunks, num_chunks, &next, kMaxUpdateBlocksPerChunk, &args.table, k8bitTileElements);
+    if (num_blocks == 0) return Status::Ok();
+    Update8bitKernel<<<num_blocks, kThreadsPerBlock, 0, stream>>>(args);
     STRATA_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
 }

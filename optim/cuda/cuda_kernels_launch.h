@@ -51,6 +51,7 @@ struct LaunchChunk {
   ElementType grad_type = ElementType::kFloat32;
   ElementType param_type = ElementType::kBFloat16;  // kBFloat16 or kFloat16 when param is set
   ElementType state_type = ElementType::kFloat32;   // kBFloat16: `state` points at bf16 arrays
+  bool int8_blocks = false;  // Enqueue8bitUpdate: `state` points at blocks of 256 codes and their scale
 };
 
 // Enqueues the update of `chunks` on `cuda_stream` (null: the legacy default
@@ -59,6 +60,41 @@ struct LaunchChunk {
 // DeviceError when a launch fails.
 Status EnqueueUpdate(const LaunchConstants& constants, const LaunchChunk* chunks, size_t num_chunks,
                      void* cuda_stream);
+
+// Adam8bitConstants (optim/cpu/cpu_kernels.h), field for field, with the
+// step's gradient multiplier: the update of 8-bit states and, under int8
+// states, of the small tensors' fp32 ones (Note [8-bit states in chunks] in
+// optim/cpu/cpu_kernels.cc).
+struct Launch8bitConstants {
+  bool decoupled = true;
+  float grad_multiplier = 1.0f;
+  float lr = 0, weight_decay = 0, lr_decay = 0;
+  float one_minus_beta1 = 0, one_minus_beta2 = 0;
+  float correction1 = 1, sqrt_correction2 = 1;
+  float eps = 0;
+};
+
+// ThresholdEncoder's shape (optim/state_codec.h; cuda_kernels.cc checks them
+// against it): each moment's code map has 256 values and its encoder
+// kEncoderEntries entries, negative values' buckets after the positive ones'.
+inline constexpr uint32_t kEncoderMinExponent = 97;
+inline constexpr uint32_t kEncoderBucketBits = 7;
+inline constexpr uint32_t kEncoderLowBits = 23 - kEncoderBucketBits;
+inline constexpr uint32_t kEncoderBucketsPerSign = 31 << kEncoderBucketBits;
+inline constexpr uint32_t kEncoderEntries = 2 * kEncoderBucketsPerSign;
+
+// The two moments' code maps and encoders (the first moment's, the signed
+// ones, first), in host memory: copied to each device once.
+struct Host8bitTables {
+  const float* maps[2] = {nullptr, nullptr};       // 256 each
+  const uint32_t* entries[2] = {nullptr, nullptr};  // kEncoderEntries each
+};
+
+// Enqueues the 8-bit Adam update of `chunks`: those whose `int8_blocks` is
+// set hold their moments in blocks (n a multiple of 256), the others fp32
+// moments updated with the same arithmetic. DeviceError when CUDA fails.
+Status Enqueue8bitUpdate(const Launch8bitConstants& constants, const Host8bitTables& tables,
+                         const LaunchChunk* chunks, size_t num_chunks, void* cuda_stream);
 
 // Enqueues a fill of `size_bytes` zero bytes at `device_dst` on `cuda_stream`.
 // DeviceError when CUDA refuses it.
