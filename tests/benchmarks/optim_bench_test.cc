@@ -144,6 +144,30 @@ TEST(OptimBenchTest, NvmeStatesStreamAndReportStepIoAndUpdate) {
   EXPECT_TRUE(std::filesystem::is_empty(dir.path()));
 }
 
+// --state-format int8 streams the moments' real bytes (260 a block of 256
+// each), groups of whole blocks only.
+TEST(OptimBenchTest, NvmeStatesOfInt8StreamTheirBytes) {
+  testing::ScratchDir dir("optim-nvme-int8");
+  OptimNvmeBenchConfig config;
+  config.base.params = 1 << 20;
+  config.base.state_format = "int8";
+  config.base.threads = 2;
+  config.base.repetitions = 1;
+  config.dirs = {dir.path()};
+  config.group_params = 1 << 18;  // 4 groups
+  config.ring_bytes = 8 << 20;
+  ASSERT_OK_AND_ASSIGN(OptimNvmeBenchReport report, RunOptimNvmeBench(config));
+  const uint64_t moment = ((1u << 18) / 256 * 260 + 4096 - 1) / 4096 * 4096;  // padded to the slot alignment
+  const uint64_t group = (1u << 20) + 2 * moment;                                // the master, 2 moments
+  EXPECT_EQ(report.bytes_per_step, 2u * 4 * group);
+  EXPECT_EQ(nlohmann::json::parse(OptimNvmeBenchJson(report))["config"]["state_format"], "int8");
+  EXPECT_NE(FormatOptimNvmeBench(report).find("int8 states"), std::string::npos);
+  config.group_params = (1 << 18) + 7;
+  EXPECT_EQ(RunOptimNvmeBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.base.state_format = "fp16";
+  EXPECT_EQ(RunOptimNvmeBench(config).status().code(), StatusCode::kInvalidArgument);
+}
+
 TEST(OptimBenchTest, NvmeModeNeedsADirectory) {
   OptimNvmeBenchConfig config;
   config.base.params = 1024;
