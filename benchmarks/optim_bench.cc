@@ -693,7 +693,8 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Storage> storage, CreateUringStorage(storage_options));
   memory::NvmeTierPool pool(*storage);
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<offload::StateStream> stream,
-                          offload::StateStream::Create(pool, 2, {.ring_bytes = config.ring_bytes, .state_dtype = states}));
+                          offload::StateStream::Create(pool, 2,
+                                                       {.ring_bytes = config.ring_bytes, .state_dtype = states}));
   HostModel host;
   for (size_t n : sizes) STRATA_RETURN_IF_ERROR(AddGroup(n, dtype, states, *stream, host));
 
@@ -728,7 +729,8 @@ std::string FormatOptimNvmeBench(const OptimNvmeBenchReport& r) {
       "{:<28} {:>10} {:>10}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f} {:>10.2f}\n{:<28} {:>10.3f}\n"
       "step / max(I/O, update) = {:.3f} (median over pairs run back to back; goal <= 1.15); the update waited "
       "{:.3f} s for reads\n",
-      r.config.base.params, r.config.base.dtype, r.config.base.state_format, r.groups, r.ring_slots, FormatSize(r.ring_slot_bytes), r.isa,
+      r.config.base.params, r.config.base.dtype, r.config.base.state_format, r.groups, r.ring_slots,
+      FormatSize(r.ring_slot_bytes), r.isa,
       r.threads, r.threads == 1 ? "" : "s", r.update_threads, r.config.base.repetitions, "", "seconds", "GiB/s", "step (states on NVMe)",
       r.step_seconds, gib / r.step_seconds, "I/O alone (read + write)", r.io_seconds, gib / r.io_seconds,
       "update alone (host memory)", r.compute_seconds, r.step_over_bound, r.read_wait_seconds);

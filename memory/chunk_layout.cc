@@ -130,7 +130,8 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
           continue;
         }
         auto it = open_chunk.find(cls);
-        if (it == open_chunk.end() || cls.Align(chunks[it->second].used_elems) + elems > chunks[it->second].capacity_elems) {
+        if (it == open_chunk.end() ||
+            cls.Align(chunks[it->second].used_elems) + elems > chunks[it->second].capacity_elems) {
           open_chunk[cls] = open_new(cls, chunk_elems);
         }
         append(open_chunk[cls], t);
@@ -141,7 +142,9 @@ std::vector<PlannedChunk> Pack(const std::vector<TensorSpec>& tensors, uint64_t 
   // Under int8 states the tensors too small for 8-bit blocks are few and small (norms, biases): their chunks
   // are cut to what they hold rather than padded to the chunk size with 16 bytes an element of every kind.
   for (PlannedChunk& chunk : chunks) {
-    if (int8_states && chunk.cls.trainable && !chunk.cls.int8_states) chunk.capacity_elems = AlignElems(chunk.used_elems);
+    if (int8_states && chunk.cls.trainable && !chunk.cls.int8_states) {
+      chunk.capacity_elems = AlignElems(chunk.used_elems);
+    }
   }
   return chunks;
 }
@@ -188,7 +191,8 @@ Result<uint64_t> SearchChunkSize(const std::vector<TensorSpec>& tensors, uint64_
   double least_waste = 1.0;
   for (uint64_t size = AlignElems(search_min_elems); size <= std::max(upper, AlignElems(search_min_elems));
        size += std::max<uint64_t>(kTensorAlignmentElems, AlignElems(size / 64))) {
-    double waste = 1.0 - static_cast<double>(tensor_elems) / static_cast<double>(CapacityOf(Pack(tensors, size, int8_states)));
+    const double capacity = static_cast<double>(CapacityOf(Pack(tensors, size, int8_states)));
+    double waste = 1.0 - static_cast<double>(tensor_elems) / capacity;
     candidates.emplace_back(size, waste);
     least_waste = std::min(least_waste, waste);
   }

@@ -182,10 +182,11 @@ void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* gr
 // every tensor of such a chunk on a block and puts tensors whose states stay
 // fp32 (QuantizesStates) in chunks of their own, so a tensor's blocks are
 // torchao's. The update of a block is the reference's (Adam8bitUpdate) on
-// fp32 gradients: others are widened first, and every gradient multiplied by
-// the step's grad_multiplier (1/loss scale * clip coefficient), the one
-// rounding torch's unscale-and-clip makes when only one of them is not 1;
-// a compute copy (bf16/fp16 params) is rounded from the updated weights.
+// fp32 gradients: others are widened first, and each is multiplied by the
+// step's grad_multiplier (1/loss scale times the clip coefficient, one
+// rounding, as the fp32 kernel takes it; torch's unscale and clip, where
+// both apply, round twice); a compute copy (bf16/fp16 params) is rounded
+// from the updated weights.
 // The small tensors' fp32 moments are updated with the same arithmetic
 // (scalar::Adam8bitFp32States), as torchao's step updates them.
 namespace {
