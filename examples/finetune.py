@@ -7,7 +7,8 @@
 The model is plain PyTorch (examples/gpt.py); strata.initialize moves its
 parameters, gradients and AdamW states into chunks. By default the device
 budget is 20% of the model states (less than the parameters alone), the host
-budget 90% of the optimizer states, and the rest lives on NVMe under
+budget 90% of the optimizer states (at least a quarter of the model states:
+int8 states are small), and the rest lives on NVMe under
 OUT/nvme. The corpus is strata's own sources and docs, as bytes. Each step is
 engine.train_step over --micro-batches micro-batches, in the --accumulation
 order (layered: each block runs for every micro-batch in a row).
@@ -53,8 +54,8 @@ def parse_args(argv):
     p.add_argument("--batch", type=int, default=4, help="sequences per step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--states", choices=["fp32", "bf16"], default="fp32",
-                   help="optimizer.states: the moments' dtype (default fp32)")
+    p.add_argument("--states", choices=["fp32", "bf16", "int8"], default="fp32",
+                   help="optimizer.states: the moments' format (default fp32)")
     p.add_argument("--device", choices=["emulated", "cuda"], default="emulated",
                    help="the device tier: host memory standing in for a GPU (default), or CUDA")
     p.add_argument("--device-budget", help="bytes or e.g. 48MiB (default: 20%% of the model states)")
@@ -109,10 +110,18 @@ def make_batches(text, steps, batch, seq, seed):
     return [torch.stack([text[s:s + seq + 1] for s in row.tolist()]) for row in starts]
 
 
+def moment_bytes(numel, states):
+    """exp_avg and exp_avg_sq of a tensor: int8 states are 8-bit blocks of 256 with a 4-byte scale each, for
+    tensors of at least 4096 elements in whole blocks (the others' in fp32)."""
+    if states == "int8" and numel >= 4096 and numel % 256 == 0:
+        return 2 * numel // 256 * 260
+    return (4 if states == "bf16" else 8) * numel
+
+
 def model_state_bytes(model, precision, states="fp32"):
     """Parameters, gradients and optimizer states (AdamW), and the optimizer states alone."""
     n = sum(p.numel() for p in model.parameters())
-    moments = (4 if states == "bf16" else 8) * n  # exp_avg and exp_avg_sq
+    moments = sum(moment_bytes(p.numel(), states) for p in model.parameters())
     if precision == "fp32":
         return 8 * n + moments, moments            # param, grad; the moments
     return 8 * n + moments, 4 * n + moments        # bf16 param and grad, fp32 master; the master and moments
@@ -191,7 +200,7 @@ def model_sizes(model, args):
     states, optimizer_states = model_state_bytes(model, args.precision, args.states)
     return Sizes(params=sum(p.numel() for p in model.parameters()), states=states, optimizer_states=optimizer_states,
                  device_budget=size(args.device_budget, states // 5),
-                 host_budget=size(args.host_budget, optimizer_states * 9 // 10))
+                 host_budget=size(args.host_budget, max(optimizer_states * 9 // 10, states // 4)))
 
 
 def strata_config(args, sizes, nvme_dir):

@@ -53,6 +53,21 @@ def test_demo_in_the_layered_order_trains_as_plain_pytorch(tmp_path):
     assert "4 micro-batches a step, layered order" in run.stdout
 
 
+def test_demo_with_int8_states_trains_on_three_tiers(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import finetune
+    from gpt import GPT
+    out = tmp_path / "demo"
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "finetune.py"), "--short", "--no-progress",
+                          "--out", str(out), "--states", "int8"], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = json.loads((out / "report.json").read_text())
+    model = GPT(vocab=256, hidden=64, layers=2, heads=2, seq=32)  # the --short shape
+    int8, fp32 = (finetune.model_state_bytes(model, "fp32", states)[0] for states in ("int8", "fp32"))
+    assert report["model_state_bytes"] == int8 < 0.7 * fp32
+    assert report["tier_peak_bytes"]["nvme"] > 0 and report["loss"][-1] < report["loss"][0]
+
+
 def test_demo_starts_from_a_saved_state_dict(tmp_path):
     import torch
     sys.path.insert(0, os.path.join(ROOT, "examples"))
