@@ -521,6 +521,9 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
   if (config.states != "fp32" && config.states != "bf16" && config.states != "int8") {
     return InvalidArgument("bench replay: --states {}: expected fp32, bf16 or int8", config.states);
   }
+  if (config.states == "int8" && config.ranks > 1) {
+    return InvalidArgument("bench replay: --states int8 with --ranks {}: 8-bit states run on one rank", config.ranks);
+  }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
   if (config.overlap && config.ranks > 1) {
     return InvalidArgument("bench replay: --overlap runs one rank (data-parallel updates take the gradients reduced "

@@ -317,12 +317,14 @@ class ChunkFiller {
       pinned_.reset();
       STRATA_ASSIGN_OR_RETURN(pinned_, engine_.AccessChunk(c.id, Tier::kHost));
     }
-    const uint64_t width = DTypeSizeBytes(c.dtype), file_width = DTypeSizeBytes(piece.dtype);
-    std::byte* to = pinned_->data() + (piece.from - c.shard_offset_bytes / width) * width;
-    const std::byte* from = data + (piece.from - piece.file_begin()) * file_width;
+    // Byte offsets by ChunkBytes: a piece of int8 moments begins and ends on blocks (its chunk's and its file's
+    // bounds), which only a piece of the same dtype has (AddChunkPieces converts floats alone).
+    std::byte* to = pinned_->data() + (ChunkBytes(c.dtype, piece.from) - c.shard_offset_bytes);
+    const std::byte* from =
+        data + (ChunkBytes(piece.dtype, piece.from) - ChunkBytes(piece.dtype, piece.file_begin()));
     const uint64_t n = piece.to - piece.from;
     if (piece.dtype == c.dtype) {
-      std::memcpy(to, from, n * width);
+      std::memcpy(to, from, ChunkBytes(c.dtype, piece.to) - ChunkBytes(c.dtype, piece.from));
     } else {
       for (uint64_t e = 0; e < n; ++e) optim::StoreFloat(to, c.dtype, e, optim::FloatAt(from, piece.dtype, e));
     }

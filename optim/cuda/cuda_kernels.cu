@@ -657,6 +657,9 @@ Status Upload8bitTables(const Host8bitTables& tables) {
                                                    kEncoderEntries * sizeof(uint32_t),
                                                    k * kEncoderEntries * sizeof(uint32_t)));
   }
+  // From pageable memory the copies may return before their bytes land, and a kernel on a non-blocking
+  // stream is not ordered after them: wait here, once per device.
+  STRATA_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
   done.insert(device);
   return Status::Ok();
 }

@@ -53,6 +53,9 @@ TEST(ReplayBenchTest, Int8StatesReplayTheirBytesAndEveryUpdateOnTheHost) {
   EXPECT_EQ(int8.updates_on_device, 0u);
   EXPECT_LT(static_cast<double>(int8.model_states_bytes), 0.7 * static_cast<double>(fp32.model_states_bytes));
   EXPECT_EQ(nlohmann::json::parse(ReplayBenchJson(int8))["config"]["states"], "int8");
+  config.ranks = 2;
+  EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
+  config.ranks = 1;
   config.states = "int4";
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);
 }
