@@ -279,6 +279,7 @@ Result<ChunkLayout> ChunkLayout::Build(const std::vector<TensorSpec>& tensors, u
   }
   ChunkLayout layout;
   layout.shard_ = shard;
+  layout.moment_dtype_ = moment_dtype;
   uint64_t tensor_elems = 0;
   for (const TensorSpec& t : tensors) tensor_elems += static_cast<uint64_t>(t.num_elements());
 

@@ -159,6 +159,8 @@ class ChunkLayout {
   std::optional<ChunkId> ChunkOf(TensorId tensor, ChunkKind kind) const;
   const LayoutReport& report() const { return report_; }
   const ShardSpec& shard() const { return shard_; }
+  // Build's moment_dtype (optimizer.states), which small tensors' chunks under int8 states do not have.
+  DType moment_dtype() const { return moment_dtype_; }
 
  private:
   std::vector<ChunkDesc> chunks_;
@@ -166,6 +168,7 @@ class ChunkLayout {
   std::vector<TensorPlacement> placements_;
   LayoutReport report_;
   ShardSpec shard_;
+  DType moment_dtype_ = DType::kFloat32;
 };
 
 // Element type of a chunk kind for a group whose params are `param_dtype`

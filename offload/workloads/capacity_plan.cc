@@ -191,8 +191,7 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
                    const MachineSpec& machine, GptStep& step) {
   // Under int8 states every update runs on the host, the small tensors' fp32 moments' too (torchao's arithmetic:
   // Note [8-bit states in chunks] in optim/cpu/cpu_kernels.cc).
-  const bool host_only = std::any_of(layout.chunks().begin(), layout.chunks().end(),
-                                     [](const memory::ChunkDesc& c) { return c.dtype == DType::kInt8Block; });
+  const bool host_only = layout.moment_dtype() == DType::kInt8Block;
   for (uint32_t g : GroupsByLastUse(layout, step.trace)) {
     const memory::ChunkGroup& group = layout.groups()[g];
     if (!group.trainable) continue;
