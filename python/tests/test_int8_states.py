@@ -4,6 +4,7 @@ torchao's codes, scales and weights (test_state_formats.py: checkpoints, and wha
 says of them)."""
 
 import functools
+
 import numpy as np
 import pytest
 import torch
