@@ -235,12 +235,9 @@ Status AddChunkPieces(const FilesByGroup& by_group, const fs::path& dir, const C
             "stand in for the fp32 masters this engine keeps",
             dir.string(), c.group, file->at("dtype").dump());
       }
-      const bool moment = c.kind == ChunkKind::kExpAvg || c.kind == ChunkKind::kExpAvgSq;
-      return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}{}",
-                             dir.string(), kind, c.group, file->at("dtype").dump(), DTypeName(c.dtype),
-                             moment ? fmt::format(" (optimizer.states {}: set it to {} to load this checkpoint)",
-                                                  DTypeName(c.dtype), DTypeName(*dtype))
-                                    : "");
+      // Moments of another format were refused before (CheckStatesFormat).
+      return InvalidArgument("checkpoint {}: the {} of chunk group {} was saved in {}, this engine holds {}",
+                             dir.string(), kind, c.group, file->at("dtype").dump(), DTypeName(c.dtype));
     }
     pieces.push_back(std::move(piece));
   }

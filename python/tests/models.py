@@ -26,9 +26,12 @@ def batches(steps, batch=4, seq=16, vocab=64, seed=1):
 
 
 def torch_losses(model, data, lr=1e-2, weight_decay=0.01, accumulation=1, optimizer="adamw"):
-    """Losses of plain PyTorch training: torch.optim on the model as it is."""
+    """Losses of plain PyTorch training: torch.optim on the model as it is (`optimizer`: adamw, adam or sgd, or an
+    optimizer made on the model's parameters already)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    if optimizer == "adamw":
+    if isinstance(optimizer, torch.optim.Optimizer):
+        opt = optimizer
+    elif optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     elif optimizer == "adam":
         opt = torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import strata
-from models import GPT, batches, strata_losses, three_tiers
+from models import GPT, batches, strata_losses, three_tiers, torch_losses
 
 STEPS = 20
 BLOCK = 256
@@ -51,17 +51,6 @@ def torchao_eager(monkeypatch):
         monkeypatch.setattr(subclass_8bit, name, lambda signed=signed: tuple(_strata.state_code_map(signed)))
     monkeypatch.setattr(torch, "compile", lambda function, **options: function)
     return AdamW8bit
-
-
-def reference_losses(model, data, optimizer):
-    losses = []
-    for tokens in data:
-        loss = model(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-    return losses
 
 
 def registered(model):
@@ -173,7 +162,7 @@ def test_a_gpt_trained_with_int8_states_follows_torchaos(tmp_path, torchao_eager
     engine = strata.initialize(model, int8_states(tmp_path))
     data = batches(STEPS)
     optimizer = torchao_eager(reference.parameters(), **HYPER)
-    ours, theirs = strata_losses(engine, data), reference_losses(reference, data, optimizer)
+    ours, theirs = strata_losses(engine, data), torch_losses(reference, data, optimizer=optimizer)
     apart = [abs(a - b) / abs(b) for a, b in zip(ours, theirs)]
     assert ours[0] == theirs[0] and max(apart[:4]) <= 1e-6 and ours[-1] < 0.8 * ours[0], (ours, theirs)
     assert max(apart) <= 1e-3, (ours, theirs)

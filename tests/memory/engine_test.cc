@@ -89,6 +89,25 @@ TEST(EngineTest, SmallModelUnderASmallDeviceBudgetGetsChunksThatFitWithoutChunkO
   EXPECT_TRUE(engine->layout().chunk_size_searched);
 }
 
+// Int8 states: a weight's moments are codes and block scales, not elements,
+// so element access to them is refused naming the chunk access that works;
+// a bias (too small for 8-bit blocks) keeps fp32 moments, accessed as ever.
+TEST(EngineTest, ElementAccessToInt8MomentsIsRefusedNamingChunkAccess) {
+  Options options = SmallOptions();
+  options.optimizer.state_dtype = DType::kInt8Block;
+  ASSERT_OK_AND_ASSIGN(auto engine, Engine::Create(options));
+  ASSERT_OK(RegisterSmallMlp(*engine));
+  ASSERT_OK(engine->Finalize());
+  const Result<TensorAccess> weight = engine->Access(TensorId(0), ChunkKind::kExpAvg, Tier::kHost);
+  ASSERT_EQ(weight.status().code(), StatusCode::kInvalidArgument) << weight.status().ToString();
+  EXPECT_NE(weight.status().message().find("tensor 'fc0.weight': its exp_avg copy is 8-bit codes and block scales"),
+            std::string::npos)
+      << weight.status().ToString();
+  EXPECT_NE(weight.status().message().find("AccessChunk"), std::string::npos);
+  ASSERT_OK_AND_ASSIGN(TensorAccess bias, engine->Access(TensorId(1), ChunkKind::kExpAvg, Tier::kHost));
+  EXPECT_EQ(bias.num_elements(), 64u);
+}
+
 TEST(EngineTest, ExplicitChunkOptionsAreKeptAndTooLargeOnesRefusedByName) {
   Options options;
   options.device.backend = DeviceBackendKind::kEmulated;

@@ -301,6 +301,12 @@ TEST(StateStreamTest, Int8StatesStreamAsTheyUpdateInMemoryAtHalfTheBytes) {
     ASSERT_OK(stream->ReadGroup(GroupId(static_cast<uint32_t>(i)), master, {}));
     EXPECT_EQ(master, reference[i].master) << "group " << i;
   }
+  std::vector<float> master(kSizes[1]), m(kSizes[1]), v(kSizes[1]);  // 8-bit states do not read back as floats
+  const std::span<float> as_floats[] = {m, v};
+  const Status read = stream->ReadGroup(GroupId(1), master, as_floats);
+  EXPECT_EQ(read.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(read.message().find("2 int8 states of 768 elements (0 read back as floats)"), std::string::npos)
+      << read.ToString();
   EXPECT_LT(static_cast<double>(bytes), 0.55 * static_cast<double>(fp32_bytes)) << bytes << " " << fp32_bytes;
   const std::vector<float> partial(1000, 0.0f);
   Result<GroupId> refused = stream->AddGroup(partial);
