@@ -324,14 +324,6 @@ Status TimeRepetition(optim::Optimizer& optimizer, const ChunkArrays& c, CacheEv
 
 // 8-bit states of n parameters (whole blocks of 256): the two moments'
 // codes and scales.
-struct StateArrays {
-  std::vector<uint8_t> codes[2];
-  std::vector<float> scales[2];
-  explicit StateArrays(size_t n)
-      : codes{std::vector<uint8_t>(n), std::vector<uint8_t>(n)},
-        scales{std::vector<float>(n / optim::kStateBlockElems), std::vector<float>(n / optim::kStateBlockElems)} {}
-};
-
 // One pass of a narrow states' bound (16 elements a step: the 8-bit or bf16
 // blocks above) over the chunk's master and the moments `m` and `v`.
 template <typename T, typename Block>
@@ -386,8 +378,9 @@ Status NeedFp32(const OptimBenchConfig& config) {
                          config.state_format, config.dtype);
 }
 
-// --state-format int8: the 8-bit update against its bound and the fp32
-// states' update.
+// --state-format int8: the 8-bit update of a chunk of int8 moments (codes
+// and scales interleaved: Note [8-bit states in chunks]), as the engine runs
+// it, against its bound and the fp32 states' update.
 Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, OptimBenchReport report) {
   STRATA_RETURN_IF_ERROR(NeedFp32(config));
   const size_t n = config.params;
@@ -396,17 +389,21 @@ Result<OptimBenchReport> RunOptim8bitBench(const OptimBenchConfig& config, Optim
                            optim::kStateBlockElems, n);
   }
   STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, DType::kFloat32));
-  StateArrays states(n);
-  uint8_t* const codes[2] = {states.codes[0].data(), states.codes[1].data()};
-  float* const scales[2] = {states.scales[0].data(), states.scales[1].data()};
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg, HostArray(ChunkBytes(DType::kInt8Block, n)));
+  STRATA_ASSIGN_OR_RETURN(Buffer exp_avg_sq, HostArray(ChunkBytes(DType::kInt8Block, n)));
+  optim::ChunkTensors int8 = arrays.chunk;
+  int8.state[0] = static_cast<float*>(exp_avg.data());
+  int8.state[1] = static_cast<float*>(exp_avg_sq.data());
+  int8.state_dtype = DType::kInt8Block;
+  const optim::OptimizerConfig adamw{.lr = 1e-4f, .weight_decay = 0.01f, .int8_states = true};
   const auto step = [&](uint32_t r) {
-    const optim::Adam8bitConstants constants =
-        optim::MakeAdam8bitConstants({.lr = 1e-4, .weight_decay = 0.01}, static_cast<int64_t>(r) + 1);
-    optim::Adam8bitParallel(constants, arrays.chunk.master, static_cast<const float*>(arrays.chunk.grad), codes,
-                            scales, n);
+    optim::UpdateParallel(optim::MakeUpdateConstants(adamw, static_cast<int64_t>(r) + 1, 1.0f), int8);
     return Status::Ok();
   };
-  const auto bound = [&] { BoundPassNarrow(arrays, codes[0], codes[1], BoundBlock8bitAvx512, BoundBlock8bitAvx2); };
+  // The bound reads and writes n bytes of each moment (the scales, 1.6% more, are left out of it).
+  auto* const m = static_cast<uint8_t*>(exp_avg.data());
+  auto* const v = static_cast<uint8_t*>(exp_avg_sq.data());
+  const auto bound = [&] { BoundPassNarrow(arrays, m, v, BoundBlock8bitAvx512, BoundBlock8bitAvx2); };
   // Read and written: fp32 param and grad 8 + 4, a byte of each moment both ways 4, each block's two scales both ways.
   constexpr double kBytesPerParam = 16.0 + 4.0 * sizeof(float) / static_cast<double>(optim::kStateBlockElems);
   return AlternateWithFp32(config, arrays, step, bound, kBytesPerParam, 16.0, std::move(report));

@@ -167,8 +167,20 @@ const ThresholdEncoder& Encoder(bool is_signed) {
 }
 
 StateTables TablesOf(bool is_signed) {
-  const ThresholdEncoder& encoder = Encoder(is_signed);
-  return {.map = CodeMap(is_signed).data(), .entry = encoder.entry.data()};
+  static const auto planes_of = [](const StateCodeMap& map) {
+    std::array<uint8_t, 4 * 256> planes{};
+    for (size_t c = 0; c < 256; ++c) {
+      uint32_t bits;
+      std::memcpy(&bits, &map[c], sizeof(bits));
+      for (size_t k = 0; k < 4; ++k) planes[256 * k + c] = static_cast<uint8_t>(bits >> (8 * k));
+    }
+    return planes;
+  };
+  static const std::array<uint8_t, 4 * 256> signed_planes = planes_of(CodeMap(true));
+  static const std::array<uint8_t, 4 * 256> unsigned_planes = planes_of(CodeMap(false));
+  return {.map = CodeMap(is_signed).data(),
+          .entry = Encoder(is_signed).entry.data(),
+          .planes = (is_signed ? signed_planes : unsigned_planes).data()};
 }
 
 const StateCodeMap& CodeMap(bool is_signed) {

@@ -72,6 +72,7 @@ const ThresholdEncoder& Encoder(bool is_signed);
 struct StateTables {
   const float* map;       // 256
   const uint32_t* entry;  // 2 * kBucketsPerSign
+  const uint8_t* planes;  // 4 * 256: byte k of map[c] (little-endian) at 256 k + c
 };
 StateTables TablesOf(bool is_signed);
 

@@ -62,8 +62,12 @@ struct Vec {
     const I together = _mm256_permutevar8x32_epi32(in_halves, _mm256_setr_epi32(0, 4, 1, 1, 1, 1, 1, 1));
     _mm_storel_epi64(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(together));
   }
-  // A code map's values (256 floats) at each lane's code.
-  static F MapValues(const float* map, I codes) { return _mm256_i32gather_ps(map, codes, 4); }
+  // A code map's values at a block's codes, a gather of 8 at a time.
+  static void MapBlock(const StateTables& tables, const uint8_t* codes, float* values) {
+    for (size_t j = 0; j < kStateBlockElems; j += kLanes) {
+      Store(values + j, _mm256_i32gather_ps(tables.map, LoadCodes(codes + j), 4));
+    }
+  }
   static I GatherInts(const uint32_t* table, I index) {
     return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4);
   }

@@ -47,6 +47,11 @@ bool CpuSupports(CpuIsa isa) {
   return false;
 }
 
+bool CpuHasVbmi() {
+  static const bool vbmi = __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx512bw");
+  return vbmi;
+}
+
 CpuIsa BestCpuIsa() {
   static const CpuIsa best = CpuSupports(CpuIsa::kAvx512) ? CpuIsa::kAvx512
                              : CpuSupports(CpuIsa::kAvx2) ? CpuIsa::kAvx2
@@ -162,17 +167,6 @@ void Adam8bitUpdate(CpuIsa isa, const Adam8bitConstants& c, float* master, const
   }
 }
 
-void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
-                      float* const scales[2], size_t n) {
-  const CpuIsa isa = ActiveCpuIsa();
-  tbb::parallel_for(size_t{0}, (n + kBlockElems - 1) / kBlockElems, [&](size_t block) {
-    const size_t at = block * kBlockElems, count = std::min(kBlockElems, n - at);  // kBlockElems: whole blocks of 256
-    uint8_t* const block_codes[2] = {codes[0] + at, codes[1] + at};
-    float* const block_scales[2] = {scales[0] + at / kStateBlockElems, scales[1] + at / kStateBlockElems};
-    Adam8bitUpdate(isa, c, master + at, grad + at, block_codes, block_scales, count);
-  });
-}
-
 // Note [8-bit states in chunks]
 // A chunk of int8 moments (DType::kInt8Block) holds, for each block of
 // kStateBlockElems elements, the block's codes and then its fp32 scale:
@@ -200,7 +194,8 @@ void Adam8bitRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chu
     const size_t count = std::min(kStateBlockElems, end - at);  // whole blocks but for fp32 states' tail
     const float* grad = static_cast<const float*>(chunk.grad) + at;
     if (chunk.grad_dtype != DType::kFloat32 || c.grad_multiplier != 1.0f) {
-      for (size_t j = 0; j < count; ++j) widened[j] = FloatAt(chunk.grad, chunk.grad_dtype, at + j) * c.grad_multiplier;
+      WidenGrad(isa, static_cast<const std::byte*>(chunk.grad) + at * DTypeSizeBytes(chunk.grad_dtype), chunk.grad_dtype,
+                c.grad_multiplier, widened, count);
       grad = widened;
     }
     if (blocks) {
@@ -276,6 +271,14 @@ double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, 
     case CpuIsa::kScalar: return scalar::SumSquaresRange(grad, dtype, begin, end);
   }
   return 0;
+}
+
+void WidenGrad(CpuIsa isa, const void* grad, DType dtype, float multiplier, float* out, size_t n) {
+  switch (isa) {
+    case CpuIsa::kAvx512: return avx512::WidenGrad(grad, dtype, multiplier, out, n);
+    case CpuIsa::kAvx2: return avx2::WidenGrad(grad, dtype, multiplier, out, n);
+    case CpuIsa::kScalar: return scalar::WidenGrad(grad, dtype, multiplier, out, n);
+  }
 }
 
 void ConvertToBf16(CpuIsa isa, const float* src, uint16_t* dst, size_t n) {

@@ -76,11 +76,9 @@ Adam8bitConstants MakeAdam8bitConstants(const OptimizerConfig& config, int64_t s
 // One step over `n` elements (whole blocks of kStateBlockElems) of fp32
 // weights and gradients, the moments' codes and scales updated in place
 // (state 0 the first moment), with `isa`'s kernels: each version gives the
-// reference's bits. The parallel one splits the blocks over oneTBB's threads.
+// reference's bits. The engine's chunks run it through UpdateRange.
 void Adam8bitUpdate(CpuIsa isa, const Adam8bitConstants& c, float* master, const float* grad,
                     uint8_t* const codes[2], float* const scales[2], size_t n);
-void Adam8bitParallel(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
-                      float* const scales[2], size_t n);
 
 // Updates elements [begin, end) of `chunk` on the calling thread. `begin`
 // should be a multiple of 16 so every element takes the same path (vector
@@ -101,6 +99,9 @@ void ZeroParallel(void* dst, size_t bytes);
 // Sum of squares of grad[begin, end) in fp64.
 double SumSquaresRange(CpuIsa isa, const void* grad, DType dtype, size_t begin, size_t end);
 
+// out[i] = grad[i] (fp32, bf16 or fp16) * multiplier, one rounding.
+void WidenGrad(CpuIsa isa, const void* grad, DType dtype, float multiplier, float* out, size_t n);
+
 // fp32 -> 16 bits with the rounding of src/base/half.h.
 void ConvertToBf16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(CpuIsa isa, const float* src, uint16_t* dst, size_t n);
@@ -117,6 +118,7 @@ void Adam8bitFp32States(const Adam8bitConstants& c, float* master, const float* 
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
                     float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 }  // namespace scalar
@@ -125,6 +127,7 @@ void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t beg
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
                     float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 }  // namespace avx2
@@ -133,8 +136,17 @@ void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t beg
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
                     float* const scales[2], size_t n);
 double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
+void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 }  // namespace avx512
+// AVX-512 VBMI and BW, with which the avx512 kernels decode 8-bit states
+// (Note [Decoding by byte planes] in optim/cpu/cpu_avx512_vbmi.cc).
+bool CpuHasVbmi();
+namespace avx512_vbmi {
+// values[i] = the map's value at codes[i], from its byte planes
+// (StateTables::planes), for n a multiple of 64.
+void MapCodes(const uint8_t* planes, const uint8_t* codes, float* values, size_t n);
+}  // namespace avx512_vbmi
 
 }  // namespace strata::optim

@@ -18,8 +18,8 @@
 // LoadFp16, StoreBf16, StoreFp16 (src/base/half.h's rounding, bit for bit),
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
-// 8-bit states: I (32-bit integer lanes), LoadCodes and StoreCodes (a byte a
-// lane), MapValues (a code map's values at the codes), GatherInts, Bucket
+// 8-bit states: I (32-bit integer lanes), StoreCodes (a byte a lane),
+// MapBlock (a code map's values at a block's codes), GatherInts, Bucket
 // (ThresholdEncoder's), CodeOfEntry (a code from a bucket's entry), ZeroIfNan,
 // and Largest: the largest magnitude, NaN-aware.
 
@@ -209,7 +209,8 @@ inline void EncodeBlock(const float* values, float largest, const StateTables& t
 }  // namespace
 
 // The reference's operations (scalar::Adam8bitUpdate), one vector at a
-// time, none fused: every version gives its bits.
+// time, none fused: every version gives its bits. A block's codes are first
+// decoded whole (MapBlock), into the arrays that then take its new moments.
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
                     float* const scales[2], size_t n) {
   static_assert(kStateBlockElems % kLanes == 0);
@@ -222,6 +223,8 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
   alignas(64) float v[kStateBlockElems];
   for (size_t at = 0; at < n; at += kStateBlockElems) {
     const size_t block = at / kStateBlockElems;
+    Vec::MapBlock(first_moment, codes[0] + at, m);
+    Vec::MapBlock(second_moment, codes[1] + at, v);
     const F m_scale = Vec::Set(scales[0][block]), v_scale = Vec::Set(scales[1][block]);
     Vec::Largest m_largest, v_largest;
     for (size_t j = 0; j < kStateBlockElems; j += kLanes) {
@@ -233,8 +236,8 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
       } else {
         g = Vec::Add(g, Vec::Mul(weight_decay, weight));
       }
-      const F m_old = Vec::Mul(Vec::MapValues(first_moment.map, Vec::LoadCodes(codes[0] + i)), m_scale);
-      const F v_old = Vec::Mul(Vec::MapValues(second_moment.map, Vec::LoadCodes(codes[1] + i)), v_scale);
+      const F m_old = Vec::Mul(Vec::Load(m + j), m_scale);
+      const F v_old = Vec::Mul(Vec::Load(v + j), v_scale);
       const F m_new = Vec::Add(Vec::Mul(one_minus_beta1, Vec::Sub(g, m_old)), m_old);
       const F v_new = Vec::Add(Vec::Mul(one_minus_beta2, Vec::Sub(Vec::Mul(g, g), v_old)), v_old);
       const F denom = Vec::Add(Vec::Div(Vec::Sqrt(v_new), sqrt_correction2), eps);
@@ -270,6 +273,20 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) 
     case DType::kInt8Block: break;
   }
   return sum + scalar::SumSquaresRange(grad, dtype, stopped, end);
+}
+
+void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n) {
+  const F times = Vec::Set(multiplier);
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) {
+    switch (dtype) {
+      case DType::kFloat32: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kFloat32>(grad, i), times)); break;
+      case DType::kBFloat16: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kBFloat16>(grad, i), times)); break;
+      case DType::kFloat16: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kFloat16>(grad, i), times)); break;
+      case DType::kInt8Block: return;  // not a gradient's type (CheckChunk)
+    }
+  }
+  scalar::WidenGrad(Ahead(grad, i, DTypeSizeBytes(dtype)), dtype, multiplier, out + i, n - i);
 }
 
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n) {

@@ -117,6 +117,10 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) 
   return sum;
 }
 
+void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n) {
+  for (size_t i = 0; i < n; ++i) out[i] = FloatAt(grad, dtype, i) * multiplier;
+}
+
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n) {
   for (size_t i = 0; i < n; ++i) dst[i] = Bf16FromFloat(src[i]);
 }

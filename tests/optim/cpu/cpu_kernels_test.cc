@@ -221,6 +221,54 @@ TEST_P(VectorKernelTest, The8BitAdamIsTheReferencesBitForBit) {
   }
 }
 
+// Every code of both maps, at every position of a block, decodes to the
+// map's value by the byte permutes (Note [Decoding by byte planes]).
+TEST(CpuKernelsTest, BytePlanesDecodeEveryCodeAtEveryPositionToItsValue) {
+  if (!CpuHasVbmi()) GTEST_SKIP() << "this CPU lacks AVX-512 VBMI";
+  for (bool is_signed : {true, false}) {
+    const StateCodeMap& map = CodeMap(is_signed);
+    std::vector<uint8_t> codes(kStateBlockElems);
+    std::vector<float> values(kStateBlockElems);
+    for (size_t shift = 0; shift < 256; ++shift) {  // code (7 i + shift) % 256: each code once a block
+      for (size_t i = 0; i < kStateBlockElems; ++i) codes[i] = static_cast<uint8_t>((i * 7 + shift) % 256);
+      avx512_vbmi::MapCodes(TablesOf(is_signed).planes, codes.data(), values.data(), kStateBlockElems);
+      for (size_t i = 0; i < kStateBlockElems; ++i) {
+        ASSERT_EQ(std::bit_cast<uint32_t>(values[i]), std::bit_cast<uint32_t>(map[codes[i]]))
+            << (is_signed ? "signed" : "unsigned") << " map, code " << int{codes[i]} << " at " << i;
+      }
+    }
+  }
+}
+
+// A gradient of each dtype times a multiplier, in fp32: the reference's bits
+// for every tail length, NaN, infinities and subnormals included.
+TEST_P(VectorKernelTest, WidenedGradientsAreTheReferencesBitForBit) {
+  std::mt19937_64 rng(::strata::testing::TestSeed());
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  constexpr size_t kMax = 70;
+  std::vector<float> grad32(kMax);
+  std::vector<uint16_t> grad16(kMax);
+  for (size_t i = 0; i < kMax; ++i) grad32[i] = normal(rng);
+  grad32[3] = std::numeric_limits<float>::quiet_NaN();
+  grad32[20] = -std::numeric_limits<float>::infinity();
+  grad32[41] = 1e-40f;  // subnormal in fp32
+  for (DType dtype : kAllDTypes) {
+    for (size_t i = 0; i < kMax; ++i) {
+      grad16[i] = dtype == DType::kBFloat16 ? Bf16FromFloat(grad32[i]) : Fp16FromFloat(grad32[i]);
+    }
+    grad16[9] = 0x0001;  // the least subnormal of either
+    const void* grad = dtype == DType::kFloat32 ? static_cast<const void*>(grad32.data()) : grad16.data();
+    for (size_t n = 1; n <= kMax; ++n) {
+      std::vector<float> ref(n), got(n);
+      WidenGrad(CpuIsa::kScalar, grad, dtype, 0.37f, ref.data(), n);
+      WidenGrad(GetParam(), grad, dtype, 0.37f, got.data(), n);
+      SCOPED_TRACE(fmt::format("{} n {}", DTypeName(dtype), n));
+      ExpectBitIdentical(got, ref, "widened");
+      if (HasFailure()) return;
+    }
+  }
+}
+
 // A chunk of int8 moments (Note [8-bit states in chunks]): blocks of codes
 // and their scale interleaved, updated as the kernel updates separate
 // arrays given fp32 gradients multiplied by the step's multiplier, with the
