@@ -46,16 +46,13 @@ Result<std::unique_ptr<FileTransfer>> FileTransfer::StartWrite(FileSystem& files
   return transfer;
 }
 
-Result<std::unique_ptr<FileTransfer>> FileTransfer::StartRead(FileSystem& files, TaskQueue& pool,
-                                                              const fs::path& path, std::byte* data, size_t size) {
+Result<std::unique_ptr<FileTransfer>> FileTransfer::OpenRead(FileSystem& files, const fs::path& path, size_t size) {
   Result<std::unique_ptr<File>> file = files.Open(path.string(), OpenMode::kRead, /*direct=*/true);
   if (!file.ok()) return file.status().WithContext("checkpoint");
   Result<uint64_t> actual = (*file)->Size();
   if (!actual.ok()) return actual.status().WithContext("checkpoint");
   if (*actual != size) return Corruption("checkpoint: {} is {} bytes, its manifest says {}", path.string(), *actual, size);
-  auto transfer = std::unique_ptr<FileTransfer>(new FileTransfer(std::move(file).value(), /*write=*/false, size));
-  transfer->StartPieces(pool, data);
-  return transfer;
+  return std::unique_ptr<FileTransfer>(new FileTransfer(std::move(file).value(), /*write=*/false, size));
 }
 
 void FileTransfer::StartPieces(TaskQueue& pool, std::byte* data) {

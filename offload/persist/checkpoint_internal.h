@@ -51,9 +51,11 @@ class FileTransfer {
   // the file at `path`: a new one, or a spare to write over. FlushAll makes it durable.
   static Result<std::unique_ptr<FileTransfer>> StartWrite(FileSystem& files, TaskQueue& pool, const fs::path& path,
                                                           const std::byte* data, size_t size);
-  // Reads the file at `path` into `data` (the same room), Corruption unless it is `size` bytes.
-  static Result<std::unique_ptr<FileTransfer>> StartRead(FileSystem& files, TaskQueue& pool, const fs::path& path,
-                                                         std::byte* data, size_t size);
+  // Opens the file at `path` to read it: Corruption unless it is `size`
+  // bytes (checked before anything is sized by `size`); StartReading then
+  // reads it into `data` (the same room).
+  static Result<std::unique_ptr<FileTransfer>> OpenRead(FileSystem& files, const fs::path& path, size_t size);
+  void StartReading(TaskQueue& pool, std::byte* data) { StartPieces(pool, data); }
   // Waits for every piece: the first error. A written file is then cut to its size.
   Status Finish();
   // Never leaves a piece running into a buffer about to be freed.

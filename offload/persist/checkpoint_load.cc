@@ -78,23 +78,29 @@ struct Piece {
 // Reads every piece's file, checked against its size and CRC32C, and hands
 // it to `use` in order (with its index), in a buffer of at least `room`
 // bytes that `use` may change, or where `into(i)` says (a chunk's own
-// bytes; nullptr: a buffer); the next file is read while `use` runs on this one.
+// bytes; nullptr: a buffer); the next file is read while `use` runs on this
+// one. The two buffers grow to the largest file read into them, once its
+// size on disk is the manifest's: no manifest sizes them beyond the files.
 template <typename Into, typename Use>
 Status ReadPieces(FileSystem& files, const fs::path& dir, const std::vector<Piece>& pieces, uint64_t room, Into into,
                   Use use) {
-  uint64_t largest = std::max<uint64_t>(room, 1);
-  for (const Piece& piece : pieces) largest = std::max(largest, piece.bytes());
   TaskQueue pool(FileTransfer::kThreads);
-  Buffer buffers[2] = {AllocateAlignedHost(RoundUp(largest), kIoAlignmentBytes),
-                       AllocateAlignedHost(RoundUp(largest), kIoAlignmentBytes)};
-  if (!buffers[0] || !buffers[1]) return OutOfMemory("checkpoint: two {}-byte read buffers", RoundUp(largest));
+  Buffer buffers[2];
   std::unique_ptr<FileTransfer> reading[2];
   std::byte* read_into[2] = {};
   const auto start = [&](size_t i) -> Status {
+    STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::OpenRead(files, dir / pieces[i].path(), pieces[i].bytes()));
     STRATA_ASSIGN_OR_RETURN(std::byte* direct, into(i));
-    read_into[i % 2] = direct != nullptr ? direct : static_cast<std::byte*>(buffers[i % 2].data());
-    STRATA_ASSIGN_OR_RETURN(reading[i % 2], FileTransfer::StartRead(files, pool, dir / pieces[i].path(),
-                                                                    read_into[i % 2], pieces[i].bytes()));
+    Buffer& buffer = buffers[i % 2];
+    const uint64_t need = RoundUp(std::max<uint64_t>({room, pieces[i].bytes(), 1}));
+    if (direct == nullptr && buffer.size_bytes() < need) {
+      buffer = AllocateAlignedHost(need, kIoAlignmentBytes);  // the piece read into it before has been used
+      if (!buffer) {
+        return OutOfMemory("checkpoint: a {}-byte read buffer for {}", need, (dir / pieces[i].path()).string());
+      }
+    }
+    read_into[i % 2] = direct != nullptr ? direct : buffer.bytes();
+    reading[i % 2]->StartReading(pool, read_into[i % 2]);
     return Status::Ok();
   };
   if (!pieces.empty()) STRATA_RETURN_IF_ERROR(start(0));

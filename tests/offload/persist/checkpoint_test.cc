@@ -639,9 +639,11 @@ TEST(CheckpointTest, WithoutLatestFallBackFindsTheCheckpoints) {
 }
 
 // A manifest entry that lacks a field is Corruption, not a read of
-// nothing; one listed twice (or a range covered twice) is refused before
+// nothing; a file's size overstated is Corruption before any buffer is
+// sized by it (it was OutOfMemory, a buffer of the manifest's size asked
+// for); one listed twice (or a range covered twice) is refused before
 // anything is loaded.
-TEST(CheckpointTest, AManifestWithAFieldMissingOrAFileTwiceIsRefused) {
+TEST(CheckpointTest, AManifestWithAFieldMissingASizeOverstatedOrAFileTwiceIsRefused) {
   ScratchDir dir("ckpt");
   Model model;
   Initialize(model);
@@ -670,10 +672,20 @@ TEST(CheckpointTest, AManifestWithAFieldMissingOrAFileTwiceIsRefused) {
   rewrite(newer);
   EXPECT_EQ(VerifyCheckpoint(dir.path()).status().code(), StatusCode::kInvalidArgument);
 
+  Model fresh;
+  nlohmann::json overstated = manifest;
+  overstated["files"][3]["bytes"] = uint64_t{1} << 50;
+  rewrite(overstated);
+  for (const Status& status : {VerifyCheckpoint(dir.path()).status(),
+                               LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status()}) {
+    EXPECT_EQ(status.code(), StatusCode::kCorruption) << status.ToString();
+    EXPECT_NE(status.message().find("bytes, its manifest says 1125899906842624"), std::string::npos)
+        << status.ToString();
+  }
+
   nlohmann::json twice = manifest;
   twice["files"].push_back(twice["files"][3]);
   rewrite(twice);
-  Model fresh;
   const Status loaded = LoadCheckpoint(*fresh.engine, *fresh.optimizer, dir.path()).status();
   EXPECT_EQ(loaded.code(), StatusCode::kInvalidArgument) << loaded.ToString();
   EXPECT_NE(loaded.message().find("exactly once"), std::string::npos) << loaded.ToString();
