@@ -14,6 +14,7 @@ packages=(
   fio  # the reference of `strata bench io --compare-fio`
   python3-dev python3-venv  # the Python package's headers and its virtual environment (scripts/venv.sh)
   libopenmpi-dev openmpi-bin  # the MPI communicator and the multi-rank tests (mpirun)
+  clang-14 libclang-rt-14-dev  # the fuzz targets' build: libFuzzer (scripts/fuzz.sh)
 )
 
 missing=()

@@ -2,6 +2,7 @@
 # Installs what is needed, builds into build/ and runs every test (ctest).
 #   scripts/test.sh              all tests, in build/
 #   scripts/test.sh --sanitize   the unit and nvme tests under ASan+UBSan, in build-asan/ (not gpu, not mpi)
+#   scripts/test.sh --fuzz       each fuzz target (tests/fuzz) for 60 s with libFuzzer, in build-fuzz/ (Clang)
 #   scripts/test.sh --isa avx2   the unit and nvme tests (the Python ones among them), in build/, with the kernels of
 #                                a narrower CPU forced: torch's (ATEN_CPU_CAPABILITY) and strata's
 #                                (STRATA_CPU_ISA); avx2, or scalar (strata's reference kernels; torch's at avx2,
@@ -13,6 +14,10 @@ scripts/install_deps.sh
 scripts/venv.sh   # .venv: PyTorch 2.13 and the other pinned Python packages
 python3 scripts/check_layers.py  # every #include within its layer (docs/design.md, "Layers")
 .venv/bin/python scripts/check_functions.py  # no function over 80 lines (docs/design.md, "Rules for the code")
+
+if [ "${1:-}" = "--fuzz" ]; then
+  exec scripts/fuzz.sh
+fi
 
 build_dir=build
 cmake_args=()

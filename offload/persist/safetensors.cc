@@ -471,9 +471,9 @@ Status CheckImport(const std::string& path, const Index& entries, const std::vec
     }
   }
   if (!wrong.empty()) return InvalidArgument("safetensors: {}: {}", path, fmt::format("{}", fmt::join(wrong, "; ")));
-  for (const auto& [name, entry] : entries) {
-    if (std::none_of(specs.begin(), specs.end(), [&](const TensorSpec& s) { return s.name == name; })) {
-      summary.unused.push_back(name);
+  for (const auto& named : entries) {  // not a structured binding: Clang 14 cannot capture one
+    if (std::none_of(specs.begin(), specs.end(), [&](const TensorSpec& s) { return s.name == named.first; })) {
+      summary.unused.push_back(named.first);
     }
   }
   if (options.strict && (!summary.missing.empty() || !summary.unused.empty())) {

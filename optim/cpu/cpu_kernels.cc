@@ -1,6 +1,8 @@
 // Run-time dispatch of the CPU kernels, and their oneTBB parallel drivers.
 #include "optim/cpu/cpu_kernels.h"
 
+#include <cpuid.h>
+
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -28,6 +30,16 @@ size_t NumBlocks(size_t n) { return (n + kBlockElems - 1) / kBlockElems; }
 
 }  // namespace
 
+namespace {
+
+// F16C from CPUID leaf 1 (Clang 14's __builtin_cpu_supports does not know it).
+bool HasF16c() {
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  return __get_cpuid(1, &eax, &ebx, &ecx, &edx) != 0 && (ecx & bit_F16C) != 0;
+}
+
+}  // namespace
+
 std::string_view CpuIsaName(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar: return "scalar";
@@ -41,7 +53,7 @@ bool CpuSupports(CpuIsa isa) {
   switch (isa) {
     case CpuIsa::kScalar: return true;
     case CpuIsa::kAvx2:
-      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && HasF16c();
     case CpuIsa::kAvx512: return CpuSupports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f");
   }
   return false;
@@ -194,8 +206,8 @@ void Adam8bitRange(CpuIsa isa, const UpdateConstants& c, const ChunkTensors& chu
     const size_t count = std::min(kStateBlockElems, end - at);  // whole blocks but for fp32 states' tail
     const float* grad = static_cast<const float*>(chunk.grad) + at;
     if (chunk.grad_dtype != DType::kFloat32 || c.grad_multiplier != 1.0f) {
-      WidenGrad(isa, static_cast<const std::byte*>(chunk.grad) + at * DTypeSizeBytes(chunk.grad_dtype), chunk.grad_dtype,
-                c.grad_multiplier, widened, count);
+      const auto* from = static_cast<const std::byte*>(chunk.grad) + at * DTypeSizeBytes(chunk.grad_dtype);
+      WidenGrad(isa, from, chunk.grad_dtype, c.grad_multiplier, widened, count);
       grad = widened;
     }
     if (blocks) {

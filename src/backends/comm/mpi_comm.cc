@@ -119,9 +119,10 @@ class MpiCommunicator final : public Communicator {
   }
 
   Status DoReduceScatterSum(const void* send, void* recv, size_t count_per_rank, DType dtype) override {
-    const auto [type, sum] = SumOf(dtype);
+    const std::pair<MPI_Datatype, MPI_Op> sum = SumOf(dtype);  // not a structured binding: Clang 14 cannot capture one
     return Run("reduce-scatter", [&](MPI_Request* request) {
-      return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), type, sum, MPI_COMM_WORLD, request);
+      return MPI_Ireduce_scatter_block(send, recv, Count(count_per_rank), sum.first, sum.second, MPI_COMM_WORLD,
+                                       request);
     });
   }
 
