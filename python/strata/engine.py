@@ -42,6 +42,7 @@ gradient sync, weights and checkpoints (strata.checkpoint).
 import contextlib
 import json
 import time
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -53,7 +54,7 @@ from .checkpoint import Checkpoints
 from .config import accumulation_mode, load_config
 from .grad_sync import GradSync
 from .hooks import Hooks
-from .layered import LayeredForwards, LayeredTimeout, checked_loss, find_blocks, scaled_loss
+from .layered import LayeredForwards, LayeredTimeout, autograd_order_problem, checked_loss, find_blocks, scaled_loss
 from .moments import Moments
 from .optimizer import Optimizer, keys_of, param_groups_of, write_groups
 from .overlap import Overlap
@@ -281,6 +282,12 @@ class TrainingEngine:
         if self._progress.micro_steps:  # a forward alone (one that failed, an evaluation) may have run
             raise RuntimeError("engine.train_step: between steps only: backwards since the last step are in "
                                "(engine.step() finishes that step)")
+        if mode == "layered" and (problem := autograd_order_problem()) is not None:
+            warnings.warn(f"strata: layered accumulation runs the blocks' backward in autograd's order, and this "
+                          f"PyTorch ({torch.__version__}) orders otherwise: {problem}. The step runs in the "
+                          "standard order (the same result; the blocks' chunks move once a micro-batch)",
+                          stacklevel=2)
+            mode = "standard"
         forwards = self._layered_forwards() if mode == "layered" else None  # refuses a model without blocks
         self._progress.step_size = len(micro_batches)
         moved = self._moved_bytes()

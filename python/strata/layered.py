@@ -207,7 +207,7 @@ class LayeredForwards:
         finally:
             for m, thread in enumerate(threads[:started]):
                 if m not in self._given_up:
-                    thread.join()
+                    thread.join(self._timeout_s)  # each has passed its last turn on: it ends
             self._hooks.layered = False
             self._hooks.set_forward_state(caller_state)
             for block, original in originals:
@@ -293,13 +293,19 @@ class LayeredForwards:
 
     def _wait_turn(self, m):
         """Waits for `m`'s turn (a micro-batch, or _CALLER). In the caller, raises _Stuck(micro-batch) when one
-        forward holds its turn longer than the wait timeout; a forward waits for as long as the others progress."""
+        forward holds its turn longer than the wait timeout; a forward waits for as long as the others progress,
+        and stops (_Stopped) after two wait timeouts without any: the caller would have given up after one, so
+        it is gone."""
         with self._turns:
+            idle = 0
             while self._turn != m:
                 passes = self._passes
                 progressed = self._turns.wait_for(lambda: self._turn == m or self._passes != passes, self._timeout_s)
-                if not progressed and m == _CALLER:  # the caller alone gives up: it knows the step's threads
+                idle = 0 if progressed else idle + 1
+                if idle and m == _CALLER:  # the caller alone gives up on a forward: it knows the step's threads
                     raise _Stuck(self._turn)
+                if idle == 2:
+                    raise _Stopped()
 
     def _unwind(self, started, threads, stuck=None):
         """The step ends early: every forward begun unwinds in its turn (raising _Stopped where it waits), those
@@ -469,6 +475,54 @@ def _on_host(tensor):
     return held.requires_grad_(tensor.requires_grad)
 
 
+def _sequence_number(node):
+    """The autograd number of `node` (a tensor's grad_fn): the one private PyTorch call strata makes. Each
+    thread numbers the nodes it makes from zero, one after another, and backward runs the highest number
+    first among the nodes ready; the layered order rests on both, which autograd_order_problem() checks on
+    the PyTorch that runs before any layered step trusts them."""
+    return node._sequence_nr()
+
+
+def _probe_autograd_order(number_of):
+    """What keeps autograd's numbering from being the layered order's (autograd_order_problem), or None."""
+    if not callable(getattr(torch.zeros((), requires_grad=True).add(0).grad_fn, "_sequence_nr", None)):
+        return "its autograd nodes have no _sequence_nr"
+    x = torch.zeros((), requires_grad=True)
+    made = {}
+
+    def make():  # on a thread of its own, as each forward runs
+        with torch.enable_grad():
+            made["outputs"] = [x.add(0), x.mul(2), x.mul(3)]
+            made["numbers"] = [number_of(out.grad_fn) for out in made["outputs"]]
+
+    thread = threading.Thread(target=make, name="strata-autograd-probe", daemon=True)
+    thread.start()
+    thread.join(60)
+    numbers = made.get("numbers")
+    if numbers is None:
+        return "a thread making three autograd nodes did not finish within 60 s"
+    if numbers != [numbers[0], numbers[0] + 1, numbers[0] + 2]:
+        return f"three nodes made in a row on one thread were numbered {numbers}, not one after another"
+    ran = []
+    for out in made["outputs"]:
+        out.grad_fn.register_prehook(lambda grads, number=number_of(out.grad_fn): ran.append(number))
+    torch.autograd.backward(made["outputs"], [torch.ones(())] * 3)
+    if ran != sorted(numbers, reverse=True):
+        return f"backward ran three ready nodes numbered {numbers} in the order {ran}, not the highest first"
+    return None
+
+
+_AUTOGRAD_ORDER = []  # the probe's finding, once made
+
+
+def autograd_order_problem():
+    """None where this PyTorch numbers and runs autograd's nodes as the layered order needs (checked once,
+    by making and running a few), else what differs: a layered step then runs in the standard order."""
+    if not _AUTOGRAD_ORDER:
+        _AUTOGRAD_ORDER.append(_probe_autograd_order(_sequence_number))
+    return _AUTOGRAD_ORDER[0]
+
+
 def _number_ahead(count):
     """Makes `count` autograd nodes on this thread, whose numbers the forward's nodes then follow; returns the
     last number taken.
@@ -490,7 +544,7 @@ def _number_ahead(count):
     with torch.enable_grad():
         x = torch.zeros((), requires_grad=True)
         for _ in range(count):
-            number = x.add(0).grad_fn._sequence_nr()
+            number = _sequence_number(x.add(0).grad_fn)
     return number
 
 

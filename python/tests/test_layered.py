@@ -67,6 +67,23 @@ def test_layered_steps_are_the_standard_ones_bit_for_bit_with_states_on_nvme(tmp
     assert runs["standard"][2].last_step["boundary_bytes"] == 0
 
 
+def test_autograd_is_probed_for_the_order_the_layered_step_rests_on():
+    """The one private call (a node's _sequence_nr) is checked by behaviour on the PyTorch that runs: this one
+    numbers and runs nodes as the layered order needs; a numbering that is not one after another is named."""
+    assert strata.layered.autograd_order_problem() is None
+    problem = strata.layered._probe_autograd_order(lambda node: 7)
+    assert "numbered [7, 7, 7], not one after another" in problem
+
+
+def test_where_autograd_orders_otherwise_a_layered_step_runs_in_the_standard_order(tmp_path, monkeypatch):
+    monkeypatch.setattr(strata.engine, "autograd_order_problem", lambda: "nodes numbered otherwise")
+    standard = train(untied(layers=2), tiers(tmp_path, "standard"), "standard", 4, steps=3)
+    with pytest.warns(UserWarning, match="nodes numbered otherwise. The step runs in the standard order"):
+        fell_back = train(untied(layers=2), tiers(tmp_path, "layered"), "layered", 4, steps=3)
+    assert_equal(fell_back, standard)
+    assert fell_back[2].last_step["accumulation"] == "standard"
+
+
 @pytest.mark.parametrize("micro_batches", [4, 8])
 def test_a_tied_embedding_trains_within_rounding_of_the_standard_order(tmp_path, micro_batches):
     runs = {mode: train(pair(layers=4)[0], tiers(tmp_path, mode), mode, micro_batches)
