@@ -32,9 +32,12 @@ if [ ! -x "$binary" ]; then
   echo "fuzz.sh: no target '$target': one of $(ls tests/fuzz/corpus | tr '\n' ' ')" >&2
   exit 2
 fi
-found="$build_dir/fuzz/corpus/$target"
-findings="$build_dir/fuzz/findings"
-mkdir -p "$found" "$findings"
-exec "$binary" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=256 -max_len=131072 \
-  -print_final_stats=1 -jobs="$(nproc)" -workers="$(nproc)" -artifact_prefix="$findings/$target-" "$@" \
-  "$found" "tests/fuzz/corpus/$target"
+root=$(pwd)
+found="$root/$build_dir/fuzz/corpus/$target"
+findings="$root/$build_dir/fuzz/findings"
+logs="$root/$build_dir/fuzz/logs/$target"  # libFuzzer's jobs write their fuzz-N.log where they run
+mkdir -p "$found" "$findings" "$logs"
+cd "$logs"
+exec "$root/$binary" -max_total_time="$seconds" -timeout=30 -rss_limit_mb=4096 -malloc_limit_mb=256 \
+  -max_len=131072 -print_final_stats=1 -jobs="$(nproc)" -workers="$(nproc)" -artifact_prefix="$findings/$target-" \
+  "$@" "$found" "$root/tests/fuzz/corpus/$target"
