@@ -158,7 +158,94 @@ ThresholdEncoder BuildEncoder(const StateCodeMap& map) {
   return e;
 }
 
+// Note [Encoding by runs]
+// A gather a value (the lookup of Note [Encoding by thresholds]) took about
+// 40% of the 8-bit update on the development VM: its two tables (31 KiB
+// each) miss the L1 cache. The maps are made of runs of evenly spaced
+// values (Note [8-bit states]: each decade's linear run, 0 and 1), so a
+// positive value's code is its run's first code plus where it falls in the
+// run: int(x * slope + offset), the boundaries between codes at the
+// integers. Runs start at least a factor 5 apart, so an octave holds at most
+// one run start: the octave's entry gives the run below it and that start,
+// and one comparison the run. The multiply-add rounds, and the map's values
+// and boundaries are fp32 computations: the result is trusted only at least
+// kMargin of a code's width from an integer and kUlps from a run start, as
+// BuildRuns checks every exact threshold lies far closer than that (a
+// multiply-add with a positive slope never falls as x grows, so a value
+// outside the margins lies on its threshold's side). The rest (about 0.2%
+// of values, and NaN) go to the lookup. A signed map is symmetric: a
+// negative value's code mirrors its magnitude's (254 - code, at least 0: no
+// -1); an unsigned map codes every negative value 0. BuildRuns aborts where
+// a map is not so.
+RunEncoder BuildRuns(const StateCodeMap& map, const ThresholdEncoder& encoder, bool is_signed) {
+  const auto fail = [](const char* what) {
+    std::fprintf(stderr, "state codec: %s\n", what);
+    std::abort();
+  };
+  const int zero = static_cast<int>(std::find(map.begin(), map.end(), 0.0f) - map.begin());
+  if (map[255] != 1.0f || zero == 256 || (is_signed && zero != 127) || (!is_signed && zero != 0)) {
+    fail("a map without 0 and 1 where the runs need them");
+  }
+  for (int j = 0; is_signed && j < 127; ++j) {
+    if (map[126 - j] != -map[128 + j]) fail("a signed map that is not symmetric");
+  }
+  std::vector<std::pair<int, int>> runs = {{zero, zero}};  // first and last code
+  for (int c = zero + 1; c < 255;) {
+    int last = c;
+    const double width = static_cast<double>(map[c + 1]) - map[c];
+    while (last + 1 < 255 && std::abs((static_cast<double>(map[last + 1]) - map[last]) - width) <= 1e-3 * width) ++last;
+    runs.emplace_back(c, last);
+    c = last + 1;
+  }
+  runs.emplace_back(255, 255);
+  RunEncoder r{};
+  if (runs.size() > r.base.size()) fail("a map of more runs than the encoder holds");
+  std::vector<float> starts;  // of the runs after the first: the least float of their first code
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const auto [first, last] = runs[i];
+    r.base[i] = first;
+    r.last[i] = last - first;
+    const double width = last > first ? (static_cast<double>(map[last]) - map[first]) / (last - first) : 0.0;
+    r.slope[i] = last > first ? static_cast<float>(1.0 / width) : 0.0f;
+    r.offset[i] = last > first ? static_cast<float>(0.5 - map[first] / width) : 0.5f;  // a run of one: mid-code
+    if (i > 0) starts.push_back(encoder.threshold[first - 1]);
+    for (int c = first; c < last; ++c) {  // each boundary in the run, and its mirror, well inside the margin
+      for (float edge : {encoder.threshold[c], is_signed ? -encoder.threshold[253 - c] : encoder.threshold[c]}) {
+        const float t = std::fma(edge, r.slope[i], r.offset[i]);
+        if (std::abs(t - static_cast<float>(c - first + 1)) > RunEncoder::kMargin / 8) fail("a boundary off its run");
+      }
+    }
+  }
+  for (size_t i = 0; is_signed && i + 1 < starts.size(); ++i) {  // the mirrored starts (not 1's: no -1)
+    const int32_t apart = static_cast<int32_t>(OrderKey(-encoder.threshold[253 - (runs[i + 1].first - 1)])) -
+                          static_cast<int32_t>(OrderKey(starts[i]));
+    if (std::abs(apart) > RunEncoder::kUlps / 8) fail("a run start whose mirror is far from it");
+  }
+  for (uint32_t e = RunEncoder::kLowestExponent; e < 128; ++e) {
+    const float low = std::ldexp(1.0f, static_cast<int>(e) - 127), high = 2 * low;
+    int run = 0;
+    float next = std::numeric_limits<float>::infinity();
+    for (size_t i = 0; i < starts.size(); ++i) {
+      if (starts[i] <= low) run = static_cast<int>(i) + 1;
+      if (starts[i] > low && starts[i] < high) {
+        if (next != std::numeric_limits<float>::infinity()) fail("an octave with two run starts");
+        next = starts[i];
+      }
+    }
+    if (e == RunEncoder::kLowestExponent && run != 0) fail("a run that starts below the lowest octave");
+    r.run_below[e & 31] = run;
+    r.next_run_from[e & 31] = next;
+  }
+  return r;
+}
+
 }  // namespace
+
+const RunEncoder& Runs(bool is_signed) {
+  static const RunEncoder signed_runs = BuildRuns(CodeMap(true), Encoder(true), true);
+  static const RunEncoder unsigned_runs = BuildRuns(CodeMap(false), Encoder(false), false);
+  return is_signed ? signed_runs : unsigned_runs;
+}
 
 const ThresholdEncoder& Encoder(bool is_signed) {
   static const ThresholdEncoder signed_encoder = BuildEncoder(CodeMap(true));
@@ -180,7 +267,9 @@ StateTables TablesOf(bool is_signed) {
   static const std::array<uint8_t, 4 * 256> unsigned_planes = planes_of(CodeMap(false));
   return {.map = CodeMap(is_signed).data(),
           .entry = Encoder(is_signed).entry.data(),
-          .planes = (is_signed ? signed_planes : unsigned_planes).data()};
+          .planes = (is_signed ? signed_planes : unsigned_planes).data(),
+          .runs = &Runs(is_signed),
+          .is_signed = is_signed};
 }
 
 const StateCodeMap& CodeMap(bool is_signed) {

@@ -67,12 +67,36 @@ struct ThresholdEncoder {
 };
 const ThresholdEncoder& Encoder(bool is_signed);
 
-// The map's and the encoder's arrays, for vector kernels (which call no
+// The encoder as arithmetic, for vector code where a lookup a value costs
+// more than the rest of the update (Note [Encoding by runs]): the map's
+// positive values in runs of evenly spaced ones (0 and 1 each a run of one);
+// a magnitude's run from its octave's entry and the one run start that
+// octave may hold, and its code in the run from a multiply-add, trusted
+// unless within kMargin of a code's edge or kUlps of a run start (the lookup
+// decides those).
+struct RunEncoder {
+  static constexpr uint32_t kLowestExponent = 104;  // magnitudes under 2^-23 share its octave's entry
+  static constexpr float kMargin = 1.0f / 1024;      // of a code's width
+  static constexpr int32_t kUlps = 64;
+  // By exponent & 31 (104..127 at 8..31): the run of the octave's least
+  // magnitude, and the least magnitude of the run after it if that starts
+  // within the octave (else +inf).
+  std::array<int32_t, 32> run_below;
+  std::array<float, 32> next_run_from;
+  // By run: a magnitude's code is base + min(int(|x| * slope + offset), last).
+  std::array<float, 16> slope, offset;
+  std::array<int32_t, 16> base, last;
+};
+const RunEncoder& Runs(bool is_signed);
+
+// The map's and the encoders' arrays, for vector kernels (which call no
 // inline function: optim/cpu/cpu_kernels_impl.h).
 struct StateTables {
-  const float* map;       // 256
-  const uint32_t* entry;  // 2 * kBucketsPerSign
-  const uint8_t* planes;  // 4 * 256: byte k of map[c] (little-endian) at 256 k + c
+  const float* map;          // 256
+  const uint32_t* entry;     // 2 * kBucketsPerSign
+  const uint8_t* planes;     // 4 * 256: byte k of map[c] (little-endian) at 256 k + c
+  const RunEncoder* runs;
+  bool is_signed;            // negative magnitudes code as 254 - code (signed) or 0 (unsigned)
 };
 StateTables TablesOf(bool is_signed);
 

@@ -2,9 +2,11 @@
 // like the whole layer with -ffp-contract=off (see CMakeLists.txt), and
 // called only where the CPU has AVX-512F.
 //
-// GCC 12 warns inside its own _mm512_sqrt_ps and _mm512_cvtps_pd (built from
-// _mm512_undefined_*): a false positive in the compiler's header.
+// GCC 12 warns inside its own _mm512_sqrt_ps, _mm512_cvtps_pd, _mm512_srli_epi32
+// and _mm512_max_epi32 (built from _mm512_undefined_*): a false positive in the
+// compiler's header.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include "optim/cpu/cpu_kernels.h"
@@ -52,7 +54,8 @@ struct Vec {
   static F MulAdd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F NegMulAdd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
 
-  // 8-bit states (the impl's Adam8bitVectors).
+  // 8-bit states (the impl's Adam8bitUpdate).
+  static constexpr bool kCodesByRuns = true;
   using I = __m512i;
   static I LoadCodes(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
@@ -109,6 +112,36 @@ struct Vec {
     const I step = _mm512_or_si512(_mm512_srai_epi32(bits, 31), _mm512_set1_epi32(1));  // -1 or +1
     return _mm512_mask_add_epi32(code, past, code, step);
   }
+  // RunEncoder's code of each lane (Note [Encoding by runs]), into `code`;
+  // false, leaving it, where a lane lies too near a boundary to trust it.
+  static bool CodesByRuns(F x, const StateTables& tables, I& code) {
+    const RunEncoder& r = *tables.runs;
+    const F magnitude = _mm512_abs_ps(x);
+    const I bits = _mm512_castps_si512(magnitude);
+    // Exponents clamped to 104..127: below, the run of 0; above (|x| >= 2: never a scaled value), the run of 1.
+    const I octave = _mm512_min_epi32(
+        _mm512_max_epi32(_mm512_srli_epi32(bits, 23), _mm512_set1_epi32(RunEncoder::kLowestExponent)),
+        _mm512_set1_epi32(127));
+    const F next_from = _mm512_permutex2var_ps(Load(r.next_run_from.data()), octave, Load(r.next_run_from.data() + 16));
+    I run = _mm512_permutex2var_epi32(LoadInts(r.run_below.data()), octave, LoadInts(r.run_below.data() + 16));
+    run = _mm512_mask_add_epi32(run, _mm512_cmp_ps_mask(magnitude, next_from, _CMP_GE_OQ), run, _mm512_set1_epi32(1));
+    const F t = _mm512_fmadd_ps(magnitude, _mm512_permutexvar_ps(run, Load(r.slope.data())),
+                                _mm512_permutexvar_ps(run, Load(r.offset.data())));
+    const F off = _mm512_abs_ps(_mm512_sub_ps(t, _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT)));
+    const I ulps = _mm512_abs_epi32(_mm512_sub_epi32(bits, _mm512_castps_si512(next_from)));
+    const __mmask16 doubtful = _mm512_cmp_ps_mask(off, Set(RunEncoder::kMargin), _CMP_NGE_UQ) |  // or NaN
+                               _mm512_cmplt_epi32_mask(ulps, _mm512_set1_epi32(RunEncoder::kUlps));
+    if (doubtful != 0) return false;
+    const I in_run = _mm512_min_epi32(_mm512_cvttps_epi32(t), _mm512_permutexvar_epi32(run, LoadInts(r.last.data())));
+    const I positive = _mm512_add_epi32(_mm512_permutexvar_epi32(run, LoadInts(r.base.data())), in_run);
+    const __mmask16 negative = _mm512_cmplt_epi32_mask(_mm512_castps_si512(x), _mm512_setzero_si512());
+    code = tables.is_signed
+               ? _mm512_max_epi32(_mm512_mask_sub_epi32(positive, negative, _mm512_set1_epi32(254), positive),
+                                  _mm512_setzero_si512())
+               : _mm512_mask_mov_epi32(positive, negative, _mm512_setzero_si512());
+    return true;
+  }
+  static I LoadInts(const int32_t* p) { return _mm512_loadu_si512(p); }
   static I ZeroIfNan(I code, F x) {
     return _mm512_mask_mov_epi32(code, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), _mm512_setzero_si512());
   }

@@ -130,6 +130,10 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
 void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
+// The codes of `n` values (a multiple of 16) already divided by their scale
+// (EncodeScaled of optim/state_codec.h, bit for bit), as the 8-bit update
+// makes them.
+void EncodeScaled(const float* scaled, size_t n, bool is_signed, uint8_t* codes);
 }  // namespace avx2
 namespace avx512 {
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end);
@@ -139,6 +143,10 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end);
 void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n);
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n);
 void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
+// The codes of `n` values (a multiple of 16) already divided by their scale
+// (EncodeScaled of optim/state_codec.h, bit for bit), as the 8-bit update
+// makes them.
+void EncodeScaled(const float* scaled, size_t n, bool is_signed, uint8_t* codes);
 }  // namespace avx512
 // AVX-512 VBMI and BW, with which the avx512 kernels decode 8-bit states
 // (Note [Decoding by byte planes] in optim/cpu/cpu_avx512_vbmi.cc).

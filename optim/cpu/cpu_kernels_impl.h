@@ -19,7 +19,8 @@
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
 // 8-bit states: I (32-bit integer lanes), StoreCodes (a byte a lane),
-// MapBlock (a code map's values at a block's codes), GatherInts, Bucket
+// MapBlock (a code map's values at a block's codes), kCodesByRuns and
+// CodesByRuns (RunEncoder's codes, where the version has them), GatherInts, Bucket
 // (ThresholdEncoder's), CodeOfEntry (a code from a bucket's entry), ZeroIfNan,
 // and Largest: the largest magnitude, NaN-aware.
 
@@ -190,6 +191,10 @@ double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* sto
 // optim/state_codec.cc): its bucket's entry, and the boundary there if the
 // lane reaches it.
 inline Vec::I EncodeLanes(F scaled, const StateTables& tables) {
+  if constexpr (Vec::kCodesByRuns) {
+    Vec::I code;
+    if (Vec::CodesByRuns(scaled, tables, code)) return code;  // else a lane near a boundary: the lookup
+  }
   using E = ThresholdEncoder;
   const Vec::I bucket = Vec::Bucket(scaled, E::kLowBits, E::kMinExponent << E::kBucketBits, E::kBucketsPerSign);
   return Vec::ZeroIfNan(Vec::CodeOfEntry(Vec::GatherInts(tables.entry, bucket), scaled, E::kNoBoundary - 1), scaled);
@@ -250,6 +255,12 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
     EncodeBlock(m, m_largest.Total(), first_moment, codes[0] + at, &scales[0][block]);
     EncodeBlock(v, v_largest.Total(), second_moment, codes[1] + at, &scales[1][block]);
   }
+}
+
+void EncodeScaled(const float* scaled, size_t n, bool is_signed, uint8_t* codes) {
+  static_assert(16 % kLanes == 0);
+  const StateTables tables = TablesOf(is_signed);
+  for (size_t i = 0; i < n; i += kLanes) Vec::StoreCodes(codes + i, EncodeLanes(Vec::Load(scaled + i), tables));
 }
 
 void UpdateRange(const UpdateConstants& c, const ChunkTensors& chunk, size_t begin, size_t end) {

@@ -2,13 +2,17 @@
 // block scales (python/tests/test_state_codec.py checks it against torchao).
 #include "optim/state_codec.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
 #include <random>
 #include <vector>
+
+#include "optim/cpu/cpu_kernels.h"
 
 namespace strata::optim {
 namespace {
@@ -88,6 +92,45 @@ TEST(StateCodecTest, TheThresholdEncoderCodesEveryFloatAsTheSearchDoes) {
       check(edge);
     }
     EXPECT_GT(checked, size_t{70'000'000});
+  }
+}
+
+// The vector kernels' encoders (AVX-512: by runs, Note [Encoding by runs],
+// the lookup near boundaries; AVX2: the lookup) against the search, on every
+// 61st float pattern and around every boundary, run start and octave edge.
+TEST(StateCodecTest, TheVectorEncodersCodeEveryFloatAsTheSearchDoes) {
+  for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (!CpuSupports(isa)) continue;
+    for (bool is_signed : {true, false}) {
+      SCOPED_TRACE(fmt::format("{}, {} map", CpuIsaName(isa), is_signed ? "signed" : "unsigned"));
+      const StateCodeMap& map = CodeMap(is_signed);
+      std::vector<float> values;
+      for (uint64_t bits = 0; bits <= 0xffffffffu; bits += 61) {
+        values.push_back(std::bit_cast<float>(static_cast<uint32_t>(bits)));
+      }
+      std::vector<float> edges(Encoder(is_signed).threshold.begin(), Encoder(is_signed).threshold.end());
+      for (int e = -40; e <= 1; ++e) edges.push_back(std::ldexp(1.0f, e));
+      for (float edge : std::vector<float>(edges)) edges.push_back(-edge);
+      for (float edge : edges) {
+        float below = edge, above = edge;
+        values.push_back(edge);
+        for (int k = 0; k < 256; ++k) {
+          values.push_back(below = std::nextafter(below, -2.0f));
+          values.push_back(above = std::nextafter(above, 2.0f));
+        }
+      }
+      values.resize(values.size() / 16 * 16);
+      std::vector<uint8_t> codes(values.size());
+      if (isa == CpuIsa::kAvx512) {
+        avx512::EncodeScaled(values.data(), values.size(), is_signed, codes.data());
+      } else {
+        avx2::EncodeScaled(values.data(), values.size(), is_signed, codes.data());
+      }
+      for (size_t i = 0; i < values.size(); ++i) {
+        ASSERT_EQ(int{codes[i]}, int{EncodeScaled(values[i], map)}) << values[i] << " (bits " << std::hex
+                                                                     << std::bit_cast<uint32_t>(values[i]) << ")";
+      }
+    }
   }
 }
 
