@@ -322,8 +322,6 @@ Status TimeRepetition(optim::Optimizer& optimizer, const ChunkArrays& c, CacheEv
   return Status::Ok();
 }
 
-// 8-bit states of n parameters (whole blocks of 256): the two moments'
-// codes and scales.
 // One pass of a narrow states' bound (16 elements a step: the 8-bit or bf16
 // blocks above) over the chunk's master and the moments `m` and `v`.
 template <typename T, typename Block>

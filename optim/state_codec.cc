@@ -172,8 +172,10 @@ ThresholdEncoder BuildEncoder(const StateCodeMap& map) {
 // kMargin of a code's width from an integer and kUlps from a run start, as
 // BuildRuns checks every exact threshold lies far closer than that (a
 // multiply-add with a positive slope never falls as x grows, so a value
-// outside the margins lies on its threshold's side). The rest (about 0.2%
-// of values, and NaN) go to the lookup. A signed map is symmetric: a
+// outside the margins lies on its threshold's side), and every run start
+// (and its mirror) kUlps from an octave's edge, where no entry would see it.
+// The rest (about 0.2% of values, so about 3% of 16-lane vectors, which go
+// whole; and NaN) go to the lookup. A signed map is symmetric: a
 // negative value's code mirrors its magnitude's (254 - code, at least 0: no
 // -1); an unsigned map codes every negative value 0. BuildRuns aborts where
 // a map is not so.
@@ -220,6 +222,12 @@ RunEncoder BuildRuns(const StateCodeMap& map, const ThresholdEncoder& encoder, b
     const int32_t apart = static_cast<int32_t>(OrderKey(-encoder.threshold[253 - (runs[i + 1].first - 1)])) -
                           static_cast<int32_t>(OrderKey(starts[i]));
     if (std::abs(apart) > RunEncoder::kUlps / 8) fail("a run start whose mirror is far from it");
+  }
+  for (float start : starts) {  // the octave's entry sees a start within kUlps of its edge only from one side
+    const int edge = static_cast<int>(std::round(std::log2(start)));
+    if (std::abs(static_cast<int64_t>(OrderKey(start)) - OrderKey(std::ldexp(1.0f, edge))) < 2 * RunEncoder::kUlps) {
+      fail("a run start beside a power of two");
+    }
   }
   for (uint32_t e = RunEncoder::kLowestExponent; e < 128; ++e) {
     const float low = std::ldexp(1.0f, static_cast<int>(e) - 127), high = 2 * low;

@@ -77,7 +77,7 @@ const ThresholdEncoder& Encoder(bool is_signed);
 struct RunEncoder {
   static constexpr uint32_t kLowestExponent = 104;  // magnitudes under 2^-23 share its octave's entry
   static constexpr float kMargin = 1.0f / 1024;      // of a code's width
-  static constexpr int32_t kUlps = 64;
+  static constexpr int32_t kUlps = 64;               // floats from a run start (its mirror's lies within 8)
   // By exponent & 31 (104..127 at 8..31): the run of the octave's least
   // magnitude, and the least magnitude of the run after it if that starts
   // within the octave (else +inf).

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds the fuzz targets (tests/fuzz: libFuzzer, ASan, UBSan) with Clang
 # into build-fuzz/ and runs them.
-#   scripts/fuzz.sh                      each target for 60 s from its seeds (ctest -L fuzz), as CI does
+#   scripts/fuzz.sh                      each target for 60 s (STRATA_FUZZ_SECONDS) from its seeds (ctest -L fuzz),
+#                                        as CI does
 #   scripts/fuzz.sh TARGET SECONDS [FLAGS...]
 #                                        a long campaign of one target (options, safetensors, checkpoint) on
 #                                        every core: what it finds stays in build-fuzz/fuzz/corpus/TARGET (the
@@ -11,12 +12,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build_dir=build-fuzz
-if [ ! -f "$build_dir/CMakeCache.txt" ]; then
-  generator=()
-  if command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
-  CC=clang-14 CXX=clang++-14 cmake -S . -B "$build_dir" "${generator[@]}" -DSTRATA_FUZZ=ON -DSTRATA_WERROR=OFF \
-    -DCMAKE_BUILD_TYPE=RelWithDebInfo
-fi
+generator=()
+if [ ! -f "$build_dir/CMakeCache.txt" ] && command -v ninja >/dev/null 2>&1; then generator=(-G Ninja); fi
+# Configured every time, so that STRATA_FUZZ_SECONDS (ctest's run of each target) takes effect.
+CC=clang-14 CXX=clang++-14 cmake -S . -B "$build_dir" "${generator[@]}" -DSTRATA_FUZZ=ON -DSTRATA_WERROR=OFF \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DSTRATA_FUZZ_SECONDS="${STRATA_FUZZ_SECONDS:-60}" >/dev/null
 cmake --build "$build_dir" -j "$(nproc)" --target strata_fuzz_targets
 export ASAN_OPTIONS=detect_leaks=1:abort_on_error=1
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1

@@ -11,13 +11,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install_deps.sh
+if [ "${1:-}" = "--fuzz" ]; then
+  exec scripts/fuzz.sh  # Clang's build of the fuzz targets alone: nothing of .venv or the checks below
+fi
 scripts/venv.sh   # .venv: PyTorch 2.13 and the other pinned Python packages
 python3 scripts/check_layers.py  # every #include within its layer (docs/design.md, "Layers")
 .venv/bin/python scripts/check_functions.py  # no function over 80 lines (docs/design.md, "Rules for the code")
-
-if [ "${1:-}" = "--fuzz" ]; then
-  exec scripts/fuzz.sh
-fi
 
 build_dir=build
 cmake_args=()

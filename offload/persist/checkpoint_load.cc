@@ -96,7 +96,8 @@ Status ReadPieces(FileSystem& files, const fs::path& dir, const std::vector<Piec
     if (direct == nullptr && buffer.size_bytes() < need) {
       buffer = AllocateAlignedHost(need, kIoAlignmentBytes);  // the piece read into it before has been used
       if (!buffer) {
-        return OutOfMemory("checkpoint: a {}-byte read buffer for {}", need, (dir / pieces[i].path()).string());
+        return OutOfMemory("checkpoint: no {} bytes of host memory for a read buffer of {}", need,
+                           (dir / pieces[i].path()).string());
       }
     }
     read_into[i % 2] = direct != nullptr ? direct : buffer.bytes();

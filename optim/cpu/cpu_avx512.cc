@@ -69,19 +69,7 @@ struct Vec {
   // than a gather of 16 loads).
   static void MapBlock(const StateTables& tables, const uint8_t* codes, float* values) {
     if (CpuHasVbmi()) return avx512_vbmi::MapCodes(tables.planes, codes, values, kStateBlockElems);
-    const float* map = tables.map;
-    for (size_t j = 0; j < kStateBlockElems; j += kLanes) {
-      const I code = LoadCodes(codes + j);
-      const I group = _mm512_srli_epi32(code, 5);
-      F mapped = _mm512_permutex2var_ps(_mm512_loadu_ps(map), code, _mm512_loadu_ps(map + 16));
-#pragma GCC unroll 8
-      for (int k = 1; k < 8; ++k) {
-        const __mmask16 in_group = _mm512_cmpeq_epi32_mask(group, _mm512_set1_epi32(k));
-        mapped = _mm512_mask_mov_ps(mapped, in_group, _mm512_permutex2var_ps(_mm512_loadu_ps(map + 32 * k), code,
-                                                                             _mm512_loadu_ps(map + 32 * k + 16)));
-      }
-      Store(values + j, mapped);
-    }
+    MapCodesByPermutes(tables.map, codes, values, kStateBlockElems);
   }
   // Two gathers of 8: on the development VM's cores a gather of 16 takes
   // longer than two of 8 (4.8 against 3.7 ns).
@@ -173,5 +161,21 @@ struct Vec {
 }  // namespace
 
 #include "optim/cpu/cpu_kernels_impl.h"
+
+void MapCodesByPermutes(const float* map, const uint8_t* codes, float* values, size_t n) {
+  for (size_t j = 0; j < n; j += kLanes) {
+    const Vec::I code = Vec::LoadCodes(codes + j);
+    const Vec::I group = _mm512_srli_epi32(code, 5);
+    F mapped = _mm512_permutex2var_ps(_mm512_loadu_ps(map), code, _mm512_loadu_ps(map + 16));
+#pragma GCC unroll 8
+    for (int k = 1; k < 8; ++k) {
+      const __mmask16 in_group = _mm512_cmpeq_epi32_mask(group, _mm512_set1_epi32(k));
+      mapped = _mm512_mask_mov_ps(mapped, in_group,
+                                  _mm512_permutex2var_ps(_mm512_loadu_ps(map + 32 * k), code,
+                                                         _mm512_loadu_ps(map + 32 * k + 16)));
+    }
+    Vec::Store(values + j, mapped);
+  }
+}
 
 }  // namespace strata::optim::avx512

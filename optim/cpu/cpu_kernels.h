@@ -147,6 +147,9 @@ void ConvertToFp16(const float* src, uint16_t* dst, size_t n);
 // (EncodeScaled of optim/state_codec.h, bit for bit), as the 8-bit update
 // makes them.
 void EncodeScaled(const float* scaled, size_t n, bool is_signed, uint8_t* codes);
+// values[i] = map[codes[i]] by eight float permutes a 16 (n a multiple of 16):
+// the 8-bit update's decode where the CPU lacks VBMI.
+void MapCodesByPermutes(const float* map, const uint8_t* codes, float* values, size_t n);
 }  // namespace avx512
 // AVX-512 VBMI and BW, with which the avx512 kernels decode 8-bit states
 // (Note [Decoding by byte planes] in optim/cpu/cpu_avx512_vbmi.cc).

@@ -208,6 +208,9 @@ class LayeredForwards:
             for m, thread in enumerate(threads[:started]):
                 if m not in self._given_up:
                     thread.join(self._timeout_s)  # each has passed its last turn on: it ends
+                    if thread.is_alive():  # yet it did not: given up on, refused by the hooks as _unwind does
+                        self._given_up[m] = thread
+                        self._hooks.refuse(thread)
             self._hooks.layered = False
             self._hooks.set_forward_state(caller_state)
             for block, original in originals:
@@ -249,7 +252,7 @@ class LayeredForwards:
             self._local.index = None
             if m not in self._given_up:  # one given up on ends when it may, after its step: it touches nothing
                 self._at[m] = _DONE
-                self._pass_on()
+                self._pass_on(m)
 
     def _park_hook(self, index):
         def hook(module, args):
@@ -283,9 +286,13 @@ class LayeredForwards:
             _number_ahead(len(self._at))  # the code after the block apart from it, as before it
         return None
 
-    def _pass_on(self):
-        """The turn goes to the forward at the lowest block (the first micro-batch on a tie), or to the caller."""
+    def _pass_on(self, holder=None):
+        """The turn goes to the forward at the lowest block (the first micro-batch on a tie), or to the caller;
+        from `holder` only while it holds it (a forward that stopped waiting on its own does not)."""
         with self._turns:
+            if holder is not None and self._turn != holder:
+                self._turns.notify_all()
+                return
             waiting = [(at, m) for m, at in enumerate(self._at) if at != _DONE and m not in self._given_up]
             self._turn = min(waiting)[1] if waiting else _CALLER
             self._passes += 1
@@ -485,28 +492,38 @@ def _sequence_number(node):
 
 def _probe_autograd_order(number_of):
     """What keeps autograd's numbering from being the layered order's (autograd_order_problem), or None."""
-    if not callable(getattr(torch.zeros((), requires_grad=True).add(0).grad_fn, "_sequence_nr", None)):
-        return "its autograd nodes have no _sequence_nr"
+    with torch.enable_grad():
+        if not callable(getattr(torch.zeros((), requires_grad=True).add(0).grad_fn, "_sequence_nr", None)):
+            return "its autograd nodes have no _sequence_nr"
     x = torch.zeros((), requires_grad=True)
-    made = {}
+    made = [{}, {}]  # on each of two fresh threads: the nodes, their numbers, or what went wrong
 
-    def make():  # on a thread of its own, as each forward runs
-        with torch.enable_grad():
-            made["outputs"] = [x.add(0), x.mul(2), x.mul(3)]
-            made["numbers"] = [number_of(out.grad_fn) for out in made["outputs"]]
+    def make(into):  # as each forward runs: on a thread of its own
+        try:
+            with torch.enable_grad():
+                into["outputs"] = [x.add(0), x.mul(2), x.mul(3)]
+                into["numbers"] = [number_of(out.grad_fn) for out in into["outputs"]]
+        except Exception as error:  # noqa: BLE001 (reported as the probe's finding)
+            into["error"] = f"{type(error).__name__}: {error}"
 
-    thread = threading.Thread(target=make, name="strata-autograd-probe", daemon=True)
-    thread.start()
-    thread.join(60)
-    numbers = made.get("numbers")
-    if numbers is None:
-        return "a thread making three autograd nodes did not finish within 60 s"
+    for into in made:
+        thread = threading.Thread(target=make, args=(into,), name="strata-autograd-probe", daemon=True)
+        thread.start()
+        thread.join(60)
+        if "error" in into:
+            return f"making autograd nodes on a thread raised {into['error']}"
+        if "numbers" not in into:
+            return "a thread making three autograd nodes did not finish within 60 s"
+    numbers = made[0]["numbers"]
     if numbers != [numbers[0], numbers[0] + 1, numbers[0] + 2]:
         return f"three nodes made in a row on one thread were numbered {numbers}, not one after another"
+    if made[1]["numbers"] != numbers:
+        return f"two fresh threads numbered their first nodes {numbers} and {made[1]['numbers']}, not alike"
     ran = []
-    for out in made["outputs"]:
+    outputs = made[0]["outputs"]
+    for out in outputs:
         out.grad_fn.register_prehook(lambda grads, number=number_of(out.grad_fn): ran.append(number))
-    torch.autograd.backward(made["outputs"], [torch.ones(())] * 3)
+    torch.autograd.backward(outputs, [torch.ones(())] * 3)
     if ran != sorted(numbers, reverse=True):
         return f"backward ran three ready nodes numbered {numbers} in the order {ran}, not the highest first"
     return None

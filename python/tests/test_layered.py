@@ -73,6 +73,11 @@ def test_autograd_is_probed_for_the_order_the_layered_step_rests_on():
     assert strata.layered.autograd_order_problem() is None
     problem = strata.layered._probe_autograd_order(lambda node: 7)
     assert "numbered [7, 7, 7], not one after another" in problem
+    counter = iter(range(100))  # one count across threads, where autograd's is per thread
+    problem = strata.layered._probe_autograd_order(lambda node: next(counter))
+    assert "two fresh threads numbered their first nodes [0, 1, 2] and [3, 4, 5], not alike" in problem
+    with torch.no_grad():  # the caller's grad mode does not matter
+        assert strata.layered._probe_autograd_order(strata.layered._sequence_number) is None
 
 
 def test_where_autograd_orders_otherwise_a_layered_step_runs_in_the_standard_order(tmp_path, monkeypatch):

@@ -55,9 +55,13 @@ std::string WriteInput(const std::string& name, const uint8_t* data, size_t size
   return path;
 }
 
+void ExpectNotInternal(const Status& status) {
+  if (status.code() == StatusCode::kInternal) Die("an internal error: " + status.ToString());
+}
+
 void ExpectRefusalNames(const Status& status, const std::string& what) {
   if (status.ok()) return;
-  if (status.code() == StatusCode::kInternal) Die("an internal error: " + status.ToString());
+  ExpectNotInternal(status);
   if (status.message().find(what) == std::string::npos) {
     Die("a refusal that does not name " + what + ": " + status.ToString());
   }

@@ -31,5 +31,7 @@ void WriteFileOrDie(const std::string& path, const void* data, size_t size);
 // Aborts unless `status` is ok or a refusal whose message names `what` (a
 // file's path or name); IoError included, an Internal error never.
 void ExpectRefusalNames(const Status& status, const std::string& what);
+// Aborts on an Internal error (a broken invariant, where a refusal was due).
+void ExpectNotInternal(const Status& status);
 
 }  // namespace strata::fuzz

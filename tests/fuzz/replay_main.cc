@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   for (const fs::path& input : inputs) {
+    std::fprintf(stderr, "%s\n", input.c_str());  // the input a failure stopped at
     std::ifstream in(input, std::ios::binary);
     const std::string bytes(std::istreambuf_iterator<char>(in), {});
     LLVMFuzzerTestOneInput(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size());

@@ -97,7 +97,8 @@ TEST(StateCodecTest, TheThresholdEncoderCodesEveryFloatAsTheSearchDoes) {
 
 // The vector kernels' encoders (AVX-512: by runs, Note [Encoding by runs],
 // the lookup near boundaries; AVX2: the lookup) against the search, on every
-// 61st float pattern and around every boundary, run start and octave edge.
+// 61st float pattern and on the 256 floats either side of every boundary,
+// run start and octave edge.
 TEST(StateCodecTest, TheVectorEncodersCodeEveryFloatAsTheSearchDoes) {
   for (CpuIsa isa : {CpuIsa::kAvx2, CpuIsa::kAvx512}) {
     if (!CpuSupports(isa)) continue;
@@ -111,15 +112,17 @@ TEST(StateCodecTest, TheVectorEncodersCodeEveryFloatAsTheSearchDoes) {
       std::vector<float> edges(Encoder(is_signed).threshold.begin(), Encoder(is_signed).threshold.end());
       for (int e = -40; e <= 1; ++e) edges.push_back(std::ldexp(1.0f, e));
       for (float edge : std::vector<float>(edges)) edges.push_back(-edge);
+      values.resize(values.size() / 16 * 16);
+      // Near an edge each value fills a vector of its own: a vector goes whole to the lookup when one of its
+      // values lies within the runs' margins, and these must be coded by the runs where they are outside.
       for (float edge : edges) {
         float below = edge, above = edge;
-        values.push_back(edge);
+        values.insert(values.end(), 16, edge);
         for (int k = 0; k < 256; ++k) {
-          values.push_back(below = std::nextafter(below, -2.0f));
-          values.push_back(above = std::nextafter(above, 2.0f));
+          values.insert(values.end(), 16, below = std::nextafter(below, -2.0f));
+          values.insert(values.end(), 16, above = std::nextafter(above, 2.0f));
         }
       }
-      values.resize(values.size() / 16 * 16);
       std::vector<uint8_t> codes(values.size());
       if (isa == CpuIsa::kAvx512) {
         avx512::EncodeScaled(values.data(), values.size(), is_signed, codes.data());

@@ -222,19 +222,28 @@ TEST_P(VectorKernelTest, The8BitAdamIsTheReferencesBitForBit) {
 }
 
 // Every code of both maps, at every position of a block, decodes to the
-// map's value by the byte permutes (Note [Decoding by byte planes]).
-TEST(CpuKernelsTest, BytePlanesDecodeEveryCodeAtEveryPositionToItsValue) {
-  if (!CpuHasVbmi()) GTEST_SKIP() << "this CPU lacks AVX-512 VBMI";
-  for (bool is_signed : {true, false}) {
-    const StateCodeMap& map = CodeMap(is_signed);
-    std::vector<uint8_t> codes(kStateBlockElems);
-    std::vector<float> values(kStateBlockElems);
-    for (size_t shift = 0; shift < 256; ++shift) {  // code (7 i + shift) % 256: each code once a block
-      for (size_t i = 0; i < kStateBlockElems; ++i) codes[i] = static_cast<uint8_t>((i * 7 + shift) % 256);
-      avx512_vbmi::MapCodes(TablesOf(is_signed).planes, codes.data(), values.data(), kStateBlockElems);
-      for (size_t i = 0; i < kStateBlockElems; ++i) {
-        ASSERT_EQ(std::bit_cast<uint32_t>(values[i]), std::bit_cast<uint32_t>(map[codes[i]]))
-            << (is_signed ? "signed" : "unsigned") << " map, code " << int{codes[i]} << " at " << i;
+// map's value by both AVX-512 decodes: VBMI's byte permutes (Note [Decoding
+// by byte planes]) and the float permutes of a CPU without VBMI.
+TEST(CpuKernelsTest, BothAvx512DecodesGiveEveryCodeAtEveryPositionItsValue) {
+  if (!CpuSupports(CpuIsa::kAvx512)) GTEST_SKIP() << "this CPU lacks AVX-512";
+  for (bool vbmi : {true, false}) {
+    if (vbmi && !CpuHasVbmi()) continue;
+    for (bool is_signed : {true, false}) {
+      const StateCodeMap& map = CodeMap(is_signed);
+      std::vector<uint8_t> codes(kStateBlockElems);
+      std::vector<float> values(kStateBlockElems);
+      for (size_t shift = 0; shift < 256; ++shift) {  // code (7 i + shift) % 256: each code once a block
+        for (size_t i = 0; i < kStateBlockElems; ++i) codes[i] = static_cast<uint8_t>((i * 7 + shift) % 256);
+        if (vbmi) {
+          avx512_vbmi::MapCodes(TablesOf(is_signed).planes, codes.data(), values.data(), kStateBlockElems);
+        } else {
+          avx512::MapCodesByPermutes(map.data(), codes.data(), values.data(), kStateBlockElems);
+        }
+        for (size_t i = 0; i < kStateBlockElems; ++i) {
+          ASSERT_EQ(std::bit_cast<uint32_t>(values[i]), std::bit_cast<uint32_t>(map[codes[i]]))
+              << (vbmi ? "VBMI, " : "float permutes, ") << (is_signed ? "signed" : "unsigned") << " map, code "
+              << int{codes[i]} << " at " << i;
+        }
       }
     }
   }
