@@ -452,17 +452,16 @@ Result<OptimBenchReport> RunOptimBench(const OptimBenchConfig& config) {
   if (!optim::CpuSupports(optim::CpuIsa::kAvx2)) {
     return NotSupported("bench optim: the bandwidth bound is written for AVX2 or AVX-512, which this CPU lacks");
   }
-  if (config.state_format != "fp32" && config.state_format != "bf16" && config.state_format != "int8") {
-    return InvalidArgument("bench optim: --state-format {}: expected fp32, bf16 or int8", config.state_format);
-  }
+  const Result<DType> states = ParseStatesDType(config.state_format);
+  if (!states.ok()) return states.status().WithContext("bench optim: --state-format");
   const uint32_t threads = ThreadsOf(config.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
   OptimBenchReport report;
   report.config = config;
   report.threads = threads;
   report.isa = std::string(optim::CpuIsaName(optim::ActiveCpuIsa()));
-  if (config.state_format == "int8") return RunOptim8bitBench(config, report);
-  if (config.state_format == "bf16") return RunOptimBf16StatesBench(config, report);
+  if (*states == DType::kInt8Block) return RunOptim8bitBench(config, report);
+  if (*states == DType::kBFloat16) return RunOptimBf16StatesBench(config, report);
   const size_t n = config.params;
   STRATA_ASSIGN_OR_RETURN(const ChunkArrays arrays, AllocateChunk(n, dtype));
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<optim::Optimizer> optimizer,
@@ -671,10 +670,8 @@ Result<OptimNvmeBenchReport> RunOptimNvmeBench(const OptimNvmeBenchConfig& confi
   const uint32_t threads = ThreadsOf(base.threads);
   tbb::global_control limit(tbb::global_control::max_allowed_parallelism, threads);
 
-  const Result<DType> parsed = ParseChunkDType(base.state_format);
-  if (!parsed.ok() || *parsed == DType::kFloat16) {
-    return InvalidArgument("bench optim: --state-format {}: expected fp32, bf16 or int8", base.state_format);
-  }
+  const Result<DType> parsed = ParseStatesDType(base.state_format);
+  if (!parsed.ok()) return parsed.status().WithContext("bench optim: --state-format");
   const DType states = *parsed;
   if (states == DType::kInt8Block &&
       (base.params % kInt8BlockElems != 0 || config.group_params % kInt8BlockElems != 0)) {

@@ -518,9 +518,7 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
   if (config.ranks < 1 || config.ranks > 64) {
     return InvalidArgument("bench replay: --ranks {} is not allowed: expected 1 to 64", config.ranks);
   }
-  if (config.states != "fp32" && config.states != "bf16" && config.states != "int8") {
-    return InvalidArgument("bench replay: --states {}: expected fp32, bf16 or int8", config.states);
-  }
+  STRATA_RETURN_IF_ERROR(ParseStatesDType(config.states).status().WithContext("bench replay: --states"));
   if (config.states == "int8" && config.ranks > 1) {
     return InvalidArgument("bench replay: --states int8 with --ranks {}: 8-bit states run on one rank", config.ranks);
   }
@@ -544,7 +542,7 @@ Options ReplayOptions(const ReplayBenchConfig& config) {
   options.device.emulated_bandwidth_gbps = config.pcie_gbps;
   options.log_level = LogLevel::kWarning;
   options.comm.shard_params = config.shard_params && config.ranks > 1;
-  options.optimizer.state_dtype = *ParseChunkDType(config.states);  // checked by ValidateReplayConfig
+  options.optimizer.state_dtype = *ParseStatesDType(config.states);  // checked by ValidateReplayConfig
   return options;
 }
 

@@ -261,23 +261,27 @@ const ThresholdEncoder& Encoder(bool is_signed) {
   return is_signed ? signed_encoder : unsigned_encoder;
 }
 
-StateTables TablesOf(bool is_signed) {
-  static const auto planes_of = [](const StateCodeMap& map) {
-    std::array<uint8_t, 4 * 256> planes{};
-    for (size_t c = 0; c < 256; ++c) {
-      uint32_t bits;
-      std::memcpy(&bits, &map[c], sizeof(bits));
-      for (size_t k = 0; k < 4; ++k) planes[256 * k + c] = static_cast<uint8_t>(bits >> (8 * k));
+const StateTables& TablesOf(bool is_signed) {
+  // Made once (the kernels ask for them a block at a time), each with the planes it points at.
+  struct Made {
+    std::array<uint8_t, 4 * 256> planes;
+    StateTables tables;
+    explicit Made(bool is_signed) : planes() {
+      const StateCodeMap& map = CodeMap(is_signed);
+      for (size_t c = 0; c < 256; ++c) {
+        uint32_t bits;
+        std::memcpy(&bits, &map[c], sizeof(bits));
+        for (size_t k = 0; k < 4; ++k) planes[256 * k + c] = static_cast<uint8_t>(bits >> (8 * k));
+      }
+      tables = {.map = map.data(),
+                .entry = Encoder(is_signed).entry.data(),
+                .planes = planes.data(),
+                .runs = &Runs(is_signed),
+                .is_signed = is_signed};
     }
-    return planes;
   };
-  static const std::array<uint8_t, 4 * 256> signed_planes = planes_of(CodeMap(true));
-  static const std::array<uint8_t, 4 * 256> unsigned_planes = planes_of(CodeMap(false));
-  return {.map = CodeMap(is_signed).data(),
-          .entry = Encoder(is_signed).entry.data(),
-          .planes = (is_signed ? signed_planes : unsigned_planes).data(),
-          .runs = &Runs(is_signed),
-          .is_signed = is_signed};
+  static const Made signed_tables(true), unsigned_tables(false);
+  return (is_signed ? signed_tables : unsigned_tables).tables;
 }
 
 const StateCodeMap& CodeMap(bool is_signed) {

@@ -98,7 +98,7 @@ struct StateTables {
   const RunEncoder* runs;
   bool is_signed;            // negative magnitudes code as 254 - code (signed) or 0 (unsigned)
 };
-StateTables TablesOf(bool is_signed);
+const StateTables& TablesOf(bool is_signed);
 
 // EncodeScaled by the encoder's lookup: the same code for every float.
 inline uint8_t EncodeByThresholds(float scaled, const ThresholdEncoder& encoder) {

@@ -69,6 +69,9 @@ std::string_view DTypeName(DType dtype);
 Result<DType> ParseDType(std::string_view name);
 // ParseDType, or "int8" for kInt8Block: a chunk's dtype (a checkpoint's).
 Result<DType> ParseChunkDType(std::string_view name);
+// The optimizer's moments' formats (optimizer.states, the benchmarks'
+// flags): "fp32", "bf16" or "int8"; InvalidArgument naming them otherwise.
+Result<DType> ParseStatesDType(std::string_view name);
 
 // What a chunk holds. State kinds mirror the layout of their param chunk.
 enum class ChunkKind : uint8_t { kParam, kGrad, kMaster, kExpAvg, kExpAvgSq };

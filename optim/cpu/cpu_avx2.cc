@@ -50,7 +50,6 @@ struct Vec {
   static F NegMulAdd(F a, F b, F c) { return _mm256_fnmadd_ps(a, b, c); }
 
   // 8-bit states (the impl's Adam8bitUpdate).
-  static constexpr bool kCodesByRuns = false;
   using I = __m256i;
   static I LoadCodes(const uint8_t* p) {
     return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
@@ -69,7 +68,8 @@ struct Vec {
       Store(values + j, _mm256_i32gather_ps(tables.map, LoadCodes(codes + j), 4));
     }
   }
-  static bool CodesByRuns(F, const StateTables&, I&) { return false; }  // 8 lanes: the lookup costs less here
+  // None: AVX2 lacks the two-register permutes of the runs' tables; an 8-lane gather is the lookup here.
+  static bool CodesByRuns(F, const StateTables&, I&) { return false; }
   static I GatherInts(const uint32_t* table, I index) {
     return _mm256_i32gather_epi32(reinterpret_cast<const int*>(table), index, 4);
   }

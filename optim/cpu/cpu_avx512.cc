@@ -55,7 +55,6 @@ struct Vec {
   static F NegMulAdd(F a, F b, F c) { return _mm512_fnmadd_ps(a, b, c); }
 
   // 8-bit states (the impl's Adam8bitUpdate).
-  static constexpr bool kCodesByRuns = true;
   using I = __m512i;
   static I LoadCodes(const uint8_t* p) {
     return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));

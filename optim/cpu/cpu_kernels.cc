@@ -28,10 +28,6 @@ constexpr size_t kBlockElems = size_t{1} << 16;
 
 size_t NumBlocks(size_t n) { return (n + kBlockElems - 1) / kBlockElems; }
 
-}  // namespace
-
-namespace {
-
 // F16C from CPUID leaf 1 (Clang 14's __builtin_cpu_supports does not know it).
 bool HasF16c() {
   unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;

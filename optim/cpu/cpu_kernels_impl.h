@@ -19,8 +19,8 @@
 // Add, Sub, Mul, Div, Sqrt, MulAdd(a, b, c) = a*b + c, NegMulAdd(a, b, c) =
 // c - a*b, and Squares: an fp64 accumulator with Add(F) and Total(). For
 // 8-bit states: I (32-bit integer lanes), StoreCodes (a byte a lane),
-// MapBlock (a code map's values at a block's codes), kCodesByRuns and
-// CodesByRuns (RunEncoder's codes, where the version has them), GatherInts, Bucket
+// MapBlock (a code map's values at a block's codes), CodesByRuns
+// (RunEncoder's codes, where the version has them), GatherInts, Bucket
 // (ThresholdEncoder's), CodeOfEntry (a code from a bucket's entry), ZeroIfNan,
 // and Largest: the largest magnitude, NaN-aware.
 
@@ -187,14 +187,20 @@ double SumSquaresVectors(const void* grad, size_t begin, size_t end, size_t* sto
   return squares.Total();
 }
 
+// out[i] = grad[i] * multiplier over whole vectors; returns where it stopped.
+template <DType G>
+size_t WidenVectors(const void* grad, float multiplier, float* out, size_t n) {
+  const F times = Vec::Set(multiplier);
+  size_t i = 0;
+  for (; i + kLanes <= n; i += kLanes) Vec::Store(out + i, Vec::Mul(LoadGrad<G>(grad, i), times));
+  return i;
+}
+
 // The code of each lane of `scaled` (Note [Encoding by thresholds] in
 // optim/state_codec.cc): its bucket's entry, and the boundary there if the
 // lane reaches it.
 inline Vec::I EncodeLanes(F scaled, const StateTables& tables) {
-  if constexpr (Vec::kCodesByRuns) {
-    Vec::I code;
-    if (Vec::CodesByRuns(scaled, tables, code)) return code;  // else a lane near a boundary: the lookup
-  }
+  if (Vec::I code; Vec::CodesByRuns(scaled, tables, code)) return code;  // else a lane near a boundary: the lookup
   using E = ThresholdEncoder;
   const Vec::I bucket = Vec::Bucket(scaled, E::kLowBits, E::kMinExponent << E::kBucketBits, E::kBucketsPerSign);
   return Vec::ZeroIfNan(Vec::CodeOfEntry(Vec::GatherInts(tables.entry, bucket), scaled, E::kNoBoundary - 1), scaled);
@@ -219,7 +225,7 @@ inline void EncodeBlock(const float* values, float largest, const StateTables& t
 void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad, uint8_t* const codes[2],
                     float* const scales[2], size_t n) {
   static_assert(kStateBlockElems % kLanes == 0);
-  const StateTables first_moment = TablesOf(true), second_moment = TablesOf(false);
+  const StateTables &first_moment = TablesOf(true), &second_moment = TablesOf(false);
   const F lr_decay = Vec::Set(c.lr_decay), weight_decay = Vec::Set(c.weight_decay), lr = Vec::Set(c.lr);
   const F one_minus_beta1 = Vec::Set(c.one_minus_beta1), one_minus_beta2 = Vec::Set(c.one_minus_beta2);
   const F correction1 = Vec::Set(c.correction1), sqrt_correction2 = Vec::Set(c.sqrt_correction2);
@@ -259,7 +265,7 @@ void Adam8bitUpdate(const Adam8bitConstants& c, float* master, const float* grad
 
 void EncodeScaled(const float* scaled, size_t n, bool is_signed, uint8_t* codes) {
   static_assert(16 % kLanes == 0);
-  const StateTables tables = TablesOf(is_signed);
+  const StateTables& tables = TablesOf(is_signed);
   for (size_t i = 0; i < n; i += kLanes) Vec::StoreCodes(codes + i, EncodeLanes(Vec::Load(scaled + i), tables));
 }
 
@@ -287,17 +293,14 @@ double SumSquaresRange(const void* grad, DType dtype, size_t begin, size_t end) 
 }
 
 void WidenGrad(const void* grad, DType dtype, float multiplier, float* out, size_t n) {
-  const F times = Vec::Set(multiplier);
-  size_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) {
-    switch (dtype) {
-      case DType::kFloat32: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kFloat32>(grad, i), times)); break;
-      case DType::kBFloat16: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kBFloat16>(grad, i), times)); break;
-      case DType::kFloat16: Vec::Store(out + i, Vec::Mul(LoadGrad<DType::kFloat16>(grad, i), times)); break;
-      case DType::kInt8Block: return;  // not a gradient's type (CheckChunk)
-    }
+  size_t stopped = 0;
+  switch (dtype) {
+    case DType::kFloat32: stopped = WidenVectors<DType::kFloat32>(grad, multiplier, out, n); break;
+    case DType::kBFloat16: stopped = WidenVectors<DType::kBFloat16>(grad, multiplier, out, n); break;
+    case DType::kFloat16: stopped = WidenVectors<DType::kFloat16>(grad, multiplier, out, n); break;
+    case DType::kInt8Block: return;  // not a gradient's type (CheckChunk)
   }
-  scalar::WidenGrad(Ahead(grad, i, DTypeSizeBytes(dtype)), dtype, multiplier, out + i, n - i);
+  scalar::WidenGrad(Ahead(grad, stopped, DTypeSizeBytes(dtype)), dtype, multiplier, out + stopped, n - stopped);
 }
 
 void ConvertToBf16(const float* src, uint16_t* dst, size_t n) {

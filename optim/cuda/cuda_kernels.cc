@@ -99,7 +99,7 @@ cuda_internal::Host8bitTables HostTables() {
   static_assert(cuda_internal::kEncoderMinExponent == ThresholdEncoder::kMinExponent &&
                 cuda_internal::kEncoderBucketBits == ThresholdEncoder::kBucketBits &&
                 cuda_internal::kEncoderEntries == 2 * ThresholdEncoder::kBucketsPerSign);
-  const StateTables first = TablesOf(true), second = TablesOf(false);
+  const StateTables &first = TablesOf(true), &second = TablesOf(false);
   return {.maps = {first.map, second.map}, .entries = {first.entry, second.entry}};
 }
 

@@ -34,6 +34,13 @@ Result<DType> ParseChunkDType(std::string_view name) {
   return dtype;
 }
 
+Result<DType> ParseStatesDType(std::string_view name) {
+  if (name == "fp32") return DType::kFloat32;
+  if (name == "bf16") return DType::kBFloat16;
+  if (name == "int8") return DType::kInt8Block;
+  return InvalidArgument("unknown states format '{}': expected fp32, bf16 or int8", name);
+}
+
 std::string_view ChunkKindName(ChunkKind kind) {
   switch (kind) {
     case ChunkKind::kParam: return "param";
