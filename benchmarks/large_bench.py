@@ -60,7 +60,7 @@ def parse_args(argv=None):
                    help="host memory left to the rest of the process (Python, torch, CUDA, the stream ring, the "
                         "page cache the weights are read through); the overlap copies are reserved beside it")
     p.add_argument("--device-budget", default="auto", help="device.budget (auto: half the GPU's free memory)")
-    p.add_argument("--overlap", default="0", help="optimizer.overlap: host bytes for updates beside backward "
+    p.add_argument("--overlap", default="0", help="optimizer.overlap: host bytes for overlapped updates "
                    "(each a copy of its group's 16 bytes a parameter: every GiB of it a GiB of states off the host)")
     p.add_argument("--link-gbps", type=float, default=25.0, help="the emulated device's links, GB/s")
     p.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU (default: none)")
@@ -257,7 +257,7 @@ def run(args):
         "mfu": tflops / args.peak_tflops if args.peak_tflops else None,
         "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
         "stall_fraction": stats["pipeline"].get("stall_fraction"),
-        "beside_groups": stats["last_step"].get("beside_groups"),
+        "overlap_groups": stats["last_step"].get("overlap_groups"),
         "bytes_per_step": links, "budgets": budgets,
         "tiers": {tier: usage["capacity_bytes"] for tier, usage in stats["tiers"].items()}}
     engine.close()

@@ -43,14 +43,14 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
 
 // Each update moment moved to just after the last device moment that uses
 // its group's grad chunk, and marked beside: it begins as soon as its
-// gradients are final, as BesideUpdates begins it.
-void BesideBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
+// gradients are final, as OverlapUpdates begins it.
+void OverlapBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
   std::vector<offload::TraceMoment> updates, device;
   for (offload::TraceMoment& m : trace.moments) (IsUpdate(m) ? updates : device).push_back(std::move(m));
   std::vector<std::vector<offload::TraceMoment>> after(device.size());  // by device moment
   std::vector<offload::TraceMoment> last;  // updates whose grads no device moment touches
   for (offload::TraceMoment& u : updates) {
-    u.beside = true;
+    u.overlap = true;
     std::optional<size_t> final_grads;
     for (size_t k = 0; k < device.size(); ++k) {
       for (ChunkId c : device[k].chunks) {
@@ -92,7 +92,7 @@ offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<T
     m.compute_seconds = step.passes[k] * (config.compute_ms > 0 ? config.compute_ms / 1e3
                                                                 : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9));
   }
-  if (config.overlap && config.ranks == 1) BesideBackward(layout, step.trace);
+  if (config.overlap && config.ranks == 1) OverlapBackward(layout, step.trace);
   if (config.ranks > 1) {
     // Data parallel, the updates run as RunTrainStep runs them: after
     // backward (the gradient norm is all-reduced first), in model order, so
@@ -239,11 +239,11 @@ class Replay {
       STRATA_RETURN_IF_ERROR(PlayMoment(step_.moments[k]));
       if (reducer_) STRATA_RETURN_IF_ERROR(Communicate(k));
     }
-    // The step waits for the updates beside backward, as RunTrainStep does:
+    // The step waits for the overlapped updates, as RunTrainStep does:
     // the device idles, a stall.
     const Clock::time_point wait = Clock::now();
-    for (const std::shared_future<Status>& u : beside_) STRATA_RETURN_IF_ERROR(u.get());
-    beside_.clear();
+    for (const std::shared_future<Status>& u : overlap_) STRATA_RETURN_IF_ERROR(u.get());
+    overlap_.clear();
     const double waited = SecondsSince(wait);
     // The gathers are in before the next forward (parameters sharded: the
     // next forward's first chunks, gathered ahead as the updates end), so
@@ -256,7 +256,7 @@ class Replay {
       result_.run.update_wait_seconds += waited / config_.iterations;
       result_.run.backward_end_seconds = backward_end_;
       std::lock_guard lock(spans_mu_);
-      result_.run.beside_spans = spans_;
+      result_.run.overlap_spans = spans_;
     }
     return Status::Ok();
   }
@@ -294,12 +294,12 @@ class Replay {
   std::vector<ChunkInfo> chunks_;  // once: the engine builds them anew on every call
   std::map<uint32_t, ChunkId> param_of_group_;
   std::set<uint32_t> trained_groups_;  // those with gradients; the others are frozen
-  // This iteration's timeline, and its updates beside backward in flight.
+  // This iteration's timeline, and its overlapped updates in flight.
   Clock::time_point iteration_start_;
   double backward_end_ = 0;
   std::mutex spans_mu_;  // guards spans_, which the updates' thread adds to
   std::vector<std::pair<double, double>> spans_;
-  std::vector<std::shared_future<Status>> beside_;
+  std::vector<std::shared_future<Status>> overlap_;
   RunResult result_;
 };
 
@@ -351,17 +351,17 @@ Status Replay::TakeReduced(size_t k, bool& updating) {
 // A moment: begun where it runs (a host moment where the plan puts it), its
 // chunks accessed (transient params gathered), its compute, its end.
 Status Replay::PlayMoment(const offload::TraceMoment& m) {
-  if (m.beside) {  // its compute on the pipeline's host lane, timed there
+  if (m.overlap) {  // its compute on the pipeline's host lane, timed there
     STRATA_ASSIGN_OR_RETURN(
         std::shared_future<Status> done,
-        pipeline_->RunBeside(m.chunks, m.device_compute_seconds, [this, &m](Tier where, std::vector<ChunkAccess>&) {
+        pipeline_->RunOverlapped(m.chunks, m.device_compute_seconds, [this, &m](Tier where, std::vector<ChunkAccess>&) {
           const double begin = SecondsSince(iteration_start_);
           ComputeFor(where == Tier::kHost ? m.compute_seconds : *m.device_compute_seconds, where);
           std::lock_guard lock(spans_mu_);
           spans_.emplace_back(begin, SecondsSince(iteration_start_));
           return Status::Ok();
         }));
-    beside_.push_back(std::move(done));
+    overlap_.push_back(std::move(done));
     return Status::Ok();
   }
   double compute = m.compute_seconds;

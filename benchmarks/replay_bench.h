@@ -45,8 +45,8 @@ struct ReplayBenchConfig {
   bool shard_params = false;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
-  // Each update begun beside backward, once its group's backward is done
-  // (one rank; Note [Updates beside backward] in offload/schedule/planner.cc).
+  // Each overlapped update, once its group's backward is done
+  // (one rank; Note [Overlapped updates] in offload/schedule/planner.cc).
   bool overlap = false;
   // Micro-batches a step, standard or layered (--micro-batches, --accumulation).
   offload::Accumulation accumulation;
@@ -72,8 +72,8 @@ struct ReplayRun {
   // the last device moment (backward's) ended, and when each update beside
   // backward began and ended.
   double backward_end_seconds = 0;
-  double update_wait_seconds = 0;  // mean: the step waiting for the updates beside backward (in stall_seconds)
-  std::vector<std::pair<double, double>> beside_spans;
+  double update_wait_seconds = 0;  // mean: the step waiting for the overlapped updates (in stall_seconds)
+  std::vector<std::pair<double, double>> overlap_spans;
   uint64_t bytes_moved() const;
 };
 

@@ -82,11 +82,11 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
                      "transfer time in {} of {} moments\n",
                      r.updates_on_device, r.updates, r.moments_covered, r.moments);
   if (r.config.overlap) {
-    const std::vector<std::pair<double, double>>& spans = r.planned.beside_spans;
+    const std::vector<std::pair<double, double>>& spans = r.planned.overlap_spans;
     const auto during = std::count_if(spans.begin(), spans.end(), [&](const auto& s) {
       return s.first < r.planned.backward_end_seconds;
     });
-    out += fmt::format("updates beside backward: {} of {} began while backward went on; the step waited {:.2f} ms "
+    out += fmt::format("overlapped updates: {} of {} began while backward went on; the step waited {:.2f} ms "
                        "for them (in the stall); timeline of the last iteration (ms from its start): backward ended "
                        "at {:.2f}; updates {}\n",
                        during, spans.size(), 1e3 * r.planned.update_wait_seconds, 1e3 * r.planned.backward_end_seconds,
@@ -168,7 +168,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
   if (r.config.overlap) {
     j["backward_end_seconds"] = r.planned.backward_end_seconds;
     j["update_wait_seconds"] = r.planned.update_wait_seconds;
-    j["beside_spans_seconds"] = r.planned.beside_spans;
+    j["overlap_spans_seconds"] = r.planned.overlap_spans;
   }
   if (r.config.baseline) {
     j["lru_step_seconds"] = r.lru.step_seconds;

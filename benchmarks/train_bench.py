@@ -9,7 +9,7 @@ The configurations, by the device budget against the model states (16 bytes a pa
 - fits: twice the model states (nothing needs to move);
 - streamed: a third of them, the host twice them (parameters streamed, CPU Adam);
 - nvme: a sixth, the host a third, the rest on NVMe (a directory under --nvme-dir);
-- and +overlap: the same with optimizer.overlap (each group's CPU update begun beside backward, its copy kept in
+- and +overlap: the same with optimizer.overlap (each group's CPU overlapped update, its copy kept in
   host memory the size of the model states).
 
 For each run: seconds a step (the median after the first two steps), forward / backward / step phases,
@@ -253,9 +253,9 @@ def strata_run(args, name, nvme_root):
         "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
         "updates_on_device": stats["pipeline"].get("plan", {}).get("updates_on_device"),
         # optimizer.overlap: the last step's groups updated beside backward (confirmed, and redone) and its wait
-        "beside_groups": stats["last_step"].get("beside_groups"),
+        "overlap_groups": stats["last_step"].get("overlap_groups"),
         "redone_groups": stats["last_step"].get("redone_groups"),
-        "beside_wait_s": stats["last_step"].get("phases", {}).get("beside_wait"),
+        "overlap_wait_s": stats["last_step"].get("phases", {}).get("overlap_wait"),
         "bytes_per_step": {link: (v["bytes"] - before.get(link, 0)) / len(phases)
                            for link, v in stats["links"].items()},
         "planned_steps": stats["pipeline"].get("planned_iterations", 0) - before["planned_iterations"],

@@ -42,7 +42,7 @@ set(strata_layer_headers
   optim/optimizer.h optim/loss_scaler.h
   memory/chunk_layout.h memory/extent_allocator.h memory/tier_pool.h src/base/alignment.h
   offload/schedule/pipeline.h offload/schedule/planner.h
-  offload/training/train_step.h offload/training/beside_updates.h offload/training/group_update.h
+  offload/training/train_step.h offload/training/overlap_updates.h offload/training/group_update.h
   offload/training/grad_reducer.h offload/training/state_stream.h)
 foreach(header ${strata_layer_headers})
   get_filename_component(folder ${header} DIRECTORY)

@@ -174,8 +174,8 @@ class Optimizer {
   Result<StepPlan> PlanStep(GradStats local) const;
   // The plan PlanStep makes for gradients that are finite and need no
   // clipping, made before they are known: what an update begun in backward
-  // runs on until the step confirms it (Note [Updates beside backward] in
-  // offload/training/beside_updates.cc). Whether `plan` updates as it does.
+  // runs on until the step confirms it (Note [Overlapped updates] in
+  // offload/training/overlap_updates.cc). Whether `plan` updates as it does.
   StepPlan PlanAhead() const;
   static bool SameUpdate(const StepPlan& a, const StepPlan& b) {
     return a.skip == b.skip && a.step == b.step && a.grad_multiplier == b.grad_multiplier;

@@ -42,8 +42,8 @@ namespace strata::offload {
 // says where). The first moment of a replayed iteration waits for the
 // evictions that put the device as the plan has it when an iteration begins.
 //
-// Note [Updates beside backward]
-// RunBeside begins a host moment marked beside (the planner's Note of that
+// Note [Overlapped updates]
+// RunOverlapped begins a host moment marked `overlap` (the planner's Note of that
 // name) and, where the plan runs it on the host, queues its compute on a
 // queue of its own, the host's lane, which runs one update at a time: the
 // update waits there for its chunks' planned moves (a read from NVMe, a
@@ -51,10 +51,32 @@ namespace strata::offload {
 // and computes, while the training loop goes on with backward. Each chunk's
 // next move (a fetch for the next forward, its write-back to NVMe, a read
 // ahead of a later host moment) and the next access of it wait for the
-// update. The moment ends as RunBeside returns. The caller waits for the
+// update. The moment ends as RunOverlapped returns. The caller waits for the
 // outcome before it reads what the update wrote: the step does before its
 // plan, so EndIteration finds every one of them done and the recorded
 // trace takes their compute times from them.
+//
+// Note [One chain of moves per chunk]
+// Every move queued for a chunk joins its chain (ChunkMoves), in the order
+// queued: a fetch to the device, a read ahead of a host moment, an eviction,
+// a write-back to NVMe, an overlapped update. What a new move follows is read
+// off the chain, by kind:
+//  - a fetch, a read ahead and a write-back: the chunk's last move off a tier
+//    or update (each of those follows the one before it, or runs after it on
+//    the same one-worker queue); not ending in time is the move's error;
+//  - an eviction: the chunk's fetch still queued, and only its end (Note
+//    [Waits on queued moves]); it never waits for an update, which holds the
+//    chunk on the host where an eviction off the device moves nothing;
+//  - an overlapped update: its chunks' planned fetch or read, taken off the
+//    chain (their results are the update's), their last move off a tier or
+//    update, and their last update;
+//  - an access: takes the planned fetch or read (their results are its own),
+//    waits for the end of an update holding the chunk, and, on the host, for
+//    its last move off a tier or update.
+// A move leaves its chain when it is taken, or once it has ended: fetches,
+// reads and updates when an iteration begins, evictions and write-backs
+// when one ends, whose first error EndIteration returns. So a chunk's moves
+// never run out of order, and each result has one reporter.
 //
 // Note [Divergence]
 // An access the plan does not have at that moment (evaluation, dynamic
@@ -144,7 +166,8 @@ Status Pipeline::Drain() {
   for (const auto& [c, wanted] : p.host_read_wanted) reads.push_back(c);
   for (uint32_t c : reads) p.WantHostRead(ChunkId(c));
   // Each queue has one worker, in order: a job pushed last ends after every one before it.
-  for (TaskQueue* queue : {&p.nvme_read, &p.host_read, &p.nvme_write, &p.device_to_host, &p.host_to_device, &p.beside}) {
+  for (TaskQueue* queue :
+       {&p.nvme_read, &p.host_read, &p.nvme_write, &p.device_to_host, &p.host_to_device, &p.overlap_lane}) {
     const std::shared_future<Status> last = queue->Push([] { return Status::Ok(); });
     if (last.wait_for(std::chrono::milliseconds(p.options.wait_timeout_ms)) != std::future_status::ready) {
       return Timeout("pipeline: the moves queued before the engine closes did not end within {} ms",
@@ -171,7 +194,7 @@ Status Pipeline::BeginIteration() {
   p.stats_at_start = p.engine.stats();
   p.iteration_start = Clock::now();
   p.timeline.clear();
-  p.beside_runs.clear();
+  p.overlap_runs.clear();
   if (p.options.policy != Policy::kAdaptive) {
     p.mode = Impl::Mode::kOnDemand;
     STRATA_RETURN_IF_ERROR(p.PinStatic());
@@ -222,8 +245,8 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
     } else if (p.planned_trace.moments[p.moment].tier != traced.tier) {
       p.Diverge(traced.tier == Tier::kHost ? "a host moment where the trace has a device one"
                                            : "a device moment where the trace has a host one");
-    } else if (p.planned_trace.moments[p.moment].beside != traced.beside) {
-      p.Diverge(traced.beside ? "an update beside backward where the trace has one between moments"
+    } else if (p.planned_trace.moments[p.moment].overlap != traced.overlap) {
+      p.Diverge(traced.overlap ? "an overlapped update where the trace has one between moments"
                               : "an update between moments where the trace has one beside backward");
     } else if (!traced.device_compute_seconds && p.plan->compute_tier[p.moment] != traced.tier) {
       p.Diverge("a host moment that cannot run on the device, where the plan runs it");
@@ -233,11 +256,11 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
       // the chunks that make room for it must be off the device by then (a
       // failed eviction is reported at EndIteration; the wait is a stall; one
       // that does not end is this moment's error: Note [Waits on queued moves]).
-      std::vector<Impl::QueuedMove> room = p.Issue(p.moment);
+      std::vector<QueuedMove> room = p.Issue(p.moment);
       room.insert(room.end(), p.reconcile_room.begin(), p.reconcile_room.end());
       p.reconcile_room.clear();
-      for (const Impl::QueuedMove& r : room) {
-        if (Status ended = WaitEnded(r.done, p.options.wait_timeout_ms, r.chunk, "eviction"); !ended.ok()) {
+      for (const QueuedMove& r : room) {
+        if (Status ended = r.Ended(p.options.wait_timeout_ms, "eviction"); !ended.ok()) {
           p.in_moment = false;  // it did not begin: the caller ends the iteration, which records again
           p.Diverge("room for the moment's non-model memory not made in time");
           return ended.WithContext(fmt::format("making room on the device for moment {}", p.moment));
@@ -269,32 +292,22 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
   };
   Status prefetched = Status::Ok();
   p.WantHostRead(chunk);  // waited for below
-  const std::pair<std::unordered_map<uint32_t, std::shared_future<Status>>*, Link> planned_moves[] = {
-      {&p.pending, Link::kHostToDevice}, {&p.host_pending, Link::kNvmeRead}};
-  for (const auto& [moves, link] : planned_moves) {  // whichever move was planned for it
-    if (auto it = moves->find(chunk.value()); it != moves->end()) {
-      std::shared_future<Status> done = it->second;
-      moves->erase(it);
-      const Clock::time_point wait = Clock::now();
-      if (prefetched.ok()) prefetched = WaitFor(done, p.options.wait_timeout_ms, chunk, "prefetch");
-      charge(link, wait);
-    }
+  // Whichever move was planned for it: its result is this access's.
+  for (const QueuedMove& planned : p.moves.Take(chunk, {MoveKind::kFetch, MoveKind::kRead})) {
+    const Clock::time_point wait = Clock::now();
+    if (prefetched.ok()) prefetched = planned.Result(p.options.wait_timeout_ms, "prefetch");
+    charge(planned.kind == MoveKind::kFetch ? Link::kHostToDevice : Link::kNvmeRead, wait);
   }
-  // Held by an update beside backward: its outcome is its caller's, but until
+  // Held by an overlapped update: its outcome is its caller's, but until
   // it ends the chunk is pinned on the host and being written.
-  if (auto it = p.beside_busy.find(chunk.value());
-      it != p.beside_busy.end() && (prefetched.ok() || prefetched.code() == StatusCode::kOutOfMemory)) {
-    if (Status ended = WaitEnded(it->second, p.options.wait_timeout_ms, chunk, "update beside backward");
-        !ended.ok()) {
-      prefetched = ended;
-    } else {
-      p.beside_busy.erase(it);
-    }
+  if (const std::optional<QueuedMove> update = p.moves.Last(chunk, {MoveKind::kUpdate});
+      update && (prefetched.ok() || prefetched.code() == StatusCode::kOutOfMemory)) {
+    if (Status ended = update->Ended(p.options.wait_timeout_ms, "overlapped update"); !ended.ok()) prefetched = ended;
   }
   if (tier == Tier::kHost) {  // its eviction to the host, or its write-back from an earlier moment
-    if (auto it = p.leaving.find(chunk.value()); it != p.leaving.end() && prefetched.ok()) {
+    if (const std::optional<QueuedMove> off = p.moves.Last(chunk, kMovesOffOrUpdates); off && prefetched.ok()) {
       const Clock::time_point wait = Clock::now();
-      prefetched = WaitFor(it->second, p.options.wait_timeout_ms, chunk, "move off the device");
+      prefetched = off->Result(p.options.wait_timeout_ms, "move off the device");
       charge(Link::kDeviceToHost, wait);
     }
   }
@@ -364,11 +377,11 @@ Status Pipeline::EndMoment() {
 
 namespace {
 
-// An update beside backward that runs in its place (another policy, or the
+// An overlapped update that runs in its place (another policy, or the
 // plan has it on the device): accesses its chunks, computes and ends the
 // moment now; the outcome is ready when this returns.
 std::shared_future<Status> RunInPlace(Pipeline& pipeline, const std::vector<ChunkId>& chunks, Tier where,
-                                      const Pipeline::BesideCompute& compute) {
+                                      const Pipeline::OverlapCompute& compute) {
   std::vector<ChunkAccess> held;
   Status computed = Status::Ok();
   for (ChunkId c : chunks) {
@@ -387,17 +400,16 @@ std::shared_future<Status> RunInPlace(Pipeline& pipeline, const std::vector<Chun
   return done.get_future().share();
 }
 
-// An update beside backward on the host's lane (Note [Updates beside
+// An overlapped update on the host's lane (Note [Updates beside
 // backward]): waits for the moves queued before it, pins its chunks in host
 // memory and computes; `seconds` gets the compute's time.
-Status ComputeBeside(Engine& engine, const std::vector<ChunkId>& chunks,
-                     const std::vector<std::pair<ChunkId, std::shared_future<Status>>>& before, uint32_t timeout_ms,
-                     const Pipeline::BesideCompute& compute, double& seconds) {
-  for (const auto& [c, move] : before) {
-    const Status moved = WaitFor(move, timeout_ms, c, "move ahead of an update beside backward");
+Status ComputeOverlapped(Engine& engine, const std::vector<ChunkId>& chunks, const std::vector<QueuedMove>& before,
+                         uint32_t timeout_ms, const Pipeline::OverlapCompute& compute, double& seconds) {
+  for (const QueuedMove& move : before) {
+    const Status moved = move.Result(timeout_ms, "move ahead of an overlapped update");
     // One that found no room moved nothing: the access below moves it.
     if (!moved.ok() && moved.code() != StatusCode::kOutOfMemory) {
-      return moved.WithContext(fmt::format("moving chunk {} to the host for its update", c.value()));
+      return moved.WithContext(fmt::format("moving chunk {} to the host for its update", move.chunk.value()));
     }
   }
   std::vector<ChunkAccess> held;
@@ -413,24 +425,25 @@ Status ComputeBeside(Engine& engine, const std::vector<ChunkId>& chunks,
 
 }  // namespace
 
-Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId>& chunks,
+Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<ChunkId>& chunks,
                                                        std::optional<double> device_compute_seconds,
-                                                       BesideCompute compute) {
+                                                       OverlapCompute compute) {
   Impl& p = *impl_;
   for (ChunkId c : chunks) {
     if (c.value() >= p.chunk_bytes.size()) {
-      return InvalidArgument("pipeline: RunBeside of chunk {}, which does not exist ({} chunks)", c.value(),
+      return InvalidArgument("pipeline: RunOverlapped of chunk {}, which does not exist ({} chunks)", c.value(),
                              p.chunk_bytes.size());
     }
   }
   const bool adaptive = p.options.policy == Policy::kAdaptive;
   STRATA_ASSIGN_OR_RETURN(const Tier where, p.Begin(TraceMoment{.tier = Tier::kHost,
                                                                 .device_compute_seconds = device_compute_seconds,
-                                                                .beside = adaptive}));
+                                                                .overlap = adaptive}));
   if (!adaptive || where != Tier::kHost) return RunInPlace(*this, chunks, where, compute);
-  // The moves the update waits for, on the update's thread: a planned read
-  // from NVMe, a move off the device, a write-back.
-  std::vector<std::pair<ChunkId, std::shared_future<Status>>> before;
+  // The moves the update waits for, on the update's thread: a planned fetch
+  // or read from NVMe (taken: their results are the update's), the last move
+  // off a tier or update, and the last update (Note [One chain of moves per chunk]).
+  std::vector<QueuedMove> before;
   for (ChunkId c : chunks) {
     if (p.mode == Impl::Mode::kReplaying && !p.diverged) {
       const std::vector<ChunkId>& planned = p.planned_trace.moments[p.moment].chunks;
@@ -438,11 +451,11 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
     }
     if (p.mode == Impl::Mode::kRecording) p.recording.moments.back().chunks.push_back(c);
     p.WantHostRead(c);  // the update waits for it
-    for (auto* moves : {&p.pending, &p.host_pending, &p.leaving, &p.beside_busy}) {
-      if (auto it = moves->find(c.value()); it != moves->end()) {
-        before.emplace_back(c, it->second);
-        if (moves != &p.leaving) moves->erase(it);
-      }
+    for (QueuedMove& planned : p.moves.Take(c, {MoveKind::kFetch, MoveKind::kRead})) {
+      before.push_back(std::move(planned));
+    }
+    for (MoveKinds kinds : {kMovesOffOrUpdates, MoveKinds{MoveKind::kUpdate}}) {
+      if (std::optional<QueuedMove> last = p.moves.Last(c, kinds)) before.push_back(std::move(*last));
     }
     if (std::find(p.host_accessed.begin(), p.host_accessed.end(), c) == p.host_accessed.end()) {
       p.host_accessed.push_back(c);
@@ -452,15 +465,14 @@ Result<std::shared_future<Status>> Pipeline::RunBeside(const std::vector<ChunkId
   const uint32_t timeout_ms = p.options.wait_timeout_ms;
   Engine& engine = p.engine;
   std::shared_future<Status> done =
-      p.beside.Push([&engine, chunks, before, timeout_ms, seconds, compute = std::move(compute)]() -> Status {
-        return ComputeBeside(engine, chunks, before, timeout_ms, compute, *seconds);
+      p.overlap_lane.Push([&engine, chunks, before, timeout_ms, seconds, compute = std::move(compute)]() -> Status {
+        return ComputeOverlapped(engine, chunks, before, timeout_ms, compute, *seconds);
       });
-  p.beside_runs.push_back({p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1)
+  p.overlap_runs.push_back({p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1)
                                                              : std::nullopt,
                            done, seconds});
-  for (ChunkId c : chunks) {
-    p.leaving[c.value()] = done;  // a later fetch, read or eviction of it waits for the update
-    p.beside_busy[c.value()] = done;
+  for (ChunkId c : chunks) {  // a later fetch, read, write-back or access of it waits for the update
+    p.moves.Add({.chunk = c, .kind = MoveKind::kUpdate, .done = done, .what = "updating chunk {} overlapping backward"});
   }
   p.QueueWriteBacks();  // each after the update
   p.in_moment = false;
@@ -484,7 +496,7 @@ Status Pipeline::EndIteration() {
       break;
     case Impl::Mode::kRecording:
       p.stats.recordings++;
-      p.TraceBesideRuns();
+      p.TraceOverlapRuns();
       if (!p.recording.moments.empty()) p.MakePlan();
       break;
     case Impl::Mode::kReplaying:

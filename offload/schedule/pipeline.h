@@ -127,11 +127,11 @@ class Pipeline {
   // fetch, a write-back to NVMe) wait for it. Anywhere else (the device, or
   // another policy) it runs now, on the caller's thread, as a host moment.
   // Returns its outcome, which the caller waits for before it reads what
-  // `compute` wrote, and before EndIteration (Note [Updates beside backward]
+  // `compute` wrote, and before EndIteration (Note [Overlapped updates]
   // in pipeline.cc).
-  using BesideCompute = std::function<Status(Tier where, std::vector<ChunkAccess>& chunks)>;
-  Result<std::shared_future<Status>> RunBeside(const std::vector<ChunkId>& chunks,
-                                               std::optional<double> device_compute_seconds, BesideCompute compute);
+  using OverlapCompute = std::function<Status(Tier where, std::vector<ChunkAccess>& chunks)>;
+  Result<std::shared_future<Status>> RunOverlapped(const std::vector<ChunkId>& chunks,
+                                               std::optional<double> device_compute_seconds, OverlapCompute compute);
   // Also returns the first error of a planned eviction (a failed NVMe
   // write) that finished during the iteration.
   Status EndIteration();

@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "offload/schedule/chunk_moves.h"
 #include "offload/schedule/pipeline.h"
 #include "src/base/logging.h"
 #include "src/base/task_queue.h"
@@ -52,7 +53,7 @@ inline double SecondsSince(Clock::time_point start) { return std::chrono::durati
 // Note [Waits on queued moves]
 // A queued move that has not ended within wait_timeout_ms is never taken as
 // done. Where it was waited for, the wait is a Timeout naming the chunk, the
-// move and the time waited (WaitEnded), and nothing moves on its account:
+// move and the time waited (QueuedMove::Ended), and nothing moves on its account:
 //  - a move of a chunk queued behind that chunk's last move or update (a
 //    fetch or a read ahead behind an eviction, a write-back or an update
 //    beside backward; a write-back behind the update) returns the Timeout,
@@ -61,7 +62,7 @@ inline double SecondsSince(Clock::time_point start) { return std::chrono::durati
 //  - BeginMoment waiting for room for the moment's non-model memory fails:
 //    nothing else makes that room, and the caller would allocate into
 //    memory still held;
-//  - an access waiting for an update beside backward fails: until the
+//  - an access waiting for an overlapped update fails: until the
 //    update ends it holds the chunk pinned on the host and writes it.
 // Three waits go on after their timeout, because going on is safe there:
 //  - a fetch waiting for its victims to leave (WaitForRoom): they only make
@@ -78,24 +79,9 @@ inline double SecondsSince(Clock::time_point start) { return std::chrono::durati
 //    transfer, so a loop that pauses (an evaluation) is no fault; past the
 //    timeout it reads beyond the bound, which costs host room (the residency
 //    manager evicts homed chunks for it), never bytes.
-// What an ended move returned is reported by its own waiter (WaitFor): a
-// wait that only orders moves, or room, takes its end alone (WaitEnded).
-
-// Waits for a queued move to end, whatever it returned; Timeout naming
-// `chunk`, `what` and `timeout_ms` when it has not within `timeout_ms`.
-inline Status WaitEnded(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk,
-                        std::string_view what) {
-  if (done.wait_for(std::chrono::milliseconds(timeout_ms)) != std::future_status::ready) {
-    return Timeout("pipeline: the {} of chunk {} did not finish within {} ms", what, chunk.value(), timeout_ms);
-  }
-  return Status::Ok();
-}
-
-// WaitEnded, then what the move returned.
-inline Status WaitFor(const std::shared_future<Status>& done, uint32_t timeout_ms, ChunkId chunk, std::string_view what) {
-  STRATA_RETURN_IF_ERROR(WaitEnded(done, timeout_ms, chunk, what));
-  return done.get();
-}
+// What an ended move returned is reported by its own waiter
+// (QueuedMove::Result): a wait that only orders moves, or room, takes its end
+// alone (QueuedMove::Ended).
 
 
 }  // namespace pipeline_detail
@@ -105,8 +91,6 @@ using pipeline_detail::kBandwidthDrift;
 using pipeline_detail::kHostRoomPoll;
 using pipeline_detail::kMinMeasuredBytes;
 using pipeline_detail::SecondsSince;
-using pipeline_detail::WaitEnded;
-using pipeline_detail::WaitFor;
 
 struct Pipeline::Impl {
   enum class Mode { kOnDemand, kRecording, kReplaying };
@@ -129,6 +113,7 @@ struct Pipeline::Impl {
       homes.push_back(home.ok() ? *home : Tier::kHost);
     }
     links = options.links;
+    moves = ChunkMoves(chunk_bytes.size());
   }
 
   Engine& engine;
@@ -144,18 +129,13 @@ struct Pipeline::Impl {
   // there (none while a host moment has the chunk on the host).
   std::vector<ChunkId> kept_on_device;
   std::unordered_map<uint32_t, ChunkAccess> pins;
-  struct QueuedMove {
-    ChunkId chunk;
-    const char* what;  // "evicting chunk {} from the device" and the like
-    std::shared_future<Status> done;
-  };
   std::vector<QueuedMove> reconcile_room;  // evictions Reconcile queued; the first moment waits
   std::optional<Plan> plan;
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
-  std::unordered_map<uint32_t, std::shared_future<Status>> pending;       // planned fetch by chunk
-  std::unordered_map<uint32_t, std::shared_future<Status>> host_pending;  // planned read for a host moment by chunk
-  // By chunk, for each read in host_pending: its place on the host_read
+  // Each chunk's queued moves (Note [One chain of moves per chunk] in pipeline.cc).
+  ChunkMoves moves{0};
+  // By chunk, for each read in its chain: its place on the host_read
   // queue, and a flag set once something waits for it or for a read behind
   // it (WantHostRead), which then goes at once (Note [Staging memory at run time]).
   struct WantedRead {
@@ -164,9 +144,6 @@ struct Pipeline::Impl {
   };
   std::unordered_map<uint32_t, WantedRead> host_read_wanted;
   uint64_t host_reads_queued = 0;
-  std::unordered_map<uint32_t, std::shared_future<Status>> leaving;  // last queued eviction by chunk
-  std::unordered_map<uint32_t, std::shared_future<Status>> beside_busy;  // held by an update beside backward
-  std::vector<QueuedMove> evictions;  // moves off a tier, not yet checked for an error
   std::atomic<bool> cancelled{false};
   // Bytes of evictions to the host queued and not yet ended; a count only,
   // which the reads ahead look at (HostHasRoomFor): no data rides on it.
@@ -194,7 +171,7 @@ struct Pipeline::Impl {
   // be read, even beyond the bound: a moment may need more than the bound
   // holds). Reads are queued in the order they are needed, so the
   // write-backs waited for never wait for them. A read that something waits
-  // for (an access, an update beside backward, Drain) is due at once, and so
+  // for (an access, an overlapped update, Drain) is due at once, and so
   // is every read queued before it: that waiter may be the training loop,
   // which begins no later moment (and frees no room) until the read ends, so
   // a read waiting (or queued behind one waiting) for its moment or for room
@@ -223,14 +200,14 @@ struct Pipeline::Impl {
   MemoryStats stats_at_start;
   PipelineStats stats;
   std::vector<Pipeline::TierBytes> timeline, last_timeline;  // Pipeline::last_timeline
-  // This iteration's updates beside backward: their trace moment (when
+  // This iteration's overlapped updates: their trace moment (when
   // recording), their outcome, and their compute time once done.
-  struct BesideRun {
+  struct OverlapRun {
     std::optional<size_t> traced;
     std::shared_future<Status> done;
     std::shared_ptr<double> seconds;
   };
-  std::vector<BesideRun> beside_runs;
+  std::vector<OverlapRun> overlap_runs;
 
   void RecordTiers() {
     const MemoryStats now = engine.stats();
@@ -244,7 +221,7 @@ struct Pipeline::Impl {
   // queue of their own: one waiting for staging room must not hold back a
   // device fetch's read behind it.
   TaskQueue nvme_read, host_read, nvme_write, device_to_host, host_to_device;
-  TaskQueue beside;  // the host's lane: updates beside backward, one at a time
+  TaskQueue overlap_lane;  // the host's lane: overlapped updates, one at a time
 
   // kStatic: the chunks kept on the device are there and pinned.
   Status PinStatic() {
@@ -277,14 +254,13 @@ struct Pipeline::Impl {
   // eviction waits for a fetch of the same chunk still under way, and a
   // later fetch waits for the eviction.
   QueuedMove QueueEviction(ChunkId v, std::optional<Tier> to = std::nullopt) {
-    std::optional<std::shared_future<Status>> arriving;
-    if (auto it = pending.find(v.value()); it != pending.end()) arriving = it->second;
+    const std::optional<QueuedMove> arriving = moves.Last(v, {MoveKind::kFetch});
     const Tier target = to.value_or(homes[v.value()]);
     const uint64_t to_host = target == Tier::kHost ? chunk_bytes[v.value()] : 0;
     coming_to_host.fetch_add(to_host, std::memory_order_relaxed);
     const HostLeavers before_this{fetches_queued, writes_queued};
     std::shared_future<Status> done = device_to_host.Push([this, v, arriving, target, to_host, before_this]() -> Status {
-      if (arriving && !WaitEnded(*arriving, options.wait_timeout_ms, v, "fetch").ok()) {
+      if (arriving && !arriving->Ended(options.wait_timeout_ms, "fetch").ok()) {
         // Still under way: the eviction goes on (Note [Waits on queued moves]).
         STRATA_LOG_INFO("pipeline: evicting chunk {} while its fetch is still under way after {} ms", v.value(),
                         options.wait_timeout_ms);
@@ -294,11 +270,11 @@ struct Pipeline::Impl {
       coming_to_host.fetch_sub(to_host, std::memory_order_relaxed);
       return moved;
     });
-    leaving[v.value()] = done;
-    evictions.push_back({v, target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
-                                                  : "evicting chunk {} from the device",
-                         done});
-    return evictions.back();
+    return moves.Add({.chunk = v,
+                      .kind = MoveKind::kEviction,
+                      .done = done,
+                      .what = target == Tier::kHost ? "moving chunk {} from the device to the host for a host moment"
+                                                    : "evicting chunk {} from the device"});
   }
 
   // Queues the read of NVMe-homed `r.chunk` into host memory for the host
@@ -308,12 +284,11 @@ struct Pipeline::Impl {
   // `due`: the count of moments begun (`begun`) once the moment that needs it has begun.
   void QueueHostRead(const PlannedRead& r, uint64_t due) {
     const ChunkId c = r.chunk;
-    std::optional<std::shared_future<Status>> before;
-    if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
+    const std::optional<QueuedMove> before = moves.Last(c, kMovesOffOrUpdates);
     auto wanted = std::make_shared<std::atomic<bool>>(false);
     host_read_wanted[c.value()] = {host_reads_queued++, wanted};
-    host_pending[c.value()] = host_read.Push([this, c, before, due, wanted]() -> Status {
-      if (before) STRATA_RETURN_IF_ERROR(WaitEnded(*before, options.wait_timeout_ms, c, "last move or update"));
+    std::shared_future<Status> done = host_read.Push([this, c, before, due, wanted]() -> Status {
+      if (before) STRATA_RETURN_IF_ERROR(before->Ended(options.wait_timeout_ms, "last move or update"));
       {
         std::unique_lock lock(staging_mu);
         const auto ready = [&] {
@@ -341,10 +316,11 @@ struct Pipeline::Impl {
       if (!read.ok()) Unstage(c);
       return read;
     });
+    moves.Add({.chunk = c, .kind = MoveKind::kRead, .done = std::move(done), .what = "reading chunk {} ahead"});
   }
 
   // Something is about to wait for the read ahead of `c` queued last (the
-  // training loop, an update beside backward): it, and the reads queued
+  // training loop, an overlapped update): it, and the reads queued
   // before it on the one-worker host_read queue, stop waiting for room or
   // for their moment (Note [Staging memory at run time]). Training loop only.
   void WantHostRead(ChunkId c) {
@@ -373,7 +349,7 @@ struct Pipeline::Impl {
   // wait_timeout_ms, then it goes on and the residency manager makes the room
   // (Note [Staging memory at run time]). Only moves queued before it: each
   // waits only for moves queued before itself (its victims, its chunk's last
-  // move, the reads of an update beside backward, which that update marks
+  // move, the reads of an overlapped update, which that update marks
   // wanted), never for this eviction or the training loop, so the wait cannot
   // wait for itself; a fetch queued after it may wait for it (as a victim).
   // A fetch queued before it frees its room even when it has not started yet.
@@ -423,7 +399,7 @@ struct Pipeline::Impl {
   // Chunks read ahead that no longer hold staging memory stop counting
   // against it: moved on by something else, or left on the host by a host
   // moment that never came (its moment a whole iteration past). A read still
-  // under way (in host_pending after DropFinishedFetches) keeps its place.
+  // under way (in its chunk's chain after DropFinishedFetches) keeps its place.
   void ForgetStagedElsewhere() {
     std::vector<std::pair<uint32_t, uint64_t>> chunks;
     {
@@ -432,7 +408,7 @@ struct Pipeline::Impl {
     }
     const uint64_t period = plan ? plan->num_moments : 0;
     for (const auto& [c, due] : chunks) {
-      if (host_pending.count(c) > 0) continue;
+      if (moves.Has(ChunkId(c), {MoveKind::kRead})) continue;
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));
       if (!tier.ok() || *tier != Tier::kHost || due + period < moments_begun) Unstage(ChunkId(c));
     }
@@ -457,19 +433,20 @@ struct Pipeline::Impl {
         std::lock_guard lock(staging_mu);
         if (staged_due.count(c.value()) > 0) writing.insert(c.value());
       }
-      // After an update beside backward that holds it.
-      std::optional<std::shared_future<Status>> in_use;
-      if (auto it = leaving.find(c.value()); it != leaving.end()) in_use = it->second;
+      // After an overlapped update that holds it.
+      const std::optional<QueuedMove> in_use = moves.Last(c, kMovesOffOrUpdates);
       writes_queued++;
       std::shared_future<Status> done = nvme_write.Push([this, c, in_use]() -> Status {
         const CountEnd end{writes_ended};
-        Status written = in_use ? WaitEnded(*in_use, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
+        Status written = in_use ? in_use->Ended(options.wait_timeout_ms, "last move or update") : Status::Ok();
         if (written.ok()) written = MoveOffHost(c, Tier::kNvme);
         Unstage(c);  // off the host, or staying there after a failed write: either way no longer a read ahead
         return written;
       });
-      leaving[c.value()] = done;
-      evictions.push_back({c, "writing chunk {} back to NVMe after its host moment", done});
+      moves.Add({.chunk = c,
+                 .kind = MoveKind::kWriteBack,
+                 .done = std::move(done),
+                 .what = "writing chunk {} back to NVMe after its host moment"});
     }
     host_accessed.clear();
   }
@@ -486,14 +463,14 @@ struct Pipeline::Impl {
   // Queues the fetch of `c` to the device after `room` (its victims leaving)
   // and after its own last move.
   void QueueFetch(ChunkId c, std::vector<QueuedMove> room) {
-    std::optional<std::shared_future<Status>> before;
-    if (auto it = leaving.find(c.value()); it != leaving.end()) before = it->second;
-    const auto after_before = [this, c, before]() -> Status {
-      return before ? WaitEnded(*before, options.wait_timeout_ms, c, "last move or update") : Status::Ok();
+    const std::optional<QueuedMove> before = moves.Last(c, kMovesOffOrUpdates);
+    const auto after_before = [this, before]() -> Status {
+      return before ? before->Ended(options.wait_timeout_ms, "last move or update") : Status::Ok();
     };
-    std::optional<std::shared_future<Status>> staged;
+    std::optional<QueuedMove> staged;  // part of the fetch, not a move of its own in the chain
     if (homes[c.value()] == Tier::kNvme) {
-      staged = nvme_read.Push([this, c, room, after_before]() -> Status {
+      staged = QueuedMove{.chunk = c, .kind = MoveKind::kRead};
+      staged->done = nvme_read.Push([this, c, room, after_before]() -> Status {
         if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
         STRATA_RETURN_IF_ERROR(after_before());
         WaitForRoom(room);
@@ -501,7 +478,7 @@ struct Pipeline::Impl {
       });
     }
     fetches_queued++;
-    pending[c.value()] = host_to_device.Push([this, c, room, staged, after_before]() -> Status {
+    std::shared_future<Status> done = host_to_device.Push([this, c, room, staged, after_before]() -> Status {
       const CountEnd end{fetches_ended};
       // A victim that could not leave only costs room (the move below
       // evicts by itself; the eviction's error is reported at EndIteration).
@@ -509,9 +486,10 @@ struct Pipeline::Impl {
       if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
       if (!staged) STRATA_RETURN_IF_ERROR(after_before());  // else the staging read waited for it
       WaitForRoom(room);
-      if (staged) STRATA_RETURN_IF_ERROR(WaitFor(*staged, options.wait_timeout_ms, c, "NVMe read"));
+      if (staged) STRATA_RETURN_IF_ERROR(staged->Result(options.wait_timeout_ms, "NVMe read"));
       return MoveOffHost(c, Tier::kDevice);
     });
+    moves.Add({.chunk = c, .kind = MoveKind::kFetch, .done = std::move(done), .what = "fetching chunk {}"});
   }
 
   // Queues moment k's moves; returns the evictions that make room for its
@@ -543,34 +521,18 @@ struct Pipeline::Impl {
     return room_for_activations;
   }
 
-  // The first error of an eviction that has finished, once; those still
-  // running are checked later.
+  // The first error of an eviction or a write-back that has ended, once;
+  // those still running are checked later.
   Status TakeEvictionError() {
-    Status first;
-    std::erase_if(evictions, [&](const QueuedMove& e) {
-      if (e.done.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
-      Status status = e.done.get();
-      if (!status.ok() && first.ok()) {
-        first = status.WithContext(fmt::format(fmt::runtime(e.what), e.chunk.value()));
-      }
-      return true;
-    });
-    std::erase_if(leaving, [](const auto& entry) {
-      return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-    });
-    return first;
+    return moves.DropEnded(kMovesOffOrUpdates, {MoveKind::kEviction, MoveKind::kWriteBack});
   }
 
   // Fetches queued for an iteration that did not use them (it diverged):
   // done ones are dropped, so they neither hold back reconciliation nor hand
   // their result to an unrelated access later.
   void DropFinishedFetches() {
-    for (auto* moves : {&pending, &host_pending, &beside_busy}) {
-      std::erase_if(*moves, [](const auto& entry) {
-        return entry.second.wait_for(std::chrono::seconds(0)) == std::future_status::ready;
-      });
-    }
-    std::erase_if(host_read_wanted, [&](const auto& entry) { return host_pending.count(entry.first) == 0; });
+    (void)moves.DropEnded({MoveKind::kFetch, MoveKind::kRead, MoveKind::kUpdate}, /*reported=*/{});
+    std::erase_if(host_read_wanted, [&](const auto& entry) { return !moves.Has(ChunkId(entry.first), {MoveKind::kRead}); });
   }
 
   // The device as the plan has it when an iteration begins: chunks it does
@@ -581,7 +543,7 @@ struct Pipeline::Impl {
     for (ChunkId c : plan->resident_at_start) expected[c.value()] = true;
     std::vector<QueuedMove> room;
     for (uint32_t c = 0; c < chunk_bytes.size(); ++c) {
-      if (expected[c] || pending.count(c) > 0) continue;
+      if (expected[c] || moves.Has(ChunkId(c), {MoveKind::kFetch})) continue;
       Result<Tier> tier = engine.ChunkTier(ChunkId(c));
       if (!tier.ok() || *tier != Tier::kDevice) continue;
       room.push_back(QueueEviction(ChunkId(c)));
@@ -591,7 +553,7 @@ struct Pipeline::Impl {
     // Reads the plan issues in the iteration before for host moments of this one.
     for (uint32_t k = 0; k < plan->num_moments; ++k) {
       for (const PlannedRead& r : plan->host_reads_at[k]) {
-        if (r.needed >= k || host_pending.count(r.chunk.value()) > 0) continue;
+        if (r.needed >= k || moves.Has(r.chunk, {MoveKind::kRead})) continue;
         Result<Tier> tier = engine.ChunkTier(r.chunk);
         if (!tier.ok() || *tier != Tier::kNvme) continue;
         QueueHostRead(r, moments_begun + 1 + r.needed);
@@ -601,7 +563,7 @@ struct Pipeline::Impl {
     std::vector<bool> queued(chunk_bytes.size(), false);
     for (const TraceMoment& m : planned_trace.moments) {
       for (ChunkId c : m.chunks) {
-        if (!expected[c.value()] || queued[c.value()] || pending.count(c.value()) > 0) continue;
+        if (!expected[c.value()] || queued[c.value()] || moves.Has(c, {MoveKind::kFetch})) continue;
         queued[c.value()] = true;
         Result<Tier> tier = engine.ChunkTier(c);
         if (tier.ok() && *tier == Tier::kDevice) continue;
@@ -611,10 +573,10 @@ struct Pipeline::Impl {
     }
   }
 
-  // Recording: each update beside backward's compute time into the trace,
+  // Recording: each overlapped update's compute time into the trace,
   // once it is done (the step waited for it).
-  void TraceBesideRuns() {
-    for (const BesideRun& run : beside_runs) {
+  void TraceOverlapRuns() {
+    for (const OverlapRun& run : overlap_runs) {
       if (!run.traced) continue;
       if (run.done.wait_for(std::chrono::milliseconds(options.wait_timeout_ms)) != std::future_status::ready) {
         continue;  // still running: its time stays unknown (0)

@@ -91,10 +91,10 @@ namespace strata::offload {
 // cross while the updates before it run; a host moment that reads nothing
 // offloads right after the last use, as the host's room buys it nothing.
 //
-// Note [Updates beside backward]
+// Note [Overlapped updates]
 // A host moment marked beside (an optimizer update begun in backward, as
 // soon as its group's gradients are complete: Note [Updates beside
-// backward] in offload/training/beside_updates.cc) computes on the host's
+// backward] in offload/training/overlap_updates.cc) computes on the host's
 // lane, beside the device moments after it: it starts once its chunks are in
 // host memory and the update before it on that lane is done, the device's
 // lane goes on at once, and a chunk it holds moves again (a fetch for the
@@ -430,7 +430,7 @@ Status Validate(const PlannerInput& input) {
       return InvalidArgument("planner: moment {} computes on {}; a moment computes on the device or the host", m,
                              TierName(moment.tier));
     }
-    if (moment.beside && moment.tier != Tier::kHost) {
+    if (moment.overlap && moment.tier != Tier::kHost) {
       return InvalidArgument("planner: moment {} computes beside the others on {}; only a host moment does", m,
                              TierName(moment.tier));
     }
@@ -574,7 +574,7 @@ Result<Plan> BuildPlan(const PlannerInput& input) {
     m.tier = Tier::kDevice;
     m.compute_seconds = *m.device_compute_seconds;
     m.device_compute_seconds.reset();
-    m.beside = false;  // in the device's own order, as a GPU's stream runs it
+    m.overlap = false;  // in the device's own order, as a GPU's stream runs it
     any = true;
   }
   if (!any) return on_host;

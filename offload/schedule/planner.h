@@ -32,9 +32,9 @@ struct TraceMoment {
   // update): its compute time there.
   std::optional<double> device_compute_seconds;
   // A host moment computing beside the device moments after it (an update
-  // started in backward), not between them: Note [Updates beside backward]
+  // started in backward), not between them: Note [Overlapped updates]
   // in planner.cc.
-  bool beside = false;
+  bool overlap = false;
 };
 
 struct Trace {

@@ -57,7 +57,7 @@ class LinkReplay {
     double issued = 0;          // when it was
     uint64_t moment = 0;        // at which moment (its bytes count there)
     uint64_t staged_bytes = 0;  // staging memory its read holds until its write-back ends
-    double busy_until = 0;      // in use by an update beside backward until then
+    double busy_until = 0;      // in use by an overlapped update until then
   };
 
   void Moment(uint64_t g) {
@@ -71,7 +71,7 @@ class LinkReplay {
     }
     QueueHostReads(g, requested);
     double start = ChunksReady(g, room_for_activations);
-    // The host's lane: updates beside backward one after another, and a
+    // The host's lane: overlapped updates one after another, and a
     // host moment between device moments (the step's) after all of them.
     double host_end = 0;
     if (u_.on_host(g)) {
@@ -79,7 +79,7 @@ class LinkReplay {
       host_end = start + m.compute_seconds;
       WriteBack(g, host_end);
     }
-    if (m.beside) {  // the device's lane goes on at once; the chunks' next moves wait for it
+    if (m.overlap) {  // the device's lane goes on at once; the chunks' next moves wait for it
       host_free_ = host_end;
       for (ChunkId c : m.chunks) on_host_[c.value()].busy_until = host_end;
       start = requested;
@@ -206,7 +206,7 @@ class LinkReplay {
   std::vector<std::pair<double, uint64_t>> releases_;  // a min-heap: (write-back end, bytes) of reads staged
   uint64_t staged_ = 0;
   double end_ = 0;        // end of the previous moment's compute (the device's lane)
-  double host_free_ = 0;  // end of the last update beside backward (the host's lane)
+  double host_free_ = 0;  // end of the last overlapped update (the host's lane)
   double middle_start_ = 0, middle_end_ = 0;
   Prediction prediction_;
 };

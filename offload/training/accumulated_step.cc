@@ -132,13 +132,13 @@ Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, o
     for (ChunkId grad : chunks[pass.block].grads) {
       if (!status.ok() || final_after[grad.value()] != pass.block) continue;
       if (options.reducer != nullptr) status = options.reducer->Submit(grad);
-      if (status.ok() && options.beside != nullptr) status = options.beside->Begin(grad).status();
+      if (status.ok() && options.overlap != nullptr) status = options.overlap->Begin(grad).status();
     }
     if (!status.ok()) break;
   }
-  if (!status.ok() && options.beside != nullptr) {
+  if (!status.ok() && options.overlap != nullptr) {
     // The groups whose update began are put back as they were; if that fails they stay updated, the worse error.
-    const Status undone = options.beside->Undo();
+    const Status undone = options.overlap->Undo();
     if (!undone.ok()) status = undone;
   }
   Result<TrainStepReport> report =

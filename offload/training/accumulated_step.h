@@ -46,12 +46,12 @@ struct BlockPass {
 
 // Needs no open pipeline iteration; runs one, forward and backward of every
 // micro-batch, then RunTrainStep with `options` (each grad chunk is
-// submitted to options.reducer and begun in options.beside as soon as its
+// submitted to options.reducer and begun in options.overlap as soon as its
 // last backward pass is done), and ends the iteration. InvalidArgument,
 // before anything runs, for no blocks, no micro-batches or a tensor the
 // engine does not have. An error from `compute` or a move ends the
 // iteration and is returned, the step not run: the groups whose update began
-// beside backward are put back (BesideUpdates::Undo; its error instead, if
+// beside backward are put back (OverlapUpdates::Undo; its error instead, if
 // that fails), and the grad chunks keep the partial gradients, which the next
 // step would add to: the caller decides whether training goes on.
 Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,

@@ -59,7 +59,7 @@ class GradReducer {
     uint64_t bytes = 0;
   };
   Result<Reduced> Take(ChunkId grad);
-  // An update beside backward's hold on the reduction of `grad` submitted
+  // An overlapped update's hold on the reduction of `grad` submitted
   // last: `done` is its outcome, and once it is ready `shard` is this rank's
   // range of it (Take's), valid while the hold lives, a later Submit of the
   // chunk notwithstanding, until Take moves it out (so the holder is done

@@ -1,5 +1,5 @@
 // One trainable chunk group's update, shared by the step after backward
-// (train_step.cc) and the updates beside it (beside_updates.cc): its chunks
+// (train_step.cc) and the updates beside it (overlap_updates.cc): its chunks
 // by kind, which of them an update touches, and the fused pass over them.
 //
 // Thread-safety: a GroupUpdate is immutable once made; Run may be called
@@ -80,7 +80,7 @@ class GroupUpdate {
   // zeroing are queued on `stream` (Note [Updates on the device] in
   // train_step.cc); else they run on the host. `keep` (on the host): the group's
   // chunks as they were before are copied there, in UpdatedKinds order,
-  // each chunk's used bytes one after another (BesideUpdates's copy; a
+  // each chunk's used bytes one after another (OverlapUpdates's copy; a
   // sharded chunk's, its shard's). `zero_grads` false: the grad chunk is
   // left as it is. See Note [One pass over a group].
   Status Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,

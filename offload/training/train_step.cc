@@ -180,7 +180,7 @@ memory::ShardRange RankShard(size_t n, const Communicator& comm) {
 // part: the optimizer's all-reduce hook adds the others'. `bytes`: what
 // the reduce-scatters sent.
 // Each group's sum of squares is its own, added in group order; `known[k]`,
-// where set, is group k's taken beforehand (an update beside backward).
+// where set, is group k's taken beforehand (an overlapped update).
 Result<std::vector<std::vector<float>>> ReduceScatterGrads(GradReducer& reducer, const Communicator& comm,
                                                            const std::vector<Group>& groups,
                                                            const std::vector<std::optional<double>>& known,
@@ -229,21 +229,21 @@ class TrainStep {
 
   Result<TrainStepReport> Run() {
     const Clock::time_point start = Clock::now();
-    STRATA_RETURN_IF_ERROR(TakeBesideUpdates());  // first: whatever follows, the next step begins its own
+    STRATA_RETURN_IF_ERROR(TakeOverlapUpdates());  // first: whatever follows, the next step begins its own
     STRATA_RETURN_IF_ERROR(CheckSeams());
     STRATA_RETURN_IF_ERROR(CheckStepRoom(engine_, optimizer_));
     STRATA_RETURN_IF_ERROR(PlanFromGradients());
     if (parallel_) GatherFrozenAhead();
 
-    const bool beside_stands = BesideUpdatesStand();
+    const bool overlap_stands = OverlapUpdatesStand();
     for (size_t k = 0; k < groups_.size(); ++k) {
-      const BesideUpdates::Update* early = beside_of_[k];
+      const OverlapUpdates::Update* early = overlap_of_[k];
       if (early == nullptr || !early->updated) {
         STRATA_RETURN_IF_ERROR(UpdateInMoment(k));
-      } else if (beside_stands && !early->late) {
+      } else if (overlap_stands && !early->late) {
         if (parallel_) STRATA_RETURN_IF_ERROR(ConfirmInMoment(k));
         report_.groups++;
-        report_.beside_groups++;
+        report_.overlap_groups++;
       } else {
         STRATA_RETURN_IF_ERROR(RedoInMoment(k));
         report_.redone_groups++;
@@ -269,10 +269,10 @@ class TrainStep {
           engine_.rank(), engine_.world_size(),
           parallel_ ? fmt::format("rank {} of {}", comm->rank(), comm->world_size()) : std::string("no communicator"));
     }
-    if (parallel_ && options_.beside != nullptr && options_.beside->reducer() != reducer_) {
+    if (parallel_ && options_.overlap != nullptr && options_.overlap->reducer() != reducer_) {
       return InvalidArgument(
-          "train step: updates beside backward (optimizer.overlap) with a communicator run on the reducer's "
-          "reductions: give the step the GradReducer the BesideUpdates were made with");
+          "train step: overlapped updates (optimizer.overlap) with a communicator run on the reducer's "
+          "reductions: give the step the GradReducer the OverlapUpdates were made with");
     }
     if (parallel_ && reducer_ == nullptr) {
       for (const Group& g : groups_) {
@@ -286,30 +286,30 @@ class TrainStep {
     return Status::Ok();
   }
 
-  // The updates begun beside backward (Note [Updates beside backward] in
-  // beside_updates.cc), once done; the first error of one.
-  Status TakeBesideUpdates() {
-    beside_of_.assign(groups_.size(), nullptr);
-    if (options_.beside == nullptr) return Status::Ok();
-    if (options_.beside->groups().size() != groups_.size()) {
-      return InvalidArgument("train step: the updates beside backward were made for another engine");
+  // The overlapped updates (Note [Overlapped updates] in
+  // overlap_updates.cc), once done; the first error of one.
+  Status TakeOverlapUpdates() {
+    overlap_of_.assign(groups_.size(), nullptr);
+    if (options_.overlap == nullptr) return Status::Ok();
+    if (options_.overlap->groups().size() != groups_.size()) {
+      return InvalidArgument("train step: the overlapped updates were made for another engine");
     }
     Status waited;
     {
-      Timed timed(report_.seconds.beside_wait);
-      waited = options_.beside->Wait();
-      beside_ = options_.beside->Take();
+      Timed timed(report_.seconds.overlap_wait);
+      waited = options_.overlap->Wait();
+      overlap_ = options_.overlap->Take();
     }
-    for (const BesideUpdates::Update& u : beside_) beside_of_[u.group] = &u;
+    for (const OverlapUpdates::Update& u : overlap_) overlap_of_[u.group] = &u;
     STRATA_RETURN_IF_ERROR(waited);
-    for (const BesideUpdates::Update& u : beside_) {
-      // Else never zeroed (data parallel, never: Note [Updates beside backward, data parallel]).
+    for (const OverlapUpdates::Update& u : overlap_) {
+      // Else never zeroed (data parallel, never: Note [Overlapped updates, data parallel]).
       if (u.late && u.updated && !parallel_) STRATA_RETURN_IF_ERROR(MergeLateInMoment(u.group));
     }
     return Status::Ok();
   }
 
-  // Group k's gradients came in part after its update beside backward
+  // Group k's gradients came in part after its overlapped update
   // began: the grad chunk (the late part) gets the kept part added back,
   // in a host moment of its own, so that it holds what autograd's sum
   // would have; the step reads it as any other.
@@ -319,7 +319,7 @@ class TrainStep {
     STRATA_RETURN_IF_ERROR(pipeline_.BeginHostMoment().status());
     Result<ChunkAccess> access = pipeline_.Access(grad.id);
     if (access.ok()) {
-      options_.beside->AddKeptGrads(k, access->data());
+      options_.overlap->AddKeptGrads(k, access->data());
       access->Release();
     }
     const Status ended = pipeline_.EndMoment();
@@ -327,15 +327,15 @@ class TrainStep {
     return ended;
   }
 
-  // Whether the updates begun beside backward did what this step's plan
+  // Whether the overlapped updates did what this step's plan
   // does: the same plan, hyperparameters and tensors.
-  bool BesideUpdatesStand() const {
-    if (beside_.empty()) return false;
-    if (!optim::Optimizer::SameUpdate(options_.beside->plan_ahead(), report_.plan)) return false;
+  bool OverlapUpdatesStand() const {
+    if (overlap_.empty()) return false;
+    if (!optim::Optimizer::SameUpdate(options_.overlap->plan_ahead(), report_.plan)) return false;
     for (uint32_t i = 0; i < optimizer_.num_groups(); ++i) {
-      if (!(optimizer_.group(i) == options_.beside->hyperparams()[i])) return false;
+      if (!(optimizer_.group(i) == options_.overlap->hyperparams()[i])) return false;
     }
-    for (const BesideUpdates::Update& u : beside_) {
+    for (const OverlapUpdates::Update& u : overlap_) {
       for (TensorId id : groups_[u.group][ChunkKind::kParam].tensors) {
         if (id.value() < options_.skip.size() && options_.skip[id.value()]) return false;
       }
@@ -349,14 +349,14 @@ class TrainStep {
   Status RedoInMoment(size_t k) {
     // A late group's grad chunk holds its whole gradients already (MergeLateInMoment); data parallel, the update
     // left it as it was.
-    const bool grads_kept = beside_of_[k]->late || parallel_;
+    const bool grads_kept = overlap_of_[k]->late || parallel_;
     return UpdateInMoment(k, [&](HeldChunks& held) {
       Timed timed(report_.seconds.put_back);
-      options_.beside->PutBack(k, held, grads_kept ? BesideUpdates::Grads::kLeave : BesideUpdates::Grads::kCopy);
+      options_.overlap->PutBack(k, held, grads_kept ? OverlapUpdates::Grads::kLeave : OverlapUpdates::Grads::kCopy);
     });
   }
 
-  // Data parallel, group k's update beside backward confirmed: its grad
+  // Data parallel, group k's overlapped update confirmed: its grad
   // chunk zeroed and its param chunk gathered from every rank, in a host
   // moment of its own, as UpdateInMoment's.
   Status ConfirmInMoment(size_t k) {
@@ -426,7 +426,7 @@ class TrainStep {
       optimizer_.SetAllReduceHook(
           [comm = comm_](optim::GradStats& s) { return comm->AllReduceSum(std::span<double>(&s.sum_squares, 1)); });
     } else {
-      // Those an update beside backward took, and the rest read now.
+      // Those an overlapped update took, and the rest read now.
       const std::vector<std::optional<double>> known = KnownStats();
       Timed timed(report_.seconds.stats);
       STRATA_ASSIGN_OR_RETURN(
@@ -440,10 +440,10 @@ class TrainStep {
     return Status::Ok();
   }
 
-  // By group: the sum of squares an update beside backward took, if one did.
+  // By group: the sum of squares an overlapped update took, if one did.
   std::vector<std::optional<double>> KnownStats() const {
     std::vector<std::optional<double>> known(groups_.size());
-    for (const BesideUpdates::Update& u : beside_) {
+    for (const OverlapUpdates::Update& u : overlap_) {
       if (u.stats_taken && !u.late) known[u.group] = u.stats.sum_squares;
     }
     return known;
@@ -552,8 +552,8 @@ class TrainStep {
   GradReducer* reducer_;      // set when parallel_, once phase 1 begins
   std::unique_ptr<GradReducer> own_reducer_;  // data parallel without one given
   std::vector<std::vector<float>> reduced_;  // data parallel: this rank's reduced gradients, by group
-  std::vector<BesideUpdates::Update> beside_;  // the updates begun beside backward
-  std::vector<const BesideUpdates::Update*> beside_of_;  // by group: its update beside backward, or null
+  std::vector<OverlapUpdates::Update> overlap_;  // the overlapped updates
+  std::vector<const OverlapUpdates::Update*> overlap_of_;  // by group: its overlapped update, or null
   uint64_t sent_before_ = 0;                 // the communicator's total when last counted
   TrainStepReport report_;
 };

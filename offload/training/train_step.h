@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "offload/training/beside_updates.h"
+#include "offload/training/overlap_updates.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/schedule/pipeline.h"
 #include "optim/optimizer.h"
@@ -22,8 +22,8 @@ namespace strata::offload {
 // Where a step's time went, phase by phase (RunTrainStep's own time, less
 // the bookkeeping between phases).
 struct StepSeconds {
-  double beside_wait = 0;  // waiting for the updates beside backward to end
-  double merge = 0;        // late gradients added to the part an update beside backward kept
+  double overlap_wait = 0;  // waiting for the overlapped updates to end
+  double merge = 0;        // late gradients added to the part an overlapped update kept
   double stats = 0;        // reading the grads for their norm (data parallel: taking them reduced)
   double plan = 0;         // the plan from the norm (data parallel: the norm's all-reduce)
   double access = 0;       // the groups' host moments begun and their chunks pinned: waits for them to arrive
@@ -34,7 +34,7 @@ struct StepSeconds {
   double finish = 0;       // Optimizer::FinishStep
   double total = 0;        // RunTrainStep, all of it
   double Sum() const {
-    return beside_wait + merge + stats + plan + access + kernel + put_back + gather + release + finish;
+    return overlap_wait + merge + stats + plan + access + kernel + put_back + gather + release + finish;
   }
 };
 
@@ -47,7 +47,7 @@ struct TrainStepReport {
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
-  uint32_t beside_groups = 0;    // of `groups`: updated beside backward, their update confirmed
+  uint32_t overlap_groups = 0;    // of `groups`: updated beside backward, their update confirmed
   uint32_t redone_groups = 0;    // of `groups`: updated beside backward, then again from their copy (the plan differed)
 };
 
@@ -69,9 +69,9 @@ struct TrainStepOptions {
   // the device are queued on it, after them and before its next forward's
   // (Note [Updates on the device] in train_step.cc).
   uintptr_t compute_stream = 0;
-  // The updates begun beside backward this step: confirmed, or redone from
-  // their copies (Note [Updates beside backward] in beside_updates.cc).
-  BesideUpdates* beside = nullptr;
+  // The overlapped updates this step: confirmed, or redone from
+  // their copies (Note [Overlapped updates] in overlap_updates.cc).
+  OverlapUpdates* overlap = nullptr;
 };
 
 // OutOfMemory, naming host.budget and the figures, when the host tier cannot

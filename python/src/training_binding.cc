@@ -67,7 +67,7 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
   d["grad_norm"] = report.plan.grad_norm;
   d["loss_scale"] = report.plan.loss_scale;
   const offload::StepSeconds& s = report.seconds;
-  d["phases"] = py::dict(py::arg("beside_wait") = s.beside_wait, py::arg("merge") = s.merge,
+  d["phases"] = py::dict(py::arg("overlap_wait") = s.overlap_wait, py::arg("merge") = s.merge,
                          py::arg("stats") = s.stats, py::arg("plan") = s.plan, py::arg("access") = s.access,
                          py::arg("kernel") = s.kernel, py::arg("put_back") = s.put_back,
                          py::arg("gather") = s.gather, py::arg("release") = s.release, py::arg("finish") = s.finish);
@@ -78,7 +78,7 @@ py::dict TrainStepDict(const offload::TrainStepReport& report) {
   d["groups"] = report.groups;
   d["comm_bytes"] = report.comm_bytes;
   d["comm_wait_seconds"] = report.comm_wait_seconds;
-  d["beside_groups"] = report.beside_groups;
+  d["overlap_groups"] = report.overlap_groups;
   d["redone_groups"] = report.redone_groups;
   return d;
 }
@@ -268,7 +268,7 @@ void BindTrainStep(py::module_& m) {
       "train_step",
       [](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
          const std::vector<uint32_t>& skip_tensors, Communicator* comm, PyGradReducer* reducer,
-         offload::PendingCheckpoint* fence, uintptr_t stream, offload::BesideUpdates* beside) {
+         offload::PendingCheckpoint* fence, uintptr_t stream, offload::OverlapUpdates* overlap) {
         std::vector<bool> skip(engine.tensors().size(), false);
         for (uint32_t t : skip_tensors) skip.at(t) = true;
         return TrainStepDict(ValueOrThrow(Unlocked([&] {
@@ -278,50 +278,50 @@ void BindTrainStep(py::module_& m) {
                                         .reducer = reducer != nullptr ? &reducer->get() : nullptr,
                                         .fence = fence,
                                         .compute_stream = stream,
-                                        .beside = beside});
+                                        .overlap = overlap});
         })));
       },
       py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("skip_tensors") = std::vector<uint32_t>{},
       py::arg("comm") = nullptr, py::arg("reducer") = nullptr, py::arg("fence") = nullptr, py::arg("stream") = 0,
-      py::arg("beside") = nullptr,
+      py::arg("overlap") = nullptr,
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
       "until the save has read the group; on a GPU, updates the plan runs there are queued on stream (the "
-      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream); beside (BesideUpdates): the "
+      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream); beside (OverlapUpdates): the "
       "updates it began in backward, confirmed or redone");
-  py::class_<offload::BesideUpdates, std::unique_ptr<offload::BesideUpdates>>(
-      m, "BesideUpdates",
+  py::class_<offload::OverlapUpdates, std::unique_ptr<offload::OverlapUpdates>>(
+      m, "OverlapUpdates",
       "optimizer updates begun in backward, each once its chunk group's gradients are final, beside the rest of "
-      "it; the step confirms or redoes them (offload/training/beside_updates.h)")
+      "it; the step confirms or redoes them (offload/training/overlap_updates.h)")
       .def(py::init([](Engine& engine, offload::Pipeline& pipeline, optim::Optimizer& optimizer,
                        std::optional<uint64_t> kept_bytes, PyGradReducer* reducer) {
              // Default: the engine's optimizer.overlap, exactly (a size read back from describe() is rounded).
              const uint64_t kept = kept_bytes.value_or(engine.options().optimizer.overlap_bytes);
-             return ValueOrThrow(offload::BesideUpdates::Create(
+             return ValueOrThrow(offload::OverlapUpdates::Create(
                  engine, pipeline, optimizer,
                  {.kept_bytes = kept, .reducer = reducer != nullptr ? &reducer->get() : nullptr}));
            }),
            py::arg("engine"), py::arg("pipeline"), py::arg("optimizer"), py::arg("kept_bytes") = std::nullopt,
            py::arg("reducer") = nullptr, py::keep_alive<1, 2>(), py::keep_alive<1, 3>(), py::keep_alive<1, 4>(),
            py::keep_alive<1, 6>())
-      .def_property_readonly("kept_bytes", &offload::BesideUpdates::kept_bytes,
+      .def_property_readonly("kept_bytes", &offload::OverlapUpdates::kept_bytes,
                              "host memory the updates' copies may take (optimizer.overlap)")
       .def(
           "begin",
-          [](offload::BesideUpdates& b, uint32_t grad) {
+          [](offload::OverlapUpdates& b, uint32_t grad) {
             return ValueOrThrow(Unlocked([&] { return b.Begin(ChunkId(grad)); }));
           },
           py::arg("grad_chunk"),
           "its group's gradients are final: its update begins beside what follows when its copy fits; whether it "
           "did. Between moments of the open iteration")
-      .def("late", [](offload::BesideUpdates& b, uint32_t grad) { return b.Late(ChunkId(grad)); },
+      .def("late", [](offload::OverlapUpdates& b, uint32_t grad) { return b.Late(ChunkId(grad)); },
            py::arg("grad_chunk"),
            "gradients came into the chunk after its group's update began: the step redoes it from the whole")
-      .def("wait", [](offload::BesideUpdates& b) { ThrowIfError(Unlocked([&] { return b.Wait(); })); },
+      .def("wait", [](offload::OverlapUpdates& b) { ThrowIfError(Unlocked([&] { return b.Wait(); })); },
            "waits for the updates in flight; raises the first error")
-      .def("discard", [](offload::BesideUpdates& b) { Unlocked([&] { b.Discard(); }); },
+      .def("discard", [](offload::OverlapUpdates& b) { Unlocked([&] { b.Discard(); }); },
            "forgets this step's updates once done (after a failure)")
-      .def("undo", [](offload::BesideUpdates& b) { ThrowIfError(Unlocked([&] { return b.Undo(); })); },
+      .def("undo", [](offload::OverlapUpdates& b) { ThrowIfError(Unlocked([&] { return b.Undo(); })); },
            "puts every group this step's updates changed back as it was, and forgets them (a forward before the "
            "step); between moments");
 }

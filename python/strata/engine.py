@@ -115,10 +115,12 @@ class _PhaseClock:
         self._last = now
 
     def split(self, name, parts):
-        """A lap whose seconds `parts` (name: seconds) account for; what they leave is `name`_other's."""
+        """A lap whose seconds `parts` (name: seconds) account for; what they leave is `name`_other's. A part
+        named as an earlier lap adds to it (the step's wait for the overlapped updates after the adapter's)."""
         self.lap(name)
         self.phases[name + "_other"] = self.phases.pop(name) - sum(parts.values())
-        self.phases.update(parts)
+        for part, seconds in parts.items():
+            self.phases[part] = self.phases.get(part, 0.0) + seconds
 
     def seconds(self):
         return time.perf_counter() - self.start
@@ -365,9 +367,9 @@ class TrainingEngine:
             raise RuntimeError("engine.step: no training forward and backward since the last step")
         clock = _PhaseClock()
         try:
-            self._overlap.wait()  # no update beside backward runs while the values change
+            self._overlap.wait()  # no overlapped update runs while the values change
         except BaseException as error:
-            self._progress.broken = f"an update begun beside backward failed ({type(error).__name__}: {error})"
+            self._progress.broken = f"an overlapped update failed ({type(error).__name__}: {error})"
             self._overlap.discard()
             self._moments.end_iteration()
             raise
@@ -386,7 +388,7 @@ class TrainingEngine:
             # An asynchronous save reads each group out before its update changes it.
             report = self._table.checked(
                 _strata.train_step, self._runtime.engine, self._pipeline, self._optimizer, skip, self._runtime.comm,
-                self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream(), self._overlap.beside)
+                self._grad_sync.reducer, self._checkpoints.pending, self._runtime.stream(), self._overlap.updates)
             clock.split("train_step", report.pop("phases"))
             self._progress.last_step = report
         except BaseException as error:
@@ -515,7 +517,7 @@ class TrainingEngine:
         are the only stored copy of the parameters).
         """
         self._check_open()
-        self._overlap.wait()  # read after the updates begun beside backward, not during them
+        self._overlap.wait()  # read after the overlapped updates, not during them
         return self._weights.state_dict(master)
 
     def export_safetensors(self, path, fp32=False):
@@ -685,7 +687,7 @@ class TrainingEngine:
         self._progress.broken = self._progress.broken or "the engine was closed"
         failed = []
         for let_go in (self._grad_sync.close,     # the reducer's thread stopped
-                       self._overlap.discard,     # the updates begun beside backward done, their copies dropped
+                       self._overlap.discard,     # the overlapped updates done, their copies dropped
                        lambda: self._hooks.remove(self.module),  # every pin of forward and backward let go
                        self._moments.end_iteration, self.optimizer.close,
                        self._pipeline.drain):  # its queued moves end while the tiers are there

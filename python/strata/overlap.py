@@ -1,4 +1,4 @@
-"""optimizer.overlap: each chunk group's update begun beside backward, as soon as its gradients are final.
+"""optimizer.overlap: each chunk group's update begun in backward (overlapped), as soon as its gradients are final.
 
 In the last backward before a step, a grad chunk is final once every
 trainable parameter in it has had its gradient added (autograd accumulates a
@@ -6,8 +6,8 @@ parameter's gradient once per backward). At the next moment boundary, the
 chunk group's update begins on the pipeline's own thread, beside the rest of
 backward, from a plan made before the step's norm is known; the step confirms
 it, or puts the group back from the copy it kept and updates it again after a
-clip, an overflow or a hyperparameter changed in between (Note [Updates beside
-backward] in offload/training/beside_updates.cc). A gradient that comes into a
+clip, an overflow or a hyperparameter changed in between (Note [Overlapped
+updates] in offload/training/overlap_updates.cc). A gradient that comes into a
 chunk after its update began (a parameter reentrant checkpointing accumulates
 twice) makes the step redo that group from the whole gradient. A training
 forward before the step (more backwards than gradient_accumulation_steps) puts
@@ -23,7 +23,7 @@ class Overlap:
 
     def __init__(self, runtime, table, pipeline, optimizer, on):
         self.on = on
-        self.beside = None    # made by start()
+        self.updates = None    # made by start()
         self._made = (runtime.engine, pipeline, optimizer)
         self._params_of = {}  # grad chunk -> how many trainable parameters it holds
         for record in table.records:
@@ -39,21 +39,21 @@ class Overlap:
         """Makes the updates' holder (optimizer.overlap's bytes of copies), with the data-parallel rank's GradReducer:
         there each update runs on its group's reduction, the gradients submitted to `reducer` as they complete."""
         if self.on:
-            self.beside = _strata.BesideUpdates(*self._made, reducer=reducer)
+            self.updates = _strata.OverlapUpdates(*self._made, reducer=reducer)
         self._made = None
 
     def begin_backward(self, before_step, saving):
         """A new backward: the one before a step begins updates (not while an asynchronous save reads the
         groups: a save waits for nothing beside backward). A second one before the same step (more backwards
         than gradient_accumulation_steps) adds into chunks whose update began: late gradients."""
-        self.active = self.beside is not None and before_step and not saving
+        self.active = self.updates is not None and before_step and not saving
         self._arrived, self._ready = {}, []
 
     def arrived(self, record):
         """While active: `record`'s gradient is in its grad chunk."""
         chunk = record.grad_chunk
         if chunk in self._begun:
-            self.beside.late(chunk)
+            self.updates.late(chunk)
             return
         arrived = self._arrived.setdefault(chunk, set())
         arrived.add(id(record))
@@ -67,20 +67,20 @@ class Overlap:
     def begin_ready(self):
         """Between two moments: the updates of the chunks completed since the last call begin."""
         for chunk in self._ready:
-            if self.beside.begin(chunk):
+            if self.updates.begin(chunk):
                 self._begun.add(chunk)
         self._ready.clear()
 
     def late(self, chunk):
         """Data parallel: a late gradient on some rank reduces `chunk` again on every rank; its update is redone."""
         if chunk in self._begun:
-            self.beside.late(chunk)
+            self.updates.late(chunk)
 
     def wait(self):
         """The updates in flight are done (before the optimizer's values change, or a chunk is read outside
         the pipeline)."""
         if self._begun:
-            self.beside.wait()
+            self.updates.wait()
 
     @property
     def begun(self):
@@ -90,7 +90,7 @@ class Overlap:
         """A training forward before the step (another backward before it): the groups updated are put back as
         they were, so that it reads the parameters of before the step; its backward begins them again."""
         try:
-            self.beside.undo()
+            self.updates.undo()
         except BaseException as error:
             self.failed = (f"putting back the chunk groups updated beside backward failed ({type(error).__name__}: "
                            f"{error}); some are as before the step and others updated")
@@ -106,6 +106,6 @@ class Overlap:
     def discard(self):
         """After a backward or step that failed: the updates begun are forgotten once done (their copies are of
         a state no longer there)."""
-        if self.beside is not None:
-            self.beside.discard()
+        if self.updates is not None:
+            self.updates.discard()
         self.stepped()

@@ -207,7 +207,7 @@ def test_with_sharded_params_frozen_parameters_are_sharded_too(tmp_path, precisi
 @pytest.mark.parametrize("launcher,world,shard_params", [pytest.param("mpirun", 2, False, marks=needs_mpirun),
                                                          pytest.param("mpirun", 4, False, marks=needs_mpirun),
                                                          ("torchrun", 2, True)])
-def test_ranks_updating_beside_backward_train_as_after_it_bit_for_bit(tmp_path, launcher, world, shard_params):
+def test_ranks_with_overlapped_updates_train_as_without_bit_for_bit(tmp_path, launcher, world, shard_params):
     """optimizer.overlap on W ranks: each group's update runs on its reduction during backward, and the run is
     the one without overlap, bit for bit; with clipping on most steps, the clipped ones are redone."""
     steps, batch = 6, 8
@@ -218,14 +218,14 @@ def test_ranks_updating_beside_backward_train_as_after_it_bit_for_bit(tmp_path, 
             where.mkdir()
             runs[overlap] = run_ranks(where, world, steps, batch, launcher=launcher, shard_params=shard_params,
                                       overlap=overlap, clip=clip)
-        after, beside = runs[0], runs[1 << 20]
-        assert beside["losses"] == after["losses"], clip
+        after, overlapped = runs[0], runs[1 << 20]
+        assert overlapped["losses"] == after["losses"], clip
         for name, value in after["final"].items():
-            assert torch.equal(beside["final"][name], value), (clip, name)
-        confirmed = [sum(b[0] for b in rank["beside"][1:]) for rank in beside["ranks"]]
-        redone = [sum(b[1] for b in rank["beside"][1:]) for rank in beside["ranks"]]
+            assert torch.equal(overlapped["final"][name], value), (clip, name)
+        confirmed = [sum(b[0] for b in rank["overlapped"][1:]) for rank in overlapped["ranks"]]
+        redone = [sum(b[1] for b in rank["overlapped"][1:]) for rank in overlapped["ranks"]]
         assert all(c > 0 for c in confirmed) if not clip else all(r > 0 for r in redone), (clip, confirmed, redone)
-        assert not any(sum(b) for rank in after["ranks"] for b in rank["beside"])
+        assert not any(sum(b) for rank in after["ranks"] for b in rank["overlapped"])
 
 
 @needs_mpirun

@@ -96,7 +96,7 @@ def test_a_tied_embedding_trains_within_rounding_of_the_standard_order(tmp_path,
     assert_close(runs["layered"], runs["standard"])
 
 
-def test_frozen_parameters_and_updates_beside_backward(tmp_path):
+def test_frozen_parameters_and_overlapped_updates(tmp_path):
     """Frozen blocks and embedding; the optimizer's updates begin beside the layered backward (issue 24)."""
     def model():
         m = untied(layers=4)
@@ -107,7 +107,7 @@ def test_frozen_parameters_and_updates_beside_backward(tmp_path):
     standard = train(model(), tiers(tmp_path, "s"), "standard", 4)
     layered = train(model(), tiers(tmp_path, "l", optimizer={"overlap": "1MiB"}), "layered", 4)
     assert_equal(layered, standard)
-    assert layered[2].last_step["beside_groups"] > 0
+    assert layered[2].last_step["overlap_groups"] > 0
     assert torch.equal(layered[1]["blocks.0.up.weight"], untied(layers=4).state_dict()["blocks.0.up.weight"])
 
 

@@ -1,5 +1,5 @@
-"""optimizer.overlap: each chunk group's update begins beside backward once its gradients are final, and the step
-confirms it or redoes it from the copy it kept (Note [Updates beside backward] in offload/training/beside_updates.cc).
+"""optimizer.overlap: each chunk group's update begins overlapped backward once its gradients are final, and the step
+confirms it or redoes it from the copy it kept (Note [Overlapped updates] in offload/training/overlap_updates.cc).
 Whatever the step decides (a clip, an overflow, a gradient that came late), the parameters and optimizer states are
 those of the same run without overlap, bit for bit."""
 
@@ -56,47 +56,47 @@ def assert_same(a, b):
 
 
 @pytest.mark.parametrize("clip,states", [(0.0, "fp32"), (0.05, "fp32"), (0.05, "bf16"), (0.0, "int8"), (0.05, "int8")])
-def test_updates_beside_backward_give_the_steps_results_bit_for_bit(tmp_path, clip, states):
+def test_overlapped_updates_give_the_steps_results_bit_for_bit(tmp_path, clip, states):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     after, after_reports, _ = gpt_run(tmp_path / "after", False, gradient_clipping=clip, states=states)
-    beside, reports, tiers = gpt_run(tmp_path / "beside", True, gradient_clipping=clip, states=states)
-    assert_same(after, beside)
+    overlapped, reports, tiers = gpt_run(tmp_path / "overlapped", True, gradient_clipping=clip, states=states)
+    assert_same(after, overlapped)
     assert "nvme" in tiers["exp_avg"] or "nvme" in tiers["exp_avg_sq"], tiers  # states on NVMe
     groups = after_reports[-1]["groups"]
-    assert all(r["beside_groups"] == 0 and r["redone_groups"] == 0 for r in after_reports)
+    assert all(r["overlap_groups"] == 0 and r["redone_groups"] == 0 for r in after_reports)
     if clip == 0.0:  # every group's update stands (the last group's begins as backward ends)
-        assert [r["beside_groups"] for r in reports] == [groups] * len(reports), reports
-    else:  # every step clips: each group begun beside backward is put back and updated again
+        assert [r["overlap_groups"] for r in reports] == [groups] * len(reports), reports
+    else:  # every step clips: each group begun overlapped backward is put back and updated again
         assert [r["redone_groups"] for r in reports] == [groups] * len(reports), reports
 
 
 def test_with_accumulation_only_the_last_backward_begins_updates(tmp_path):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     after, _, _ = gpt_run(tmp_path / "after", False, steps=3, accumulation=2)
-    beside, reports, _ = gpt_run(tmp_path / "beside", True, steps=3, accumulation=2)
-    assert_same(after, beside)
-    assert all(r["beside_groups"] > 0 for r in reports), reports
+    overlapped, reports, _ = gpt_run(tmp_path / "overlapped", True, steps=3, accumulation=2)
+    assert_same(after, overlapped)
+    assert all(r["overlap_groups"] > 0 for r in reports), reports
 
 
 def test_a_schedule_that_changes_the_lr_every_step_lets_the_updates_stand(tmp_path):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     after, _, _ = gpt_run(tmp_path / "after", False, schedule=True)
-    beside, reports, _ = gpt_run(tmp_path / "beside", True, schedule=True)
-    assert_same(after, beside)
-    assert all(r["redone_groups"] == 0 and r["beside_groups"] > 0 for r in reports), reports
+    overlapped, reports, _ = gpt_run(tmp_path / "overlapped", True, schedule=True)
+    assert_same(after, overlapped)
+    assert all(r["redone_groups"] == 0 and r["overlap_groups"] > 0 for r in reports), reports
 
 
 def test_a_second_backward_before_the_step_and_an_evaluation_after_it_change_nothing(tmp_path):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     after, _, _ = gpt_run(tmp_path / "after", False, steps=3, backwards=2, evaluate=True)
-    beside, reports, _ = gpt_run(tmp_path / "beside", True, steps=3, backwards=2, evaluate=True)
-    assert_same(after, beside)
+    overlapped, reports, _ = gpt_run(tmp_path / "overlapped", True, steps=3, backwards=2, evaluate=True)
+    assert_same(after, overlapped)
     # The second forward put the groups the first backward updated back; the second backward began them again.
-    assert all(r["beside_groups"] > 0 and r["redone_groups"] == 0 for r in reports), reports
+    assert all(r["overlap_groups"] > 0 and r["redone_groups"] == 0 for r in reports), reports
 
 
 class Scale(torch.nn.Module):
@@ -168,25 +168,25 @@ def scales_run(tmp_path, overlap, precision="fp32", reentrant=False, steps=6, ov
 
 def test_an_fp16_overflow_skips_the_same_steps_and_leaves_the_same_states(tmp_path):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     scaling = {"loss_scale": {"init": 1024.0, "growth_interval": 2}}
     after, after_reports = scales_run(tmp_path / "after", False, precision="fp16", overflow_at=(2, 5), **scaling)
-    beside, reports = scales_run(tmp_path / "beside", True, precision="fp16", overflow_at=(2, 5), **scaling)
+    overlapped, reports = scales_run(tmp_path / "overlapped", True, precision="fp16", overflow_at=(2, 5), **scaling)
     skipped = [r["skipped"] for r in reports]
     assert skipped == [r["skipped"] for r in after_reports] == [s in (2, 5) for s in range(6)]
     assert [r["loss_scale"] for r in reports] == [r["loss_scale"] for r in after_reports]
-    assert_same(after, beside)
+    assert_same(after, overlapped)
     # The other three groups' updates began before the first layer's gradients overflowed: each was put back.
-    assert [(r["beside_groups"], r["redone_groups"]) for r in reports] == [(0, 3) if s else (4, 0) for s in skipped]
+    assert [(r["overlap_groups"], r["redone_groups"]) for r in reports] == [(0, 3) if s else (4, 0) for s in skipped]
 
 
 def test_a_gradient_after_its_groups_update_began_redoes_that_group(tmp_path):
     (tmp_path / "after").mkdir()
-    (tmp_path / "beside").mkdir()
+    (tmp_path / "overlapped").mkdir()
     after, _ = scales_run(tmp_path / "after", False, reentrant=True)
-    beside, reports = scales_run(tmp_path / "beside", True, reentrant=True)
-    assert_same(after, beside)
-    assert all(r["redone_groups"] == 1 and r["beside_groups"] == 3 for r in reports), reports
+    overlapped, reports = scales_run(tmp_path / "overlapped", True, reentrant=True)
+    assert_same(after, overlapped)
+    assert all(r["redone_groups"] == 1 and r["overlap_groups"] == 3 for r in reports), reports
 
 
 def test_a_hugging_face_llama_trains_the_same_with_overlap(tmp_path):
@@ -210,9 +210,9 @@ def test_a_hugging_face_llama_trains_the_same_with_overlap(tmp_path):
         return state, reports
 
     after, _ = run(tmp_path / "after", False)
-    beside, reports = run(tmp_path / "beside", True)
-    assert_same(after, beside)
-    assert all(r["beside_groups"] + r["redone_groups"] > 0 for r in reports), reports
+    overlapped, reports = run(tmp_path / "overlapped", True)
+    assert_same(after, overlapped)
+    assert all(r["overlap_groups"] + r["redone_groups"] > 0 for r in reports), reports
 
 
 def test_a_bad_size_is_refused_naming_the_option(tmp_path):
@@ -223,4 +223,4 @@ def test_a_bad_size_is_refused_naming_the_option(tmp_path):
 def test_the_size_reaches_the_updates_exactly(tmp_path):
     """123456789 bytes, which describe() writes as 117.7MiB: the updates get the bytes given, not that."""
     engine = strata.initialize(Scales(), three_tiers(tmp_path, optimizer={"overlap": 123456789}))
-    assert engine._overlap.beside.kept_bytes == 123456789
+    assert engine._overlap.updates.kept_bytes == 123456789

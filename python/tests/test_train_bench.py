@@ -24,9 +24,9 @@ def test_the_training_benchmark_reports_every_run(tmp_path):
         assert 0.5 * r["s_per_step"] <= phases <= 2 * r["s_per_step"], (name, r)  # medians of each
     for name in ("fits", "streamed", "nvme"):
         assert results[name]["host_syncs_per_step"] > 0, results[name]
-        assert results[name]["beside_groups"] == 0, results[name]
+        assert results[name]["overlap_groups"] == 0, results[name]
     for name in ("streamed+overlap", "nvme+overlap"):
-        assert results[name]["beside_groups"] > 0, results[name]
+        assert results[name]["overlap_groups"] > 0, results[name]
     # What each run is named for: everything on the device moves nothing a step; a device below the parameters
     # streams them; states on NVMe are read from there.
     assert not any(results["fits"]["bytes_per_step"].values()), results["fits"]

@@ -348,7 +348,7 @@ void AddOptimizerKeys(Table& t) {
                         "chunk groups' master and states)",
                         field(&OptimizerOptions::stream_ring_bytes)));
   t.push_back(SizeEntry("optimizer.overlap",
-                        "bytes of host memory for updates begun beside backward: each keeps a copy of its chunk "
+                        "bytes of host memory for overlapped updates: each keeps a copy of its chunk "
                         "group until the step confirms it (redone after a clip or an overflow); 0 = every update "
                         "after backward",
                         field(&OptimizerOptions::overlap_bytes)));

@@ -149,18 +149,18 @@ TEST(ReplayBenchTest, RanksWithShardedParamsGatherThemInForwardAndBackward) {
   EXPECT_TRUE(nlohmann::json::parse(ReplayBenchJson(report))["config"]["shard_params"].get<bool>());
 }
 
-TEST(ReplayBenchTest, OverlapBeginsEachUpdateBesideBackward) {
+TEST(ReplayBenchTest, OverlapBeginsEachUpdateDuringBackward) {
   ReplayBenchConfig config = SmallReplay(1);
   config.compute_ms = 20;  // a backward of 100 ms: the first updates begin well before it ends
   config.baseline = false;
   config.overlap = true;
   ASSERT_OK_AND_ASSIGN(ReplayBenchReport report, RunReplayBench(config));
   EXPECT_EQ(report.divergences, 0u);
-  ASSERT_EQ(report.planned.beside_spans.size(), report.updates);
-  EXPECT_LT(report.planned.beside_spans.front().first, report.planned.backward_end_seconds);
+  ASSERT_EQ(report.planned.overlap_spans.size(), report.updates);
+  EXPECT_LT(report.planned.overlap_spans.front().first, report.planned.backward_end_seconds);
   nlohmann::json json = nlohmann::json::parse(ReplayBenchJson(report));
   EXPECT_TRUE(json["config"]["overlap"].get<bool>());
-  EXPECT_EQ(json["beside_spans_seconds"].size(), report.updates);
+  EXPECT_EQ(json["overlap_spans_seconds"].size(), report.updates);
   EXPECT_NE(FormatReplayBench(report).find("began while backward went on"), std::string::npos);
   config.ranks = 2;
   EXPECT_EQ(RunReplayBench(config).status().code(), StatusCode::kInvalidArgument);

@@ -66,7 +66,7 @@ void BusyFor(std::chrono::microseconds how_long) {
 
 // An event the test completes: a fence that keeps a chunk from moving
 // (ChunkAccess::ReleaseAfter: the framework still reads it), or a gate an
-// update beside backward waits at.
+// overlapped update waits at.
 class Gate final : public Event {
  public:
   void Open() {
@@ -272,13 +272,13 @@ void WriteVersion(ChunkAccess& access, uint32_t l, uint32_t v) {
 // it moves layer l and its state (layer 4 + l) to the next version. Every
 // access checks the version it should see. `overlapped` counts the updates
 // that saw the training loop begin the next moment while they computed.
-struct BesideStep {
+struct OverlapStep {
   static constexpr uint32_t kLayers = 4;
   LayerModel model;
   std::atomic<uint32_t> begun{0};
   uint32_t overlapped = 0;
 
-  explicit BesideStep(bool nvme) : model(2 * kLayers, /*device_chunks=*/2, /*host_chunks=*/nvme ? 4 : 64, nvme) {}
+  explicit OverlapStep(bool nvme) : model(2 * kLayers, /*device_chunks=*/2, /*host_chunks=*/nvme ? 4 : 64, nvme) {}
 
   Status DeviceMoment(Pipeline& pipeline, uint32_t l, uint32_t version, bool write) {
     STRATA_RETURN_IF_ERROR(pipeline.BeginMoment());
@@ -306,7 +306,7 @@ struct BesideStep {
       const bool last = l == 0;
       STRATA_ASSIGN_OR_RETURN(
           std::shared_future<Status> done,
-          pipeline.RunBeside({model.layers[l], model.layers[kLayers + l]}, std::nullopt,
+          pipeline.RunOverlapped({model.layers[l], model.layers[kLayers + l]}, std::nullopt,
                              [&, l, next_moment, last](Tier where, std::vector<ChunkAccess>& held) -> Status {
                                if (where != Tier::kHost) return Internal("an update beside ran on {}", TierName(where));
                                const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
@@ -334,23 +334,23 @@ struct BesideStep {
   }
 };
 
-TEST(PipelineTest, UpdatesBesideBackwardRunWhileItGoesOnAndTheirChunksWaitForThem) {
+TEST(PipelineTest, OverlappedUpdatesRunWhileItGoesOnAndTheirChunksWaitForThem) {
   for (bool nvme : {false, true}) {
     SCOPED_TRACE(nvme ? "states on NVMe" : "states on the host");
-    BesideStep step(nvme);
+    OverlapStep step(nvme);
     if (nvme) {
       ASSERT_EQ(*step.model.engine->ChunkHome(step.model.layers.back()), Tier::kNvme);
     }
     ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*step.model.engine, {.wait_timeout_ms = 10'000}));
     for (uint32_t version = 0; version < 5; ++version) {
       ASSERT_OK(step.Run(*pipeline, version));  // every version checked where it is read
-      EXPECT_EQ(step.overlapped, BesideStep::kLayers - 1) << "iteration " << version;
+      EXPECT_EQ(step.overlapped, OverlapStep::kLayers - 1) << "iteration " << version;
     }
     const Trace* trace = pipeline->trace();
     ASSERT_NE(trace, nullptr);
-    ASSERT_EQ(trace->moments.size(), 3 * BesideStep::kLayers);
-    EXPECT_TRUE(trace->moments[BesideStep::kLayers + 1].beside);
-    EXPECT_GT(trace->moments[BesideStep::kLayers + 1].compute_seconds, 0.0);  // measured on the update's thread
+    ASSERT_EQ(trace->moments.size(), 3 * OverlapStep::kLayers);
+    EXPECT_TRUE(trace->moments[OverlapStep::kLayers + 1].overlap);
+    EXPECT_GT(trace->moments[OverlapStep::kLayers + 1].compute_seconds, 0.0);  // measured on the update's thread
     const PipelineStats stats = pipeline->stats();
     EXPECT_EQ(stats.divergences, 0u);
     EXPECT_GE(stats.planned_iterations, 3u);
@@ -366,13 +366,13 @@ TEST(PipelineTest, CreateOnAClosedEngineSaysTheEngineIsClosed) {
   EXPECT_EQ(refused.status().message().find("not finalized"), std::string::npos) << refused.status().ToString();
 }
 
-TEST(PipelineTest, AnUpdateBesideBackwardOfAChunkThatDoesNotExistIsRefusedBeforeItBegins) {
+TEST(PipelineTest, AnOverlappedUpdateOfAChunkThatDoesNotExistIsRefusedBeforeItBegins) {
   LayerModel model(2, /*device_chunks=*/2);
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
   ASSERT_OK(pipeline->BeginIteration());
   bool ran = false;
   Result<std::shared_future<Status>> refused =
-      pipeline->RunBeside({ChunkId(999)}, std::nullopt, [&](Tier, std::vector<ChunkAccess>&) {
+      pipeline->RunOverlapped({ChunkId(999)}, std::nullopt, [&](Tier, std::vector<ChunkAccess>&) {
         ran = true;
         return Status::Ok();
       });
@@ -671,10 +671,10 @@ bool Names(const Status& status, const std::string& what) {
   return status.message().find(what) != std::string::npos;
 }
 
-// An update beside backward that outlasts the wait: the access of its chunk
+// An overlapped update that outlasts the wait: the access of its chunk
 // and the chunk's write-back behind it fail, and once the update ends the
 // chunk holds what it wrote.
-TEST(PipelineTest, AnUpdateBesideBackwardThatOutlastsTheWaitFailsWhatWaitsForItAndLosesNothing) {
+TEST(PipelineTest, AnOverlappedUpdateThatOutlastsTheWaitFailsWhatWaitsForItAndLosesNothing) {
   LayerModel model(4, /*device_chunks=*/2, /*host_chunks=*/2, /*nvme=*/true);
   const uint32_t l = 1;
   const ChunkId chunk = model.layers[l];
@@ -682,18 +682,19 @@ TEST(PipelineTest, AnUpdateBesideBackwardThatOutlastsTheWaitFailsWhatWaitsForItA
   ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {.wait_timeout_ms = kShortWaitMs}));
   Gate gate;
   ASSERT_OK(pipeline->BeginIteration());
-  ASSERT_OK_AND_ASSIGN(std::shared_future<Status> update,
-                       pipeline->RunBeside({chunk}, std::nullopt, [&](Tier, std::vector<ChunkAccess>& held) -> Status {
-                         STRATA_RETURN_IF_ERROR(gate.Wait(10'000));
-                         WriteVersion(held[0], l, 1);
-                         return Status::Ok();
-                       }));
+  ASSERT_OK_AND_ASSIGN(
+      std::shared_future<Status> update,
+      pipeline->RunOverlapped({chunk}, std::nullopt, [&](Tier, std::vector<ChunkAccess>& held) -> Status {
+        STRATA_RETURN_IF_ERROR(gate.Wait(10'000));
+        WriteVersion(held[0], l, 1);
+        return Status::Ok();
+      }));
   ASSERT_OK(pipeline->BeginHostMoment().status());
   const auto start = std::chrono::steady_clock::now();
   Status accessed = pipeline->Access(chunk).status();
   EXPECT_GE(std::chrono::steady_clock::now() - start, std::chrono::milliseconds(kShortWaitMs));
   EXPECT_EQ(accessed.code(), StatusCode::kTimeout) << accessed.ToString();
-  EXPECT_TRUE(Names(accessed, fmt::format("the update beside backward of chunk {} did not finish within {} ms",
+  EXPECT_TRUE(Names(accessed, fmt::format("the overlapped update of chunk {} did not finish within {} ms",
                                           chunk.value(), kShortWaitMs)))
       << accessed.ToString();
   ASSERT_OK(pipeline->EndMoment());
@@ -777,7 +778,7 @@ TEST(PipelineTest, RoomNotMadeInTimeFailsTheMomentAndLosesNothing) {
   EXPECT_GE(pipeline->stats().planned_iterations, 1u);
 }
 
-// A fetch queued behind an update beside backward of its chunk that
+// A fetch queued behind an overlapped update of its chunk that
 // outlasts the wait moves nothing, and the access that needs the chunk says
 // why; the update's bytes are kept.
 TEST(PipelineTest, AFetchBehindAnUpdateThatOutlastsTheWaitFailsItsAccessAndLosesNothing) {
@@ -806,7 +807,7 @@ TEST(PipelineTest, AFetchBehindAnUpdateThatOutlastsTheWaitFailsItsAccessAndLoses
     }
     std::optional<std::shared_future<Status>> update;
     if (status.ok()) {
-      Result<std::shared_future<Status>> begun = pipeline->RunBeside(
+      Result<std::shared_future<Status>> begun = pipeline->RunOverlapped(
           {model.layers[1]}, std::nullopt, [&, version, gate](Tier, std::vector<ChunkAccess>& held) -> Status {
             if (gate != nullptr) STRATA_RETURN_IF_ERROR(gate->Wait(10'000));
             STRATA_RETURN_IF_ERROR(CheckVersion(held[0], 1, version));

@@ -343,29 +343,29 @@ TEST(PlannerTest, AnUpdateRunsOnTheDeviceOnlyWhenItsStatesFitBesideEverythingEls
 // each layer's update on the host (1 s: its param chunk, 0 or 1, and its
 // state chunk, 2 or 3): after backward, or beside it as soon as the layer's
 // backward is done. The links are fast enough to leave out.
-PlannerInput TwoLayerStep(bool beside) {
+PlannerInput TwoLayerStep(bool overlapped) {
   const std::vector<std::vector<uint32_t>> between = {{0}, {1}, {1}, {0}, {1, 2}, {0, 3}};
   const std::vector<std::vector<uint32_t>> early = {{0}, {1}, {1}, {1, 2}, {0}, {0, 3}};
-  PlannerInput input = UnitInput(beside ? early : between, /*device_chunks=*/4, 1.0, /*bytes_per_second=*/1e9);
+  PlannerInput input = UnitInput(overlapped ? early : between, /*device_chunks=*/4, 1.0, /*bytes_per_second=*/1e9);
   for (TraceMoment& m : input.trace.moments) {
     if (m.chunks.size() < 2) continue;
     m.tier = Tier::kHost;
-    m.beside = beside;
+    m.overlap = overlapped;
   }
   return input;
 }
 
-TEST(PlannerTest, UpdatesBesideBackwardOverlapItAndTheNextForwardWaitsForThem) {
+TEST(PlannerTest, OverlappedUpdatesOverlapItAndTheNextForwardWaitsForThem) {
   // After: 4 s of device moments, then 2 s of updates.
   ASSERT_OK_AND_ASSIGN(Plan after, BuildPlan(TwoLayerStep(false)));
   EXPECT_NEAR(after.prediction.step_seconds, 6.0, 1e-3);
   // Beside: layer 1's update runs with layer 0's backward (3 s to 4 s),
   // layer 0's from 4 s to 5 s, and the step (the iteration's end) waits for
   // it.
-  ASSERT_OK_AND_ASSIGN(Plan beside, BuildPlan(TwoLayerStep(true)));
-  EXPECT_NEAR(beside.prediction.step_seconds, 5.0, 1e-3);
-  EXPECT_NEAR(beside.prediction.stall_per_moment[3], 0.0, 1e-9);  // the device's lane never waits for one
-  EXPECT_EQ(beside.compute_tier[3], Tier::kHost);
+  ASSERT_OK_AND_ASSIGN(Plan overlapped, BuildPlan(TwoLayerStep(true)));
+  EXPECT_NEAR(overlapped.prediction.step_seconds, 5.0, 1e-3);
+  EXPECT_NEAR(overlapped.prediction.stall_per_moment[3], 0.0, 1e-9);  // the device's lane never waits for one
+  EXPECT_EQ(overlapped.compute_tier[3], Tier::kHost);
   // An update longer than the rest of backward holds the step for the rest of it.
   PlannerInput slow = TwoLayerStep(true);
   slow.trace.moments[3].compute_seconds = 3.0;
@@ -373,7 +373,7 @@ TEST(PlannerTest, UpdatesBesideBackwardOverlapItAndTheNextForwardWaitsForThem) {
   EXPECT_NEAR(held.prediction.step_seconds, 7.0, 1e-3);  // 3 s, layer 1's update to 6 s, layer 0's to 7 s
   // Only a host moment computes beside the others.
   PlannerInput wrong = TwoLayerStep(true);
-  wrong.trace.moments[0].beside = true;
+  wrong.trace.moments[0].overlap = true;
   EXPECT_EQ(BuildPlan(wrong).status().code(), StatusCode::kInvalidArgument);
 }
 
@@ -386,7 +386,7 @@ TEST(PlannerTest, AReadAheadWaitsForTheStagingMemoryAnEarlierWriteBackHolds) {
     PlannerInput input = UnitInput({{0}, {1}, {2}}, /*device_chunks=*/2, 1.0, /*bytes_per_second=*/1000);
     for (int m : {1, 2}) {
       input.trace.moments[m].tier = Tier::kHost;
-      input.trace.moments[m].beside = true;
+      input.trace.moments[m].overlap = true;
       input.home[m] = Tier::kNvme;
     }
     input.home[0] = Tier::kNvme;  // on the device, it frees no host room for the reads
@@ -433,7 +433,7 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
       if (rng() % 4 == 0) {  // a CPU update, which the planner may move to the device
         moment.tier = Tier::kHost;
         if (rng() % 2 == 0) moment.device_compute_seconds = 1e-4 * static_cast<double>(rng() % 5);
-        moment.beside = rng() % 2 == 0;
+        moment.overlap = rng() % 2 == 0;
       }
       input.trace.moments.push_back(moment);
     }
@@ -442,11 +442,11 @@ TEST(PlannerTest, RandomTracesGivePlansThatHoldTogether) {
     ASSERT_OK_AND_ASSIGN(Prediction lru, PredictLru(input));
     EXPECT_LE(plan.peak_device_bytes, input.device_bytes);
     EXPECT_LE(plan.peak_chunk_bytes, chunk_room);
-    // Updates beside backward compute beside the rest.
-    double beside = 0;
-    for (const TraceMoment& m : input.trace.moments) beside += m.beside ? m.compute_seconds : 0;
-    EXPECT_GE(lru.step_seconds, lru.compute_seconds - beside - 1e-12);
-    EXPECT_GE(plan.prediction.step_seconds, plan.prediction.compute_seconds - beside - 1e-12);
+    // Overlapped updates compute beside the rest.
+    double overlapped = 0;
+    for (const TraceMoment& m : input.trace.moments) overlapped += m.overlap ? m.compute_seconds : 0;
+    EXPECT_GE(lru.step_seconds, lru.compute_seconds - overlapped - 1e-12);
+    EXPECT_GE(plan.prediction.step_seconds, plan.prediction.compute_seconds - overlapped - 1e-12);
   }
 }
 

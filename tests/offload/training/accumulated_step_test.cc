@@ -119,16 +119,16 @@ TEST(AccumulatedStepTest, LayeredChunksMoveOnceAStepWhateverTheMicroBatches) {
   EXPECT_GE(standard, 4 * one);
 }
 
-TEST(AccumulatedStepTest, EachGroupBeginsBesideBackwardAsItsBlocksLastPassEnds) {
+TEST(AccumulatedStepTest, EachGroupsOverlappedUpdateBeginsAsItsBlocksLastPassEnds) {
   Model model;
-  ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+  ASSERT_OK_AND_ASSIGN(auto overlapped, OverlapUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
                                                           {.kept_bytes = uint64_t{1} << 20}));
   Passes passes{.model = &model};
   auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
                                    FourBlocks(2, AccumulationOrder::kLayered), std::ref(passes),
-                                   {.beside = beside.get()});
+                                   {.overlap = overlapped.get()});
   ASSERT_OK(report.status());
-  EXPECT_EQ(report->beside_groups, 6u);
+  EXPECT_EQ(report->overlap_groups, 6u);
   EXPECT_EQ(report->redone_groups, 0u);
 
   // A pass that fails after the last block's groups began: they are put back as they were.
@@ -138,7 +138,7 @@ TEST(AccumulatedStepTest, EachGroupBeginsBesideBackwardAsItsBlocksLastPassEnds) 
                                              if (pass.backward && pass.block == 2) return IoError("no such batch");
                                              return passes(pass);
                                            },
-                                           {.beside = beside.get()})
+                                           {.overlap = overlapped.get()})
                             .status();
   ExpectStatus(failed, StatusCode::kIoError, "no such batch");
   EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);

@@ -10,7 +10,7 @@
 #include <thread>
 #include <vector>
 
-#include "offload/training/beside_updates.h"
+#include "offload/training/overlap_updates.h"
 #include "offload/training/grad_reducer.h"
 #include "offload/schedule/pipeline.h"
 #include "offload/training/train_step.h"
@@ -33,7 +33,7 @@ struct Model {
   std::unique_ptr<Pipeline> pipeline;
   std::unique_ptr<optim::Optimizer> optimizer;
   UpdateFence* fence = nullptr;  // the updates' (an asynchronous checkpoint)
-  BesideUpdates* beside = nullptr;  // each layer's update begun as its backward moment ends
+  OverlapUpdates* overlap = nullptr;  // each layer's update begun as its backward moment ends
   std::function<void()> before_step;  // runs after backward, before the step
   std::vector<bool> skip;        // the steps' TrainStepOptions::skip: tensors left out
 
@@ -123,15 +123,14 @@ struct Model {
       if (backward.ok() && reducer != nullptr) {
         backward = reducer->Submit(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad));
       }
-      if (backward.ok() && beside != nullptr) {
-        backward = beside->Begin(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad)).status();
+      if (backward.ok() && overlap != nullptr) {
+        backward = overlap->Begin(*engine->ChunkOf(TensorId(l), ChunkKind::kGrad)).status();
       }
     }
     if (backward.ok() && before_step) before_step();
+    const TrainStepOptions options{.skip = skip, .comm = comm, .reducer = reducer, .fence = fence, .overlap = overlap};
     Result<TrainStepReport> report =
-        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer,
-                                     {.skip = skip, .comm = comm, .reducer = reducer, .fence = fence, .beside = beside})
-                      : Result<TrainStepReport>(backward);
+        backward.ok() ? RunTrainStep(*engine, *pipeline, *optimizer, options) : Result<TrainStepReport>(backward);
     const Status ended = pipeline->EndIteration();
     if (!report.ok()) return report;
     STRATA_RETURN_IF_ERROR(ended);

@@ -54,7 +54,7 @@ TEST(TrainStepTest, UpdatesEveryGroupLikeTheOptimizerOnArraysAndZeroesTheGrads) 
     EXPECT_GT(report.seconds.stats, 0);
     EXPECT_GT(report.seconds.access, 0);
     EXPECT_LE(report.seconds.Sum(), report.seconds.total);
-    EXPECT_EQ(report.seconds.beside_wait + report.seconds.put_back + report.seconds.gather, 0);
+    EXPECT_EQ(report.seconds.overlap_wait + report.seconds.put_back + report.seconds.gather, 0);
     EXPECT_EQ(report.plan.step, step);
     EXPECT_NEAR(report.plan.grad_norm, plan.grad_norm, 1e-9 * plan.grad_norm);
     EXPECT_LT(report.plan.clip_coefficient, 1.0f);  // the norm is above 1: clipped
@@ -805,15 +805,15 @@ namespace strata::offload {
 namespace {
 
 // Two models, one stepping after backward and one beginning each layer's
-// update beside backward, with the same loss scaler and clipping, see the
+// overlapped update, with the same loss scaler and clipping, see the
 // same gradients (scaled by the loss scale): small ones, large ones that
 // clip, and an overflow in one layer.
-struct BesidePair {
+struct OverlapPair {
   static constexpr double kMaxGradNorm = 1.0;
   Model after{kMaxGradNorm}, early{kMaxGradNorm};
-  std::unique_ptr<BesideUpdates> beside;
+  std::unique_ptr<OverlapUpdates> overlapped;
 
-  explicit BesidePair(uint64_t kept_bytes) {
+  explicit OverlapPair(uint64_t kept_bytes) {
     for (Model* m : {&after, &early}) {
       Options options;
       options.optimizer.weight_decay = 0.01;
@@ -824,10 +824,10 @@ struct BesidePair {
       STRATA_CHECK(made.ok());
       m->optimizer = std::move(made).value();
     }
-    auto made = BesideUpdates::Create(*early.engine, *early.pipeline, *early.optimizer, {.kept_bytes = kept_bytes});
+    auto made = OverlapUpdates::Create(*early.engine, *early.pipeline, *early.optimizer, {.kept_bytes = kept_bytes});
     STRATA_CHECK(made.ok(), "{}", made.status().ToString());
-    beside = std::move(made).value();
-    early.beside = beside.get();
+    overlapped = std::move(made).value();
+    early.overlap = overlapped.get();
     std::mt19937 rng(11);
     for (int l = 0; l < kLayers; ++l) {
       const std::vector<float> w = Random(rng, 1.0f);
@@ -850,7 +850,7 @@ struct BesidePair {
   }
 };
 
-TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
+TEST(TrainStepTest, OverlappedUpdatesGiveTheStepsResultsBitForBit) {
   struct Case {
     float scale;
     bool overflow;
@@ -862,8 +862,8 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
   // Room for every group's copy, and for two of them (the others updated after backward).
   for (uint64_t kept : {uint64_t{1} << 30, 2 * 4 * kChunkElems * sizeof(float)}) {
     SCOPED_TRACE("kept bytes " + std::to_string(kept));
-    BesidePair pair(kept);
-    const uint32_t beside_groups = kept >> 30 ? kLayers : 2;
+    OverlapPair pair(kept);
+    const uint32_t overlap_groups = kept >> 30 ? kLayers : 2;
     for (int k = 0; k < 6; ++k) {
       SCOPED_TRACE("step " + std::to_string(k));
       pair.WriteGrads(k, steps[k].scale, steps[k].overflow);
@@ -875,11 +875,11 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
       EXPECT_EQ(early.plan.grad_norm, after.plan.grad_norm);
       EXPECT_EQ(early.groups, static_cast<uint32_t>(kLayers));
       const bool stands = !steps[k].overflow && !steps[k].clips;
-      EXPECT_EQ(early.beside_groups, stands ? beside_groups : 0u);
+      EXPECT_EQ(early.overlap_groups, stands ? overlap_groups : 0u);
       // A group whose gradients overflowed was left as it was, and is updated (skipped) by the step.
-      EXPECT_EQ(early.redone_groups, stands ? 0u : beside_groups - (steps[k].overflow && kept >> 30 ? 1 : 0));
+      EXPECT_EQ(early.redone_groups, stands ? 0u : overlap_groups - (steps[k].overflow && kept >> 30 ? 1 : 0));
       // The step's kernels ran over the groups it updated itself, and again over those it redid from their copy.
-      EXPECT_EQ(early.kernel_elems, (kLayers - early.beside_groups) * kChunkElems);
+      EXPECT_EQ(early.kernel_elems, (kLayers - early.overlap_groups) * kChunkElems);
       EXPECT_EQ(early.seconds.put_back > 0, early.redone_groups > 0);
       // Every group's statistics were taken beside backward, those whose copy did not fit included.
       EXPECT_EQ(early.stats_read_groups, 0u);
@@ -897,7 +897,7 @@ TEST(TrainStepTest, UpdatesBesideBackwardGiveTheStepsResultsBitForBit) {
 }
 
 TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) {
-  BesidePair pair(uint64_t{1} << 30);
+  OverlapPair pair(uint64_t{1} << 30);
   const ChunkId grad3 = *pair.early.engine->ChunkOf(TensorId(3), ChunkKind::kGrad);
   for (int k = 0; k < 3; ++k) {
     SCOPED_TRACE("step " + std::to_string(k));
@@ -909,15 +909,15 @@ TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) 
     for (size_t i = 0; i < whole.size(); ++i) whole[i] += late[i];
     pair.after.Write(3, ChunkKind::kGrad, whole);
     pair.early.before_step = [&] {
-      ASSERT_TRUE(pair.beside->Late(grad3));
+      ASSERT_TRUE(pair.overlapped->Late(grad3));
       // Into the chunk its update zeroed, once done with it (a pipeline access of it would wait as long).
-      ASSERT_OK(pair.beside->Wait());
+      ASSERT_OK(pair.overlapped->Wait());
       pair.early.Write(3, ChunkKind::kGrad, late);
     };
     ASSERT_OK_AND_ASSIGN(TrainStepReport after, pair.after.Iteration());
     ASSERT_OK_AND_ASSIGN(TrainStepReport early, pair.early.Iteration());
     EXPECT_EQ(early.plan.grad_norm, after.plan.grad_norm);
-    EXPECT_EQ(early.beside_groups, static_cast<uint32_t>(kLayers - 1));
+    EXPECT_EQ(early.overlap_groups, static_cast<uint32_t>(kLayers - 1));
     EXPECT_EQ(early.redone_groups, 1u);
     for (int l = 0; l < kLayers; ++l) {
       for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
@@ -928,7 +928,7 @@ TEST(TrainStepTest, AGradientAfterItsGroupsUpdateBeganIsAddedAndTheGroupRedone) 
 }
 
 TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
-  BesidePair pair(uint64_t{1} << 30);
+  OverlapPair pair(uint64_t{1} << 30);
   const auto add_to_grads = [](Model& m, int layer, const std::vector<float>& more) {
     std::vector<float> g = m.Read(layer, ChunkKind::kGrad);
     for (size_t i = 0; i < g.size(); ++i) g[i] += more[i];
@@ -950,18 +950,18 @@ TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
       ASSERT_OK(early.pipeline->Access(*early.engine->ChunkOf(TensorId(l), kind)).status());
     }
     ASSERT_OK(early.pipeline->EndMoment());
-    ASSERT_OK_AND_ASSIGN(bool begun, pair.beside->Begin(*early.engine->ChunkOf(TensorId(l), ChunkKind::kGrad)));
+    ASSERT_OK_AND_ASSIGN(bool begun, pair.overlapped->Begin(*early.engine->ChunkOf(TensorId(l), ChunkKind::kGrad)));
     ASSERT_TRUE(begun);
   }
-  ASSERT_TRUE(pair.beside->Late(*early.engine->ChunkOf(TensorId(3), ChunkKind::kGrad)));
-  ASSERT_OK(pair.beside->Wait());
+  ASSERT_TRUE(pair.overlapped->Late(*early.engine->ChunkOf(TensorId(3), ChunkKind::kGrad)));
+  ASSERT_OK(pair.overlapped->Wait());
   early.Write(3, ChunkKind::kGrad, late);
-  ASSERT_OK(pair.beside->Undo());
+  ASSERT_OK(pair.overlapped->Undo());
   for (int l = 0; l < kLayers; ++l) add_to_grads(early, l, RankGrad(2, l, 0));
   ASSERT_OK_AND_ASSIGN(TrainStepReport report,
-                       RunTrainStep(*early.engine, *early.pipeline, *early.optimizer, {.beside = pair.beside.get()}));
+                       RunTrainStep(*early.engine, *early.pipeline, *early.optimizer, {.overlap = pair.overlapped.get()}));
   ASSERT_OK(early.pipeline->EndIteration());
-  EXPECT_EQ(report.beside_groups, 0u);  // undone: the step updated every group itself
+  EXPECT_EQ(report.overlap_groups, 0u);  // undone: the step updated every group itself
   for (int l = 0; l < kLayers; ++l) {
     for (ChunkKind kind : {ChunkKind::kParam, ChunkKind::kExpAvg, ChunkKind::kExpAvgSq, ChunkKind::kGrad}) {
       EXPECT_EQ(early.Read(l, kind), pair.after.Read(l, kind)) << "layer " << l << " kind " << int(kind);
@@ -969,8 +969,8 @@ TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
   }
 }
 
-TEST(TrainStepTest, AFailedReadForAnUpdateBesideBackwardFailsTheStepAndTheNextOneRuns) {
-  BesidePair pair(uint64_t{1} << 30);
+TEST(TrainStepTest, AFailedReadForAnOverlappedUpdateFailsTheStepAndTheNextOneRuns) {
+  OverlapPair pair(uint64_t{1} << 30);
   for (int k = 0; k < 2; ++k) {
     pair.WriteGrads(k, 1e-3f, false);
     ASSERT_OK(pair.early.Iteration().status());
@@ -979,28 +979,28 @@ TEST(TrainStepTest, AFailedReadForAnUpdateBesideBackwardFailsTheStepAndTheNextOn
   pair.early.faults->FailReads(EIO, 1);  // the optimizer states live on NVMe: an update's read
   Result<TrainStepReport> failed = pair.early.Iteration();
   ASSERT_EQ(failed.status().code(), StatusCode::kIoError) << failed.status().ToString();
-  EXPECT_NE(failed.status().message().find("beside backward"), std::string::npos) << failed.status().ToString();
+  EXPECT_NE(failed.status().message().find("overlapped update"), std::string::npos) << failed.status().ToString();
   EXPECT_EQ(pair.early.optimizer->steps_taken(), 2);  // not counted
   pair.WriteGrads(3, 1e-3f, false);
   ASSERT_OK_AND_ASSIGN(TrainStepReport next, pair.early.Iteration());  // the failed step's updates are gone
   EXPECT_EQ(next.plan.step, 3);
-  EXPECT_EQ(next.beside_groups, static_cast<uint32_t>(kLayers));
+  EXPECT_EQ(next.overlap_groups, static_cast<uint32_t>(kLayers));
 }
 
-TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
+TEST(TrainStepTest, OverlappedUpdatesAreRefusedForAnotherGrad) {
   Model model;
-  ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+  ASSERT_OK_AND_ASSIGN(auto overlapped, OverlapUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
                                                           {.kept_bytes = uint64_t{1} << 30}));
   ASSERT_OK(model.pipeline->BeginIteration());
   const ChunkId param = *model.engine->ChunkOf(TensorId(0), ChunkKind::kParam);
-  EXPECT_EQ(beside->Begin(param).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(overlapped->Begin(param).status().code(), StatusCode::kInvalidArgument);
   const ChunkId grad = *model.engine->ChunkOf(TensorId(0), ChunkKind::kGrad);
-  ASSERT_OK_AND_ASSIGN(bool begun, beside->Begin(grad));
+  ASSERT_OK_AND_ASSIGN(bool begun, overlapped->Begin(grad));
   EXPECT_TRUE(begun);
-  Result<bool> again = beside->Begin(grad);
+  Result<bool> again = overlapped->Begin(grad);
   EXPECT_EQ(again.status().code(), StatusCode::kInvalidArgument);
   EXPECT_NE(again.status().message().find("begun already"), std::string::npos) << again.status().ToString();
-  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, {.beside = beside.get()}).status());
+  ASSERT_OK(RunTrainStep(*model.engine, *model.pipeline, *model.optimizer, {.overlap = overlapped.get()}).status());
   ASSERT_OK(model.pipeline->EndIteration());
 }
 
@@ -1010,11 +1010,11 @@ TEST(TrainStepTest, UpdatesBesideBackwardAreRefusedForAnotherGrad) {
 namespace strata::offload {
 namespace {
 
-TEST(TrainStepTest, UpdatesBesideBackwardOfADataParallelEngineNeedItsReducer) {
+TEST(TrainStepTest, OverlappedUpdatesOfADataParallelEngineNeedItsReducer) {
   OnRanks(2, [](int, Communicator& comm) {
     Model model(0.0, &comm);
-    Result<std::unique_ptr<BesideUpdates>> refused =
-        BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer, {.kept_bytes = 1 << 20});
+    Result<std::unique_ptr<OverlapUpdates>> refused =
+        OverlapUpdates::Create(*model.engine, *model.pipeline, *model.optimizer, {.kept_bytes = 1 << 20});
     ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument);
     EXPECT_NE(refused.status().message().find("GradReducer"), std::string::npos) << refused.status().ToString();
   });
@@ -1023,9 +1023,9 @@ TEST(TrainStepTest, UpdatesBesideBackwardOfADataParallelEngineNeedItsReducer) {
   OnRanks(1, [](int, Communicator& comm) {
     Model model(0.0, &comm);
     GradReducer reducer(*model.engine, comm);
-    ASSERT_OK_AND_ASSIGN(auto beside, BesideUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+    ASSERT_OK_AND_ASSIGN(auto overlapped, OverlapUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
                                                             {.kept_bytes = 1 << 20}));
-    model.beside = beside.get();
+    model.overlap = overlapped.get();
     Result<TrainStepReport> refused = model.Iteration(&comm, &reducer);
     ASSERT_EQ(refused.status().code(), StatusCode::kInvalidArgument) << refused.status().ToString();
     EXPECT_NE(refused.status().message().find("GradReducer"), std::string::npos) << refused.status().ToString();
@@ -1052,7 +1052,7 @@ std::vector<std::byte> ChunkBytes(Model& m, int tensor, ChunkKind kind) {
 // backward on each group's reduction and one stepping after backward see
 // the same gradients (small ones, large ones that clip, an overflow on one
 // rank alone): the same parameters and states bit for bit, every step.
-void RunDataParallelBeside(int world, bool shard_params) {
+void RunDataParallelOverlap(int world, bool shard_params) {
   constexpr double kMaxGradNorm = 1.0;
   struct Step {
     float scale;
@@ -1072,10 +1072,10 @@ void RunDataParallelBeside(int world, bool shard_params) {
       Communicator& early_comm = *(*early_group)[r];
       Model after(kMaxGradNorm, &after_comm, shard_params), early(kMaxGradNorm, &early_comm, shard_params);
       GradReducer after_reducer(*after.engine, after_comm), early_reducer(*early.engine, early_comm);
-      auto beside = BesideUpdates::Create(*early.engine, *early.pipeline, *early.optimizer,
+      auto overlapped = OverlapUpdates::Create(*early.engine, *early.pipeline, *early.optimizer,
                                           {.kept_bytes = uint64_t{1} << 30, .reducer = &early_reducer});
-      ASSERT_OK(beside.status());
-      early.beside = beside->get();
+      ASSERT_OK(overlapped.status());
+      early.overlap = overlapped->get();
       std::mt19937 rng(11);
       for (int l = 0; l < kLayers; ++l) {
         const std::vector<float> w = Random(rng, 1.0f);
@@ -1101,7 +1101,7 @@ void RunDataParallelBeside(int world, bool shard_params) {
         ASSERT_OK_AND_ASSIGN(TrainStepReport e, early.Iteration(&early_comm, &early_reducer));
         EXPECT_EQ(e.plan.grad_norm, a.plan.grad_norm);
         EXPECT_EQ(a.plan.skip, steps[k].overflow);
-        EXPECT_EQ(e.beside_groups, steps[k].stands ? static_cast<uint32_t>(kLayers) : 0u);
+        EXPECT_EQ(e.overlap_groups, steps[k].stands ? static_cast<uint32_t>(kLayers) : 0u);
         EXPECT_EQ(e.groups, static_cast<uint32_t>(kLayers));
         EXPECT_EQ(e.comm_bytes, a.comm_bytes);  // the same collectives
         for (int l = 0; l < kLayers; ++l) {
@@ -1123,9 +1123,9 @@ void RunDataParallelBeside(int world, bool shard_params) {
   for (std::thread& t : threads) t.join();
 }
 
-TEST(TrainStepTest, TwoRanksUpdatingBesideBackwardStepAsAfterItBitForBit) { RunDataParallelBeside(2, false); }
-TEST(TrainStepTest, FourRanksUpdatingBesideBackwardStepAsAfterItBitForBit) { RunDataParallelBeside(4, false); }
-TEST(TrainStepTest, ShardedParamsUpdatedBesideBackwardStepAsAfterItBitForBit) { RunDataParallelBeside(2, true); }
+TEST(TrainStepTest, TwoRanksWithOverlappedUpdatesStepAsWithoutBitForBit) { RunDataParallelOverlap(2, false); }
+TEST(TrainStepTest, FourRanksWithOverlappedUpdatesStepAsWithoutBitForBit) { RunDataParallelOverlap(4, false); }
+TEST(TrainStepTest, ShardedParamsWithOverlappedUpdatesStepAsWithoutBitForBit) { RunDataParallelOverlap(2, true); }
 
 }  // namespace
 }  // namespace strata::offload

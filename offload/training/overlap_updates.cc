@@ -1,4 +1,4 @@
-#include "offload/training/beside_updates.h"
+#include "offload/training/overlap_updates.h"
 
 #include <cstring>
 
@@ -8,12 +8,12 @@
 
 namespace strata::offload {
 
-// Note [Updates beside backward]
+// Note [Overlapped updates]
 // A step's updates need the global gradient norm (clipping), the loss
 // scaler's verdict and the inf/NaN check, none of which is known before
 // backward ends. An update begun in backward (Begin: the adapter calls it
 // once a group's gradients are final) therefore runs speculatively, on the
-// pipeline's host lane (Pipeline::RunBeside): it copies the group's chunks
+// pipeline's host lane (Pipeline::RunOverlapped): it copies the group's chunks
 // (gradients, parameters, master, optimizer states) into a buffer of its
 // own, takes the gradients' statistics, and updates the group with
 // Optimizer::PlanAhead, the plan for finite gradients that need no clip. A
@@ -37,10 +37,10 @@ namespace strata::offload {
 // Two limits to "bit for bit": a gradient that comes late in three parts or
 // more is summed in another order ((b + c) + a); and on a GPU, where the
 // step alone would sum some groups' gradients on the device in one pass, an
-// update beside backward sums its group's on the host, so the norm (and a
+// overlapped update sums its group's on the host, so the norm (and a
 // clip) may differ in the last bits.
 
-// Note [Updates beside backward, data parallel]
+// Note [Overlapped updates, data parallel]
 // Each rank submits a group's gradients to the GradReducer as soon as they
 // are final (in the fixed order every rank keeps); Begin then holds that
 // reduction (GradReducer::HoldReduction), and the update, on the pipeline's
@@ -59,20 +59,20 @@ namespace strata::offload {
 // collectives stay in one order, and the result is that of the run without
 // overlap bit for bit.
 
-Result<std::unique_ptr<BesideUpdates>> BesideUpdates::Create(Engine& engine, Pipeline& pipeline,
+Result<std::unique_ptr<OverlapUpdates>> OverlapUpdates::Create(Engine& engine, Pipeline& pipeline,
                                                              optim::Optimizer& optimizer,
-                                                             const BesideOptions& options) {
+                                                             const OverlapOptions& options) {
   if (engine.world_size() > 1 && options.reducer == nullptr) {
     return InvalidArgument(
-        "updates beside backward (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates run on "
+        "overlapped updates (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates run on "
         "the reduced gradients: give the GradReducer backward submits them to",
         engine.rank(), engine.world_size());
   }
-  return std::unique_ptr<BesideUpdates>(new BesideUpdates(engine, pipeline, optimizer, options));
+  return std::unique_ptr<OverlapUpdates>(new OverlapUpdates(engine, pipeline, optimizer, options));
 }
 
-BesideUpdates::BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                             const BesideOptions& options)
+OverlapUpdates::OverlapUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
+                             const OverlapOptions& options)
     : engine_(engine),
       pipeline_(pipeline),
       optimizer_(optimizer),
@@ -83,22 +83,22 @@ BesideUpdates::BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimize
   for (size_t k = 0; k < groups_.size(); ++k) group_of_grad_.emplace(groups_[k][ChunkKind::kGrad].id.value(), k);
 }
 
-BesideUpdates::~BesideUpdates() { (void)Wait(); }
+OverlapUpdates::~OverlapUpdates() { (void)Wait(); }
 
-uint64_t BesideUpdates::kept_size(size_t group) const {
+uint64_t OverlapUpdates::kept_size(size_t group) const {
   uint64_t bytes = 0;
   for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) bytes += groups_[group][kind].used_bytes;
   return bytes;
 }
 
-Result<bool> BesideUpdates::Begin(ChunkId grad) {
+Result<bool> OverlapUpdates::Begin(ChunkId grad) {
   const auto found = group_of_grad_.find(grad.value());
   if (found == group_of_grad_.end()) {
-    return InvalidArgument("updates beside backward: chunk {} is no trainable group's grad chunk", grad.value());
+    return InvalidArgument("overlapped updates: chunk {} is no trainable group's grad chunk", grad.value());
   }
   const size_t group = found->second;
   if (begun_[group]) {
-    return InvalidArgument("updates beside backward: the update of chunk {}'s group has begun already this step",
+    return InvalidArgument("overlapped updates: the update of chunk {}'s group has begun already this step",
                            grad.value());
   }
   const uint64_t size = kept_size(group);
@@ -134,7 +134,7 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
   update->reduced = std::move(reduced);
   Update* const u = update.get();
   STRATA_ASSIGN_OR_RETURN(update->done,
-                          pipeline_.RunBeside(chunks,
+                          pipeline_.RunOverlapped(chunks,
                                               fits ? DeviceUpdateSeconds(groups_[group], optimizer_.config())
                                                    : std::optional(DeviceStatsSeconds(groups_[group])),
                                               [this, group, u, fits](Tier where, auto& held) {
@@ -161,7 +161,7 @@ Result<bool> BesideUpdates::Begin(ChunkId grad) {
 // On the pipeline's host lane, with the group's chunks pinned in `held`
 // (UpdatedKinds order; with `update_it` false, the grad chunk alone): the
 // statistics, then the update, its copy kept as it reads.
-Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held,
+Status OverlapUpdates::Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held,
                               bool update_it) {
   // Where the plan runs it on a GPU, the step updates it there (its stream's order is the step's).
   if (!engine_.device().host_accessible() && where != Tier::kHost) return Status::Ok();
@@ -174,7 +174,7 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   memory::ShardRange range{.begin = 0, .end = n};
   const float* reduced = nullptr;
   if (update.reduced) {  // data parallel: this rank's shard of the mean gradients
-    STRATA_RETURN_IF_ERROR(update.reduced->done.get().WithContext("the reduction an update beside backward needs"));
+    STRATA_RETURN_IF_ERROR(update.reduced->done.get().WithContext("the reduction an overlapped update needs"));
     range = memory::ShardOf(n, engine_.rank(), engine_.world_size());
     reduced = update.reduced->shard->data();
     update.stats.Add(reduced, DType::kFloat32, range.end - range.begin);
@@ -194,7 +194,7 @@ Status BesideUpdates::Compute(size_t group, Update& update, Tier where, std::vec
   return Status::Ok();
 }
 
-void BesideUpdates::PutBack(size_t group, HeldChunks& held, Grads grads) const {
+void OverlapUpdates::PutBack(size_t group, HeldChunks& held, Grads grads) const {
   const Group& g = groups_[group];
   const std::byte* kept = kept_[group].bytes();
   for (ChunkKind kind : UpdatedKinds(g, optimizer_.num_states())) {
@@ -208,7 +208,7 @@ void BesideUpdates::PutBack(size_t group, HeldChunks& held, Grads grads) const {
   }
 }
 
-void BesideUpdates::AddKeptGrads(size_t group, std::byte* grads) const {
+void OverlapUpdates::AddKeptGrads(size_t group, std::byte* grads) const {
   const ChunkInfo& grad = groups_[group][ChunkKind::kGrad];
   const std::byte* kept = kept_[group].bytes();  // the grad chunk comes first (UpdatedKinds)
   for (size_t i = 0; i < UsedElems(grad); ++i) {
@@ -216,7 +216,7 @@ void BesideUpdates::AddKeptGrads(size_t group, std::byte* grads) const {
   }
 }
 
-Status BesideUpdates::Undo() {
+Status OverlapUpdates::Undo() {
   const std::vector<Update> taken = Take();
   for (const Update& u : taken) {
     if (!u.updated) continue;
@@ -234,7 +234,7 @@ Status BesideUpdates::Undo() {
   return Status::Ok();
 }
 
-bool BesideUpdates::Late(ChunkId grad) {
+bool OverlapUpdates::Late(ChunkId grad) {
   for (std::unique_ptr<Update>& u : updates_) {
     if (groups_[u->group][ChunkKind::kGrad].id != grad) continue;
     u->late = true;
@@ -243,16 +243,16 @@ bool BesideUpdates::Late(ChunkId grad) {
   return false;
 }
 
-Status BesideUpdates::Wait() {
+Status OverlapUpdates::Wait() {
   Status first;
   for (const std::unique_ptr<Update>& u : updates_) {
     const Status s = u->done.get();
-    if (first.ok() && !s.ok()) first = s.WithContext("an update beside backward");
+    if (first.ok() && !s.ok()) first = s.WithContext("an overlapped update (optimizer.overlap)");
   }
   return first;
 }
 
-std::vector<BesideUpdates::Update> BesideUpdates::Take() {
+std::vector<OverlapUpdates::Update> OverlapUpdates::Take() {
   (void)Wait();
   std::vector<Update> taken;
   for (std::unique_ptr<Update>& u : updates_) taken.push_back(std::move(*u));

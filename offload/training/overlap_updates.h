@@ -2,13 +2,13 @@
 // trainable chunk group's update starts as soon as its gradients are final,
 // from a plan made before the step's norm is known, with a copy of the
 // group's chunks kept; the step then confirms it, or restores the copy and
-// updates again (Note [Updates beside backward] in beside_updates.cc).
+// updates again (Note [Overlapped updates] in overlap_updates.cc).
 //
-//   BesideUpdates beside(engine, pipeline, optimizer, {.kept_bytes = ...});
+//   OverlapUpdates overlap(engine, pipeline, optimizer, {.kept_bytes = ...});
 //   ... the last backward before a step, between two of its moments:
-//   beside.Begin(grad_chunk);  // its group's gradients are final
+//   overlap.Begin(grad_chunk);  // its group's gradients are final
 //   ...
-//   RunTrainStep(engine, pipeline, optimizer, {.beside = &beside});
+//   RunTrainStep(engine, pipeline, optimizer, {.overlap = &overlap});
 //
 // Ownership: borrows the engine, the pipeline and the optimizer, which must
 // outlive it. Thread-safety: the pipeline's thread; the updates run on the
@@ -31,7 +31,7 @@
 
 namespace strata::offload {
 
-struct BesideOptions {
+struct OverlapOptions {
   // Host memory for the copies the updates keep until the step confirms
   // them (option optimizer.overlap). A group whose copy does not fit in
   // what is left is updated by the step, after backward.
@@ -43,7 +43,7 @@ struct BesideOptions {
   GradReducer* reducer = nullptr;
 };
 
-class BesideUpdates {
+class OverlapUpdates {
  public:
   // One update begun this step.
   struct Update {
@@ -62,11 +62,11 @@ class BesideUpdates {
   };
 
   // InvalidArgument for a data-parallel engine without options.reducer.
-  static Result<std::unique_ptr<BesideUpdates>> Create(Engine& engine, Pipeline& pipeline,
-                                                       optim::Optimizer& optimizer, const BesideOptions& options);
-  ~BesideUpdates();  // waits for the updates in flight
-  BesideUpdates(const BesideUpdates&) = delete;
-  BesideUpdates& operator=(const BesideUpdates&) = delete;
+  static Result<std::unique_ptr<OverlapUpdates>> Create(Engine& engine, Pipeline& pipeline,
+                                                       optim::Optimizer& optimizer, const OverlapOptions& options);
+  ~OverlapUpdates();  // waits for the updates in flight
+  OverlapUpdates(const OverlapUpdates&) = delete;
+  OverlapUpdates& operator=(const OverlapUpdates&) = delete;
 
   // The gradients of grad chunk `grad`'s group are final for this step: its
   // update begins beside what follows when its copy fits in what kept_bytes
@@ -114,13 +114,13 @@ class BesideUpdates {
   uint64_t kept_size(size_t group) const;
 
  private:
-  BesideUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer, const BesideOptions& options);
+  OverlapUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer, const OverlapOptions& options);
   Status Compute(size_t group, Update& update, Tier where, std::vector<ChunkAccess>& held, bool update_it);
 
   Engine& engine_;
   Pipeline& pipeline_;
   optim::Optimizer& optimizer_;
-  const BesideOptions options_;
+  const OverlapOptions options_;
   const std::vector<Group> groups_;
   std::unordered_map<uint32_t, size_t> group_of_grad_;  // grad chunk -> index into groups_
   std::vector<Buffer> kept_;  // by group, allocated on first use and kept while kept_bytes allows

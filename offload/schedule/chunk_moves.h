@@ -1,0 +1,81 @@
+// ChunkMoves: every move the pipeline has queued for a chunk, one chain a
+// chunk in the order queued -- a fetch to the device, a read from NVMe ahead
+// of a host moment, an eviction, a write-back to NVMe, an overlapped update
+// -- until it has ended and been taken or dropped. The pipeline reads a
+// chunk's chain to know what a new move of it follows and who reports a
+// move's error (Note [One chain of moves per chunk] in pipeline.cc).
+//
+// Not thread-safe: the training loop's thread alone queues, takes and drops
+// moves; a queued move's task holds copies of the futures it waits for.
+#pragma once
+
+#include <cstdint>
+#include <future>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "strata/status.h"
+#include "strata/types.h"
+
+namespace strata::offload {
+
+enum class MoveKind : uint8_t { kFetch, kRead, kEviction, kWriteBack, kUpdate };
+
+// A set of kinds.
+class MoveKinds {
+ public:
+  MoveKinds(std::initializer_list<MoveKind> kinds);
+  bool Has(MoveKind kind) const { return (bits_ >> static_cast<int>(kind)) & 1; }
+  static MoveKinds All();
+
+ private:
+  uint32_t bits_ = 0;
+};
+
+// What a fetch, a read or a write-back queued after a chunk's move off a tier
+// or its update follows: the last of these (each follows the one before, or
+// runs on the same one-worker queue after it).
+inline const MoveKinds kMovesOffOrUpdates = {MoveKind::kEviction, MoveKind::kWriteBack, MoveKind::kUpdate};
+
+struct QueuedMove {
+  ChunkId chunk;
+  MoveKind kind = MoveKind::kFetch;
+  std::shared_future<Status> done;
+  // How its error reads where it is reported, fmt-style with the chunk's id
+  // ("evicting chunk {} from the device").
+  std::string what;
+
+  bool ended() const;
+  // Waits for the move to end, at most `timeout_ms`: Timeout ("the `waited_as`
+  // of chunk C did not finish within T ms") when it has not.
+  Status Ended(uint32_t timeout_ms, std::string_view waited_as) const;
+  // Ended(), then what the move returned.
+  Status Result(uint32_t timeout_ms, std::string_view waited_as) const;
+};
+
+class ChunkMoves {
+ public:
+  explicit ChunkMoves(size_t num_chunks) : chains_(num_chunks) {}
+
+  // Appends a move to its chunk's chain; returns it.
+  const QueuedMove& Add(QueuedMove move);
+  // The last move of `kinds` in `chunk`'s chain, if any.
+  std::optional<QueuedMove> Last(ChunkId chunk, MoveKinds kinds) const;
+  bool Has(ChunkId chunk, MoveKinds kinds) const { return Last(chunk, kinds).has_value(); }
+  // Removes `chunk`'s moves of `kinds` and returns them in the order queued:
+  // what they return is the caller's to report.
+  std::vector<QueuedMove> Take(ChunkId chunk, MoveKinds kinds);
+  // Removes every move of `kinds` that has ended. The first error among the
+  // removed moves of `reported` is returned, with the move's `what`; the
+  // others' results are reported by whoever waits for them (or by nobody:
+  // a move nothing used).
+  Status DropEnded(MoveKinds kinds, MoveKinds reported);
+
+ private:
+  std::vector<std::vector<QueuedMove>> chains_;  // by chunk id
+};
+
+}  // namespace strata::offload
