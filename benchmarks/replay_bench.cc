@@ -42,7 +42,7 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
 }
 
 // Each update moment moved to just after the last device moment that uses
-// its group's grad chunk, and marked beside: it begins as soon as its
+// its group's grad chunk, and marked `overlap`: it begins as soon as its
 // gradients are final, as OverlapUpdates begins it.
 void OverlapBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
   std::vector<offload::TraceMoment> updates, device;

@@ -205,10 +205,10 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // Compaction moves chunks in hold; a pinned chunk cannot move (the framework
 // computes with its address, the CPU optimizer with its host bytes), so pins
 // scattered over a memory tier can split its room into pieces none of which
-// holds the next chunk, with room enough in total: with odd-sized chunks, a
-// tight device tier failed so although the chunks pinned at once fit it, and
-// a tight host tier likewise in an optimizer step, which pins a group's
-// gradient, parameter and state chunks on the host together (issue 22). So
+// holds the next chunk, with room enough in total: with chunks of several
+// sizes, a tight device tier would fail although the chunks pinned at once fit
+// it, and a tight host tier likewise in an optimizer step, which pins a
+// group's gradient, parameter and state chunks on the host together. So
 // a chunk is pinned on a memory tier (device or host) only where it keeps
 // room: where, with it and the chunks pinned, one unpinned piece of the tier
 // (free room, chunks in hold or on their way) holds the room to keep, or all
@@ -249,11 +249,10 @@ Result<std::optional<Extent>> ResidencyManager::MoveWithinTier(Lock& lock, Tier 
 // once per access, and again after each look below. A chunk there that
 // another access takes while room is made (the lock is let go for each
 // copy: it moves, evicts or pins it) sends the pin to look again once that
-// chunk has landed (Note [Waiting for a place]). It gave up at first, and
-// the pin lay where it split the room: a tiny Mixtral at the least budget
-// the engine names ran out of room in backward with room enough in total,
-// in about half its runs (issue 22), and in 1 of 5 with the machine busy
-// where only a chunk in flight was waited for.
+// chunk has landed (Note [Waiting for a place]): a pin that gave up there
+// would lie where it splits the room, and a model at the least budget the
+// engine names (a tiny Mixtral, whose moments fill the device) would run out
+// of room in backward with room enough in total.
 //
 // The guarantee. Which pieces the tier has depends only on where the pinned
 // chunks lie. Released last in, first out, pins go back through layouts the

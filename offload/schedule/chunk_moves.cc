@@ -29,44 +29,51 @@ Status QueuedMove::Result(uint32_t timeout_ms, std::string_view waited_as) const
   return done.get();
 }
 
-const QueuedMove& ChunkMoves::Add(QueuedMove move) {
-  std::vector<QueuedMove>& chain = chains_.at(move.chunk.value());
-  chain.push_back(std::move(move));
-  return chain.back();
+QueuedMove ChunkMoves::Add(QueuedMove move) {
+  move.order = queued_++;
+  chains_.at(move.chunk.value()).push_back({.move = move});
+  return move;
 }
 
 std::optional<QueuedMove> ChunkMoves::Last(ChunkId chunk, MoveKinds kinds) const {
-  const std::vector<QueuedMove>& chain = chains_.at(chunk.value());
-  const auto last = std::find_if(chain.rbegin(), chain.rend(), [&](const QueuedMove& m) { return kinds.Has(m.kind); });
+  const std::vector<Entry>& chain = chains_.at(chunk.value());
+  const auto last = std::find_if(chain.rbegin(), chain.rend(), [&](const Entry& e) { return kinds.Has(e.move.kind); });
   if (last == chain.rend()) return std::nullopt;
-  return *last;
+  return last->move;
 }
 
-std::vector<QueuedMove> ChunkMoves::Take(ChunkId chunk, MoveKinds kinds) {
-  std::vector<QueuedMove>& chain = chains_.at(chunk.value());
+std::vector<QueuedMove> ChunkMoves::TakeLast(ChunkId chunk, std::initializer_list<MoveKind> kinds) {
   std::vector<QueuedMove> taken;
-  std::erase_if(chain, [&](QueuedMove& m) {
-    if (!kinds.Has(m.kind)) return false;
-    taken.push_back(std::move(m));
-    return true;
+  for (MoveKind kind : kinds) {
+    if (std::optional<QueuedMove> last = Last(chunk, {kind})) taken.push_back(std::move(*last));
+  }
+  std::erase_if(chains_.at(chunk.value()), [&](const Entry& e) {
+    return std::find(kinds.begin(), kinds.end(), e.move.kind) != kinds.end();
   });
   return taken;
 }
 
 Status ChunkMoves::DropEnded(MoveKinds kinds, MoveKinds reported) {
-  Status first;
-  for (std::vector<QueuedMove>& chain : chains_) {
-    std::erase_if(chain, [&](const QueuedMove& m) {
-      if (!kinds.Has(m.kind) || !m.ended()) return false;
-      if (reported.Has(m.kind) && first.ok()) {
-        if (Status status = m.done.get(); !status.ok()) {
-          first = status.WithContext(fmt::format(fmt::runtime(m.what), m.chunk.value()));
+  std::optional<QueuedMove> first;
+  Status error;
+  for (std::vector<Entry>& chain : chains_) {
+    bool running_before = false;
+    std::erase_if(chain, [&](Entry& e) {
+      const bool ended = e.move.ended();  // once: a move that ends meanwhile is reported before it is dropped
+      if (ended && kinds.Has(e.move.kind) && reported.Has(e.move.kind) && !e.reported) {
+        e.reported = true;
+        if (Status status = e.move.done.get(); !status.ok() && (!first || e.move.order < first->order)) {
+          first = e.move;
+          error = std::move(status);
         }
       }
-      return true;
+      const bool drop = ended && kinds.Has(e.move.kind) && !running_before;
+      running_before = running_before || !ended;
+      return drop;
     });
   }
-  return first;
+  if (!first) return Status::Ok();
+  return error.WithContext(fmt::format(fmt::runtime(first->what), first->chunk.value()));
 }
 
 }  // namespace strata::offload

@@ -13,7 +13,6 @@
 #include <future>
 #include <initializer_list>
 #include <optional>
-#include <string>
 #include <string_view>
 #include <vector>
 
@@ -36,8 +35,7 @@ class MoveKinds {
 };
 
 // What a fetch, a read or a write-back queued after a chunk's move off a tier
-// or its update follows: the last of these (each follows the one before, or
-// runs on the same one-worker queue after it).
+// or its update follows: the last of these queued.
 inline const MoveKinds kMovesOffOrUpdates = {MoveKind::kEviction, MoveKind::kWriteBack, MoveKind::kUpdate};
 
 struct QueuedMove {
@@ -45,8 +43,9 @@ struct QueuedMove {
   MoveKind kind = MoveKind::kFetch;
   std::shared_future<Status> done;
   // How its error reads where it is reported, fmt-style with the chunk's id
-  // ("evicting chunk {} from the device").
-  std::string what;
+  // ("evicting chunk {} from the device"); a string literal.
+  const char* what = "moving chunk {}";
+  uint64_t order = 0;  // its place among every move queued (ChunkMoves::Add sets it)
 
   bool ended() const;
   // Waits for the move to end, at most `timeout_ms`: Timeout ("the `waited_as`
@@ -61,21 +60,29 @@ class ChunkMoves {
   explicit ChunkMoves(size_t num_chunks) : chains_(num_chunks) {}
 
   // Appends a move to its chunk's chain; returns it.
-  const QueuedMove& Add(QueuedMove move);
+  QueuedMove Add(QueuedMove move);
   // The last move of `kinds` in `chunk`'s chain, if any.
   std::optional<QueuedMove> Last(ChunkId chunk, MoveKinds kinds) const;
   bool Has(ChunkId chunk, MoveKinds kinds) const { return Last(chunk, kinds).has_value(); }
-  // Removes `chunk`'s moves of `kinds` and returns them in the order queued:
-  // what they return is the caller's to report.
-  std::vector<QueuedMove> Take(ChunkId chunk, MoveKinds kinds);
-  // Removes every move of `kinds` that has ended. The first error among the
-  // removed moves of `reported` is returned, with the move's `what`; the
-  // others' results are reported by whoever waits for them (or by nobody:
-  // a move nothing used).
+  // Removes `chunk`'s moves of `kinds` and returns the last of each kind, in
+  // the order `kinds` lists them: what those return is the caller's to
+  // report (a move queued again behind another of its kind is forgotten).
+  std::vector<QueuedMove> TakeLast(ChunkId chunk, std::initializer_list<MoveKind> kinds);
+  // Removes the moves of `kinds` that have ended, but for those queued after
+  // a move of their chunk still running (so that Last never falls back past
+  // a move that ended to an earlier one still under way). Returns the first
+  // error, in the order queued, of the ended moves of `reported` not
+  // reported before, with the move's `what`; the others' results are
+  // reported by whoever waits for them (or by nobody: a move nothing used).
   Status DropEnded(MoveKinds kinds, MoveKinds reported);
 
  private:
-  std::vector<std::vector<QueuedMove>> chains_;  // by chunk id
+  struct Entry {
+    QueuedMove move;
+    bool reported = false;  // its error went to DropEnded's caller
+  };
+  std::vector<std::vector<Entry>> chains_;  // by chunk id
+  uint64_t queued_ = 0;                     // moves added, for QueuedMove::order
 };
 
 }  // namespace strata::offload

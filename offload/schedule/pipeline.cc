@@ -59,24 +59,28 @@ namespace strata::offload {
 // Note [One chain of moves per chunk]
 // Every move queued for a chunk joins its chain (ChunkMoves), in the order
 // queued: a fetch to the device, a read ahead of a host moment, an eviction,
-// a write-back to NVMe, an overlapped update. What a new move follows is read
-// off the chain, by kind:
-//  - a fetch, a read ahead and a write-back: the chunk's last move off a tier
-//    or update (each of those follows the one before it, or runs after it on
-//    the same one-worker queue); not ending in time is the move's error;
+// a write-back to NVMe, an overlapped update. What a new move or an access
+// waits for is read off the chain, by kind:
+//  - a fetch, a read ahead and a write-back: the last move off a tier or
+//    update queued for the chunk; not ending in time is the move's error;
 //  - an eviction: the chunk's fetch still queued, and only its end (Note
-//    [Waits on queued moves]); it never waits for an update, which holds the
-//    chunk on the host where an eviction off the device moves nothing;
-//  - an overlapped update: its chunks' planned fetch or read, taken off the
-//    chain (their results are the update's), their last move off a tier or
-//    update, and their last update;
-//  - an access: takes the planned fetch or read (their results are its own),
-//    waits for the end of an update holding the chunk, and, on the host, for
-//    its last move off a tier or update.
-// A move leaves its chain when it is taken, or once it has ended: fetches,
-// reads and updates when an iteration begins, evictions and write-backs
-// when one ends, whose first error EndIteration returns. So a chunk's moves
-// never run out of order, and each result has one reporter.
+//    [Waits on queued moves]); not an update, which holds the chunk on the
+//    host, where an eviction off the device moves nothing, nor a write-back,
+//    which moves it off the host;
+//  - an overlapped update: its chunks' planned fetch and read, taken off the
+//    chain (their results are the update's), and the last move off a tier
+//    or update and the last update queued for each;
+//  - an access: takes the planned fetch and read (their results are its
+//    own), waits for the end of an update holding the chunk, and, on the
+//    host, for the last move off a tier or update queued for it.
+// Taking a kind takes the last move of it queued; one queued again behind
+// it (a fetch of an iteration that left its plan) is forgotten. Moves that
+// have ended leave the chain at an iteration's edges -- fetches, reads and
+// updates when it begins, evictions, write-backs and updates when it ends --
+// but for those queued after a move of the chunk still running, so that
+// "the last queued" never falls back to an earlier move still under way;
+// EndIteration returns the first error, in the order queued, of the
+// evictions and write-backs that ended.
 //
 // Note [Divergence]
 // An access the plan does not have at that moment (evaluation, dynamic
@@ -247,7 +251,7 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
                                            : "a device moment where the trace has a host one");
     } else if (p.planned_trace.moments[p.moment].overlap != traced.overlap) {
       p.Diverge(traced.overlap ? "an overlapped update where the trace has one between moments"
-                              : "an update between moments where the trace has one beside backward");
+                              : "an update between moments where the trace has an overlapped one");
     } else if (!traced.device_compute_seconds && p.plan->compute_tier[p.moment] != traced.tier) {
       p.Diverge("a host moment that cannot run on the device, where the plan runs it");
     } else {
@@ -293,7 +297,7 @@ Result<ChunkAccess> Pipeline::Access(ChunkId chunk) {
   Status prefetched = Status::Ok();
   p.WantHostRead(chunk);  // waited for below
   // Whichever move was planned for it: its result is this access's.
-  for (const QueuedMove& planned : p.moves.Take(chunk, {MoveKind::kFetch, MoveKind::kRead})) {
+  for (const QueuedMove& planned : p.moves.TakeLast(chunk, {MoveKind::kFetch, MoveKind::kRead})) {
     const Clock::time_point wait = Clock::now();
     if (prefetched.ok()) prefetched = planned.Result(p.options.wait_timeout_ms, "prefetch");
     charge(planned.kind == MoveKind::kFetch ? Link::kHostToDevice : Link::kNvmeRead, wait);
@@ -400,9 +404,9 @@ std::shared_future<Status> RunInPlace(Pipeline& pipeline, const std::vector<Chun
   return done.get_future().share();
 }
 
-// An overlapped update on the host's lane (Note [Updates beside
-// backward]): waits for the moves queued before it, pins its chunks in host
-// memory and computes; `seconds` gets the compute's time.
+// An overlapped update on the host's lane (Note [Overlapped updates]):
+// waits for the moves queued before it, pins its chunks in host memory and
+// computes; `seconds` gets the compute's time.
 Status ComputeOverlapped(Engine& engine, const std::vector<ChunkId>& chunks, const std::vector<QueuedMove>& before,
                          uint32_t timeout_ms, const Pipeline::OverlapCompute& compute, double& seconds) {
   for (const QueuedMove& move : before) {
@@ -437,8 +441,8 @@ Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<Chu
   }
   const bool adaptive = p.options.policy == Policy::kAdaptive;
   STRATA_ASSIGN_OR_RETURN(const Tier where, p.Begin(TraceMoment{.tier = Tier::kHost,
-                                                                .device_compute_seconds = device_compute_seconds,
-                                                                .overlap = adaptive}));
+                                                               .device_compute_seconds = device_compute_seconds,
+                                                               .overlap = adaptive}));
   if (!adaptive || where != Tier::kHost) return RunInPlace(*this, chunks, where, compute);
   // The moves the update waits for, on the update's thread: a planned fetch
   // or read from NVMe (taken: their results are the update's), the last move
@@ -451,11 +455,13 @@ Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<Chu
     }
     if (p.mode == Impl::Mode::kRecording) p.recording.moments.back().chunks.push_back(c);
     p.WantHostRead(c);  // the update waits for it
-    for (QueuedMove& planned : p.moves.Take(c, {MoveKind::kFetch, MoveKind::kRead})) {
+    for (QueuedMove& planned : p.moves.TakeLast(c, {MoveKind::kFetch, MoveKind::kRead})) {
       before.push_back(std::move(planned));
     }
-    for (MoveKinds kinds : {kMovesOffOrUpdates, MoveKinds{MoveKind::kUpdate}}) {
-      if (std::optional<QueuedMove> last = p.moves.Last(c, kinds)) before.push_back(std::move(*last));
+    const std::optional<QueuedMove> off = p.moves.Last(c, kMovesOffOrUpdates);
+    if (off) before.push_back(*off);
+    if (!off || off->kind != MoveKind::kUpdate) {  // else that is its last update
+      if (std::optional<QueuedMove> update = p.moves.Last(c, {MoveKind::kUpdate})) before.push_back(*update);
     }
     if (std::find(p.host_accessed.begin(), p.host_accessed.end(), c) == p.host_accessed.end()) {
       p.host_accessed.push_back(c);
@@ -472,7 +478,7 @@ Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<Chu
                                                              : std::nullopt,
                            done, seconds});
   for (ChunkId c : chunks) {  // a later fetch, read, write-back or access of it waits for the update
-    p.moves.Add({.chunk = c, .kind = MoveKind::kUpdate, .done = done, .what = "updating chunk {} overlapping backward"});
+    p.moves.Add({.chunk = c, .kind = MoveKind::kUpdate, .done = done, .what = "the overlapped update of chunk {}"});
   }
   p.QueueWriteBacks();  // each after the update
   p.in_moment = false;

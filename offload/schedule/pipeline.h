@@ -131,7 +131,8 @@ class Pipeline {
   // in pipeline.cc).
   using OverlapCompute = std::function<Status(Tier where, std::vector<ChunkAccess>& chunks)>;
   Result<std::shared_future<Status>> RunOverlapped(const std::vector<ChunkId>& chunks,
-                                               std::optional<double> device_compute_seconds, OverlapCompute compute);
+                                                   std::optional<double> device_compute_seconds,
+                                                   OverlapCompute compute);
   // Also returns the first error of a planned eviction (a failed NVMe
   // write) that finished during the iteration.
   Status EndIteration();

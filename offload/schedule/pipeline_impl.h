@@ -522,17 +522,18 @@ struct Pipeline::Impl {
   }
 
   // The first error of an eviction or a write-back that has ended, once;
-  // those still running are checked later.
+  // those still running are checked later. Ended updates leave the chains too.
   Status TakeEvictionError() {
     return moves.DropEnded(kMovesOffOrUpdates, {MoveKind::kEviction, MoveKind::kWriteBack});
   }
 
   // Fetches queued for an iteration that did not use them (it diverged):
   // done ones are dropped, so they neither hold back reconciliation nor hand
-  // their result to an unrelated access later.
+  // their result to an unrelated access later; and ended reads and updates.
   void DropFinishedFetches() {
     (void)moves.DropEnded({MoveKind::kFetch, MoveKind::kRead, MoveKind::kUpdate}, /*reported=*/{});
-    std::erase_if(host_read_wanted, [&](const auto& entry) { return !moves.Has(ChunkId(entry.first), {MoveKind::kRead}); });
+    std::erase_if(host_read_wanted,
+                  [&](const auto& entry) { return !moves.Has(ChunkId(entry.first), {MoveKind::kRead}); });
   }
 
   // The device as the plan has it when an iteration begins: chunks it does

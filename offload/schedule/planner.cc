@@ -92,9 +92,9 @@ namespace strata::offload {
 // offloads right after the last use, as the host's room buys it nothing.
 //
 // Note [Overlapped updates]
-// A host moment marked beside (an optimizer update begun in backward, as
-// soon as its group's gradients are complete: Note [Updates beside
-// backward] in offload/training/overlap_updates.cc) computes on the host's
+// A host moment marked `overlap` (an optimizer update begun in backward, as
+// soon as its group's gradients are complete: Note [Overlapped updates] in
+// offload/training/overlap_updates.cc) computes on the host's
 // lane, beside the device moments after it: it starts once its chunks are in
 // host memory and the update before it on that lane is done, the device's
 // lane goes on at once, and a chunk it holds moves again (a fetch for the

@@ -60,8 +60,8 @@ namespace strata::offload {
 // overlap bit for bit.
 
 Result<std::unique_ptr<OverlapUpdates>> OverlapUpdates::Create(Engine& engine, Pipeline& pipeline,
-                                                             optim::Optimizer& optimizer,
-                                                             const OverlapOptions& options) {
+                                                               optim::Optimizer& optimizer,
+                                                               const OverlapOptions& options) {
   if (engine.world_size() > 1 && options.reducer == nullptr) {
     return InvalidArgument(
         "overlapped updates (optimizer.overlap): the engine is rank {} of {}, and data-parallel updates run on "
@@ -72,7 +72,7 @@ Result<std::unique_ptr<OverlapUpdates>> OverlapUpdates::Create(Engine& engine, P
 }
 
 OverlapUpdates::OverlapUpdates(Engine& engine, Pipeline& pipeline, optim::Optimizer& optimizer,
-                             const OverlapOptions& options)
+                               const OverlapOptions& options)
     : engine_(engine),
       pipeline_(pipeline),
       optimizer_(optimizer),
@@ -124,7 +124,7 @@ Result<bool> OverlapUpdates::Begin(ChunkId grad) {
     kept_[group] = AllocateAlignedHost(std::max<uint64_t>(size, 1), kIoAlignmentBytes);
     allocated_ += kept_[group].size_bytes();
   }
-  // Its copy does not fit: its gradients' statistics alone (Note [Statistics beside backward]).
+  // Its copy does not fit: its gradients' statistics alone (Note [Statistics taken in backward]).
   std::vector<ChunkId> chunks;
   for (ChunkKind kind : UpdatedKinds(groups_[group], optimizer_.num_states())) {
     if (fits || kind == ChunkKind::kGrad) chunks.push_back(groups_[group][kind].id);
@@ -146,7 +146,7 @@ Result<bool> OverlapUpdates::Begin(ChunkId grad) {
   return true;
 }
 
-// Note [Statistics beside backward]
+// Note [Statistics taken in backward]
 // A group whose copy does not fit in what optimizer.overlap has left is not
 // updated beside backward, but its gradients' statistics are still taken
 // there, on the pipeline's host lane once its

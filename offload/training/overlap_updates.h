@@ -38,8 +38,8 @@ struct OverlapOptions {
   uint64_t kept_bytes = 0;
   // Data parallel (required then): the reducer backward submits the
   // gradients to, the one the step takes them from. Each update runs on
-  // this rank's reduced shard once its reduction is done (Note [Updates
-  // beside backward, data parallel]).
+  // this rank's reduced shard once its reduction is done (Note [Overlapped
+  // updates, data parallel]).
   GradReducer* reducer = nullptr;
 };
 
@@ -70,8 +70,9 @@ class OverlapUpdates {
 
   // The gradients of grad chunk `grad`'s group are final for this step: its
   // update begins beside what follows when its copy fits in what kept_bytes
-  // has left, else its gradients' statistics alone (Note [Statistics beside
-  // backward]); whether either began (not with kept_bytes 0). Needs an open pipeline iteration and no open moment.
+  // has left, else its gradients' statistics alone (Note [Statistics taken
+  // in backward]); whether either began (not with kept_bytes 0). Needs an
+  // open pipeline iteration and no open moment.
   // InvalidArgument for a chunk that is no trainable group's grad chunk, or
   // one begun already this step.
   Result<bool> Begin(ChunkId grad);

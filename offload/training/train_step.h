@@ -47,8 +47,8 @@ struct TrainStepReport {
   uint32_t groups = 0;        // updated (or zeroed, when skipped)
   uint64_t comm_bytes = 0;    // data parallel: what this rank sent (Communicator::stats), its reductions included
   double comm_wait_seconds = 0;  // data parallel: waiting for the gradients' reduction (not hidden by backward)
-  uint32_t overlap_groups = 0;    // of `groups`: updated beside backward, their update confirmed
-  uint32_t redone_groups = 0;    // of `groups`: updated beside backward, then again from their copy (the plan differed)
+  uint32_t overlap_groups = 0;  // of `groups`: updated in backward (overlapped), their update confirmed
+  uint32_t redone_groups = 0;   // of `groups`: updated in backward, then again from their copy (the plan differed)
 };
 
 // What a step runs with besides the engine, the pipeline and the optimizer.

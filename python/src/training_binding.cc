@@ -287,7 +287,7 @@ void BindTrainStep(py::module_& m) {
       "the optimizer step over every trainable chunk group, in host moments of the open iteration; "
       "skip_tensors (ids) are left as they are; with fence (a PendingCheckpoint) each group's update waits "
       "until the save has read the group; on a GPU, updates the plan runs there are queued on stream (the "
-      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream); beside (OverlapUpdates): the "
+      "framework's, where it wrote the gradients: torch.cuda.Stream.cuda_stream); overlap (OverlapUpdates): the "
       "updates it began in backward, confirmed or redone");
   py::class_<offload::OverlapUpdates, std::unique_ptr<offload::OverlapUpdates>>(
       m, "OverlapUpdates",

@@ -49,7 +49,7 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     losses = []
     grad_chunks = [c["id"] for c in engine.engine.chunks() if c["kind"] == "grad"]
     reduced_in_backward = []  # per step: grad chunks whose reduction began before step()
-    overlapped = []  # per step: groups updated overlapped backward (confirmed, redone)
+    overlapped = []  # per step: groups updated in backward (confirmed, redone)
     for step, tokens in enumerate(batches(steps, batch=batch)):
         mine = tokens[engine.rank * share:(engine.rank + 1) * share]
         if os.environ.get("DP_TRAIN_STEP"):  # the whole step, its micro-batches in that order
@@ -91,7 +91,8 @@ def main(out, nvme_dir, steps, batch, precision, die_at_step, accumulation):
     with open(f"{out}.rank{engine.rank}.json", "w") as f:
         json.dump({"bytes_of_kind": bytes_of_kind, "stored_of_kind": stored_of_kind,
                    "chunks": engine.engine.chunks(), "comm": engine.stats().get("comm"),
-                   "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward, "overlapped": overlapped,
+                   "grad_chunks": len(grad_chunks), "reduced_in_backward": reduced_in_backward,
+                   "overlapped": overlapped,
                    "device_index": int(engine.config.options.describe()["device.index"])}, f)
     if not os.environ.get("DP_NO_CLOSE"):
         engine.close()  # the collectives in flight done and the reducer stopped before the process ends

@@ -1,4 +1,4 @@
-"""optimizer.overlap: each chunk group's update begins overlapped backward once its gradients are final, and the step
+"""optimizer.overlap: each chunk group's update begins in backward once its gradients are final, and the step
 confirms it or redoes it from the copy it kept (Note [Overlapped updates] in offload/training/overlap_updates.cc).
 Whatever the step decides (a clip, an overflow, a gradient that came late), the parameters and optimizer states are
 those of the same run without overlap, bit for bit."""
@@ -67,7 +67,7 @@ def test_overlapped_updates_give_the_steps_results_bit_for_bit(tmp_path, clip, s
     assert all(r["overlap_groups"] == 0 and r["redone_groups"] == 0 for r in after_reports)
     if clip == 0.0:  # every group's update stands (the last group's begins as backward ends)
         assert [r["overlap_groups"] for r in reports] == [groups] * len(reports), reports
-    else:  # every step clips: each group begun overlapped backward is put back and updated again
+    else:  # every step clips: each group begun in backward is put back and updated again
         assert [r["redone_groups"] for r in reports] == [groups] * len(reports), reports
 
 

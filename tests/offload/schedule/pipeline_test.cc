@@ -308,7 +308,7 @@ struct OverlapStep {
           std::shared_future<Status> done,
           pipeline.RunOverlapped({model.layers[l], model.layers[kLayers + l]}, std::nullopt,
                              [&, l, next_moment, last](Tier where, std::vector<ChunkAccess>& held) -> Status {
-                               if (where != Tier::kHost) return Internal("an update beside ran on {}", TierName(where));
+                               if (where != Tier::kHost) return Internal("an update ran on {}", TierName(where));
                                const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(2);
                                while (!last && begun.load() < next_moment && std::chrono::steady_clock::now() < deadline) {
                                }

@@ -359,7 +359,7 @@ TEST(PlannerTest, OverlappedUpdatesOverlapItAndTheNextForwardWaitsForThem) {
   // After: 4 s of device moments, then 2 s of updates.
   ASSERT_OK_AND_ASSIGN(Plan after, BuildPlan(TwoLayerStep(false)));
   EXPECT_NEAR(after.prediction.step_seconds, 6.0, 1e-3);
-  // Beside: layer 1's update runs with layer 0's backward (3 s to 4 s),
+  // Overlapped: layer 1's update runs with layer 0's backward (3 s to 4 s),
   // layer 0's from 4 s to 5 s, and the step (the iteration's end) waits for
   // it.
   ASSERT_OK_AND_ASSIGN(Plan overlapped, BuildPlan(TwoLayerStep(true)));

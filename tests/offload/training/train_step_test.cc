@@ -940,7 +940,7 @@ TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
   add_to_grads(pair.after, 3, late);
   for (int l = 0; l < kLayers; ++l) add_to_grads(pair.after, l, RankGrad(2, l, 0));
   ASSERT_OK(pair.after.Iteration().status());
-  // Beside backward: every group's update begins in the first backward; layer 3's late part comes after
+  // Overlapped: every group's update begins in the first backward; layer 3's late part comes after
   // its update zeroed the chunk; a forward before the step puts them back; the second backward adds.
   Model& early = pair.early;
   ASSERT_OK(early.pipeline->BeginIteration());
@@ -958,8 +958,9 @@ TEST(TrainStepTest, UndoPutsTheGroupsBackWithTheirLateGradientsAdded) {
   early.Write(3, ChunkKind::kGrad, late);
   ASSERT_OK(pair.overlapped->Undo());
   for (int l = 0; l < kLayers; ++l) add_to_grads(early, l, RankGrad(2, l, 0));
-  ASSERT_OK_AND_ASSIGN(TrainStepReport report,
-                       RunTrainStep(*early.engine, *early.pipeline, *early.optimizer, {.overlap = pair.overlapped.get()}));
+  ASSERT_OK_AND_ASSIGN(
+      TrainStepReport report,
+      RunTrainStep(*early.engine, *early.pipeline, *early.optimizer, {.overlap = pair.overlapped.get()}));
   ASSERT_OK(early.pipeline->EndIteration());
   EXPECT_EQ(report.overlap_groups, 0u);  // undone: the step updated every group itself
   for (int l = 0; l < kLayers; ++l) {
