@@ -251,7 +251,7 @@ Result<Tier> Pipeline::Impl::Begin(TraceMoment traced) {
                                            : "a device moment where the trace has a host one");
     } else if (p.planned_trace.moments[p.moment].overlap != traced.overlap) {
       p.Diverge(traced.overlap ? "an overlapped update where the trace has one between moments"
-                              : "an update between moments where the trace has an overlapped one");
+                               : "an update between moments where the trace has an overlapped one");
     } else if (!traced.device_compute_seconds && p.plan->compute_tier[p.moment] != traced.tier) {
       p.Diverge("a host moment that cannot run on the device, where the plan runs it");
     } else {
@@ -430,8 +430,8 @@ Status ComputeOverlapped(Engine& engine, const std::vector<ChunkId>& chunks, con
 }  // namespace
 
 Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<ChunkId>& chunks,
-                                                       std::optional<double> device_compute_seconds,
-                                                       OverlapCompute compute) {
+                                                           std::optional<double> device_compute_seconds,
+                                                           OverlapCompute compute) {
   Impl& p = *impl_;
   for (ChunkId c : chunks) {
     if (c.value() >= p.chunk_bytes.size()) {
@@ -474,9 +474,9 @@ Result<std::shared_future<Status>> Pipeline::RunOverlapped(const std::vector<Chu
       p.overlap_lane.Push([&engine, chunks, before, timeout_ms, seconds, compute = std::move(compute)]() -> Status {
         return ComputeOverlapped(engine, chunks, before, timeout_ms, compute, *seconds);
       });
-  p.overlap_runs.push_back({p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1)
-                                                             : std::nullopt,
-                           done, seconds});
+  const std::optional<size_t> traced =
+      p.mode == Impl::Mode::kRecording ? std::optional<size_t>(p.recording.moments.size() - 1) : std::nullopt;
+  p.overlap_runs.push_back({traced, done, seconds});
   for (ChunkId c : chunks) {  // a later fetch, read, write-back or access of it waits for the update
     p.moves.Add({.chunk = c, .kind = MoveKind::kUpdate, .done = done, .what = "the overlapped update of chunk {}"});
   }
