@@ -9,7 +9,7 @@ The configurations, by the device budget against the model states (16 bytes a pa
 - fits: twice the model states (nothing needs to move);
 - streamed: a third of them, the host twice them (parameters streamed, CPU Adam);
 - nvme: a sixth, the host a third, the rest on NVMe (a directory under --nvme-dir);
-- and +overlap: the same with optimizer.overlap (each group's CPU overlapped update, its copy kept in
+- and +overlap: the same with optimizer.overlap (each group's CPU update begun in backward, its copy kept in
   host memory the size of the model states).
 
 For each run: seconds a step (the median after the first two steps), forward / backward / step phases,
@@ -252,7 +252,7 @@ def strata_run(args, name, nvme_root):
         # groups it updates on the device
         "predicted_step_s": stats["pipeline"].get("plan", {}).get("predicted_step_seconds"),
         "updates_on_device": stats["pipeline"].get("plan", {}).get("updates_on_device"),
-        # optimizer.overlap: the last step's groups updated beside backward (confirmed, and redone) and its wait
+        # optimizer.overlap: the last step's groups updated in backward (confirmed, and redone) and the wait for them
         "overlap_groups": stats["last_step"].get("overlap_groups"),
         "redone_groups": stats["last_step"].get("redone_groups"),
         "overlap_wait_s": stats["last_step"].get("phases", {}).get("overlap_wait"),

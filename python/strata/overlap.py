@@ -23,7 +23,7 @@ class Overlap:
 
     def __init__(self, runtime, table, pipeline, optimizer, on):
         self.on = on
-        self.updates = None    # made by start()
+        self.updates = None  # made by start()
         self._made = (runtime.engine, pipeline, optimizer)
         self._params_of = {}  # grad chunk -> how many trainable parameters it holds
         for record in table.records:
