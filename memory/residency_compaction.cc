@@ -27,7 +27,9 @@ namespace strata::memory {
 // all find a slot outside it, nothing moves; if one is taken meanwhile, or
 // its slot is taken, the window is given back as it is; either way the caller
 // evicts instead. A failed copy is an error (the chunk keeps its slot). Every
-// step leaves each chunk whole in one slot.
+// step leaves each chunk whole in one slot. No budget needs compaction to
+// train: the room a moment needs is kept whole by pins against pins (Note
+// [Pins against pins]); compaction saves the evictions the plan did not make.
 
 namespace {
 
