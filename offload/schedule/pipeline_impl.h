@@ -105,7 +105,7 @@ struct Pipeline::Impl {
     staging_cv.notify_all();
   }
 
-  Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o) {
+  Impl(Engine& e, const PipelineOptions& o) : engine(e), options(o), moves(e.chunks().size()) {
     for (const ChunkInfo& chunk : engine.chunks()) {
       chunk_bytes.push_back(chunk.size_bytes);
       largest_chunk_bytes = std::max(largest_chunk_bytes, chunk.size_bytes);
@@ -113,7 +113,6 @@ struct Pipeline::Impl {
       homes.push_back(home.ok() ? *home : Tier::kHost);
     }
     links = options.links;
-    moves = ChunkMoves(chunk_bytes.size());
   }
 
   Engine& engine;
@@ -134,7 +133,7 @@ struct Pipeline::Impl {
   Trace planned_trace;             // the trace the plan was made from
   Trace recording;                 // being recorded (or the last recorded)
   // Each chunk's queued moves (Note [One chain of moves per chunk] in pipeline.cc).
-  ChunkMoves moves{0};
+  ChunkMoves moves;
   // By chunk, for each read in its chain: its place on the host_read
   // queue, and a flag set once something waits for it or for a read behind
   // it (WantHostRead), which then goes at once (Note [Staging memory at run time]).

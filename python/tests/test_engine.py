@@ -1,6 +1,9 @@
+import time
+
 import pytest
 
 import strata
+from strata.engine import _PhaseClock
 
 
 def small_options(**keys):
@@ -52,3 +55,16 @@ def test_the_emulated_device_is_told_by_the_device_not_by_an_nvme_directory_name
     engine = strata.Engine(small_options(**{"nvme.dirs": str(nvme), "nvme.capacity": "1MiB"}), None)
     assert is_emulated(engine.describe_backends())
     assert not is_emulated(f"device: cuda:0 (H100, 80GiB); host: 4GiB pinned; nvme: io_uring O_DIRECT, 1 dir ({nvme})")
+
+
+def test_a_step_phase_named_as_an_adapter_lap_adds_to_it_and_the_phases_still_sum_to_the_step():
+    """The adapter's wait for the overlapped updates and the step's are one phase, overlap_wait: their sum."""
+    clock = _PhaseClock()
+    time.sleep(0.01)
+    clock.lap("overlap_wait")
+    adapter_wait = clock.phases["overlap_wait"]
+    time.sleep(0.02)
+    clock.split("train_step", {"overlap_wait": 0.005, "kernel": 0.01})
+    assert clock.phases["overlap_wait"] == pytest.approx(adapter_wait + 0.005)
+    assert clock.phases["kernel"] == 0.01
+    assert sum(clock.phases.values()) == pytest.approx(clock.seconds(), abs=5e-3)
