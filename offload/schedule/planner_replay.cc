@@ -6,13 +6,16 @@
 #include <vector>
 
 #include "offload/schedule/planner_schedule.h"
+#include "src/base/link_queue.h"
 
 namespace strata::offload::planning {
 
 // Note [The link model]
 // The prediction replays the plan on a model of the links: one queue per
 // direction (host->device, device->host, NVMe read, NVMe write), each at its
-// measured bandwidth; a moment starts when its compute is requested and
+// measured bandwidth (LinkQueue, the model the emulated device's copies are
+// throttled by too, so that the pipeline's tests and the replay benchmark
+// run on the links the plan assumes); a moment starts when its compute is requested and
 // every chunk it needs has arrived, and the wait is its stall. A trace is a
 // sequence of moments; a moment names the chunks its compute needs on the
 // device, the device memory in use besides chunks (activations, workspace),
@@ -38,7 +41,9 @@ class LinkReplay {
         arrival_(u.input.chunk_bytes.size(), 0.0),
         host_ready_(u.input.chunk_bytes.size(), 0.0),
         written_(u.input.chunk_bytes.size(), 0.0),
-        on_host_(u.input.chunk_bytes.size()) {}
+        on_host_(u.input.chunk_bytes.size()) {
+    for (int l = 0; l < kNumLinks; ++l) links_[l] = LinkQueue(u.input.links.bytes_per_second[l]);
+  }
 
   Prediction Run() && {
     for (uint64_t g = 0; g < u_.length; ++g) Moment(g);
@@ -105,10 +110,8 @@ class LinkReplay {
   // Queues `bytes` on `link` once `ready`; returns when they have crossed.
   double Transfer(Link link, double ready, uint64_t bytes, uint64_t g) {
     const int l = LinkIndex(link);
-    const double start = std::max(link_free_[l], ready);
-    link_free_[l] = start + static_cast<double>(bytes) / u_.input.links.bytes_per_second[l];
     if (Counted(g)) prediction_.bytes[l] += bytes;
-    return link_free_[l];
+    return links_[l].Transfer(ready, bytes);
   }
 
   // A victim leaves over device->host (and on to NVMe when that is its home);
@@ -198,7 +201,7 @@ class LinkReplay {
   const std::vector<std::vector<const Fetch*>> issued_at_;
   const std::vector<std::vector<const HostRead*>> reads_at_;
   const uint64_t first_, last_;  // the middle iteration: [first_, last_)
-  std::array<double, kNumLinks> link_free_ = {};
+  std::array<LinkQueue, kNumLinks> links_;
   std::vector<double> arrival_;     // on the device
   std::vector<double> host_ready_;  // in host memory, for a host moment
   std::vector<double> written_;     // on NVMe, for a read after

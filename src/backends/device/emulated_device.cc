@@ -7,7 +7,8 @@
 // parallel) and real asynchrony: a caller that forgets to wait on an event
 // reads stale bytes here just as it would on a GPU. An optional per-stream
 // bandwidth throttle imitates a PCIe link so that overlap of copies with
-// compute can be seen and tested.
+// compute can be seen and tested: the planner's model of a link (LinkQueue),
+// run on the clock.
 //
 // Lifetime: the Device must outlive its Buffers and the copies it has queued
 // (the contract of every backend, since a CUDA Buffer's deleter needs the
@@ -29,6 +30,7 @@
 #include <utility>
 
 #include "src/backends/device/capacity_ledger.h"
+#include "src/base/link_queue.h"
 #include "src/base/logging.h"
 #include "strata/buffer.h"
 #include "strata/device.h"
@@ -86,7 +88,10 @@ class EmulatedEvent final : public Event {
 class CopyWorker {
  public:
   CopyWorker(const char* thread_name, double bandwidth_gbps)
-      : thread_name_(thread_name), bytes_per_second_(bandwidth_gbps * kBytesPerGigabyte) {
+      : thread_name_(thread_name),
+        bytes_per_second_(bandwidth_gbps * kBytesPerGigabyte),
+        link_(bytes_per_second_),
+        epoch_(std::chrono::steady_clock::now()) {
     thread_ = std::thread([this] { Run(); });
   }
 
@@ -140,31 +145,33 @@ class CopyWorker {
     }
   }
 
-  void Copy(const Job& job) const {
+  void Copy(const Job& job) {
     if (job.size_bytes == 0) return;
     if (bytes_per_second_ <= 0) {
       std::memcpy(job.dst, job.src, job.size_bytes);
       return;
     }
-    // Pacing: after each piece, sleep until the time at which the bytes moved
-    // so far are allowed by the bandwidth. The copy then never runs ahead of
-    // the link and takes at least size/bandwidth in all; its event completes
-    // only after that.
+    // Pacing: each piece is queued on the link as the copy starts, and after
+    // it is copied the worker sleeps until the link says it has crossed. The
+    // copy then never runs ahead of the link and takes at least
+    // size/bandwidth in all; its event completes only after that.
     auto* dst = static_cast<std::byte*>(job.dst);
     const auto* src = static_cast<const std::byte*>(job.src);
-    const auto start = std::chrono::steady_clock::now();
+    const double ready = std::chrono::duration<double>(std::chrono::steady_clock::now() - epoch_).count();
     size_t done_bytes = 0;
     while (done_bytes < job.size_bytes) {
       const size_t piece_bytes = std::min(kPacePieceBytes, job.size_bytes - done_bytes);
       std::memcpy(dst + done_bytes, src + done_bytes, piece_bytes);
       done_bytes += piece_bytes;
-      const std::chrono::duration<double> allowed_s(static_cast<double>(done_bytes) / bytes_per_second_);
-      std::this_thread::sleep_until(start + std::chrono::ceil<std::chrono::steady_clock::duration>(allowed_s));
+      const std::chrono::duration<double> crossed(link_.Transfer(ready, piece_bytes));
+      std::this_thread::sleep_until(epoch_ + std::chrono::ceil<std::chrono::steady_clock::duration>(crossed));
     }
   }
 
   const char* const thread_name_;
   const double bytes_per_second_;  // 0: unthrottled
+  LinkQueue link_;                 // the worker's alone, in seconds from epoch_
+  const std::chrono::steady_clock::time_point epoch_;
   std::mutex mutex_;               // guards queue_ and stopping_
   std::condition_variable work_cv_;
   std::deque<Job> queue_;
