@@ -91,6 +91,7 @@ struct Engine::Impl {
   std::unique_ptr<memory::ResidencyManager> residency;  // built by Finalize
   uint64_t host_staging_bytes = 0;                      // set by Finalize
   Communicator* comm = nullptr;                         // the data-parallel group, or null
+  ComputeSeam* compute = nullptr;                       // EngineSeams::compute
   std::vector<std::string> nvme_dirs;                   // this rank's nvme.dirs
   FileSystem* files = nullptr;                          // where their free space is read
   std::vector<std::string> nvme_files;                  // the backing files of the storage it opened
@@ -292,6 +293,7 @@ Result<std::unique_ptr<Engine>> Engine::Create(const Options& options, EngineSea
   auto impl = std::make_unique<Impl>();
   impl->options = options;
   impl->comm = seams.comm;
+  impl->compute = seams.compute;
   std::vector<std::string>& nvme_dirs = impl->nvme_dirs;
   nvme_dirs = options.nvme.dirs;
   impl->files = seams.files != nullptr ? seams.files : &PosixFileSystem();
@@ -526,6 +528,7 @@ std::optional<ChunkId> Engine::ChunkOf(TensorId tensor, ChunkKind kind) const {
 const Options& Engine::options() const { return impl_->options; }
 int Engine::rank() const { return impl_->comm != nullptr ? impl_->comm->rank() : 0; }
 int Engine::world_size() const { return impl_->comm != nullptr ? impl_->comm->world_size() : 1; }
+ComputeSeam* Engine::compute_seam() const { return impl_->compute; }
 const std::vector<TensorSpec>& Engine::tensors() const { return impl_->tensors; }
 
 std::vector<ChunkInfo> Engine::chunks() const {

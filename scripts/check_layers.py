@@ -49,6 +49,7 @@ PUBLIC_HEADERS = {
     "strata/access.h": "memory",
     "strata/stats.h": "memory",
     "strata/tensor.h": "memory",
+    "strata/compute_seam.h": "memory",
     "strata/update_fence.h": "training",
     "strata/checkpoint.h": "persist",
     "strata/safetensors.h": "persist",

@@ -29,6 +29,7 @@
 #include "strata/access.h"
 #include "strata/buffer.h"
 #include "strata/comm.h"
+#include "strata/compute_seam.h"
 #include "strata/device.h"
 #include "strata/options.h"
 #include "strata/stats.h"
@@ -55,6 +56,9 @@ struct EngineSeams {
   // Host memory available, as host.budget auto reads it (nullopt: this
   // machine's, MemAvailable or less under a cgroup limit).
   std::optional<uint64_t> available_host_bytes;
+  // Runs instead of the optimizer's update kernels (borrowed: it must
+  // outlive the engine; null: the kernels). See strata/compute_seam.h.
+  ComputeSeam* compute = nullptr;
 };
 
 // One chunk as the API describes it.
@@ -169,6 +173,7 @@ class Engine {
   // This engine's place in its data-parallel group (EngineSeams::comm); 0 of 1 alone.
   int rank() const;
   int world_size() const;
+  ComputeSeam* compute_seam() const;  // EngineSeams::compute
   const std::vector<TensorSpec>& tensors() const;
   std::vector<ChunkInfo> chunks() const;
   LayoutSummary layout() const;

@@ -61,9 +61,9 @@ Result<std::vector<BlockChunks>> ChunksOf(const Engine& engine, const Accumulate
 }
 
 // One pass: a moment with the block's chunks pinned on the device, `compute` run in it.
-Status RunPass(Pipeline& pipeline, const BlockChunks& chunks, BlockPass pass,
+Status RunPass(Pipeline& pipeline, const BlockChunks& chunks, BlockPass pass, const AccumulatedStep& step,
                const std::function<Status(const BlockPass&)>& compute) {
-  STRATA_RETURN_IF_ERROR(pipeline.BeginMoment());
+  STRATA_RETURN_IF_ERROR(pipeline.BeginMoment(step.activation_bytes ? step.activation_bytes(pass) : 0));
   Status status = Status::Ok();
   {
     std::vector<ChunkAccess> params, grads;
@@ -126,7 +126,7 @@ Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, o
   STRATA_RETURN_IF_ERROR(pipeline.BeginIteration());
   Status status = Status::Ok();
   for (const BlockPass& pass : passes) {
-    status = RunPass(pipeline, chunks[pass.block], pass, compute);
+    status = RunPass(pipeline, chunks[pass.block], pass, step, compute);
     if (!status.ok()) break;
     if (!pass.backward || pass.micro_batch + 1 != micro_batches) continue;
     for (ChunkId grad : chunks[pass.block].grads) {

@@ -25,15 +25,6 @@ enum class AccumulationOrder {
   kLayered,   // each block for every micro-batch, forward then backward block by block
 };
 
-struct AccumulatedStep {
-  // The model's blocks in forward order, each the tensors its compute reads
-  // (their param chunks are pinned, and in backward the trainable ones' grad
-  // chunks). A chunk may hold tensors of several blocks.
-  std::vector<std::vector<TensorId>> blocks;
-  uint32_t micro_batches = 1;
-  AccumulationOrder order = AccumulationOrder::kLayered;
-};
-
 // One block's forward or backward of one micro-batch, its chunks pinned on
 // the device (in the order of their first tensor in the block).
 struct BlockPass {
@@ -42,6 +33,18 @@ struct BlockPass {
   bool backward = false;
   const std::vector<ChunkAccess>* params = nullptr;
   const std::vector<ChunkAccess>* grads = nullptr;  // backward only (else empty)
+};
+
+struct AccumulatedStep {
+  // The model's blocks in forward order, each the tensors its compute reads
+  // (their param chunks are pinned, and in backward the trainable ones' grad
+  // chunks). A chunk may hold tensors of several blocks.
+  std::vector<std::vector<TensorId>> blocks;
+  uint32_t micro_batches = 1;
+  AccumulationOrder order = AccumulationOrder::kLayered;
+  // Device memory a pass needs besides its chunks (its activations), which
+  // the plan keeps free for it (Pipeline::BeginMoment); null: none.
+  std::function<uint64_t(const BlockPass&)> activation_bytes;
 };
 
 // Needs no open pipeline iteration; runs one, forward and backward of every

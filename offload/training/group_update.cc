@@ -49,6 +49,13 @@ double DeviceStatsSeconds(const Group& g) {
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
                         const UpdateExtras& extras) const {
+  if (ComputeSeam* seam = engine_.compute_seam()) {
+    if (plan_.skip) return Status::Ok();
+    return seam->RunUpdate({.group = g[ChunkKind::kParam].group,
+                            .elems = hi - lo,
+                            .where = extras.where,
+                            .overlapped = extras.keep != nullptr});  // only an overlapped update keeps a copy
+  }
   if (!extras.on_device) return RunOnHost(g, lo, hi, reduced, held, extras);
   void* const stream = extras.stream;
   for (const Range& r : RangesToUpdate(g[ChunkKind::kParam], lo, hi)) {

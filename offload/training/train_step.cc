@@ -400,12 +400,13 @@ class TrainStep {
   // Group `g`'s update (GroupUpdate::Run's arguments), its seconds and
   // elements into the report.
   Status UpdateAndZero(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
-                       bool on_gpu) {
+                       Tier where) {
     Timed timed(report_.seconds.kernel);
     report_.kernel_elems += hi - lo;
+    const bool on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
     return GroupUpdate(engine_, optimizer_, report_.plan, options_.skip)
         .Run(g, lo, hi, reduced, held,
-             {.on_device = on_gpu, .stream = reinterpret_cast<void*>(options_.compute_stream)});
+             {.on_device = on_gpu, .stream = reinterpret_cast<void*>(options_.compute_stream), .where = where});
   }
 
   // Phase 1: the gradients' statistics (data parallel: their reduction, into
@@ -471,17 +472,17 @@ class TrainStep {
     // Released before EndMoment, so the plan's write-backs may take them.
     HeldChunks held;
     Status updated;
-    bool on_gpu = false;
+    Tier where = Tier::kHost;
     {
       Timed timed(report_.seconds.access);
       // A redo's moment stays on the host, where its copy is put back.
-      STRATA_ASSIGN_OR_RETURN(const Tier where, pipeline_.BeginHostMoment(first ? std::nullopt : DeviceSeconds(g)));
-      on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
+      STRATA_ASSIGN_OR_RETURN(where, pipeline_.BeginHostMoment(first ? std::nullopt : DeviceSeconds(g)));
       updated = AccessGroup(pipeline_, g, optimizer_.num_states(), held);
     }
+    const bool on_gpu = where == Tier::kDevice && !engine_.device().host_accessible();
     if (updated.ok() && first) first(held);
     if (updated.ok()) {
-      updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held, on_gpu);
+      updated = UpdateAndZero(g, range.begin, range.end, parallel_ ? reduced_[k].data() : nullptr, held, where);
     }
     if (updated.ok() && parallel_ && !param.transient) updated = GatherInMoment(param, held);
     const Status ended = LetGo(on_gpu, held);

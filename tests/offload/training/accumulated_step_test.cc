@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <mutex>
+#include <set>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -169,6 +171,59 @@ TEST(AccumulatedStepTest, TwoRanksReduceEachGroupAsItsBlockEndsAndStepAlikeInEit
   }
   EXPECT_EQ(last_layer[0], last_layer[1]);
   EXPECT_NE(last_layer[0], std::vector<float>(kChunkElems, 0.0f));
+}
+
+// The seam the replay benchmark drives the step through: every update it
+// is given where the kernels would have run, the kernels not run.
+struct RecordedUpdates : ComputeSeam {
+  std::mutex mu;
+  std::vector<Update> updates;
+  Status RunUpdate(const Update& update) override {
+    std::lock_guard lock(mu);
+    updates.push_back(update);
+    return Status::Ok();
+  }
+};
+
+TEST(AccumulatedStepTest, AComputeSeamRunsInsteadOfEachUpdateAndEachPassKeepsItsActivationsRoom) {
+  RecordedUpdates seam;
+  Model model(0.0, nullptr, false, 60'000, &seam);
+  Passes passes{.model = &model};
+  AccumulatedStep step = FourBlocks(2, AccumulationOrder::kLayered);
+  step.activation_bytes = [](const BlockPass& pass) { return 1000 * (pass.block + 1) + (pass.backward ? 100 : 0); };
+  const std::vector<float> before = model.Read(5, ChunkKind::kParam);
+  ASSERT_OK(RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer, step, std::ref(passes)).status());
+  EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);  // no kernel ran
+  EXPECT_EQ(model.optimizer->steps_taken(), 1);          // the step did
+  ASSERT_EQ(seam.updates.size(), static_cast<size_t>(kLayers));
+  std::set<uint32_t> groups;
+  for (const ComputeSeam::Update& u : seam.updates) {
+    groups.insert(u.group);
+    EXPECT_EQ(u.elems, kChunkElems);
+    EXPECT_EQ(u.where, Tier::kHost);  // recording: every host moment on the host
+    EXPECT_FALSE(u.overlapped);
+  }
+  EXPECT_EQ(groups.size(), static_cast<size_t>(kLayers));
+  // The recorded trace: each pass a device moment with the room it asked for, in pass order.
+  const Trace* trace = model.pipeline->trace();
+  ASSERT_NE(trace, nullptr);
+  ASSERT_EQ(trace->moments.size(), passes.order.size() + kLayers);
+  for (size_t k = 0; k < passes.order.size(); ++k) {
+    const auto [block, micro_batch, backward] = passes.order[k];
+    EXPECT_EQ(trace->moments[k].non_model_bytes, 1000 * (block + 1) + (backward ? 100 : 0)) << "moment " << k;
+  }
+
+  // Begun beside backward, the same updates come through the seam marked so.
+  ASSERT_OK_AND_ASSIGN(auto overlapped, OverlapUpdates::Create(*model.engine, *model.pipeline, *model.optimizer,
+                                                          {.kept_bytes = uint64_t{1} << 20}));
+  seam.updates.clear();
+  auto report = RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer, step, std::ref(passes),
+                                   {.overlap = overlapped.get()});
+  ASSERT_OK(report.status());
+  EXPECT_EQ(report->overlap_groups, static_cast<uint32_t>(kLayers));
+  ASSERT_EQ(seam.updates.size(), static_cast<size_t>(kLayers));
+  for (const ComputeSeam::Update& u : seam.updates) EXPECT_TRUE(u.overlapped);
+  EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);
 }
 
 TEST(AccumulatedStepTest, WhatIsRefusedAndAFailedPassEndsTheStepUncounted) {

@@ -39,8 +39,9 @@ struct Model {
 
   // With `comm`, one rank of its group (the states sharded across them).
   // With `shard_params`, the params too (option comm.shard_params).
+  // With `compute`, the engine's ComputeSeam: it runs instead of the update kernels.
   explicit Model(double max_grad_norm = 0.0, Communicator* comm = nullptr, bool shard_params = false,
-                 uint32_t comm_timeout_ms = 60'000) {
+                 uint32_t comm_timeout_ms = 60'000, ComputeSeam* compute = nullptr) {
     Options options;
     options.comm.timeout_ms = comm_timeout_ms;
     options.comm.shard_params = shard_params;
@@ -56,7 +57,8 @@ struct Model {
     auto wrapped = std::make_unique<FaultInjectingStorage>(std::move(memory).value());
     faults = wrapped.get();
     options.nvme.capacity_bytes = uint64_t{64} << 20;
-    auto created = Engine::Create(options, {.device = nullptr, .storage = std::move(wrapped), .comm = comm});
+    auto created = Engine::Create(
+        options, {.device = nullptr, .storage = std::move(wrapped), .comm = comm, .compute = compute});
     STRATA_CHECK(created.ok(), "{}", created.status().ToString());
     engine = std::move(created).value();
     for (int l = 0; l < kLayers; ++l) {
