@@ -7,17 +7,20 @@
 #include <map>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include "memory/chunk_layout.h"
-#include "offload/workloads/capacity_plan.h"
-#include "offload/training/grad_reducer.h"
 #include "offload/schedule/pipeline.h"
+#include "offload/training/accumulated_step.h"
+#include "offload/training/grad_reducer.h"
+#include "offload/training/overlap_updates.h"
+#include "offload/training/train_step.h"
+#include "offload/workloads/capacity_plan.h"
 #include "offload/workloads/gpt_model.h"
+#include "optim/optimizer.h"
 #include "strata/engine.h"
 #include "src/base/logging.h"
 #include "strata/options.h"
@@ -29,9 +32,6 @@ using Clock = std::chrono::steady_clock;
 
 double SecondsSince(Clock::time_point start) { return std::chrono::duration<double>(Clock::now() - start).count(); }
 
-// The step's updates are its host moments (offload::GptStepTrace's), whether or not they could run on the device.
-bool IsUpdate(const offload::TraceMoment& m) { return m.tier == Tier::kHost; }
-
 offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   offload::MachineSpec machine;
   machine.pcie_gbps = c.pcie_gbps;
@@ -41,76 +41,59 @@ offload::MachineSpec MachineOf(const ReplayBenchConfig& c) {
   return machine;
 }
 
-// Each update moment moved to just after the last device moment that uses
-// its group's grad chunk, and marked `overlap`: it begins as soon as its
-// gradients are final, as OverlapUpdates begins it.
-void OverlapBackward(const memory::ChunkLayout& layout, offload::Trace& trace) {
-  std::vector<offload::TraceMoment> updates, device;
-  for (offload::TraceMoment& m : trace.moments) (IsUpdate(m) ? updates : device).push_back(std::move(m));
-  std::vector<std::vector<offload::TraceMoment>> after(device.size());  // by device moment
-  std::vector<offload::TraceMoment> last;  // updates whose grads no device moment touches
-  for (offload::TraceMoment& u : updates) {
-    u.overlap = true;
-    std::optional<size_t> final_grads;
-    for (size_t k = 0; k < device.size(); ++k) {
-      for (ChunkId c : device[k].chunks) {
-        if (layout.chunk(c).kind == ChunkKind::kGrad &&
-            std::find(u.chunks.begin(), u.chunks.end(), c) != u.chunks.end()) {
-          final_grads = k;
-        }
-      }
-    }
-    (final_grads ? after[*final_grads] : last).push_back(std::move(u));
-  }
-  trace.moments.clear();
-  for (size_t k = 0; k < device.size(); ++k) {
-    trace.moments.push_back(std::move(device[k]));
-    for (offload::TraceMoment& u : after[k]) trace.moments.push_back(std::move(u));
-  }
-  for (offload::TraceMoment& u : last) trace.moments.push_back(std::move(u));
-}
+// One forward or backward pass of a module of one micro-batch: its compute and its activations.
+struct PassCost {
+  double seconds = 0;
+  uint64_t activation_bytes = 0;
+};
 
-// The step as the planner sees it (offload::GptStepTrace), with the compute
-// each moment busy-waits: FLOPs at --gpu-tflops, or 1.5 x its chunks' time
-// over the throttled link; an update 1/ranks of its time with several ranks.
-offload::GptStep ReplayStep(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
-                            const memory::ChunkLayout& layout) {
-  offload::GptStep step = offload::GptStepTrace(specs, layout, config.model, MachineOf(config), config.accumulation);
-  for (size_t k = 0; k < step.trace.moments.size(); ++k) {
-    offload::TraceMoment& m = step.trace.moments[k];
-    if (IsUpdate(m) && config.ranks > 1) {  // each rank updates its share
-      m.compute_seconds /= config.ranks;
-      if (m.device_compute_seconds) *m.device_compute_seconds /= config.ranks;
-      if (config.shard_params) {  // which writes its master shard only
-        std::erase_if(m.chunks, [&](ChunkId c) { return layout.chunk(c).kind == ChunkKind::kParam; });
-      }
-    }
-    if (m.tier != Tier::kDevice || (config.gpu_tflops > 0 && config.compute_ms <= 0)) continue;
-    uint64_t bytes = 0;
-    for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
-    // Per micro-batch pass: a layered moment computes for every micro-batch (Note [Layered accumulation]).
-    m.compute_seconds = step.passes[k] * (config.compute_ms > 0 ? config.compute_ms / 1e3
-                                                                : 1.5 * static_cast<double>(bytes) / (config.pcie_gbps * 1e9));
+// The step the replay drives: the GPT's modules as the blocks of an
+// offload::AccumulatedStep, each pass's emulated compute and activations
+// taken from the planner's model of the step (offload::GptStepTrace), which
+// the report also sums.
+struct ReplayStep {
+  offload::GptStep model;
+  std::vector<std::vector<TensorId>> blocks;  // the embedding, each layer, the head
+  std::array<std::vector<PassCost>, 2> passes;  // [backward][block]
+};
+
+// The modules' passes from the model's moments: FLOPs at --gpu-tflops, or
+// --compute-ms, or 1.5 x the moment's chunks' time over the throttled link,
+// each pass of one micro-batch (a layered moment covers every micro-batch;
+// its backward recomputes the forward: Note [Layered accumulation]).
+ReplayStep ReplayStepOf(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
+                        const memory::ChunkLayout& layout) {
+  ReplayStep step;
+  step.model = offload::GptStepTrace(specs, layout, config.model, MachineOf(config), config.accumulation);
+  const uint32_t modules = config.model.layers + 2;
+  for (const std::vector<uint32_t>& tensors : offload::GptForwardGroups(specs, config.model.layers)) {
+    step.blocks.emplace_back(tensors.begin(), tensors.end());
   }
-  if (config.overlap && config.ranks == 1) OverlapBackward(layout, step.trace);
-  if (config.ranks > 1) {
-    // Data parallel, the updates run as RunTrainStep runs them: after
-    // backward (the gradient norm is all-reduced first), in model order, so
-    // that with parameters sharded the next forward's first chunks are the
-    // first gathered ahead, behind the rest of the updates.
-    std::vector<offload::TraceMoment>& moments = step.trace.moments;
-    const auto updates = std::stable_partition(moments.begin(), moments.end(),
-                                               [](const offload::TraceMoment& m) { return !IsUpdate(m); });
-    std::stable_sort(updates, moments.end(), [&](const offload::TraceMoment& x, const offload::TraceMoment& y) {
-      return layout.chunk(x.chunks.front()).group < layout.chunk(y.chunks.front()).group;
-    });
+  const double per_pass = config.accumulation.layered ? config.accumulation.micro_batches : 1;
+  for (auto& costs : step.passes) costs.resize(modules);
+  for (size_t k = 0; k < step.model.trace.moments.size(); ++k) {
+    offload::TraceMoment& m = step.model.trace.moments[k];
+    if (m.tier != Tier::kDevice) {  // an update: each rank updates its share
+      m.compute_seconds /= config.ranks;
+      continue;
+    }
+    if (config.compute_ms > 0 || config.gpu_tflops <= 0) {
+      uint64_t bytes = 0;
+      for (ChunkId c : m.chunks) bytes += layout.chunk(c).size_bytes();
+      m.compute_seconds = step.model.passes[k] * (config.compute_ms > 0 ? config.compute_ms / 1e3
+                                                                        : 1.5 * static_cast<double>(bytes) /
+                                                                              (config.pcie_gbps * 1e9));
+    }
+    if (k >= 2 * modules) continue;  // the next micro-batch's (standard): the same again
+    const bool backward = k >= modules;
+    step.passes[backward][backward ? 2 * modules - 1 - k : k] = {m.compute_seconds / per_pass, m.non_model_bytes};
   }
   return step;
 }
 
-// A moment's compute: on the device a sleep (the GPU works and the CPU's
-// cores stay free for the transfers and the ranks' collectives, as on a
-// real machine), on the host a busy-wait (a CPU update takes a core).
+// Sleeps (on the device: the GPU works and the CPU's cores stay free for
+// the transfers and the ranks' collectives, as on a real machine) or
+// busy-waits (on the host: a CPU update takes a core) for `seconds`.
 void ComputeFor(double seconds, Tier where) {
   const Clock::time_point end = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                                    std::chrono::duration<double>(seconds));
@@ -129,6 +112,7 @@ struct RunResult {
   double predicted_step_seconds = 0;
   uint64_t divergences = 0;
   offload::LinkBandwidths links;  // as the pipeline measured them
+  uint32_t moments = 0;           // of the trace the plan was made from
   uint32_t updates = 0, updates_on_device = 0;
   uint32_t moments_covered = 0;    // whose compute is at least their chunks' transfer time
   std::string plan_error;          // why there is no plan, if the planner refused the trace
@@ -154,73 +138,40 @@ bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engi
   return compute >= transfer;
 }
 
-// Data parallel: where each moment's communication goes. A backward
-// moment submits the grad chunks it is the last to touch; an update moment
-// takes its group's reduced gradients first and queues its param chunk's
-// all-gather after (parameters sharded: a device moment gathers its
-// transient param chunks as it accesses them instead).
-struct CommMoments {
-  std::vector<std::vector<ChunkId>> submit;     // per moment
-  std::vector<std::optional<ChunkId>> take;     // per moment: the grad chunk of an update
-  std::vector<std::optional<ChunkId>> gather;   // per moment: the param chunk of an update
-};
-
-CommMoments CommMomentsOf(const offload::Trace& step, const std::vector<ChunkInfo>& chunks) {
-  CommMoments out;
-  out.submit.resize(step.moments.size());
-  out.take.resize(step.moments.size());
-  out.gather.resize(step.moments.size());
-  std::map<uint32_t, size_t> last_backward;
-  for (size_t k = 0; k < step.moments.size(); ++k) {
-    const offload::TraceMoment& m = step.moments[k];
-    for (ChunkId c : m.chunks) {
-      const ChunkKind kind = chunks[c.value()].kind;
-      if (IsUpdate(m)) {
-        if (kind == ChunkKind::kGrad) out.take[k] = c;
-        if (kind == ChunkKind::kParam && !chunks[c.value()].transient) out.gather[k] = c;
-      } else if (kind == ChunkKind::kGrad) {
-        last_backward[c.value()] = k;
-      }
-    }
-  }
-  for (const auto& [chunk, k] : last_backward) out.submit[k].push_back(ChunkId(chunk));
-  return out;
-}
-
 // Note [The replay]
-// Moments: offload::GptStepTrace's (the same `strata plan` predicts from):
-// forward over the embedding, each layer and the tied head (param chunks,
-// the activation estimate as non-model memory), backward in reverse with the
-// grad chunks, then one update per chunk group (a host moment over all its
-// chunks, which the plan may move to the device). Each moment computes by
-// busy work: forward and backward for their FLOPs at --gpu-tflops, or when
-// that is 0 for --compute-ms, or by default 1.5 x the time its chunks take
-// over the throttled link, times the micro-batch passes it covers (with
-// --micro-batches: once per micro-batch, or, --accumulation layered, each
-// module for all of them at once, its backward recomputing its forward:
-// Note [Layered accumulation] in capacity_plan.cc); an update for its parameters at
-// --cpu-adam-gparams (on the host) or --gpu-adam-gparams (on the device).
-// So stalls are what remains of the transfers. Reported per iteration after
-// the warm-up: stall time / step time, bytes per link, the planner's time
-// against a step and, with --gpu-tflops, `strata plan`'s prediction for
-// the same machine.
+// The replay drives the engine's own step: offload::RunAccumulatedStep over
+// the GPT's modules (the embedding, each layer, the tied head; one micro-
+// batch, or --micro-batches in either --accumulation order), which runs a
+// moment a module pass, hands each grad chunk, once final, to the reducer
+// and to the overlapped updates (offload::OverlapUpdates, with --overlap),
+// and ends with offload::RunTrainStep: the gradients' statistics, a host
+// moment a chunk group, the plan deciding where each update runs, and data
+// parallel the reduce-scatters and all-gathers. What is emulated is the
+// compute alone. A pass sleeps (the GPU works) for its module's FLOPs at
+// --gpu-tflops, or when that is 0 for --compute-ms, or by default 1.5 x
+// the time its chunks take over the throttled link, each with the
+// activations the planner's model gives it as non-model memory
+// (offload::GptStepTrace); an update, through the engine's ComputeSeam,
+// busy-waits for its parameters at --cpu-adam-gparams on the host or sleeps
+// for them at --gpu-adam-gparams where the plan puts it on the device. So
+// stalls are what remains of the transfers, and a change to the real step
+// is measured as it is. Reported per iteration after the warm-up: stall
+// time / step time, bytes per link, the planner's time against a step and,
+// with --gpu-tflops, `strata plan`'s prediction for the same machine.
 //
 // Data parallel (--ranks): ranks as threads (a loopback group), each its own
 // engine holding 1/ranks of the optimizer states and updating its share of
-// every group; each grad chunk's reduce-scatter starts as its last backward
-// moment ends (offload::GradReducer), and each updated param chunk is
-// all-gathered after its update, over a network of net_gbps (0: the
-// loopback's memory speed); also reported: the time waiting for
-// communication. With shard_params (ZeRO-3) each device moment gathers its
-// param chunks (GradReducer::Gather, ahead along the last step's order) and
-// an update writes only its master shard.
+// every group, over a network of net_gbps (0: the loopback's memory speed);
+// also reported: the time waiting for communication. With shard_params
+// (ZeRO-3) each pass gathers its param chunks (GradReducer::Gather, ahead
+// along the last step's order) and an update writes only its master shard.
 
 // One replay of the step on a fresh engine; with `comm`, one rank of a
-// data-parallel group.
-class Replay {
+// data-parallel group. It is the engine's ComputeSeam: the updates' compute.
+class Replay : public ComputeSeam {
  public:
   static Result<std::unique_ptr<Replay>> Create(const ReplayBenchConfig& config, const Options& options,
-                                                const std::vector<TensorSpec>& specs, const offload::Trace& step,
+                                                const std::vector<TensorSpec>& specs, const ReplayStep& step,
                                                 bool baseline, Communicator* comm) {
     std::unique_ptr<Replay> replay(new Replay(config, step, comm, comm != nullptr && options.comm.shard_params));
     STRATA_RETURN_IF_ERROR(replay->SetUp(options, specs, baseline));
@@ -228,84 +179,57 @@ class Replay {
   }
 
   // One iteration of the step; a measured one adds its share to the means.
-  Status RunIteration(bool measured) {
-    const CommCounters before = Counters();
-    STRATA_RETURN_IF_ERROR(pipeline_->BeginIteration());
-    iteration_start_ = Clock::now();
-    spans_.clear();
-    bool updating = false;
-    for (size_t k = 0; k < step_.moments.size(); ++k) {
-      if (reducer_ && comm_moments_.take[k]) STRATA_RETURN_IF_ERROR(TakeReduced(k, updating));
-      STRATA_RETURN_IF_ERROR(PlayMoment(step_.moments[k]));
-      if (reducer_) STRATA_RETURN_IF_ERROR(Communicate(k));
-    }
-    // The step waits for the overlapped updates, as RunTrainStep does:
-    // the device idles, a stall.
-    const Clock::time_point wait = Clock::now();
-    for (const std::shared_future<Status>& u : overlap_) STRATA_RETURN_IF_ERROR(u.get());
-    overlap_.clear();
-    const double waited = SecondsSince(wait);
-    // The gathers are in before the next forward (parameters sharded: the
-    // next forward's first chunks, gathered ahead as the updates end), so
-    // each iteration counts its own bytes; the wait counts as a stall.
-    if (reducer_) STRATA_RETURN_IF_ERROR(reducer_->Drain());
-    STRATA_RETURN_IF_ERROR(pipeline_->EndIteration());
-    if (measured) {
-      AddMeasured(before);
-      result_.run.stall_seconds += waited / config_.iterations;
-      result_.run.update_wait_seconds += waited / config_.iterations;
-      result_.run.backward_end_seconds = backward_end_;
-      std::lock_guard lock(spans_mu_);
-      result_.run.overlap_spans = spans_;
-    }
-    return Status::Ok();
-  }
-
+  Status RunIteration(bool measured);
+  // After the warm-up: the communication counted from here (the gathers
+  // queued ahead by the last step done first, as Finish does).
+  Status StartMeasuring();
   // The means, and what the pipeline and its plan report at the end.
-  RunResult Finish();
+  Result<RunResult> Finish();
+  Status RunUpdate(const Update& update) override;
 
  private:
-  // The reducer's and the communicator's counts at an iteration's start.
+  // The reducer's and the communicator's counts.
   struct CommCounters {
     double waited = 0;
     uint64_t sent = 0;
     std::array<uint64_t, 3> gathered = {};  // gathers, gathered ahead, filled ahead
   };
 
-  Replay(const ReplayBenchConfig& config, const offload::Trace& step, Communicator* comm, bool sharded_params)
+  Replay(const ReplayBenchConfig& config, const ReplayStep& step, Communicator* comm, bool sharded_params)
       : config_(config), step_(step), comm_(comm), sharded_params_(sharded_params) {}
 
   Status SetUp(const Options& options, const std::vector<TensorSpec>& specs, bool baseline);
-  Status TakeReduced(size_t k, bool& updating);
-  Status PlayMoment(const offload::TraceMoment& m);
-  Status Communicate(size_t k);
+  Status Pass(const offload::BlockPass& pass);
   CommCounters Counters() const;
-  void AddMeasured(const CommCounters& before);
+  void AddMeasured(const offload::TrainStepReport& report);
 
   const ReplayBenchConfig& config_;
-  const offload::Trace& step_;
+  const ReplayStep& step_;
   Communicator* const comm_;
   const bool sharded_params_;
-  std::unique_ptr<Engine> engine_;
-  std::unique_ptr<offload::Pipeline> pipeline_;
-  std::vector<std::byte> gather_buffer_;  // the all-gathers' bytes (the replay has no values to keep)
-  std::unique_ptr<offload::GradReducer> reducer_;  // after the buffer its jobs use
-  CommMoments comm_moments_;
   std::vector<ChunkInfo> chunks_;  // once: the engine builds them anew on every call
-  std::map<uint32_t, ChunkId> param_of_group_;
-  std::set<uint32_t> trained_groups_;  // those with gradients; the others are frozen
-  // This iteration's timeline, and its overlapped updates in flight.
+  std::map<uint32_t, DType> moments_of_group_;  // each trainable group's optimizer moments' dtype
+  offload::AccumulatedStep accumulated_;
+  // This iteration's timeline, from its start: the last backward pass's
+  // end, and each overlapped update's span (added by the pipeline's thread).
   Clock::time_point iteration_start_;
   double backward_end_ = 0;
-  std::mutex spans_mu_;  // guards spans_, which the updates' thread adds to
+  std::mutex spans_mu_;
   std::vector<std::pair<double, double>> spans_;
-  std::vector<std::shared_future<Status>> overlap_;
+  CommCounters measuring_from_;
   RunResult result_;
+  // Each after what it uses, so that it goes first.
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<offload::Pipeline> pipeline_;
+  std::unique_ptr<optim::Optimizer> optimizer_;
+  std::unique_ptr<offload::GradReducer> reducer_;
+  std::unique_ptr<offload::OverlapUpdates> overlap_;
 };
 
 Status Replay::SetUp(const Options& options, const std::vector<TensorSpec>& specs, bool baseline) {
   EngineSeams seams;
   seams.comm = comm_;
+  seams.compute = this;
   if (config_.dirs.empty()) {
     STRATA_ASSIGN_OR_RETURN(seams.storage, CreateMemoryStorage(options.nvme.capacity_bytes));
   }
@@ -317,89 +241,71 @@ Status Replay::SetUp(const Options& options, const std::vector<TensorSpec>& spec
   const double link = config_.pcie_gbps * 1e9;
   pipeline_options.links.bytes_per_second = {link, link, 0, 0};  // the throttle; NVMe measured in the warm-up
   STRATA_ASSIGN_OR_RETURN(pipeline_, offload::Pipeline::Create(*engine_, pipeline_options));
+  STRATA_ASSIGN_OR_RETURN(const optim::OptimizerConfig optimizer, optim::OptimizerConfigFromOptions(options));
+  STRATA_ASSIGN_OR_RETURN(optimizer_, optim::Optimizer::Create(optimizer));
   chunks_ = engine_->chunks();
-  if (comm_ != nullptr) {
-    reducer_ = std::make_unique<offload::GradReducer>(*engine_, *comm_);
-    comm_moments_ = CommMomentsOf(step_, chunks_);
-    uint64_t largest = 0;
-    for (const ChunkInfo& chunk : chunks_) largest = std::max(largest, chunk.size_bytes);
-    gather_buffer_.resize(2 * largest + 4096);
-  }
   for (const ChunkInfo& chunk : chunks_) {
-    if (chunk.kind == ChunkKind::kParam) param_of_group_.emplace(chunk.group, chunk.id);
-    if (chunk.kind == ChunkKind::kGrad) trained_groups_.insert(chunk.group);
+    if (chunk.kind == ChunkKind::kExpAvg) moments_of_group_[chunk.group] = chunk.dtype;
   }
+  if (comm_ != nullptr) reducer_ = std::make_unique<offload::GradReducer>(*engine_, *comm_);
+  if (config_.overlap) {  // room to keep a copy of every group's chunks: each update begins in backward
+    uint64_t kept_bytes = 0;
+    for (const ChunkInfo& chunk : chunks_) kept_bytes += chunk.used_bytes;
+    const offload::OverlapOptions overlap{.kept_bytes = kept_bytes, .reducer = reducer_.get()};
+    STRATA_ASSIGN_OR_RETURN(overlap_, offload::OverlapUpdates::Create(*engine_, *pipeline_, *optimizer_, overlap));
+  }
+  accumulated_.micro_batches = config_.accumulation.micro_batches;
+  accumulated_.order =
+      config_.accumulation.layered ? offload::AccumulationOrder::kLayered : offload::AccumulationOrder::kStandard;
+  accumulated_.blocks = step_.blocks;
+  accumulated_.activation_bytes = [this](const offload::BlockPass& pass) {
+    return step_.passes[pass.backward][pass.block].activation_bytes;
+  };
   return Status::Ok();
 }
 
-// An update moment takes its group's reduced gradients first; the first
-// update of an iteration, parameters sharded, releases the gathered chunks
-// as RunTrainStep does before its updates.
-Status Replay::TakeReduced(size_t k, bool& updating) {
-  if (sharded_params_ && !updating) {
-    reducer_->ReleaseGathered();
-    for (const ChunkInfo& c : chunks_) {  // and the frozen groups' gathers ahead, their shards final
-      if (c.kind == ChunkKind::kParam && c.transient && !trained_groups_.contains(c.group)) reducer_->Updated(c.id);
+Status Replay::RunIteration(bool measured) {
+  iteration_start_ = Clock::now();
+  {
+    std::lock_guard lock(spans_mu_);
+    spans_.clear();
+  }
+  const offload::TrainStepOptions options{.comm = comm_, .reducer = reducer_.get(), .overlap = overlap_.get()};
+  STRATA_ASSIGN_OR_RETURN(
+      const offload::TrainStepReport report,
+      offload::RunAccumulatedStep(*engine_, *pipeline_, *optimizer_, accumulated_,
+                                  [this](const offload::BlockPass& pass) { return Pass(pass); }, options));
+  if (measured) AddMeasured(report);
+  return Status::Ok();
+}
+
+Status Replay::StartMeasuring() {
+  if (reducer_) STRATA_RETURN_IF_ERROR(reducer_->Drain());
+  measuring_from_ = Counters();
+  return Status::Ok();
+}
+
+// A module's pass, its chunks pinned on the device (transient params gathered first).
+Status Replay::Pass(const offload::BlockPass& pass) {
+  if (sharded_params_) {
+    for (const ChunkAccess& param : *pass.params) {
+      if (chunks_[param.id().value()].transient) STRATA_RETURN_IF_ERROR(reducer_->Gather(param.id(), param));
     }
   }
-  updating = true;
-  STRATA_ASSIGN_OR_RETURN(offload::GradReducer::Reduced reduced, reducer_->Take(*comm_moments_.take[k]));
-  reducer_->Recycle(std::move(reduced.shard));  // as RunTrainStep does after the update
+  ComputeFor(step_.passes[pass.backward][pass.block].seconds, Tier::kDevice);
+  if (pass.backward) backward_end_ = SecondsSince(iteration_start_);
   return Status::Ok();
 }
 
-// A moment: begun where it runs (a host moment where the plan puts it), its
-// chunks accessed (transient params gathered), its compute, its end.
-Status Replay::PlayMoment(const offload::TraceMoment& m) {
-  if (m.overlap) {  // its compute on the pipeline's host lane, timed there
-    STRATA_ASSIGN_OR_RETURN(
-        std::shared_future<Status> done,
-        pipeline_->RunOverlapped(m.chunks, m.device_compute_seconds, [this, &m](Tier where, std::vector<ChunkAccess>&) {
-          const double begin = SecondsSince(iteration_start_);
-          ComputeFor(where == Tier::kHost ? m.compute_seconds : *m.device_compute_seconds, where);
-          std::lock_guard lock(spans_mu_);
-          spans_.emplace_back(begin, SecondsSince(iteration_start_));
-          return Status::Ok();
-        }));
-    overlap_.push_back(std::move(done));
-    return Status::Ok();
-  }
-  double compute = m.compute_seconds;
-  Tier runs_on = m.tier;
-  if (m.tier == Tier::kDevice) {
-    STRATA_RETURN_IF_ERROR(pipeline_->BeginMoment(m.non_model_bytes));
-  } else {
-    STRATA_ASSIGN_OR_RETURN(runs_on, pipeline_->BeginHostMoment(m.device_compute_seconds));
-    if (runs_on == Tier::kDevice) compute = *m.device_compute_seconds;
-  }
-  std::vector<ChunkAccess> held;
-  for (ChunkId c : m.chunks) {
-    STRATA_ASSIGN_OR_RETURN(ChunkAccess access, pipeline_->Access(c));
-    if (sharded_params_ && chunks_[c.value()].transient) STRATA_RETURN_IF_ERROR(reducer_->Gather(c, access));
-    held.push_back(std::move(access));
-  }
-  ComputeFor(compute, runs_on);
-  held.clear();
-  STRATA_RETURN_IF_ERROR(pipeline_->EndMoment());
-  if (m.tier == Tier::kDevice) backward_end_ = SecondsSince(iteration_start_);
-  return Status::Ok();
-}
-
-// After moment k: its grad chunks' reduce-scatters submitted, and an
-// update's param chunk all-gathered (or, sharded, marked updated).
-Status Replay::Communicate(size_t k) {
-  if (sharded_params_ && comm_moments_.take[k]) {  // as RunTrainStep: the next forward's first chunks gather ahead
-    reducer_->Updated(param_of_group_.at(chunks_[comm_moments_.take[k]->value()].group));
-  }
-  for (ChunkId c : comm_moments_.submit[k]) STRATA_RETURN_IF_ERROR(reducer_->Submit(c));
-  if (comm_moments_.gather[k]) {
-    const ChunkInfo& param = chunks_[comm_moments_.gather[k]->value()];
-    const uint64_t width = DTypeSizeBytes(param.dtype);
-    const uint64_t shard =
-        memory::ShardOf(param.used_bytes / width, comm_->rank(), comm_->world_size()).elems * width;
-    reducer_->Enqueue([this, shard](Communicator& c) {
-      return c.AllGather(gather_buffer_.data(), gather_buffer_.data() + shard, shard);
-    });
+// The seam: an update takes its parameters' time at the rate where the plan
+// runs it; one begun beside backward goes into the timeline.
+Status Replay::RunUpdate(const Update& update) {
+  const double begin = SecondsSince(iteration_start_);
+  const DType moments = moments_of_group_.at(update.group);
+  ComputeFor(offload::UpdateSeconds(update.elems, moments, update.where, MachineOf(config_)), update.where);
+  if (update.overlapped) {
+    std::lock_guard lock(spans_mu_);
+    spans_.emplace_back(begin, SecondsSince(iteration_start_));
   }
   return Status::Ok();
 }
@@ -414,25 +320,35 @@ Replay::CommCounters Replay::Counters() const {
   return counters;
 }
 
-void Replay::AddMeasured(const CommCounters& before) {
+void Replay::AddMeasured(const offload::TrainStepReport& report) {
   const double n = config_.iterations;
   const offload::PipelineStats s = pipeline_->stats();
   ReplayRun& run = result_.run;
   run.step_seconds += s.step_seconds / n;
-  run.stall_seconds += s.stall_seconds / n;
-  if (reducer_) {
-    const CommCounters now = Counters();
-    run.comm_stall_seconds += (now.waited - before.waited) / n;
-    run.comm_bytes += (now.sent - before.sent) / config_.iterations;
-    run.gathers += static_cast<double>(now.gathered[0] - before.gathered[0]) / n;
-    run.gathered_ahead += static_cast<double>(now.gathered[1] - before.gathered[1]) / n;
-    run.filled_ahead += static_cast<double>(now.gathered[2] - before.gathered[2]) / n;
+  // The step's wait for the overlapped updates: the device idles, a stall.
+  run.stall_seconds += (s.stall_seconds + report.seconds.overlap_wait) / n;
+  run.update_wait_seconds += report.seconds.overlap_wait / n;
+  run.backward_end_seconds = backward_end_;
+  {
+    std::lock_guard lock(spans_mu_);
+    run.overlap_spans = spans_;
   }
+  run.comm_stall_seconds += report.seconds.gather / n;  // the updated param chunks' all-gathers, in the step
   for (int l = 0; l < offload::kNumLinks; ++l) run.bytes[l] += s.bytes[l] / config_.iterations;
 }
 
-RunResult Replay::Finish() {
+Result<RunResult> Replay::Finish() {
   RunResult& result = result_;
+  if (reducer_) {  // the last step's gathers ahead stand for those the first measured step found done
+    STRATA_RETURN_IF_ERROR(reducer_->Drain());
+    const CommCounters now = Counters();
+    const double n = config_.iterations;
+    result.run.comm_stall_seconds += (now.waited - measuring_from_.waited) / n;
+    result.run.comm_bytes = (now.sent - measuring_from_.sent) / config_.iterations;
+    result.run.gathers = static_cast<double>(now.gathered[0] - measuring_from_.gathered[0]) / n;
+    result.run.gathered_ahead = static_cast<double>(now.gathered[1] - measuring_from_.gathered[1]) / n;
+    result.run.filled_ahead = static_cast<double>(now.gathered[2] - measuring_from_.gathered[2]) / n;
+  }
   result.run.stall_fraction = result.run.step_seconds > 0 ? result.run.stall_seconds / result.run.step_seconds : 0;
   result.run.comm_stall_fraction =
       result.run.step_seconds > 0 ? result.run.comm_stall_seconds / result.run.step_seconds : 0;
@@ -443,25 +359,43 @@ RunResult Replay::Finish() {
   result.plan_error = s.plan_error;
   const offload::Plan* plan = pipeline_->plan();
   if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
-  for (size_t k = 0; k < step_.moments.size(); ++k) {
-    const Tier where = plan != nullptr ? plan->compute_tier[k] : step_.moments[k].tier;
-    if (IsUpdate(step_.moments[k])) {
-      result.updates++;
-      if (where == Tier::kDevice) result.updates_on_device++;
+  // By chunk group: where the plan runs its update (begun beside backward, data parallel, a group has a host
+  // moment in the step too, its update confirmed: the overlapped one is its update).
+  std::map<uint32_t, Tier> update_tier;
+  if (const offload::Trace* trace = pipeline_->trace()) {
+    result.moments = static_cast<uint32_t>(trace->moments.size());
+    for (size_t k = 0; k < trace->moments.size(); ++k) {
+      const offload::TraceMoment& m = trace->moments[k];
+      if (m.tier != Tier::kHost) continue;
+      const uint32_t group = chunks_[m.chunks.front().value()].group;
+      if (m.overlap || !update_tier.contains(group)) {
+        update_tier[group] = plan != nullptr ? plan->compute_tier[k] : m.tier;
+      }
     }
-    result.moments_covered += ComputeCoversTransfer(step_.moments[k], where, *engine_, result.links);
+  }
+  result.updates = static_cast<uint32_t>(update_tier.size());
+  for (const auto& [group, where] : update_tier) result.updates_on_device += where == Tier::kDevice;
+  // The premise counted on the emulated compute (the model's moments), not on the recorded times, which
+  // hold what the recording iteration waited for besides.
+  for (const offload::TraceMoment& m : step_.model.trace.moments) {
+    Tier where = m.tier;
+    if (m.tier == Tier::kHost && m.device_compute_seconds) {
+      const auto placed = update_tier.find(chunks_[m.chunks.front().value()].group);
+      if (placed != update_tier.end()) where = placed->second;
+    }
+    result.moments_covered += ComputeCoversTransfer(m, where, *engine_, result.links);
   }
   result.pipeline_json = pipeline_->StatsJson();
   return std::move(result_);
 }
 
 Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& options,
-                          const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline,
+                          const std::vector<TensorSpec>& specs, const ReplayStep& step, bool baseline,
                           Communicator* comm = nullptr) {
   STRATA_ASSIGN_OR_RETURN(std::unique_ptr<Replay> replay, Replay::Create(config, options, specs, step, baseline, comm));
-  for (uint32_t it = 0; it < config.warmup + config.iterations; ++it) {
-    STRATA_RETURN_IF_ERROR(replay->RunIteration(/*measured=*/it >= config.warmup));
-  }
+  for (uint32_t it = 0; it < config.warmup; ++it) STRATA_RETURN_IF_ERROR(replay->RunIteration(/*measured=*/false));
+  STRATA_RETURN_IF_ERROR(replay->StartMeasuring());
+  for (uint32_t it = 0; it < config.iterations; ++it) STRATA_RETURN_IF_ERROR(replay->RunIteration(/*measured=*/true));
   return replay->Finish();
 }
 
@@ -469,7 +403,7 @@ Result<RunResult> RunOnce(const ReplayBenchConfig& config, const Options& option
 // to config.net_gbps): rank 0's result, with the largest communication
 // stall of any rank.
 Result<RunResult> RunRanks(const ReplayBenchConfig& config, const Options& options,
-                           const std::vector<TensorSpec>& specs, const offload::Trace& step, bool baseline) {
+                           const std::vector<TensorSpec>& specs, const ReplayStep& step, bool baseline) {
   if (config.ranks <= 1) return RunOnce(config, options, specs, step, baseline);
   const int world = static_cast<int>(config.ranks);
   STRATA_ASSIGN_OR_RETURN(auto group, CreateLoopbackGroup(world, {.timeout_ms = 600'000}));
@@ -523,10 +457,6 @@ Status ValidateReplayConfig(const ReplayBenchConfig& config) {
     return InvalidArgument("bench replay: --states int8 with --ranks {}: 8-bit states run on one rank", config.ranks);
   }
   if (!(config.net_gbps >= 0)) return InvalidArgument("bench replay: --net-gbps {} must be >= 0", config.net_gbps);
-  if (config.overlap && config.ranks > 1) {
-    return InvalidArgument("bench replay: --overlap runs one rank (data-parallel updates take the gradients reduced "
-                           "at the step); drop --ranks {} or --overlap", config.ranks);
-  }
   return Status::Ok();
 }
 
@@ -610,6 +540,7 @@ void ReportPlanned(const RunResult& planned, ReplayBenchReport& report) {
   report.updates = planned.updates;
   report.updates_on_device = planned.updates_on_device;
   report.moments_covered = planned.moments_covered;
+  report.moments = planned.moments;
   report.plan_error = planned.plan_error;
 }
 
@@ -660,25 +591,25 @@ Result<ReplayBenchReport> RunReplayBench(const ReplayBenchConfig& config) {
       memory::ChunkLayout ranks_layout,
       LayoutOf(specs, options,
                {0, static_cast<int>(std::max<uint32_t>(config.ranks, 1)), options.comm.shard_params}));
-  const offload::GptStep step = ReplayStep(config, specs, ranks_layout);
+  const ReplayStep step = ReplayStepOf(config, specs, ranks_layout);
   ReplayBenchReport report;
   report.config = config;
   report.model_states_bytes = layout.report().total_bytes;
-  report.activation_peak_bytes = step.activation_peak_bytes;
-  report.boundary_bytes = step.boundary_bytes;
+  report.activation_peak_bytes = step.model.activation_peak_bytes;
+  report.boundary_bytes = step.model.boundary_bytes;
   report.chunks = static_cast<uint32_t>(layout.chunks().size());
-  report.moments = static_cast<uint32_t>(step.trace.moments.size());
-  for (const offload::TraceMoment& m : step.trace.moments) report.compute_seconds += m.compute_seconds;
-  STRATA_RETURN_IF_ERROR(SetBudgets(config, layout, step.activation_peak_bytes, options));
+  report.modelled_moments = static_cast<uint32_t>(step.model.trace.moments.size());
+  for (const offload::TraceMoment& m : step.model.trace.moments) report.compute_seconds += m.compute_seconds;
+  STRATA_RETURN_IF_ERROR(SetBudgets(config, layout, step.model.activation_peak_bytes, options));
   report.device_budget_bytes = options.device.budget_bytes;
   report.host_budget_bytes = options.host.budget_bytes;
 
   const RemoveCreatedFiles remove_files(config.dirs);
-  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunRanks(config, options, specs, step.trace, /*baseline=*/false));
+  STRATA_ASSIGN_OR_RETURN(RunResult planned, RunRanks(config, options, specs, step, /*baseline=*/false));
   ReportPlanned(planned, report);
   if (config.gpu_tflops > 0 && config.compute_ms <= 0) PredictWithStrataPlan(config, options, planned.links, report);
   if (config.baseline) {
-    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunRanks(config, options, specs, step.trace, /*baseline=*/true));
+    STRATA_ASSIGN_OR_RETURN(RunResult lru, RunRanks(config, options, specs, step, /*baseline=*/true));
     report.lru = lru.run;
   }
   return report;

@@ -1,9 +1,10 @@
-// `strata bench replay`: the access pattern of a GPT-style model's training
-// step replayed on the engine with the host-emulated device (its copies
-// throttled to a PCIe-like bandwidth) and, with `dirs`, real NVMe I/O; once
-// with the planned prefetch pipeline (offload/schedule/pipeline.h) and once
-// on demand with LRU eviction as the reference, each on a fresh engine. See
-// Note [The replay] in replay_bench.cc for the moments and what is reported.
+// `strata bench replay`: a GPT-style model's training step, the engine's own
+// (offload::RunAccumulatedStep and RunTrainStep), run with emulated compute
+// on the host-emulated device (its copies throttled to a PCIe-like
+// bandwidth) and, with `dirs`, real NVMe I/O; once with the planned prefetch
+// pipeline (offload/schedule/pipeline.h) and once on demand with LRU
+// eviction as the reference, each on a fresh engine. See Note [The replay]
+// in replay_bench.cc for what is emulated and what is reported.
 #pragma once
 
 #include <array>
@@ -45,8 +46,8 @@ struct ReplayBenchConfig {
   bool shard_params = false;
   double device_params = 0.5;        // placement.device_params (static)
   double host_states = 1.0;          // placement.host_states (static)
-  // Each overlapped update, once its group's backward is done
-  // (one rank; Note [Overlapped updates] in offload/schedule/planner.cc).
+  // Each update begun beside backward once its group's gradients are final
+  // (offload::OverlapUpdates; data parallel, on the rank's reduced shard).
   bool overlap = false;
   // Micro-batches a step, standard or layered (--micro-batches, --accumulation).
   offload::Accumulation accumulation;
@@ -83,13 +84,14 @@ struct ReplayBenchReport {
   uint64_t device_budget_bytes = 0;
   uint64_t host_budget_bytes = 0;
   uint32_t chunks = 0;
-  uint32_t moments = 0;
+  uint32_t moments = 0;           // the step's, as the pipeline recorded them (a module pass or an update each)
+  uint32_t modelled_moments = 0;  // offload::GptStepTrace's (a layered module's passes in one)
   uint64_t activation_peak_bytes = 0;
   uint64_t boundary_bytes = 0;  // layered: the micro-batches' layer inputs held at once
   double compute_seconds = 0;  // per iteration, all moments, updates on the CPU
   uint32_t updates = 0, updates_on_device = 0;  // chunk-group updates, as the plan placed them
-  // Moments whose compute is at least their chunks' transfer time at the
-  // measured rates (the stall goal's premise; see ComputeCoversTransfer).
+  // Modelled moments whose compute is at least their chunks' transfer time
+  // at the measured rates (the stall goal's premise; see ComputeCoversTransfer).
   uint32_t moments_covered = 0;
   double strata_plan_step_seconds = 0;  // with gpu_tflops: `strata plan`'s prediction for this machine
   std::string strata_plan_command;

@@ -79,8 +79,8 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
     }
   }
   out += fmt::format("{} of {} chunk-group updates on the device, the rest on the CPU; compute at least its chunks' "
-                     "transfer time in {} of {} moments\n",
-                     r.updates_on_device, r.updates, r.moments_covered, r.moments);
+                     "transfer time in {} of the step's {} moments as modelled (a module's passes in one)\n",
+                     r.updates_on_device, r.updates, r.moments_covered, r.modelled_moments);
   if (r.config.overlap) {
     const std::vector<std::pair<double, double>>& spans = r.planned.overlap_spans;
     const auto during = std::count_if(spans.begin(), spans.end(), [&](const auto& s) {
@@ -160,6 +160,7 @@ std::string ReplayBenchJson(const ReplayBenchReport& r) {
   j["updates"] = r.updates;
   j["updates_on_device"] = r.updates_on_device;
   j["moments_compute_covers_transfer"] = r.moments_covered;
+  j["modelled_moments"] = r.modelled_moments;
   if (r.strata_plan_step_seconds > 0) {
     j["strata_plan_step_seconds"] = r.strata_plan_step_seconds;
     j["strata_plan_command"] = r.strata_plan_command;

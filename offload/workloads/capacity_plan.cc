@@ -83,17 +83,6 @@ struct GptCosts {
   double head_flops = 0;
 };
 
-// The tensors of each forward group: the embedding (0), each layer, the head.
-std::vector<std::vector<uint32_t>> GptForwardGroups(const std::vector<TensorSpec>& specs, uint32_t layers) {
-  std::vector<std::vector<uint32_t>> groups(layers + 2);
-  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
-  // The output head is tied to the token embedding: the logits need it again.
-  for (uint32_t t = 0; t < specs.size(); ++t) {
-    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
-  }
-  return groups;
-}
-
 // The step's forward and backward moments, once per micro-batch or layered
 // (Note [Layered accumulation]), with the step's FLOPs, activation peak and
 // passes.
@@ -173,26 +162,14 @@ class ForwardBackwardTrace {
   GptStep step_;
 };
 
-// The chunk groups in the order the trace last uses them (stable).
-std::vector<uint32_t> GroupsByLastUse(const memory::ChunkLayout& layout, const Trace& trace) {
-  std::vector<size_t> last_use(layout.groups().size(), 0);
-  for (size_t k = 0; k < trace.moments.size(); ++k) {
-    for (ChunkId c : trace.moments[k].chunks) last_use[layout.chunk(c).group] = k;
-  }
-  std::vector<uint32_t> order(layout.groups().size());
-  for (uint32_t g = 0; g < order.size(); ++g) order[g] = g;
-  std::stable_sort(order.begin(), order.end(), [&](uint32_t x, uint32_t y) { return last_use[x] < last_use[y]; });
-  return order;
-}
-
-// The update of each trainable chunk group: every chunk of the group, in the
-// order backward finishes with them (the last layers' first).
+// The update of each trainable chunk group: every chunk of the group, in
+// layout order, as offload::RunTrainStep runs them.
 void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout,
                    const MachineSpec& machine, GptStep& step) {
   // Under int8 states every update runs on the host, the small tensors' fp32 moments' too (torchao's arithmetic:
   // Note [8-bit states in chunks] in optim/cpu/cpu_kernels.cc).
   const bool host_only = layout.moment_dtype() == DType::kInt8Block;
-  for (uint32_t g : GroupsByLastUse(layout, step.trace)) {
+  for (uint32_t g = 0; g < layout.groups().size(); ++g) {
     const memory::ChunkGroup& group = layout.groups()[g];
     if (!group.trainable) continue;
     TraceMoment m{.tier = Tier::kHost};
@@ -201,19 +178,10 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
     for (const std::optional<ChunkId>& c : group.chunk_of_kind) {
       if (c) m.chunks.push_back(*c);
     }
-    // The CPU rate is fp32 moments' (28 bytes a bf16 parameter: its gradient and copy, the master both
-    // ways, the moments both ways); bf16 moments move fewer bytes; int8 ones fewer still, but their kernel
-    // is bound by its arithmetic (five divisions a parameter against two): it ran at 0.31-0.52 of the fp32
-    // kernel's rate where that was memory-bound (docs/benchmarks.md), so the plan counts it at 0.45. Both
-    // update on the host as the engine runs them (DeviceUpdateSeconds in offload/training/group_update.h).
     const DType moment = layout.chunk(*group.chunk_of_kind[static_cast<int>(ChunkKind::kExpAvg)]).dtype;
-    constexpr double kInt8RelativeRate = 0.45;
-    const double cost = moment == DType::kInt8Block
-                            ? 1.0 / kInt8RelativeRate
-                            : (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
-    m.compute_seconds = cost * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+    m.compute_seconds = UpdateSeconds(params, moment, Tier::kHost, machine);
     if (moment == DType::kFloat32 && !host_only) {
-      m.device_compute_seconds = static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+      m.device_compute_seconds = UpdateSeconds(params, moment, Tier::kDevice, machine);
     }
     step.trace.moments.push_back(std::move(m));
     step.passes.push_back(0);
@@ -221,6 +189,32 @@ void AppendUpdates(const std::vector<TensorSpec>& specs, const memory::ChunkLayo
 }
 
 }  // namespace
+
+// The tensors of each forward group: the embedding (0), each layer, the head.
+std::vector<std::vector<uint32_t>> GptForwardGroups(const std::vector<TensorSpec>& specs, uint32_t layers) {
+  std::vector<std::vector<uint32_t>> groups(layers + 2);
+  for (uint32_t t = 0; t < specs.size(); ++t) groups[GptForwardGroup(specs[t].name, layers)].push_back(t);
+  // The output head is tied to the token embedding: the logits need it again.
+  for (uint32_t t = 0; t < specs.size(); ++t) {
+    if (specs[t].name == "embed.tokens.weight") groups.back().push_back(t);
+  }
+  return groups;
+}
+
+// The CPU rate is fp32 moments' (28 bytes a bf16 parameter: its gradient and
+// copy, the master both ways, the moments both ways); bf16 moments move fewer
+// bytes; int8 ones fewer still, but their kernel is bound by its arithmetic
+// (five divisions a parameter against two): it ran at 0.31-0.52 of the fp32
+// kernel's rate where that was memory-bound (docs/benchmarks.md), so the plan
+// counts it at 0.45. Both update on the host as the engine runs them
+// (DeviceUpdateSeconds in offload/training/group_update.h).
+double UpdateSeconds(uint64_t params, DType moment, Tier where, const MachineSpec& machine) {
+  if (where == Tier::kDevice) return static_cast<double>(params) / (machine.gpu_adam_gparams * 1e9);
+  constexpr double kInt8RelativeRate = 0.45;
+  const double cost = moment == DType::kInt8Block ? 1.0 / kInt8RelativeRate
+                                                  : (12.0 + 4.0 * static_cast<double>(DTypeSizeBytes(moment))) / 28.0;
+  return cost * static_cast<double>(params) / (machine.cpu_adam_gparams * 1e9);
+}
 
 GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
                      const MachineSpec& machine, const Accumulation& accumulation) {
@@ -282,9 +276,11 @@ void SummarizeStep(const Trace& trace, const std::vector<double>& passes, const 
     } else if (built.compute_tier[k] == Tier::kDevice) {
       plan.updates_on_device++;
       plan.optimizer_seconds += *m.device_compute_seconds + stall;
+      plan.update_compute_seconds += *m.device_compute_seconds;
       gpu_busy += *m.device_compute_seconds;
     } else {
       plan.optimizer_seconds += m.compute_seconds + stall;
+      plan.update_compute_seconds += m.compute_seconds;
       cpu_busy += m.compute_seconds;
     }
     if (update) plan.updates++;
@@ -431,6 +427,7 @@ std::string CapacityPlanJson(const CapacityPlan& p) {
   j["updates_on_device"] = p.updates_on_device;
   j["stall_seconds"] = p.prediction.stall_seconds;
   j["optimizer_seconds"] = p.optimizer_seconds;
+  j["update_compute_seconds"] = p.update_compute_seconds;
   j["step_seconds"] = p.step_seconds;
   j["tflops"] = p.tflops();
   j["bottleneck"] = p.bottleneck;

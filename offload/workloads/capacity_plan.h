@@ -57,6 +57,7 @@ struct CapacityPlan {
   double compute_seconds = 0;           // forward and backward, compute alone
   double forward_backward_seconds = 0;  // with the stalls
   double optimizer_seconds = 0;         // the updates, with their stalls
+  double update_compute_seconds = 0;    // the updates, compute alone (where the plan runs each)
   uint32_t updates = 0;                 // chunk groups updated
   uint32_t updates_on_device = 0;       // of which on the GPU
   double step_seconds = 0;
@@ -89,6 +90,12 @@ struct GptStep {
   // time a pass whichever its direction (the replay's --compute-ms).
   std::vector<double> passes;
 };
+// The tensors (indices into `specs`, GptTensorSpecs') each forward module
+// reads: the embedding (0), each layer, the head (the embedding's, tied).
+std::vector<std::vector<uint32_t>> GptForwardGroups(const std::vector<TensorSpec>& specs, uint32_t layers);
+// How long an update of `params` parameters with moments of `moment` takes
+// on `machine`'s CPU (Tier::kHost) or GPU (fp32 moments only).
+double UpdateSeconds(uint64_t params, DType moment, Tier where, const MachineSpec& machine);
 GptStep GptStepTrace(const std::vector<TensorSpec>& specs, const memory::ChunkLayout& layout, const ModelShape& model,
                      const MachineSpec& machine, const Accumulation& accumulation = {});
 

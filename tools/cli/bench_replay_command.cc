@@ -101,7 +101,7 @@ void AddRunFlags(CLI::App* command, BenchReplayFlags& flags) {
       ->check(CLI::IsMember({"fp32", "bf16", "int8"}))
       ->capture_default_str();
   command->add_flag("--overlap", config.overlap,
-                    "begin each overlapped update, once its group's gradients are final (one rank)");
+                    "begin each update beside backward, once its group's gradients are final (optimizer.overlap)");
   command->add_flag("--no-baseline", flags.no_baseline, "skip the LRU run");
   command->add_option("--json", flags.json_path, "also write the results as JSON to this file");
 }
