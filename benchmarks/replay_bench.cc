@@ -57,8 +57,8 @@ struct ReplayStep {
   std::array<std::vector<PassCost>, 2> passes;  // [backward][block]
 };
 
-// The modules' passes from the model's moments: FLOPs at --gpu-tflops, or
-// --compute-ms, or 1.5 x the moment's chunks' time over the throttled link,
+// The modules' passes from the model's moments: --compute-ms, or FLOPs at
+// --gpu-tflops, or 1.5 x the moment's chunks' time over the throttled link,
 // each pass of one micro-batch (a layered moment covers every micro-batch;
 // its backward recomputes the forward: Note [Layered accumulation]).
 ReplayStep ReplayStepOf(const ReplayBenchConfig& config, const std::vector<TensorSpec>& specs,
@@ -147,8 +147,8 @@ bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engi
 // and ends with offload::RunTrainStep: the gradients' statistics, a host
 // moment a chunk group, the plan deciding where each update runs, and data
 // parallel the reduce-scatters and all-gathers. What is emulated is the
-// compute alone. A pass sleeps (the GPU works) for its module's FLOPs at
-// --gpu-tflops, or when that is 0 for --compute-ms, or by default 1.5 x
+// compute alone. A pass sleeps (the GPU works) for --compute-ms, or when
+// that is 0 for its module's FLOPs at --gpu-tflops, or by default 1.5 x
 // the time its chunks take over the throttled link, each with the
 // activations the planner's model gives it as non-model memory
 // (offload::GptStepTrace); an update, through the engine's ComputeSeam,
@@ -275,6 +275,13 @@ Status Replay::RunIteration(bool measured) {
       const offload::TrainStepReport report,
       offload::RunAccumulatedStep(*engine_, *pipeline_, *optimizer_, accumulated_,
                                   [this](const offload::BlockPass& pass) { return Pass(pass); }, options));
+  // Its gradients never written, the step neither skips nor redoes an update: one that did would run on the
+  // values nobody computed (the emulated updates keep no copy), and measure something else.
+  if (report.plan.skip || report.redone_groups > 0) {
+    return Internal("bench replay: the step skipped its update or redid {} of them, which its emulated compute "
+                    "cannot: it keeps no values",
+                    report.redone_groups);
+  }
   if (measured) AddMeasured(report);
   return Status::Ok();
 }

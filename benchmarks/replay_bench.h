@@ -70,7 +70,7 @@ struct ReplayRun {
   // those filled into their device slot ahead too (no copy left for the access).
   double gathers = 0, gathered_ahead = 0, filled_ahead = 0;
   // The last measured iteration's timeline, in seconds from its start: when
-  // the last device moment (backward's) ended, and when each update beside
+  // the last backward pass's compute ended, and when each update beside
   // backward began and ended.
   double backward_end_seconds = 0;
   double update_wait_seconds = 0;  // mean: the step waiting for the overlapped updates (in stall_seconds)

@@ -27,7 +27,9 @@ class ComputeSeam {
   virtual ~ComputeSeam() = default;
   // The update, and what the kernels' pass does beside it (the copy kept for
   // an overlapped update, the gradients zeroed): the chunks' values are not
-  // the seam's concern. An error fails the step as a kernel's would.
+  // the seam's concern, so a step that puts a kept copy back (a redo, an
+  // undo) puts back what the copy's memory held. A step the plan skips does
+  // not call it. An error fails the step as a kernel's would.
   virtual Status RunUpdate(const Update& update) = 0;
 };
 

@@ -49,12 +49,10 @@ double DeviceStatsSeconds(const Group& g) {
 
 Status GroupUpdate::Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
                         const UpdateExtras& extras) const {
-  if (ComputeSeam* seam = engine_.compute_seam()) {
-    if (plan_.skip) return Status::Ok();
-    return seam->RunUpdate({.group = g[ChunkKind::kParam].group,
-                            .elems = hi - lo,
-                            .where = extras.where,
-                            .overlapped = extras.keep != nullptr});  // only an overlapped update keeps a copy
+  ComputeSeam* const seam = engine_.compute_seam();
+  if (seam != nullptr && !plan_.skip) {
+    return seam->RunUpdate(
+        {.group = g[ChunkKind::kParam].group, .elems = hi - lo, .where = extras.where, .overlapped = extras.overlapped});
   }
   if (!extras.on_device) return RunOnHost(g, lo, hi, reduced, held, extras);
   void* const stream = extras.stream;

@@ -63,6 +63,7 @@ struct UpdateExtras {
   std::byte* keep = nullptr;
   bool zero_grads = true;
   Tier where = Tier::kHost;  // where the plan runs it (on the emulated device, on_device is false)
+  bool overlapped = false;   // begun beside backward (OverlapUpdates)
 };
 
 // A step's update of one group at a time, with the plan the step made.
@@ -84,7 +85,8 @@ class GroupUpdate {
   // each chunk's used bytes one after another (OverlapUpdates's copy; a
   // sharded chunk's, its shard's). `zero_grads` false: the grad chunk is
   // left as it is. See Note [One pass over a group]. With the engine's
-  // ComputeSeam, that runs instead (unless the plan skips the step).
+  // ComputeSeam, that runs instead; a step the plan skips zeroes the
+  // gradients as ever.
   Status Run(const Group& g, size_t lo, size_t hi, const float* reduced, const HeldChunks& held,
              const UpdateExtras& extras = {}) const;
 

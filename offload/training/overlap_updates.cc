@@ -189,7 +189,10 @@ Status OverlapUpdates::Compute(size_t group, Update& update, Tier where, std::ve
   STRATA_RETURN_IF_ERROR(
       GroupUpdate(engine_, optimizer_, plan_, kNoneSkipped)
           .Run(g, range.begin, range.end, reduced, by_kind,
-               {.keep = kept_[group].bytes(), .zero_grads = update.reduced == std::nullopt, .where = where}));
+               {.keep = kept_[group].bytes(),
+                .zero_grads = update.reduced == std::nullopt,
+                .where = where,
+                .overlapped = true}));
   update.updated = true;
   return Status::Ok();
 }

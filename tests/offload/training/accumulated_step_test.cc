@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <mutex>
 #include <set>
 #include <string>
@@ -224,6 +225,20 @@ TEST(AccumulatedStepTest, AComputeSeamRunsInsteadOfEachUpdateAndEachPassKeepsIts
   ASSERT_EQ(seam.updates.size(), static_cast<size_t>(kLayers));
   for (const ComputeSeam::Update& u : seam.updates) EXPECT_TRUE(u.overlapped);
   EXPECT_EQ(model.Read(5, ChunkKind::kParam), before);
+}
+
+TEST(AccumulatedStepTest, AStepThePlanSkipsCallsNoSeamAndZeroesTheGradientsAsEver) {
+  RecordedUpdates seam;
+  Model model(0.0, nullptr, false, 60'000, &seam);
+  model.Write(3, ChunkKind::kGrad, std::vector<float>(kChunkElems, std::numeric_limits<float>::infinity()));
+  ASSERT_OK_AND_ASSIGN(const TrainStepReport report,
+                       RunAccumulatedStep(*model.engine, *model.pipeline, *model.optimizer,
+                                          FourBlocks(1, AccumulationOrder::kStandard),
+                                          [](const BlockPass&) { return Status::Ok(); }));
+  EXPECT_TRUE(report.plan.skip);
+  EXPECT_TRUE(seam.updates.empty());
+  EXPECT_EQ(model.optimizer->steps_taken(), 0);
+  EXPECT_EQ(model.Read(3, ChunkKind::kGrad), std::vector<float>(kChunkElems, 0.0f));
 }
 
 TEST(AccumulatedStepTest, WhatIsRefusedAndAFailedPassEndsTheStepUncounted) {
