@@ -121,14 +121,14 @@ struct RunResult {
 // Whether moment `m`'s compute (where the plan runs it) is at least the time
 // its chunks take over the links at the measured rates: a device moment's
 // chunks over host->device (and an NVMe read first for those homed there),
-// a host moment's NVMe-homed chunks over the NVMe read. The premise of the
-// replay's stall goal.
+// a host moment's NVMe-homed chunks over the NVMe read (`chunks`: the
+// engine's, read once). The premise of the replay's stall goal.
 bool ComputeCoversTransfer(const offload::TraceMoment& m, Tier where, const Engine& engine,
-                           const offload::LinkBandwidths& links) {
+                           const std::vector<ChunkInfo>& chunks, const offload::LinkBandwidths& links) {
   const auto rate = [&](offload::Link l) { return links.bytes_per_second[static_cast<int>(l)]; };
   double transfer = 0;
   for (ChunkId c : m.chunks) {
-    const double bytes = static_cast<double>(engine.chunks()[c.value()].size_bytes);
+    const double bytes = static_cast<double>(chunks[c.value()].size_bytes);
     const Result<Tier> home = engine.ChunkHome(c);
     const bool on_nvme = home.ok() && *home == Tier::kNvme;
     if (where == Tier::kDevice) transfer += bytes / rate(offload::Link::kHostToDevice);
@@ -196,7 +196,7 @@ class Replay : public ComputeSeam {
   };
 
   Replay(const ReplayBenchConfig& config, const ReplayStep& step, Communicator* comm, bool sharded_params)
-      : config_(config), step_(step), comm_(comm), sharded_params_(sharded_params) {}
+      : config_(config), machine_(MachineOf(config)), step_(step), comm_(comm), sharded_params_(sharded_params) {}
 
   Status SetUp(const Options& options, const std::vector<TensorSpec>& specs, bool baseline);
   Status Pass(const offload::BlockPass& pass);
@@ -204,6 +204,7 @@ class Replay : public ComputeSeam {
   void AddMeasured(const offload::TrainStepReport& report);
 
   const ReplayBenchConfig& config_;
+  const offload::MachineSpec machine_;  // the rates the emulated compute runs at
   const ReplayStep& step_;
   Communicator* const comm_;
   const bool sharded_params_;
@@ -309,7 +310,7 @@ Status Replay::Pass(const offload::BlockPass& pass) {
 Status Replay::RunUpdate(const Update& update) {
   const double begin = SecondsSince(iteration_start_);
   const DType moments = moments_of_group_.at(update.group);
-  ComputeFor(offload::UpdateSeconds(update.elems, moments, update.where, MachineOf(config_)), update.where);
+  ComputeFor(offload::UpdateSeconds(update.elems, moments, update.where, machine_), update.where);
   if (update.overlapped) {
     std::lock_guard lock(spans_mu_);
     spans_.emplace_back(begin, SecondsSince(iteration_start_));
@@ -390,7 +391,7 @@ Result<RunResult> Replay::Finish() {
       const auto placed = update_tier.find(chunks_[m.chunks.front().value()].group);
       if (placed != update_tier.end()) where = placed->second;
     }
-    result.moments_covered += ComputeCoversTransfer(m, where, *engine_, result.links);
+    result.moments_covered += ComputeCoversTransfer(m, where, *engine_, chunks_, result.links);
   }
   result.pipeline_json = pipeline_->StatsJson();
   return std::move(result_);
