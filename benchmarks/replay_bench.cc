@@ -110,6 +110,7 @@ struct RunResult {
   std::string pipeline_json;
   double planning_seconds = 0;
   double predicted_step_seconds = 0;
+  std::array<uint64_t, offload::kNumLinks> predicted_bytes = {};
   uint64_t divergences = 0;
   offload::LinkBandwidths links;  // as the pipeline measured them
   uint32_t moments = 0;           // of the trace the plan was made from
@@ -366,7 +367,10 @@ Result<RunResult> Replay::Finish() {
   result.links = pipeline_->links();
   result.plan_error = s.plan_error;
   const offload::Plan* plan = pipeline_->plan();
-  if (plan != nullptr) result.predicted_step_seconds = plan->prediction.step_seconds;
+  if (plan != nullptr) {
+    result.predicted_step_seconds = plan->prediction.step_seconds;
+    result.predicted_bytes = plan->prediction.bytes;
+  }
   // By chunk group: where the plan runs its update (begun beside backward, data parallel, a group has a host
   // moment in the step too, its update confirmed: the overlapped one is its update).
   std::map<uint32_t, Tier> update_tier;
@@ -543,6 +547,7 @@ void ReportPlanned(const RunResult& planned, ReplayBenchReport& report) {
   report.planned = planned.run;
   report.planning_seconds = planned.planning_seconds;
   report.predicted_step_seconds = planned.predicted_step_seconds;
+  report.predicted_bytes = planned.predicted_bytes;
   report.divergences = planned.divergences;
   report.pipeline_json = planned.pipeline_json;
   report.updates = planned.updates;

@@ -98,6 +98,7 @@ struct ReplayBenchReport {
   std::string plan_error;  // the planner's refusal, when the measured run had no plan
   double planning_seconds = 0;
   double predicted_step_seconds = 0;
+  std::array<uint64_t, offload::kNumLinks> predicted_bytes = {};  // per iteration, by the plan of the measured run
   uint64_t divergences = 0;
   std::string pipeline_json;  // the planned run's pipeline statistics (last iteration)
   ReplayRun planned;

@@ -567,6 +567,10 @@ std::string Pipeline::StatsJson() const {
                  {"predicted_stall_seconds", impl_->plan->prediction.stall_seconds},
                  {"predicted_stall_per_moment", impl_->plan->prediction.stall_per_moment},
                  {"peak_device_bytes", impl_->plan->peak_device_bytes}};
+    for (int l = 0; l < kNumLinks; ++l) {  // beside bytes_moved: what the plan meant to move
+      j["plan"]["predicted_bytes_moved"][std::string(LinkName(static_cast<Link>(l)))] =
+          impl_->plan->prediction.bytes[l];
+    }
   }
   return j.dump(2);
 }

@@ -37,6 +37,9 @@ TEST(ReplayBenchTest, ReplaysWithAPlanAndWithoutAndWritesTheJsonKeys) {
     EXPECT_TRUE(json[key].contains("host->device")) << key;
   }
   EXPECT_EQ(json["pipeline"]["planned_iterations"].get<uint64_t>(), 3u);  // the second warm-up iteration and two more
+  EXPECT_GT(report.predicted_bytes[static_cast<int>(offload::Link::kHostToDevice)], 0u);
+  EXPECT_EQ(json["pipeline"]["plan"]["predicted_bytes_moved"]["host->device"].get<uint64_t>(),
+            report.predicted_bytes[static_cast<int>(offload::Link::kHostToDevice)]);
   EXPECT_NE(FormatReplayBench(report).find("LRU, on demand"), std::string::npos);
 }
 
@@ -194,12 +197,20 @@ TEST(ReplayBenchTest, LayeredAccumulationMovesTheChunksOnceWhateverTheMicroBatch
   const auto to_device = [](const ReplayBenchReport& r) {
     return static_cast<double>(r.planned.bytes[static_cast<int>(offload::Link::kHostToDevice)]);
   };
+  const auto planned_to_device = [](const ReplayBenchReport& r) {
+    return static_cast<double>(r.predicted_bytes[static_cast<int>(offload::Link::kHostToDevice)]);
+  };
+  // The plan moves each chunk up once a step whatever the micro-batches; standard moves them again every
+  // micro-batch (2.8x at M = 4: some stay on the device between them).
+  EXPECT_GT(planned_to_device(layered_one), 0);
+  EXPECT_LE(planned_to_device(layered_four), 1.05 * planned_to_device(layered_one));
+  EXPECT_GE(planned_to_device(standard_four), 2.5 * planned_to_device(standard_one));
+  // The run adds what its timing costs (a chunk fetched on demand after a late eviction: one or two of
+  // the eight here, more under load), never a move a micro-batch.
   EXPECT_GT(to_device(layered_one), 0);
-  EXPECT_LE(to_device(layered_four), 1.15 * to_device(layered_one));
-  // Standard moves them again every micro-batch (2.8-3.1x at M = 4: what stays on the device between them
-  // varies with the load's timing).
-  EXPECT_GE(to_device(standard_four), 2.5 * to_device(standard_one));
-  // The headline: at four micro-batches, layered moves under half of standard's traffic (a quarter here).
+  EXPECT_LE(to_device(layered_four), 1.5 * to_device(layered_one));
+  // The headline, as run: at four micro-batches, layered moves under half of standard's traffic (a
+  // quarter here).
   EXPECT_LT(to_device(layered_four), 0.5 * to_device(standard_four));
   for (const ReplayBenchReport* r : {&layered_one, &layered_four, &standard_one, &standard_four}) {
     // A moment a module pass, either order (Note [Accumulated steps]), and one an update.
