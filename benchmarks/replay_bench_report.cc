@@ -86,10 +86,12 @@ std::string FormatReplayBench(const ReplayBenchReport& r) {
     const auto during = std::count_if(spans.begin(), spans.end(), [&](const auto& s) {
       return s.first < r.planned.backward_end_seconds;
     });
-    out += fmt::format("overlapped updates: {} of {} began while backward went on; the step waited {:.2f} ms "
-                       "for them (in the stall); timeline of the last iteration (ms from its start): backward ended "
-                       "at {:.2f}; updates {}\n",
-                       during, spans.size(), 1e3 * r.planned.update_wait_seconds, 1e3 * r.planned.backward_end_seconds,
+    out += fmt::format("overlapped updates: {} of {} began while backward went on (the step ran the other {} "
+                       "updates: those backward's last pass made final, or whose copy did not fit); the step waited "
+                       "{:.2f} ms for them (in the stall); timeline of the last iteration (ms from its start): "
+                       "backward ended at {:.2f}; updates {}\n",
+                       during, spans.size(), r.updates - std::min<size_t>(r.updates, spans.size()),
+                       1e3 * r.planned.update_wait_seconds, 1e3 * r.planned.backward_end_seconds,
                        fmt::join(TimelineText(spans), " "));
   }
   if (r.strata_plan_step_seconds > 0) {

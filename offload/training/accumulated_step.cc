@@ -129,10 +129,12 @@ Result<TrainStepReport> RunAccumulatedStep(Engine& engine, Pipeline& pipeline, o
     status = RunPass(pipeline, chunks[pass.block], pass, step, compute);
     if (!status.ok()) break;
     if (!pass.backward || pass.micro_batch + 1 != micro_batches) continue;
+    // What the last pass makes final the step updates (Note [Overlapped updates]: the groups backward completes last).
+    const bool last = &pass == &passes.back();
     for (ChunkId grad : chunks[pass.block].grads) {
       if (!status.ok() || final_after[grad.value()] != pass.block) continue;
       if (options.reducer != nullptr) status = options.reducer->Submit(grad);
-      if (status.ok() && options.overlap != nullptr) status = options.overlap->Begin(grad).status();
+      if (status.ok() && options.overlap != nullptr && !last) status = options.overlap->Begin(grad).status();
     }
     if (!status.ok()) break;
   }

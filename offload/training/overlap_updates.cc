@@ -27,9 +27,16 @@ namespace strata::offload {
 // (but for the two limits below), and a step that redoes costs its updates
 // twice. The copies take optimizer.overlap bytes of host memory at most; a
 // group whose copy does not fit is updated after backward, as without
-// overlap. A gradient that
-// comes into a group after its update began (Late) makes the step add the
-// kept gradients back into the grad chunk before it reads the statistics
+// overlap. The groups backward makes final last (in its last pass, or
+// its last moment) are not begun: nothing of backward is left to hide
+// their update behind, and the step, whose norm then waits only for their
+// statistics, updates them as without overlap, at the kernel's full width
+// and with no copy. Begun, each would run speculatively, its copy besides,
+// while the step waits for it: a Llama's embedding, a fifth of a 21M
+// model's parameters, took 8-9 ms so against about 4 ms in the step
+// (docs/benchmarks.md, "The step phase against its parts"). A gradient
+// that comes into a group after its update began (Late) makes the step add
+// the kept gradients back into the grad chunk before it reads the statistics
 // (the sum autograd would have made: one addition, in the grad's dtype) and
 // update that group again from its copy. A forward before the step (a
 // second backward before it) would read parameters already updated: Undo

@@ -251,9 +251,7 @@ class TrainingEngine:
                 raise pinning from error  # as raised, not as the RuntimeError autograd made of it
             raise
         self._hooks.end_backward()
-        if self._overlap.pending:  # the groups backward completed last begin before the step's wait
-            self._moments.end_moment()
-            self._overlap.begin_ready()
+        self._overlap.leave_ready()  # the groups backward completed last are the step's
         self._progress.micro_steps += len(losses)
 
     def _steps_needed(self):

@@ -7,12 +7,13 @@ chunk group's update begins on the pipeline's own thread, beside the rest of
 backward, from a plan made before the step's norm is known; the step confirms
 it, or puts the group back from the copy it kept and updates it again after a
 clip, an overflow or a hyperparameter changed in between (Note [Overlapped
-updates] in offload/training/overlap_updates.cc). A gradient that comes into a
-chunk after its update began (a parameter reentrant checkpointing accumulates
-twice) makes the step redo that group from the whole gradient. A training
-forward before the step (more backwards than gradient_accumulation_steps) puts
-the updated groups back first: it reads the parameters of before the step, as
-without overlap.
+updates] in offload/training/overlap_updates.cc). The groups backward
+completes last (in its last moment) are left to the step. A gradient that
+comes into a chunk after its update began (a parameter reentrant
+checkpointing accumulates twice) makes the step redo that group from the
+whole gradient. A training forward before the step (more backwards than
+gradient_accumulation_steps) puts the updated groups back first: it reads the
+parameters of before the step, as without overlap.
 """
 
 from . import _strata
@@ -69,6 +70,12 @@ class Overlap:
         for chunk in self._ready:
             if self.updates.begin(chunk):
                 self._begun.add(chunk)
+        self._ready.clear()
+
+    def leave_ready(self):
+        """Backward has ended: the groups it completed last are not begun. The step updates them as without overlap,
+        at the kernel's full width and with no copy, as nothing of backward is left to hide them behind (Note
+        [Overlapped updates] in offload/training/overlap_updates.cc)."""
         self._ready.clear()
 
     def late(self, chunk):
