@@ -239,17 +239,13 @@ struct Pipeline::Impl {
 
   Status Cancelled() const { return Internal("pipeline: cancelled (the pipeline is being destroyed)"); }
 
-  // A planned move of a chunk a caller still holds is skipped, not failed:
-  // the access that needs the chunk moves it on demand once it is released
-  // (or says why it cannot).
-  static Status UnlessPinned(Status moved) {
-    return moved.code() == StatusCode::kInvalidArgument ? Status::Ok() : moved;
-  }
-
-  // Moves `chunk` from `from` to `to`, unless it is not on `from` or in use.
+  // Moves `chunk` from `from` to `to`, unless it is not on `from` or in use
+  // (a caller still holds it: the plan's move is skipped).
   Status MoveOff(ChunkId chunk, Tier from, Tier to) {
     if (cancelled.load(std::memory_order_relaxed)) return Cancelled();
-    return UnlessPinned(engine.MoveChunkIfOn(chunk, from, to));
+    Status moved = engine.MoveChunkIfOn(chunk, from, to);
+    if (moved.code() == StatusCode::kInvalidArgument) return Status::Ok();  // pinned by the caller
+    return moved;
   }
 
   // Queues the eviction of `v` off the device, to its home or to `to`. Moves
@@ -383,7 +379,7 @@ struct Pipeline::Impl {
   Status MoveOffHost(ChunkId chunk, Tier to) {
     const uint64_t bytes = chunk_bytes[chunk.value()];
     leaving_host.fetch_add(bytes, std::memory_order_relaxed);
-    Status moved = to == Tier::kNvme ? MoveOff(chunk, Tier::kHost, to) : UnlessPinned(engine.MoveChunk(chunk, to));
+    Status moved = to == Tier::kNvme ? MoveOff(chunk, Tier::kHost, to) : engine.MoveChunk(chunk, to);
     leaving_host.fetch_sub(bytes, std::memory_order_relaxed);
     return moved;
   }

@@ -6,7 +6,6 @@
 #include <condition_variable>
 #include <cstring>
 #include <mutex>
-#include <optional>
 #include <random>
 #include <thread>
 
@@ -445,38 +444,6 @@ TEST(PipelineTest, ADifferentSequenceFallsBackOnDemandAndIsRecordedAgain) {
   EXPECT_EQ(pipeline->stats().divergences, 1u);
   EXPECT_EQ(pipeline->stats().planned_iterations, 2u);
   EXPECT_EQ(pipeline->plan()->num_moments, 8u);
-}
-
-// A caller holding a chunk on the host (writing its gradients between
-// iterations, as a C++ trainer does) when the plan's fetch of it runs: the
-// fetch leaves it, and the moment that needs it fetches it on demand.
-TEST(PipelineTest, APlannedFetchOfAChunkACallerHoldsLeavesItToTheAccess) {
-  LayerModel model(10, 4);
-  ASSERT_OK_AND_ASSIGN(auto pipeline, Pipeline::Create(*model.engine, {}));
-  ASSERT_OK(RunIteration(*pipeline, model, /*first=*/true));
-  ASSERT_OK(RunIteration(*pipeline, model, /*first=*/false));
-  const uint64_t demand_before = pipeline->stats().demand_fetches;
-  constexpr uint32_t kHeld = 6;
-  ASSERT_OK_AND_ASSIGN(Tier home, model.engine->ChunkTier(model.layers[kHeld]));
-  ASSERT_EQ(home, Tier::kHost);
-  std::optional<ChunkAccess> held;
-  ASSERT_OK_AND_ASSIGN(held, model.engine->AccessChunk(model.layers[kHeld], Tier::kHost));
-  ASSERT_OK(pipeline->BeginIteration());
-  const uint32_t n = static_cast<uint32_t>(model.layers.size());
-  for (uint32_t m = 0; m < 2 * n; ++m) {  // forward, then backward
-    const uint32_t l = m < n ? m : 2 * n - 1 - m;
-    ASSERT_OK(pipeline->BeginMoment(/*non_model_bytes=*/0));
-    if (l == kHeld) held.reset();
-    {
-      ASSERT_OK_AND_ASSIGN(ChunkAccess access, pipeline->Access(model.layers[l]));
-      ASSERT_OK(WriteOrCheck(access, l, /*write=*/false));
-    }
-    if (m + 1 == kHeld) std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the held one's fetch runs
-    ASSERT_OK(pipeline->EndMoment());
-  }
-  ASSERT_OK(pipeline->EndIteration());
-  EXPECT_EQ(pipeline->stats().divergences, 0u);
-  EXPECT_GT(pipeline->stats().demand_fetches, demand_before);
 }
 
 TEST(PipelineTest, FailedNvmeReadDuringPrefetchSurfacesAtTheAccessThatNeedsIt) {
